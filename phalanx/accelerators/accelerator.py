@@ -1,0 +1,56 @@
+"""The Accelerator: everything that depends on the kind of device."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class Accelerator(ABC):
+    """Base class for a kind of device (CPU, CUDA, MPS)."""
+
+    name: str = ""
+
+    def setup_device(self, device: torch.device) -> None:
+        """Prepare ``device`` for use by this process (e.g. make it the current CUDA device)."""
+
+    def setup(self, trainer: Any) -> None:
+        """Called once the Trainer is attached, before the model is moved."""
+
+    def teardown(self) -> None:
+        """Release what ``setup_device`` acquired."""
+
+    def get_device_stats(self, device: torch.device) -> dict[str, Any]:
+        """Return device statistics (memory, utilisation) for monitoring callbacks."""
+        return {}
+
+    @staticmethod
+    @abstractmethod
+    def parse_devices(devices: Any) -> Any:
+        """Validate the Trainer's ``devices`` argument and normalise it (a count or a list of indices)."""
+
+    @staticmethod
+    @abstractmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        """Return the ``torch.device`` objects for the parsed ``devices``."""
+
+    @staticmethod
+    @abstractmethod
+    def auto_device_count() -> int:
+        """Return how many devices ``devices="auto"`` (or -1) means."""
+
+    @staticmethod
+    @abstractmethod
+    def is_available() -> bool:
+        """Return whether this kind of device can be used on this machine."""
+
+    @classmethod
+    def supported_precisions(cls) -> tuple[str, ...]:
+        """Return the precision names this kind of device can run."""
+        return ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+
+    @classmethod
+    def register_accelerators(cls, registry: Any) -> None:
+        """Register this accelerator under its names in ``registry``."""

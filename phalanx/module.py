@@ -1,0 +1,383 @@
+"""TrainingModule: the user's model, its steps, its optimizers and its hooks."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Mapping
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.hparams import AttributeDict, init_arguments_of_frame
+from phalanx.utilities.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    from phalanx.trainer.trainer import Trainer
+
+
+class TrainingModule(nn.Module):
+    """An ``nn.Module`` that also says how to train, evaluate and predict with itself."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._trainer: Trainer | None = None
+        self._current_fx: str | None = None
+        self._hparams: AttributeDict = AttributeDict()
+        self._hparams_for_checkpoint: dict[str, Any] = {}
+        self.automatic_optimization: bool = True
+
+    # ------------------------------------------------------------------ steps (override)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Compute the module's output; used by the step methods as you choose."""
+        raise NotImplementedError(f"{type(self).__name__} does not define forward().")
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor | Mapping[str, Any] | None:
+        """Compute and return the training loss (a tensor, a dict with 'loss', or None to skip the batch)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no training_step(batch, batch_idx): define it to return the loss"
+            " (a tensor, or a dict with a 'loss' key) before calling Trainer.fit()."
+        )
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluate one validation batch (log metrics with ``self.log``)."""
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Evaluate one test batch (log metrics with ``self.log``)."""
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> Any:
+        """Return predictions for one batch (by default ``self(batch)``)."""
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        """Return an optimizer, a list of them, ``(optimizers, schedulers)`` or dicts with 'optimizer' and 'lr_scheduler'."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no configure_optimizers(): define it to return an optimizer (or see the"
+            " TrainingModule documentation for lists, schedulers and dicts)."
+        )
+
+    def configure_model(self) -> None:
+        """Create layers here to have them built on the right device, in the right dtype, or sharded (must be idempotent)."""
+
+    def configure_callbacks(self) -> Sequence[Any] | Any:
+        """Return callbacks to add to the Trainer's (a callback of the same type replaces the Trainer's)."""
+        return []
+
+    def configure_gradient_clipping(self, optimizer: Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None) -> None:
+        """Clip gradients before the optimizer step (by default with the Trainer's settings)."""
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any | None) -> None:
+        """Step ``scheduler`` (with the monitored ``metric`` for ReduceLROnPlateau-like schedulers)."""
+        if metric is None:
+            scheduler.step()
+        else:
+            scheduler.step(metric)
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Run backward on ``loss``; override for custom backward logic."""
+        loss.backward(*args, **kwargs)
+
+    # ------------------------------------------------------------------ hooks (override as needed)
+    def prepare_data(self) -> None:
+        """Download or prepare data once per node (before ``setup``)."""
+
+    def setup(self, stage: str) -> None:
+        """Called at the start of fit/validate/test/predict on every process ('fit', 'validate', 'test', 'predict')."""
+
+    def teardown(self, stage: str) -> None:
+        """Called at the end of fit/validate/test/predict."""
+
+    def on_fit_start(self) -> None:
+        """Called at the very start of fit."""
+
+    def on_fit_end(self) -> None:
+        """Called at the very end of fit."""
+
+    def on_train_start(self) -> None:
+        """Called when training starts (after the sanity check)."""
+
+    def on_train_end(self) -> None:
+        """Called when training ends."""
+
+    def on_validation_start(self) -> None:
+        """Called when a validation run starts."""
+
+    def on_validation_end(self) -> None:
+        """Called when a validation run ends."""
+
+    def on_test_start(self) -> None:
+        """Called when testing starts."""
+
+    def on_test_end(self) -> None:
+        """Called when testing ends."""
+
+    def on_predict_start(self) -> None:
+        """Called when predicting starts."""
+
+    def on_predict_end(self) -> None:
+        """Called when predicting ends."""
+
+    def on_train_epoch_start(self) -> None:
+        """Called at the start of each training epoch."""
+
+    def on_train_epoch_end(self) -> None:
+        """Called at the end of each training epoch (after its validation)."""
+
+    def on_validation_epoch_start(self) -> None:
+        """Called at the start of a validation epoch."""
+
+    def on_validation_epoch_end(self) -> None:
+        """Called at the end of a validation epoch."""
+
+    def on_test_epoch_start(self) -> None:
+        """Called at the start of a test epoch."""
+
+    def on_test_epoch_end(self) -> None:
+        """Called at the end of a test epoch."""
+
+    def on_predict_epoch_start(self) -> None:
+        """Called at the start of a predict epoch."""
+
+    def on_predict_epoch_end(self) -> None:
+        """Called at the end of a predict epoch."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        """Called before each training batch; return -1 to skip the rest of the epoch."""
+        return None
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Called after each training batch."""
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each validation batch."""
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each validation batch."""
+
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each test batch."""
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each test batch."""
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called before each predict batch."""
+
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Called after each predict batch."""
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        """Called before ``loss.backward()``."""
+
+    def on_after_backward(self) -> None:
+        """Called after backward, before the optimizer step."""
+
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Called with final (unscaled) gradients, before clipping and the optimizer step."""
+
+    def on_before_zero_grad(self, optimizer: Optimizer) -> None:
+        """Called after the optimizer step, before gradients are cleared."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add to or change ``checkpoint`` before it is written (store only tensors and plain values)."""
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Read what ``on_save_checkpoint`` stored."""
+
+    # ------------------------------------------------------------------ the Trainer
+    @property
+    def trainer(self) -> Trainer:
+        """The Trainer running this module."""
+        if self._trainer is None:
+            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer: call trainer.fit/validate/test/predict first.")
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: Trainer | None) -> None:
+        self._trainer = trainer
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the module's parameters (CPU when it has none)."""
+        for parameter in self.parameters():
+            return parameter.device
+        for buffer in self.buffers():
+            return buffer.device
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the module's first floating-point parameter."""
+        for parameter in self.parameters():
+            if parameter.is_floating_point():
+                return parameter.dtype
+        return torch.get_default_dtype()
+
+    @property
+    def global_rank(self) -> int:
+        """This process's global rank (0 when not attached)."""
+        return self._trainer.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (0 when not attached)."""
+        return self._trainer.local_rank if self._trainer is not None else 0
+
+    @property
+    def current_epoch(self) -> int:
+        """The Trainer's current epoch (0 when not attached)."""
+        return self._trainer.current_epoch if self._trainer is not None else 0
+
+    @property
+    def global_step(self) -> int:
+        """The number of optimizer steps taken (0 when not attached)."""
+        return self._trainer.global_step if self._trainer is not None else 0
+
+    @property
+    def logger(self) -> Any:
+        """The Trainer's first logger, or None."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The Trainer's loggers."""
+        return self._trainer.loggers if self._trainer is not None else []
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print on global rank 0 only."""
+        if self._trainer is None or self._trainer.is_global_zero:
+            print(*args, **kwargs)
+
+    def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """Gather tensors (possibly nested in containers) from every process, stacked on a new first dimension."""
+        strategy = self.trainer.strategy
+        return apply_to_tensors(data, lambda t: strategy.all_gather(t, group=group, sync_grads=sync_grads))
+
+    # ------------------------------------------------------------------ logging
+    def log(
+        self,
+        name: str,
+        value: Any,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: str = "mean",
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+        add_dataloader_idx: bool = True,
+    ) -> None:
+        """Record a scalar metric for the progress bar, the loggers and ``trainer.callback_metrics``.
+
+        In ``training_step`` values are kept per step by default; in validation and test, and in epoch-end hooks,
+        they are averaged over the epoch (weighted by ``batch_size``, inferred from the batch when omitted).
+        """
+        trainer = self._trainer
+        if trainer is None or trainer._results is None:
+            rank_zero_warn(f"self.log({name!r}, ...) was called outside a Trainer run and is ignored.")
+            return
+        trainer._results.log(
+            self._current_fx,
+            name,
+            value,
+            prog_bar=prog_bar,
+            logger=True if logger is None else logger,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            reduce_fx=reduce_fx,
+            sync_dist=sync_dist,
+            batch_size=batch_size,
+            add_dataloader_idx=add_dataloader_idx,
+        )
+
+    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
+        """``self.log`` each item of ``dictionary`` with the same options."""
+        if not isinstance(dictionary, Mapping):
+            raise TypeError(f"log_dict expects a mapping of names to values, got {type(dictionary).__name__}.")
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
+
+    # ------------------------------------------------------------------ hyper-parameters
+    @property
+    def hparams(self) -> AttributeDict:
+        """Hyper-parameters recorded by ``save_hyperparameters`` (attribute access: ``self.hparams.lr``)."""
+        return self._hparams
+
+    def save_hyperparameters(self, *args: Any, ignore: Sequence[str] | str | None = None, frame: FrameType | None = None, logger: bool = True) -> None:
+        """Record the ``__init__`` arguments (or the names / dict given) as hyper-parameters, saved in checkpoints."""
+        if frame is None:
+            current = inspect.currentframe()
+            frame = current.f_back if current is not None else None
+        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+        if len(args) == 1 and isinstance(args[0], (Mapping, argparse.Namespace)):
+            values = dict(vars(args[0]) if isinstance(args[0], argparse.Namespace) else args[0])
+        else:
+            init_args = init_arguments_of_frame(frame) if frame is not None else {}
+            if args:
+                unknown = [name for name in args if name not in init_args]
+                if unknown:
+                    raise ValueError(f"save_hyperparameters got {unknown}, which are not arguments of __init__: {sorted(init_args)}.")
+                values = {name: init_args[name] for name in args}
+            else:
+                values = init_args
+        values = {key: value for key, value in values.items() if key not in ignored}
+        self._hparams.update(values)
+        self._log_hyperparams = logger
+
+    # ------------------------------------------------------------------ optimization helpers
+    def optimizers(self) -> Any:
+        """The optimizer(s) from ``configure_optimizers``, wrapped so that ``step()`` goes through the strategy."""
+        optimizers = self.trainer._manual_optimizers
+        return optimizers[0] if len(optimizers) == 1 else optimizers
+
+    def lr_schedulers(self) -> Any:
+        """The LR scheduler(s) from ``configure_optimizers`` (None when there are none)."""
+        schedulers = [config.scheduler for config in self.trainer.lr_scheduler_configs]
+        if not schedulers:
+            return None
+        return schedulers[0] if len(schedulers) == 1 else schedulers
+
+    def manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward for manual optimization: use instead of ``loss.backward()`` (precision and strategy apply)."""
+        if self.automatic_optimization:
+            raise RuntimeError("manual_backward is for manual optimization: set self.automatic_optimization = False.")
+        self.trainer._manual_backward(loss, *args, **kwargs)
+
+    def clip_gradients(self, optimizer: Optimizer, gradient_clip_val: float | int | None = None, gradient_clip_algorithm: str | None = None) -> None:
+        """Clip the gradients of ``optimizer``'s parameters by norm (default) or by value."""
+        if gradient_clip_val is None or gradient_clip_val == 0:
+            return
+        algorithm = gradient_clip_algorithm or "norm"
+        if algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={algorithm!r} is not valid; choose 'norm' or 'value'.")
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        self.trainer.strategy.precision_plugin.clip_gradients(optimizer, gradient_clip_val, algorithm)
+
+    # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any | None = None, strict: bool = True, **overrides: Any) -> TrainingModule:
+        """Build the module from the hyper-parameters saved in a checkpoint (``overrides`` win) and load its weights."""
+        from phalanx.plugins.io.torch_io import TorchCheckpointIO
+        from phalanx.utilities.exceptions import CheckpointError
+
+        checkpoint = TorchCheckpointIO().load_checkpoint(checkpoint_path, map_location=map_location)
+        if "state_dict" not in checkpoint:
+            raise CheckpointError(f"{checkpoint_path} has no 'state_dict': it was not written by phalanx's Trainer.")
+        hparams = dict(checkpoint.get("hyper_parameters") or {})
+        hparams.update(overrides)
+        signature = inspect.signature(cls.__init__)
+        accepts_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+        if not accepts_kwargs:
+            hparams = {key: value for key, value in hparams.items() if key in signature.parameters}
+        module = cls(**hparams)
+        module.configure_model()
+        module.on_load_checkpoint(checkpoint)
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        if map_location is not None:
+            module.to(map_location if not callable(map_location) else "cpu")
+        return module

@@ -1,0 +1,7 @@
+"""Checkpoint IO plugins."""
+
+from phalanx.plugins.io.async_io import AsyncCheckpointIO
+from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.io.torch_io import TorchCheckpointIO
+
+__all__ = ["AsyncCheckpointIO", "CheckpointIO", "TorchCheckpointIO"]

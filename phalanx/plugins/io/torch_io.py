@@ -1,0 +1,144 @@
+"""TorchCheckpointIO: torch.save / torch.load(weights_only=True) on local paths and fsspec URLs, written atomically."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
+from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
+
+_UNSAFE_HINT = (
+    "phalanx loads checkpoints with torch.load(weights_only=True) only, because unpickling arbitrary objects can run"
+    " any code the file's author chose. A phalanx checkpoint holds only tensors and plain Python values. If you"
+    " wrote this file and trust it, load it yourself with torch.load(path, weights_only=False), keep the tensors and"
+    " plain values, and save that again."
+)
+
+
+def is_url(path: _PathLike) -> bool:
+    """Return whether ``path`` names a remote or fsspec location ('s3://...', 'memory://...')."""
+    return "://" in str(path)
+
+
+def _fsspec_filesystem(path: _PathLike, storage_options: Any | None = None) -> tuple[Any, str]:
+    import fsspec
+
+    return fsspec.core.url_to_fs(str(path), **(storage_options or {}))
+
+
+def _write_local_atomically(data: bytes, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    # The rename is durable only once the directory entry itself is flushed.
+    try:
+        directory = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(directory)
+    except OSError:
+        pass
+    finally:
+        os.close(directory)
+
+
+def serialize(checkpoint: dict[str, Any]) -> bytes:
+    """Return the bytes ``torch.save`` writes for ``checkpoint``."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    return buffer.getvalue()
+
+
+def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any | None = None) -> dict[str, Any]:
+    """Deserialise checkpoint bytes with ``weights_only=True``, turning failures into clear errors."""
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    try:
+        checkpoint = torch.load(stream, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights_only" in str(error) or "Unsupported global" in str(error):
+            raise UnsafeCheckpointError(f"Refusing to load {source}: it contains objects that are not tensors or plain values ({_first_line(error)}). {_UNSAFE_HINT}") from None
+        raise CheckpointError(f"{source} is not a checkpoint torch can read: {_first_line(error)}") from None
+    except (RuntimeError, EOFError, ValueError) as error:
+        raise CheckpointError(f"{source} is not a checkpoint torch can read (truncated or not written by torch.save): {_first_line(error)}") from None
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(f"{source} holds a {type(checkpoint).__name__}, not a checkpoint dictionary.")
+    return checkpoint
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    # torch's weights-only errors bury the offending class in a line starting "WeightsUnpickler error:".
+    for line in text.splitlines():
+        if "Unsupported global" in line or "WeightsUnpickler error" in line:
+            return line.strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class TorchCheckpointIO(CheckpointIO):
+    """Writes with ``torch.save`` to a temporary file and renames it into place; reads with ``weights_only=True``."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None = None) -> None:
+        """Serialise ``checkpoint`` and write it atomically to ``path``."""
+        data = serialize(checkpoint)
+        if is_url(path):
+            fs, fs_path = _fsspec_filesystem(path, storage_options)
+            parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
+            if parent:
+                fs.makedirs(parent, exist_ok=True)
+            temporary = f"{fs_path}.{uuid.uuid4().hex}.tmp"
+            with fs.open(temporary, "wb") as handle:
+                handle.write(data)
+            fs.mv(temporary, fs_path)
+        else:
+            if storage_options is not None:
+                raise TypeError(f"storage_options are only used for fsspec URLs, not for the local path {str(path)!r}.")
+            _write_local_atomically(data, Path(path))
+
+    def load_checkpoint(self, path: _PathLike, map_location: Any | None = None) -> dict[str, Any]:
+        """Read the checkpoint at ``path`` with ``weights_only=True``."""
+        if map_location is None:
+            map_location = "cpu"
+        if is_url(path):
+            fs, fs_path = _fsspec_filesystem(path)
+            if not fs.exists(fs_path):
+                raise FileNotFoundError(f"Checkpoint not found: {path}")
+            with fs.open(fs_path, "rb") as handle:
+                return load_bytes(handle.read(), str(path), map_location)
+        local = Path(path)
+        if not local.exists():
+            raise FileNotFoundError(f"Checkpoint not found: {path}")
+        if local.is_dir():
+            raise CheckpointError(f"{path} is a directory, not a checkpoint file readable by TorchCheckpointIO.")
+        with open(local, "rb") as handle:
+            return load_bytes(handle, str(path), map_location)
+
+    def remove_checkpoint(self, path: _PathLike) -> None:
+        """Delete ``path`` (a file, or a directory for sharded checkpoints)."""
+        if is_url(path):
+            fs, fs_path = _fsspec_filesystem(path)
+            if fs.exists(fs_path):
+                fs.rm(fs_path, recursive=True)
+            return
+        local = Path(path)
+        if local.is_dir():
+            import shutil
+
+            shutil.rmtree(local)
+        else:
+            local.unlink(missing_ok=True)

@@ -1,0 +1,67 @@
+"""Mixed precision with torch.autocast, and loss scaling for float16 on CUDA."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+
+from phalanx.plugins.precision.precision import Precision
+
+
+class MixedPrecision(Precision):
+    """Runs forward passes under ``torch.autocast``; float16 on CUDA also scales the loss with a GradScaler."""
+
+    def __init__(self, precision: str = "bf16-mixed", device: str = "cuda", scaler: torch.amp.GradScaler | None = None) -> None:
+        if precision not in ("16-mixed", "bf16-mixed"):
+            raise ValueError(f"MixedPrecision supports '16-mixed' and 'bf16-mixed', got precision={precision!r}.")
+        if scaler is not None and precision == "bf16-mixed":
+            raise ValueError("A GradScaler is only useful with '16-mixed'; bfloat16 has float32's range.")
+        self.precision = precision
+        self.device = device
+        self.dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+        if scaler is None and precision == "16-mixed" and device == "cuda":
+            scaler = torch.amp.GradScaler("cuda")
+        self.scaler = scaler
+
+    def forward_context(self) -> AbstractContextManager:
+        """Autocast to the mixed dtype on this device."""
+        return torch.autocast(self.device, dtype=self.dtype)
+
+    def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
+        """Scale the loss when a GradScaler is used."""
+        if self.scaler is not None:
+            return self.scaler.scale(tensor)
+        return tensor
+
+    def optimizer_step(self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Without a scaler, as the base; with one, run the closure, unscale, then ``scaler.step``."""
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        if isinstance(optimizer, LBFGS):
+            raise TypeError("LBFGS needs its closure re-evaluated, which a GradScaler cannot do: use '32-true' or 'bf16-mixed'.")
+        closure_result = closure()
+        self.unscale_gradients(optimizer)
+        self._after_closure(model, optimizer)
+        if closure_result is None and getattr(model, "automatic_optimization", True):
+            return None  # training_step returned None: there are no gradients to step on
+        result = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return result
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale the gradients once per step so hooks and clipping see true values."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The GradScaler's state."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the GradScaler's state."""
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)

@@ -1,0 +1,60 @@
+"""Whole-model half precision: parameters, inputs and computation in float16 or bfloat16."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from phalanx.plugins.precision.precision import Precision
+from phalanx.utilities.apply import apply_to_tensors
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Set torch's default floating dtype for the duration of the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def cast_floating(data: Any, dtype: torch.dtype) -> Any:
+    """Cast the floating-point tensors in ``data`` to ``dtype``."""
+    return apply_to_tensors(data, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
+
+
+class TruePrecision(Precision):
+    """Base for precisions that run the whole model in one dtype."""
+
+    dtype: torch.dtype = torch.float32
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast parameters and buffers."""
+        return module.to(dtype=self.dtype)
+
+    def convert_input(self, data: Any) -> Any:
+        """Cast floating-point inputs."""
+        return cast_floating(data, self.dtype)
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        """New floating tensors default to this dtype."""
+        return default_dtype(self.dtype)
+
+    def forward_context(self) -> AbstractContextManager:
+        """Tensors created inside a step default to this dtype."""
+        return default_dtype(self.dtype)
+
+
+class HalfPrecision(TruePrecision):
+    """'16-true' (float16) or 'bf16-true' (bfloat16) for everything: least memory, least numerical headroom."""
+
+    def __init__(self, precision: str = "bf16-true") -> None:
+        if precision not in ("16-true", "bf16-true"):
+            raise ValueError(f"HalfPrecision supports '16-true' and 'bf16-true', got precision={precision!r}.")
+        self.precision = precision
+        self.dtype = torch.float16 if precision == "16-true" else torch.bfloat16

@@ -1,0 +1,119 @@
+"""The Precision plugin base: full float32 training, and the hooks every precision plugin implements."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+_NULL = nullcontext()
+
+
+class Precision:
+    """Float32 training; subclasses change dtypes, autocast and loss scaling."""
+
+    precision: str = "32-true"
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Convert the module's parameters and buffers to this precision."""
+        return module
+
+    def convert_input(self, data: Any) -> Any:
+        """Convert a batch (already on the device) to this precision."""
+        return data
+
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        """Wrap the model, optimizers and schedulers if this precision needs to."""
+        return model, optimizers, lr_schedulers
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        """Context in which tensors are created with this precision's dtype."""
+        return _NULL
+
+    def module_init_context(self) -> AbstractContextManager:
+        """Context in which a module is built with this precision's dtype."""
+        return self.tensor_init_context()
+
+    def forward_context(self) -> AbstractContextManager:
+        """Context for a forward pass (autocast for mixed precision)."""
+        return _NULL
+
+    def train_step_context(self) -> AbstractContextManager:
+        """Context around ``training_step``."""
+        return self.forward_context()
+
+    def val_step_context(self) -> AbstractContextManager:
+        """Context around ``validation_step``."""
+        return self.forward_context()
+
+    def test_step_context(self) -> AbstractContextManager:
+        """Context around ``test_step``."""
+        return self.forward_context()
+
+    def predict_step_context(self) -> AbstractContextManager:
+        """Context around ``predict_step``."""
+        return self.forward_context()
+
+    def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
+        """Called before ``backward``; may transform the loss (e.g. scale it)."""
+        return tensor
+
+    def backward(self, tensor: Tensor, module: nn.Module | None, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> None:
+        """Run backward on ``tensor`` (the module's ``backward`` hook if it defines one)."""
+        backward = getattr(module, "backward", None)
+        if backward is not None:
+            backward(tensor, *args, **kwargs)
+        else:
+            tensor.backward(*args, **kwargs)
+
+    def post_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
+        """Called after ``backward``."""
+        return tensor
+
+    def optimizer_step(self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Step ``optimizer``; ``closure`` computes the loss and gradients and is passed on so LBFGS-like optimizers work."""
+        return optimizer.step(closure=self._wrap_closure(model, optimizer, closure), **kwargs)
+
+    def _wrap_closure(self, model: nn.Module | None, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def closure_then_prepare_step() -> Any:
+            result = closure()
+            self._after_closure(model, optimizer)
+            return result
+
+        return closure_then_prepare_step
+
+    def _after_closure(self, model: nn.Module | None, optimizer: Optimizer) -> None:
+        # Gradients are final here: run on_before_optimizer_step hooks and clipping through the attached Trainer.
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None:
+            trainer._before_optimizer_step(optimizer)
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Bring gradients back to their true scale (no-op without loss scaling)."""
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm") -> Tensor | None:
+        """Clip the gradients of ``optimizer``'s parameters by total norm or by value; returns the norm when clipping by norm."""
+        parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not parameters or clip_val <= 0:
+            return None
+        if gradient_clip_algorithm == "norm":
+            return torch.nn.utils.clip_grad_norm_(parameters, clip_val)
+        if gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(parameters, clip_val)
+            return None
+        raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not valid; choose 'norm' or 'value'.")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the plugin's state for a checkpoint (e.g. the loss scaler)."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the plugin's state from a checkpoint."""
+
+    def teardown(self) -> None:
+        """Undo global changes the plugin made."""

@@ -1,0 +1,11 @@
+"""The strategy registry: names -> Strategy classes (third parties: entry-point group `phalanx.strategies`)."""
+
+from __future__ import annotations
+
+from phalanx.strategies.single_device import SingleDeviceStrategy
+from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.registry import Registry
+
+STRATEGY_REGISTRY: Registry[Strategy] = Registry("strategy", "phalanx.strategies")
+
+SingleDeviceStrategy.register_strategies(STRATEGY_REGISTRY)

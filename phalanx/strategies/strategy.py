@@ -1,0 +1,374 @@
+"""The Strategy: how a TrainingModule is placed, wrapped, stepped and checkpointed."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from phalanx.accelerators.accelerator import Accelerator
+from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.io.torch_io import TorchCheckpointIO
+from phalanx.plugins.precision.precision import Precision
+from phalanx.strategies.forward_redirection import redirect_forward
+from phalanx.utilities.apply import move_to_device
+from phalanx.utilities.init import empty_init_context
+
+if TYPE_CHECKING:
+    from phalanx.module import TrainingModule
+    from phalanx.trainer.optimization import LRSchedulerConfig
+
+_T = TypeVar("_T")
+
+
+class Strategy(ABC):
+    """Base class of every strategy; composes an Accelerator, a Precision plugin and a CheckpointIO."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        self._accelerator = accelerator
+        self._checkpoint_io = checkpoint_io
+        self._precision_plugin = precision_plugin
+        self._module: TrainingModule | None = None
+        self._model: nn.Module | None = None
+        self._launcher: Any = None
+        self.optimizers: list[Optimizer] = []
+        self.lr_scheduler_configs: list[LRSchedulerConfig] = []
+
+    # ------------------------------------------------------------------ composed parts
+    @property
+    def accelerator(self) -> Accelerator | None:
+        """The device plugin."""
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Accelerator | None) -> None:
+        self._accelerator = accelerator
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """The checkpoint IO plugin (TorchCheckpointIO unless one was given)."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = TorchCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._checkpoint_io = io
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision plugin (float32 unless one was given)."""
+        if self._precision_plugin is None:
+            self._precision_plugin = Precision()
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = precision_plugin
+
+    @property
+    def launcher(self) -> Any:
+        """How extra processes are started; None runs everything in this process."""
+        return self._launcher
+
+    # ------------------------------------------------------------------ the model
+    @property
+    def module(self) -> TrainingModule | None:
+        """The user's TrainingModule, unwrapped."""
+        return self._module
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The module as the strategy runs it: possibly wrapped (DDP, FSDP, ...)."""
+        return self._model if self._model is not None else self._module
+
+    @model.setter
+    def model(self, model: nn.Module | None) -> None:
+        self._model = model
+
+    def connect(self, model: TrainingModule) -> None:
+        """Take ownership of the user's module."""
+        self._module = model
+        self._model = model
+
+    # ------------------------------------------------------------------ abstract contract
+    @property
+    @abstractmethod
+    def root_device(self) -> torch.device:
+        """The device this process computes on."""
+
+    @abstractmethod
+    def model_to_device(self) -> None:
+        """Move the module to ``root_device``."""
+
+    @property
+    @abstractmethod
+    def is_global_zero(self) -> bool:
+        """Whether this is the process of global rank 0."""
+
+    @abstractmethod
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Tensor | Any:
+        """Reduce ``tensor`` across processes with ``reduce_op`` ('mean', 'sum', 'max', 'min')."""
+
+    @abstractmethod
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process reaches this point."""
+
+    @abstractmethod
+    def broadcast(self, obj: _T, src: int = 0) -> _T:
+        """Send ``obj`` from process ``src`` to all others and return it."""
+
+    @abstractmethod
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather ``tensor`` from every process, stacked along a new first dimension (unchanged on one process)."""
+
+    # ------------------------------------------------------------------ ranks (one process unless overridden)
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among all processes."""
+        return 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return 0
+
+    @property
+    def node_rank(self) -> int:
+        """This node's rank."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+        return 1
+
+    @property
+    def num_nodes(self) -> int:
+        """Number of nodes."""
+        return 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """Arguments for a DistributedSampler (``num_replicas``, ``rank``), or None when data is not split."""
+        return None
+
+    def all_gather_object(self, obj: _T) -> list[_T]:
+        """Gather a picklable object from every process (one element per rank)."""
+        return [obj]
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        """Combine a decision across processes: True if all (or any, with ``all=False``) processes decided True."""
+        return decision
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup_environment(self) -> None:
+        """Prepare the process: select the device (and, for parallel strategies, join the process group)."""
+        assert self.accelerator is not None, "the Trainer attaches an accelerator before setup"
+        self.accelerator.setup_device(self.root_device)
+
+    def setup(self, trainer: Any) -> None:
+        """Move the module to its device, apply the precision and create the optimizers when fitting."""
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self._module is not None, "connect() a module before setup()"
+        self._module = self.precision_plugin.convert_module(self._module)
+        self._model = self._module
+        self.model_to_device()
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Create the optimizers and LR schedulers from ``configure_optimizers``."""
+        from phalanx.trainer.optimization import init_optimizers_and_schedulers
+
+        assert self._module is not None
+        self.optimizers, self.lr_scheduler_configs = init_optimizers_and_schedulers(self._module)
+
+    def setup_precision_plugin(self) -> None:
+        """Let the precision plugin wrap the model, optimizers and schedulers."""
+        model, optimizers, _ = self.precision_plugin.connect(self.model, self.optimizers, self.lr_scheduler_configs)
+        self._model = model
+        self.optimizers = optimizers
+
+    def teardown(self) -> None:
+        """Release the device and plugins; the module and optimizers stay usable (e.g. for save_checkpoint)."""
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    # ------------------------------------------------------------------ steps
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Move a batch to ``device`` (the root device by default) and convert it to the precision's dtype."""
+        batch = move_to_device(batch, device or self.root_device)
+        return self.precision_plugin.convert_input(batch)
+
+    def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
+        with context:
+            if self._model is not None and self._model is not self._module:
+                # The wrapper's forward must run so that its hooks (gradient sync, parameter gathering) fire.
+                return redirect_forward(self._model, self._module, method, *args, **kwargs)
+            return getattr(self._module, method)(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's ``training_step`` under the precision's context."""
+        return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's ``validation_step`` under the precision's context."""
+        return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's ``test_step`` under the precision's context."""
+        return self._run_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module's ``predict_step`` under the precision's context."""
+        return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Called before backward."""
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Run backward on the loss through the precision plugin."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._module)
+        self.precision_plugin.backward(closure_loss, self._module, optimizer, *args, **kwargs)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self._module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Called after backward."""
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any) -> Any:
+        """Step ``optimizer`` through the precision plugin (which runs ``closure`` first)."""
+        return self.precision_plugin.optimizer_step(optimizer, model=model if model is not None else self._module, closure=closure, **kwargs)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Return ``optimizer``'s state for a checkpoint (sharded strategies consolidate it first)."""
+        return optimizer.state_dict()
+
+    def block_backward_sync(self) -> AbstractContextManager:
+        """Context in which backward skips gradient synchronisation (while accumulating); nothing to skip here."""
+        return nullcontext()
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Give the strategy a chance to wrap a dataloader."""
+        return dataloader
+
+    # ------------------------------------------------------------------ checkpoints
+    def module_state_dict(self) -> dict[str, Any]:
+        """Return the module's state dict (full, on this process)."""
+        assert self._module is not None
+        return self._module.state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` through the CheckpointIO, once (on global rank 0)."""
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+        """Read a checkpoint through the CheckpointIO."""
+        return self.checkpoint_io.load_checkpoint(checkpoint_path)
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Load the module weights from ``checkpoint['state_dict']``."""
+        assert self._module is not None
+        self._module.load_state_dict(checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Load the optimizers' states from ``checkpoint['optimizer_states']``."""
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"The checkpoint holds {len(states)} optimizer state(s) but configure_optimizers created"
+                f" {len(self.optimizers)}; resume with the same optimizer configuration."
+            )
+        for optimizer, state in zip(self.optimizers, states):
+            optimizer.load_state_dict(state)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint, once (on global rank 0)."""
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    # ------------------------------------------------------------------ creating parameters
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Create tensors on the root device, in the precision's dtype; ``empty_init=True`` skips initialisation."""
+        with ExitStack() as stack:
+            if self.root_device.type != "cpu":
+                stack.enter_context(self.root_device)
+            stack.enter_context(empty_init_context(bool(empty_init)))
+            stack.enter_context(self.precision_plugin.tensor_init_context())
+            yield
+
+    def model_sharded_context(self) -> AbstractContextManager:
+        """Context in which ``configure_model`` may create a sharded model (nothing to shard here)."""
+        return nullcontext()
+
+    # ------------------------------------------------------------------ properties the loops consult
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Whether checkpoint weights are loaded after ``setup`` (needed when setup shards the model)."""
+        return False
+
+    @property
+    def restores_optimizer(self) -> bool:
+        """Whether the strategy restores optimizer and scheduler states itself inside ``load_checkpoint``."""
+        return False
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        """Whether the strategy accumulates gradients itself (the loops then step every batch)."""
+        return False
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self) -> None:
+        """Called when training starts."""
+
+    def on_train_end(self) -> None:
+        """Called when training ends."""
+
+    def on_validation_start(self) -> None:
+        """Called when validation starts."""
+
+    def on_validation_end(self) -> None:
+        """Called when validation ends."""
+
+    def on_test_start(self) -> None:
+        """Called when testing starts."""
+
+    def on_test_end(self) -> None:
+        """Called when testing ends."""
+
+    def on_predict_start(self) -> None:
+        """Called when predicting starts."""
+
+    def on_predict_end(self) -> None:
+        """Called when predicting ends."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Called before each training batch."""
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Called when the run raises; may translate the error into a more helpful one."""
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        """Register this strategy's names in ``registry``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(accelerator={type(self.accelerator).__name__}, precision={self.precision_plugin.precision!r})"

@@ -1,0 +1,181 @@
+"""Building a checkpoint from the Trainer's state, and restoring the Trainer from one."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from phalanx.utilities.exceptions import CheckpointError
+from phalanx.utilities.hparams import is_plain
+from phalanx.utilities.rank_zero import rank_zero_warn
+from phalanx.utilities.seed import collect_rng_states
+
+if TYPE_CHECKING:
+    from phalanx.trainer.trainer import Trainer
+
+_PLAIN_LEAVES = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device, torch.Size)
+
+
+def check_loadable(value: Any, where: str = "checkpoint") -> None:
+    """Raise if ``value`` holds anything ``torch.load(weights_only=True)`` would refuse.
+
+    Types are compared exactly: a str or dict subclass (e.g. ``torch.__version__``) pickles as its own class.
+    """
+    kind = type(value)
+    if kind in _PLAIN_LEAVES or isinstance(value, torch.Tensor):
+        return
+    if kind is dict or kind is OrderedDict:
+        for key, item in value.items():
+            if type(key) not in (str, int, float, bool, type(None)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}; use str or int keys.")
+            check_loadable(item, f"{where}[{key!r}]")
+        return
+    if kind is list or kind is tuple:
+        for index, item in enumerate(value):
+            check_loadable(item, f"{where}[{index}]")
+        return
+    raise TypeError(
+        f"{where} holds a {kind.__module__}.{kind.__qualname__}, which could only be loaded by unpickling arbitrary"
+        " code. Store tensors and plain values (dict, list, tuple, str, int, float, bool, None)."
+    )
+
+
+def plain_hyperparameters(hparams: dict[str, Any], owner: str) -> dict[str, Any]:
+    """Keep the hyper-parameters that are plain values; warn once about the others."""
+    kept = {key: value for key, value in hparams.items() if is_plain(value)}
+    dropped = sorted(set(hparams) - set(kept))
+    if dropped:
+        rank_zero_warn(
+            f"{owner} hyper-parameters {dropped} are not plain values (str, int, float, bool, None, lists, dicts) and"
+            " are left out of checkpoints; pass them again as overrides to load_from_checkpoint, or save_hyperparameters(ignore=...)."
+        )
+    return kept
+
+
+class CheckpointConnector:
+    """Dumps the Trainer's state into a checkpoint dictionary and restores it."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def dump(self, weights_only: bool = False) -> dict[str, Any]:
+        """Return the checkpoint dictionary of the current state (every rank must call this: RNG states are gathered)."""
+        from phalanx import __version__
+
+        trainer = self.trainer
+        strategy = trainer.strategy
+        module = strategy.module
+        assert module is not None
+        checkpoint: dict[str, Any] = {
+            "phalanx_version": __version__,
+            "pytorch_version": str(torch.__version__),
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "state_dict": strategy.module_state_dict(),
+            "loops": {"fit_loop": trainer.fit_loop.state_dict()},
+        }
+        if module.hparams:
+            checkpoint["hyper_parameters"] = plain_hyperparameters(dict(module.hparams), type(module).__name__)
+        datamodule = trainer.datamodule
+        if datamodule is not None and datamodule.hparams:
+            checkpoint["datamodule_hyper_parameters"] = plain_hyperparameters(dict(datamodule.hparams), type(datamodule).__name__)
+        if not weights_only:
+            checkpoint["optimizer_states"] = [strategy.optimizer_state(optimizer) for optimizer in strategy.optimizers]
+            checkpoint["lr_schedulers"] = [config.scheduler.state_dict() for config in strategy.lr_scheduler_configs]
+            precision_state = strategy.precision_plugin.state_dict()
+            if precision_state:
+                checkpoint["precision_plugin"] = precision_state
+            checkpoint["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()}
+            checkpoint["rng_states"] = strategy.all_gather_object(collect_rng_states())
+            if datamodule is not None:
+                state = datamodule.state_dict()
+                if state:
+                    checkpoint["datamodule"] = state
+            for callback in trainer.callbacks:
+                callback.on_save_checkpoint(trainer, module, checkpoint)
+            if datamodule is not None:
+                datamodule.on_save_checkpoint(checkpoint)
+        module.on_save_checkpoint(checkpoint)
+        check_loadable(checkpoint)
+        return checkpoint
+
+    # ------------------------------------------------------------------ restoring
+    def resolve_path(self, ckpt_path: Any) -> str | None:
+        """Turn 'last', 'best' or a path into a path, with clear errors."""
+        if ckpt_path is None:
+            return None
+        trainer = self.trainer
+        if ckpt_path in ("best", "last"):
+            callback = trainer.checkpoint_callback
+            if callback is None:
+                raise ValueError(f"ckpt_path={ckpt_path!r} needs a ModelCheckpoint callback; none is configured (enable_checkpointing=False?).")
+            if ckpt_path == "best":
+                path = getattr(callback, "best_model_path", "")
+                if not path:
+                    raise ValueError("ckpt_path='best': the ModelCheckpoint callback has no best checkpoint yet (nothing was saved or it has no monitor).")
+                return str(path)
+            path = getattr(callback, "last_model_path", "") or self._find_last(callback)
+            if not path:
+                raise ValueError("ckpt_path='last': no last checkpoint was found; save one with ModelCheckpoint(save_last=True) or pass a path.")
+            return str(path)
+        if not isinstance(ckpt_path, (str, Path)):
+            raise TypeError(f"ckpt_path must be 'last', 'best' or a path, got {type(ckpt_path).__name__}.")
+        return str(ckpt_path)
+
+    def _find_last(self, callback: Any) -> str:
+        dirpath = getattr(callback, "dirpath", None)
+        if dirpath is None:
+            dirpath = Path(self.trainer.default_root_dir) / "checkpoints"
+        candidates = sorted(Path(dirpath).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime) if Path(dirpath).is_dir() else []
+        return str(candidates[-1]) if candidates else ""
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Read a checkpoint through the strategy and check that it is a phalanx checkpoint."""
+        checkpoint = self.trainer.strategy.load_checkpoint(path)
+        if "state_dict" not in checkpoint:
+            raise CheckpointError(f"{path} has no 'state_dict' entry: it is not a checkpoint written by phalanx's Trainer.")
+        return checkpoint
+
+    def restore_model(self, checkpoint: dict[str, Any]) -> None:
+        """Load the module weights (and let the module read its own entries)."""
+        strategy = self.trainer.strategy
+        assert strategy.module is not None
+        strategy.module.on_load_checkpoint(checkpoint)
+        strategy.load_model_state_dict(checkpoint)
+
+    def restore_training_state(self, checkpoint: dict[str, Any]) -> None:
+        """Restore optimizers, schedulers, precision, callbacks, datamodule and loop progress."""
+        trainer = self.trainer
+        strategy = trainer.strategy
+        module = strategy.module
+        if "optimizer_states" not in checkpoint:
+            raise CheckpointError(
+                "This checkpoint was saved with weights_only=True and holds no optimizer or loop state, so training"
+                " cannot resume from it. Load the weights with TrainingModule.load_from_checkpoint and call fit without ckpt_path."
+            )
+        if "precision_plugin" in checkpoint:
+            strategy.precision_plugin.load_state_dict(checkpoint["precision_plugin"])
+        if not strategy.restores_optimizer:
+            strategy.load_optimizer_state_dict(checkpoint)
+            states = checkpoint.get("lr_schedulers", [])
+            if len(states) != len(strategy.lr_scheduler_configs):
+                raise ValueError(f"The checkpoint holds {len(states)} LR scheduler state(s) but configure_optimizers created {len(strategy.lr_scheduler_configs)}.")
+            for config, state in zip(strategy.lr_scheduler_configs, states):
+                config.scheduler.load_state_dict(state)
+        callback_states = checkpoint.get("callbacks", {})
+        for callback in trainer.callbacks:
+            callback.on_load_checkpoint(trainer, module, checkpoint)
+            if callback.state_key in callback_states:
+                callback.load_state_dict(callback_states[callback.state_key])
+        datamodule = trainer.datamodule
+        if datamodule is not None:
+            datamodule.on_load_checkpoint(checkpoint)
+            if "datamodule" in checkpoint:
+                datamodule.load_state_dict(checkpoint["datamodule"])
+        rng_states = checkpoint.get("rng_states") or [None]
+        rank = strategy.global_rank
+        own_rng = rng_states[rank] if rank < len(rng_states) else None
+        trainer.fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"], rng_states=own_rng)

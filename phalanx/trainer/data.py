@@ -1,0 +1,129 @@
+"""Where each stage's dataloaders come from, how many batches each contributes, and resuming mid-epoch."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sized
+from typing import TYPE_CHECKING, Any, Iterator
+
+from torch.utils.data import DataLoader, IterableDataset
+
+if TYPE_CHECKING:
+    from phalanx.datamodule import DataModule
+    from phalanx.module import TrainingModule
+
+_STAGE_METHOD = {"train": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+
+
+def validate_limit(name: str, value: Any) -> int | float:
+    """Check a ``limit_*_batches`` value: an int >= 0 (batches) or a float in [0, 1] (fraction)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}={value!r} must be an int (number of batches) or a float in [0.0, 1.0] (fraction).")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{name}={value} must be >= 0.")
+    if isinstance(value, float) and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value} must be in [0.0, 1.0] as a fraction, or an int number of batches.")
+    return value
+
+
+def dataloader_length(dataloader: Any) -> int | float:
+    """The number of batches ``dataloader`` yields, or ``inf`` when it has no length."""
+    if isinstance(dataloader, DataLoader) and isinstance(dataloader.dataset, IterableDataset):
+        try:
+            return len(dataloader)
+        except TypeError:
+            return math.inf
+    if isinstance(dataloader, Sized):
+        try:
+            return len(dataloader)
+        except TypeError:
+            return math.inf
+    return math.inf
+
+
+def limited_batches(dataloader: Any, limit: int | float, name: str) -> int | float:
+    """Apply a ``limit_*_batches`` value to a dataloader's length."""
+    length = dataloader_length(dataloader)
+    if isinstance(limit, int):
+        return min(length, limit)
+    if limit == 1.0:
+        return length
+    if math.isinf(length):
+        raise ValueError(f"{name}={limit} is a fraction, but the dataloader has no length; pass an int number of batches.")
+    batches = int(length * limit)
+    if limit > 0 and batches == 0:
+        raise ValueError(f"{name}={limit} of {length} batches is less than one batch; raise it or pass an int.")
+    return batches
+
+
+def as_dataloader_list(value: Any, stage: str) -> list[Any]:
+    """Normalise one dataloader or a list/tuple of them into a list."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        loaders = list(value)
+    elif isinstance(value, dict):
+        raise TypeError(f"A dict of dataloaders is not supported for {stage}; pass a list of dataloaders.")
+    else:
+        loaders = [value]
+    for loader in loaders:
+        if not isinstance(loader, Iterable):
+            raise TypeError(f"The {stage} dataloader must be iterable (e.g. a torch DataLoader), got {type(loader).__name__}.")
+    return loaders
+
+
+class DataSource:
+    """The dataloaders passed to a Trainer method, or the DataModule / TrainingModule methods that make them."""
+
+    def __init__(self, module: TrainingModule, datamodule: DataModule | None, **dataloaders: Any) -> None:
+        self.module = module
+        self.datamodule = datamodule
+        self.dataloaders = dataloaders
+
+    def get(self, stage: str) -> list[Any]:
+        """The dataloaders for ``stage`` ('train', 'validate', 'test' or 'predict')."""
+        given = self.dataloaders.get(stage)
+        if given is not None:
+            return as_dataloader_list(given, stage)
+        method_name = _STAGE_METHOD[stage]
+        for owner in (self.datamodule, self.module):
+            if owner is None:
+                continue
+            method = getattr(owner, method_name, None)
+            if method is not None:
+                return as_dataloader_list(method(), stage)
+        return []
+
+    def defines(self, stage: str) -> bool:
+        """Whether dataloaders for ``stage`` are available without building them."""
+        if self.dataloaders.get(stage) is not None:
+            return True
+        method_name = _STAGE_METHOD[stage]
+        return any(owner is not None and getattr(owner, method_name, None) is not None for owner in (self.datamodule, self.module))
+
+
+def iterate_from(dataloader: Any, skip: int) -> Iterator[Any]:
+    """An iterator over ``dataloader`` that has already passed ``skip`` batches, as if they had been consumed.
+
+    A single-process DataLoader over a map-style dataset advances its sampler without loading the skipped samples;
+    anything else fetches and discards them, which keeps worker and sampler state exactly as in the original run.
+    """
+    iterator = iter(dataloader)
+    if skip <= 0:
+        return iterator
+    sampler_iterator = getattr(iterator, "_sampler_iter", None)
+    fast = (
+        isinstance(dataloader, DataLoader)
+        and dataloader.num_workers == 0
+        and not isinstance(dataloader.dataset, IterableDataset)
+        and sampler_iterator is not None
+        and hasattr(iterator, "_num_yielded")
+    )
+    if fast:
+        for _ in range(skip):
+            next(sampler_iterator)
+        iterator._num_yielded += skip
+        return iterator
+    for _ in range(skip):
+        next(iterator)
+    return iterator

@@ -1,0 +1,126 @@
+"""Validation and test loops, and the predict loop."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from torch import nn
+
+from phalanx.trainer.logged_results import LoggedResults
+
+if TYPE_CHECKING:
+    from phalanx.trainer.trainer import Trainer
+
+
+@contextmanager
+def evaluation_mode(model: nn.Module, inference_mode: bool) -> Iterator[None]:
+    """Put every submodule in eval mode without gradients, then restore each submodule's own mode."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    grad_context = torch.inference_mode() if inference_mode else torch.no_grad()
+    try:
+        with grad_context:
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _step_kwargs(multiple: bool, dataloader_idx: int) -> dict[str, int]:
+    return {"dataloader_idx": dataloader_idx} if multiple else {}
+
+
+def run_evaluation(trainer: Trainer, stage: str, dataloaders: list[Any], limits: list[int | float], results: LoggedResults) -> dict[str, torch.Tensor]:
+    """Run ``validation`` or ``test`` over ``dataloaders``; return the epoch metrics (tensors, not synchronised to host)."""
+    strategy = trainer.strategy
+    module = strategy.module
+    assert module is not None
+    hooks = trainer._hooks
+    step = strategy.validation_step if stage == "validation" else strategy.test_step
+    step_name = f"{stage}_step"
+    multiple = len(dataloaders) > 1
+    results.reset()
+    results.multiple_dataloaders = multiple
+    batch_start = hooks[f"on_{stage}_batch_start"]
+    batch_end = hooks[f"on_{stage}_batch_end"]
+    with evaluation_mode(strategy.model, trainer.inference_mode):
+        getattr(strategy, f"on_{stage}_start")()
+        hooks.call(f"on_{stage}_start")
+        hooks.call(f"on_{stage}_epoch_start")
+        for dataloader_idx, (dataloader, limit) in enumerate(zip(dataloaders, limits)):
+            if limit == 0:
+                continue
+            dataloader = strategy.process_dataloader(dataloader)
+            extra = _step_kwargs(multiple, dataloader_idx)
+            for batch_idx, batch in enumerate(dataloader):
+                if batch_idx >= limit:
+                    break
+                batch = strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
+                results.new_batch(batch, dataloader_idx)
+                for hook in batch_start:
+                    hook(batch, batch_idx, dataloader_idx)
+                module._current_fx = step_name
+                output = step(batch, batch_idx, **extra)
+                for hook in batch_end:
+                    hook(output, batch, batch_idx, dataloader_idx)
+        trainer._publish_epoch_metrics(results)
+        module._current_fx = None
+        hooks.call(f"on_{stage}_epoch_end")
+        epoch_metrics = trainer._publish_epoch_metrics(results)
+        if trainer.loggers and not trainer.sanity_checking:
+            trainer._log_epoch_metrics(results)
+        hooks.call(f"on_{stage}_end")
+        getattr(strategy, f"on_{stage}_end")()
+    return epoch_metrics
+
+
+def split_by_dataloader(metrics: dict[str, torch.Tensor], count: int) -> list[dict[str, float]]:
+    """One dict of float metrics per dataloader: names ending in '/dataloader_idx_i' go to loader i, others to all."""
+    per_loader: list[dict[str, float]] = [{} for _ in range(count)]
+    for name, value in metrics.items():
+        _, marker, index = name.rpartition("/dataloader_idx_")
+        number = float(value.item())
+        if marker and index.isdigit() and int(index) < count:
+            per_loader[int(index)][name] = number
+        else:
+            for metrics_of_loader in per_loader:
+                metrics_of_loader[name] = number
+    return per_loader
+
+
+def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | float], return_predictions: bool) -> list[Any] | None:
+    """Run ``predict_step`` over ``dataloaders``; return the outputs per batch (a list per dataloader if several)."""
+    strategy = trainer.strategy
+    module = strategy.module
+    assert module is not None
+    hooks = trainer._hooks
+    multiple = len(dataloaders) > 1
+    all_outputs: list[list[Any]] = []
+    with evaluation_mode(strategy.model, trainer.inference_mode):
+        strategy.on_predict_start()
+        hooks.call("on_predict_start")
+        hooks.call("on_predict_epoch_start")
+        for dataloader_idx, (dataloader, limit) in enumerate(zip(dataloaders, limits)):
+            outputs: list[Any] = []
+            dataloader = strategy.process_dataloader(dataloader)
+            extra = _step_kwargs(multiple, dataloader_idx)
+            for batch_idx, batch in enumerate(dataloader):
+                if batch_idx >= limit:
+                    break
+                batch = strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
+                hooks.call("on_predict_batch_start", batch, batch_idx, dataloader_idx)
+                module._current_fx = "predict_step"
+                output = strategy.predict_step(batch, batch_idx, **extra)
+                hooks.call("on_predict_batch_end", output, batch, batch_idx, dataloader_idx)
+                if return_predictions:
+                    outputs.append(output)
+            all_outputs.append(outputs)
+        module._current_fx = None
+        hooks.call("on_predict_epoch_end")
+        hooks.call("on_predict_end")
+        strategy.on_predict_end()
+    if not return_predictions:
+        return None
+    return all_outputs if multiple else all_outputs[0] if all_outputs else []

@@ -1,0 +1,284 @@
+"""The fit loop: epochs of training batches, periodic validation, and the state needed to resume mid-epoch."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from phalanx.trainer.data import iterate_from
+from phalanx.trainer.state import RunningStage
+from phalanx.utilities.seed import collect_rng_states, restore_rng_states
+
+if TYPE_CHECKING:
+    from phalanx.trainer.trainer import Trainer
+
+# Where in an epoch a checkpoint was taken; decides what a resumed run still has to do.
+_IN_BATCHES = "batches"  # inside the batch loop: skip `batches_done` batches and go on
+_VALIDATED = "validated"  # batches and epoch-end validation done: step epoch schedulers, run on_train_epoch_end
+_ENDED = "ended"  # on_train_epoch_end is running or ran: the next epoch starts fresh
+
+
+def extract_loss(output: Any) -> Tensor | None:
+    """The loss in a ``training_step`` result: the tensor itself, ``output['loss']``, or None (skip the batch)."""
+    if isinstance(output, Tensor) or output is None:
+        return output
+    if isinstance(output, Mapping):
+        if "loss" not in output:
+            raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}); add the loss under 'loss'.")
+        return output["loss"]
+    raise TypeError(f"training_step returned a {type(output).__name__}; return the loss tensor, a dict with 'loss', or None to skip the batch.")
+
+
+class FitLoop:
+    """Runs training epochs; keeps the progress counters that checkpoints save."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.current_epoch = 0
+        self.global_step = 0
+        self.batches_done = 0  # in the current epoch
+        self.total_batches = 0  # over all epochs
+        self.phase = _IN_BATCHES
+        self.num_batches: int | float = 0
+        self._epoch_start_rng: dict[str, Any] | None = None
+        self._restored: dict[str, Any] | None = None
+        self._last_validated_at = -1
+        self._last_loss: Tensor | None = None
+        self._accumulated = 0  # backward passes since the last optimizer step
+
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        """Progress counters and the generator states captured when the current epoch's data iterator was made."""
+        return {
+            "epoch": self.current_epoch,
+            "global_step": self.global_step,
+            "batches_done": self.batches_done,
+            "total_batches": self.total_batches,
+            "phase": self.phase,
+            "epoch_start_rng": self._epoch_start_rng,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], rng_states: dict[str, Any] | None = None) -> None:
+        """Restore counters now; generator states are restored when the loop reaches the saved position."""
+        self.current_epoch = int(state["epoch"])
+        self.global_step = int(state["global_step"])
+        self.batches_done = int(state["batches_done"])
+        self.total_batches = int(state.get("total_batches", 0))
+        self.phase = state.get("phase", _IN_BATCHES)
+        self._epoch_start_rng = state.get("epoch_start_rng")
+        self._restored = {"rng": rng_states}
+
+    # ------------------------------------------------------------------ running
+    def run(self) -> None:
+        """Train until max_epochs, max_steps, max_time or a stop request."""
+        trainer = self.trainer
+        restored, self._restored = self._restored, None
+        if restored is not None and self.phase != _IN_BATCHES:
+            if restored["rng"] is not None:
+                restore_rng_states(restored["rng"])
+            if self.phase == _VALIDATED:
+                self._finish_epoch()
+            else:
+                self._advance_epoch()
+            restored = None
+        while not self._done():
+            self._run_epoch(restored)
+            restored = None
+
+    def _done(self) -> bool:
+        trainer = self.trainer
+        if trainer._stop_now:
+            return True
+        if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
+            return True
+        if trainer.max_epochs is not None and trainer.max_epochs != -1 and self.current_epoch >= trainer.max_epochs:
+            return True
+        if trainer.should_stop and self.current_epoch >= trainer.min_epochs:
+            return True
+        return False
+
+    def _run_epoch(self, restored: dict[str, Any] | None) -> None:
+        trainer = self.trainer
+        strategy = trainer.strategy
+        hooks = trainer._hooks
+        dataloader = trainer._train_dataloader
+        self.num_batches = trainer.num_training_batches
+        trainer.state.stage = RunningStage.TRAINING
+        trainer._train_results.reset()
+        self.phase = _IN_BATCHES
+
+        sampler = getattr(dataloader, "sampler", None)
+        for candidate in (sampler, getattr(dataloader, "batch_sampler", None)):
+            set_epoch = getattr(candidate, "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(self.current_epoch)
+
+        hooks.call("on_train_epoch_start")
+        skip = 0
+        if restored is not None and self.batches_done > 0:
+            # Recreate the epoch's iterator from the generator states it was made with, pass the batches already
+            # trained on, then continue from the generator states at the moment of the checkpoint.
+            skip = self.batches_done
+            if self._epoch_start_rng is not None:
+                restore_rng_states(self._epoch_start_rng)
+        else:
+            if restored is not None and restored["rng"] is not None:
+                restore_rng_states(restored["rng"])
+            self.batches_done = 0
+            self._epoch_start_rng = collect_rng_states()
+        iterator = iterate_from(dataloader, skip)
+        if skip and restored is not None and restored["rng"] is not None:
+            restore_rng_states(restored["rng"])
+
+        module = strategy.module
+        assert module is not None
+        batch_start_hooks = hooks["on_train_batch_start"]
+        batch_end_hooks = hooks["on_train_batch_end"]
+        results = trainer._train_results
+        num_batches = self.num_batches
+        automatic = module.automatic_optimization
+        deadline = trainer._deadline
+        loggers = trainer.loggers
+        log_every = trainer.log_every_n_steps
+        run_batch = self._automatic_batch if automatic else self._manual_batch
+        exhausted = False
+
+        while self.batches_done < num_batches:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                exhausted = True
+                break
+            batch_idx = self.batches_done
+            batch = strategy.batch_to_device(batch)
+            results.new_batch(batch)
+            if any([hook(batch, batch_idx) == -1 for hook in batch_start_hooks]):
+                exhausted = True
+                break
+            output = run_batch(batch, batch_idx)
+            self.batches_done += 1
+            self.total_batches += 1
+            if results.step_updated:
+                trainer._publish_step_metrics(results)
+            for hook in batch_end_hooks:
+                hook(output, batch, batch_idx)
+            if loggers and self.total_batches % log_every == 0:
+                trainer._log_step_metrics()
+            if trainer._val_check_due(self, is_last=self.batches_done >= num_batches):
+                self._validate()
+            if self._stop_requested(deadline):
+                trainer._stop_now = True
+                break
+
+        if automatic and self._accumulated:
+            self._flush_accumulated()
+        if not exhausted and self.batches_done < num_batches:
+            # Stopped inside the epoch (max_steps, max_time, a stop request): callbacks see the epoch end, but the
+            # progress stays mid-epoch so that a resumed run continues at the next batch.
+            trainer._publish_epoch_metrics(trainer._train_results)
+            hooks.call("on_train_epoch_end")
+            if trainer.loggers:
+                trainer._log_epoch_metrics(trainer._train_results)
+            return
+        self.phase = _VALIDATED
+        trainer._publish_epoch_metrics(trainer._train_results)
+        if trainer._epoch_end_validation_due(self):
+            self._validate()
+        self._finish_epoch()
+
+    def _finish_epoch(self) -> None:
+        trainer = self.trainer
+        trainer._step_schedulers("epoch")
+        self.phase = _ENDED
+        trainer._hooks.call("on_train_epoch_end")
+        trainer._publish_epoch_metrics(trainer._train_results)
+        if trainer.loggers:
+            trainer._log_epoch_metrics(trainer._train_results)
+        self._advance_epoch()
+
+    def _advance_epoch(self) -> None:
+        self.current_epoch += 1
+        self.batches_done = 0
+        self.phase = _IN_BATCHES
+        self._epoch_start_rng = None
+
+    def _stop_requested(self, deadline: float | None) -> bool:
+        trainer = self.trainer
+        if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return True
+        return trainer.should_stop and self.current_epoch >= trainer.min_epochs
+
+    def _validate(self) -> None:
+        trainer = self.trainer
+        self._last_validated_at = self.total_batches
+        trainer._run_validation_during_fit()
+        trainer.state.stage = RunningStage.TRAINING
+
+    # ------------------------------------------------------------------ one batch
+    def _forward_backward(self, batch: Any, batch_idx: int) -> tuple[Tensor | None, Any]:
+        trainer = self.trainer
+        strategy = trainer.strategy
+        hooks = trainer._hooks
+        module = strategy.module
+        module._current_fx = "training_step"
+        output = strategy.training_step(batch, batch_idx)
+        loss = extract_loss(output)
+        if loss is None:
+            return None, output
+        if trainer._loss_divisor != 1:
+            loss = loss / trainer._loss_divisor
+        for hook in hooks["on_before_backward"]:
+            hook(loss)
+        strategy.backward(loss, trainer._optimizer)
+        for hook in hooks["on_after_backward"]:
+            hook()
+        loss = loss.detach()
+        self._last_loss = loss
+        self._accumulated += 1
+        return loss, output
+
+    def _automatic_batch(self, batch: Any, batch_idx: int) -> Any:
+        trainer = self.trainer
+        accumulate = trainer.accumulate_grad_batches
+        if accumulate > 1 and not trainer.strategy.handles_gradient_accumulation:
+            done = self.batches_done + 1
+            if done % accumulate != 0 and done != self.num_batches:
+                with trainer.strategy.block_backward_sync():
+                    return self._forward_backward(batch, batch_idx)[1]
+        outputs: list[Any] = [None]
+
+        def closure() -> Tensor | None:
+            loss, outputs[0] = self._forward_backward(batch, batch_idx)
+            return loss
+
+        self._optimizer_step(closure)
+        return outputs[0]
+
+    def _flush_accumulated(self) -> None:
+        # An iterable without a length ended inside an accumulation window: step on what was accumulated.
+        last_loss = self._last_loss
+        self._optimizer_step(lambda: last_loss)
+
+    def _optimizer_step(self, closure: Any) -> None:
+        trainer = self.trainer
+        strategy = trainer.strategy
+        optimizer = trainer._optimizer
+        strategy.optimizer_step(optimizer, closure, strategy.module)
+        for hook in trainer._hooks["on_before_zero_grad"]:
+            hook(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        self._accumulated = 0
+        self.global_step += 1
+        if trainer._step_scheduler_configs:
+            trainer._step_schedulers("step")
+
+    def _manual_batch(self, batch: Any, batch_idx: int) -> Any:
+        module = self.trainer.strategy.module
+        module._current_fx = "training_step"
+        return self.trainer.strategy.training_step(batch, batch_idx)
+

@@ -1,0 +1,205 @@
+"""What ``self.log`` records: per-step values and per-epoch aggregates, kept as tensors until someone reads them."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from phalanx.strategies.strategy import Strategy
+
+_REDUCTIONS = ("mean", "sum", "max", "min")
+# Hooks in which self.log aggregates per step unless told otherwise; everything else aggregates per epoch.
+_STEP_HOOKS = frozenset({"training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad"})
+
+
+class _LoggedMetric:
+    """One logged name: its options, its latest step value and its running epoch aggregate."""
+
+    __slots__ = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "step_value", "total", "count")
+
+    def __init__(self, name: str, prog_bar: bool, logger: bool, on_step: bool, on_epoch: bool, reduce_fx: str, sync_dist: bool) -> None:
+        self.name = name
+        self.prog_bar = prog_bar
+        self.logger = logger
+        self.on_step = on_step
+        self.on_epoch = on_epoch
+        self.reduce_fx = reduce_fx
+        self.sync_dist = sync_dist
+        self.step_value: Tensor | None = None
+        self.total: Tensor | None = None
+        self.count = 0.0
+
+    def accumulate(self, value: Tensor, batch_size: int) -> None:
+        if self.total is None:
+            self.total = value * batch_size if self.reduce_fx == "mean" else value.clone()
+        elif self.reduce_fx == "mean":
+            self.total = self.total + value * batch_size
+        elif self.reduce_fx == "sum":
+            self.total = self.total + value
+        elif self.reduce_fx == "max":
+            self.total = torch.maximum(self.total, value)
+        else:
+            self.total = torch.minimum(self.total, value)
+        self.count += batch_size
+
+    def epoch_value(self, strategy: Strategy) -> Tensor | None:
+        if self.total is None:
+            return None
+        total = self.total
+        if self.reduce_fx == "mean":
+            count = torch.tensor(self.count, dtype=total.dtype, device=total.device)
+            if self.sync_dist:
+                total = strategy.reduce(total, reduce_op="sum")
+                count = strategy.reduce(count, reduce_op="sum")
+            return total / count
+        if self.sync_dist:
+            total = strategy.reduce(total, reduce_op=self.reduce_fx)
+        return total
+
+
+def infer_batch_size(batch: Any) -> int:
+    """The first dimension of the first tensor found in ``batch`` (1 when there is none)."""
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.ndim else 1
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = infer_batch_size(item)
+            if size != -1:
+                return size
+        return 1 if batch is not None else -1
+    return -1
+
+
+class LoggedResults:
+    """The metrics logged during one stage (training, validation, test) of a run."""
+
+    def __init__(self, strategy: Strategy, multiple_dataloaders: bool = False) -> None:
+        self._strategy = strategy
+        self._metrics: dict[str, _LoggedMetric] = {}
+        self.multiple_dataloaders = multiple_dataloaders
+        self.dataloader_idx: int = 0
+        self.batch: Any = None
+        self._batch_size: int | None = None
+        self.step_updated = False
+
+    def new_batch(self, batch: Any, dataloader_idx: int = 0) -> None:
+        """Point batch-size inference at the batch about to be processed."""
+        self.batch = batch
+        self._batch_size = None
+        self.dataloader_idx = dataloader_idx
+
+    def log(
+        self,
+        fx_name: str | None,
+        name: str,
+        value: Any,
+        *,
+        prog_bar: bool,
+        logger: bool,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        reduce_fx: str,
+        sync_dist: bool,
+        batch_size: int | None,
+        add_dataloader_idx: bool,
+    ) -> None:
+        """Record ``value`` under ``name`` (see ``TrainingModule.log``)."""
+        if self.multiple_dataloaders and add_dataloader_idx:
+            name = f"{name}/dataloader_idx_{self.dataloader_idx}"
+        metric = self._metrics.get(name)
+        if metric is None:
+            metric = self._new_metric(fx_name, name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        value = self._as_tensor(name, value)
+        if metric.on_step:
+            metric.step_value = self._strategy.reduce(value, reduce_op=reduce_fx) if sync_dist else value
+            self.step_updated = True
+        if metric.on_epoch:
+            if batch_size is None:
+                if self._batch_size is None:
+                    self._batch_size = max(infer_batch_size(self.batch), 1)
+                batch_size = self._batch_size
+            metric.accumulate(value, batch_size)
+
+    def _new_metric(self, fx_name: str | None, name: str, prog_bar: bool, logger: bool, on_step: bool | None, on_epoch: bool | None, reduce_fx: str, sync_dist: bool) -> _LoggedMetric:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"self.log needs a non-empty string name, got {name!r}.")
+        if reduce_fx not in _REDUCTIONS:
+            raise ValueError(f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): choose one of {_REDUCTIONS}.")
+        step_default = fx_name in _STEP_HOOKS
+        on_step = step_default if on_step is None else on_step
+        on_epoch = (not step_default) if on_epoch is None else on_epoch
+        if not on_step and not on_epoch:
+            raise ValueError(f"self.log({name!r}, ...) with on_step=False and on_epoch=False would record nothing.")
+        if on_step and fx_name is not None and fx_name not in _STEP_HOOKS:
+            on_step = False  # outside a training batch there is no step to report; keep the epoch value
+            on_epoch = True
+        metric = _LoggedMetric(name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        self._metrics[name] = metric
+        return metric
+
+    def _as_tensor(self, name: str, value: Any) -> Tensor:
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ValueError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars (one element).")
+            value = value.detach()
+            if not value.is_floating_point():
+                value = value.float()
+            return value.reshape(())
+        if isinstance(value, numbers.Number) and not isinstance(value, complex):
+            return torch.tensor(float(value))
+        raise TypeError(f"self.log({name!r}, ...) got {type(value).__name__}; log a number or a one-element tensor.")
+
+    def _names(self, metric: _LoggedMetric, kind: str) -> str:
+        if metric.on_step and metric.on_epoch:
+            head, _, tail = metric.name.partition("/dataloader_idx_")
+            suffixed = f"{head}_{kind}"
+            return f"{suffixed}/dataloader_idx_{tail}" if tail else suffixed
+        return metric.name
+
+    def step_metrics(self) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+        """Return (callback, logger, progress bar) metrics from the latest step values."""
+        self.step_updated = False
+        callback: dict[str, Tensor] = {}
+        logged: dict[str, Tensor] = {}
+        bar: dict[str, Tensor] = {}
+        for metric in self._metrics.values():
+            if metric.step_value is None:
+                continue
+            key = self._names(metric, "step")
+            callback[key] = metric.step_value
+            callback[metric.name] = metric.step_value
+            if metric.logger:
+                logged[key] = metric.step_value
+            if metric.prog_bar:
+                bar[key] = metric.step_value
+        return callback, logged, bar
+
+    def epoch_metrics(self) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+        """Return (callback, logger, progress bar) metrics from the epoch aggregates (synchronised if asked)."""
+        callback: dict[str, Tensor] = {}
+        logged: dict[str, Tensor] = {}
+        bar: dict[str, Tensor] = {}
+        for metric in self._metrics.values():
+            value = metric.epoch_value(self._strategy) if metric.on_epoch else None
+            if value is None:
+                continue
+            key = self._names(metric, "epoch")
+            callback[key] = value
+            callback[metric.name] = value
+            if metric.logger:
+                logged[key] = value
+            if metric.prog_bar:
+                bar[key] = value
+        return callback, logged, bar
+
+    def reset(self) -> None:
+        """Forget everything (a new epoch or run begins)."""
+        self._metrics.clear()
+        self.step_updated = False

@@ -1,0 +1,44 @@
+"""The optimizer handle returned by ``TrainingModule.optimizers()`` for manual optimization."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from phalanx.trainer.trainer import Trainer
+
+
+def _no_closure() -> None:
+    return None
+
+
+class ManualOptimizer:
+    """Wraps a torch optimizer so that ``step()`` goes through the strategy and precision plugin, and counts steps."""
+
+    def __init__(self, optimizer: Optimizer, trainer: Trainer) -> None:
+        self.optimizer = optimizer
+        self._trainer = trainer
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        """Run the optimizer step (with loss scaling and hooks) and advance ``global_step``."""
+        trainer = self._trainer
+        result = trainer.strategy.optimizer_step(self.optimizer, closure if closure is not None else _no_closure, trainer.strategy.module, **kwargs)
+        trainer.fit_loop.global_step += 1
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"ManualOptimizer({self.optimizer!r})"

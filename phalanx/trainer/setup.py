@@ -1,0 +1,202 @@
+"""Turning the Trainer's arguments into one fully wired Strategy (a pure function of those arguments)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+from phalanx.accelerators.accelerator import Accelerator
+from phalanx.accelerators.registry import ACCELERATOR_REGISTRY
+from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.precision.amp import MixedPrecision
+from phalanx.plugins.precision.double import DoublePrecision
+from phalanx.plugins.precision.half import HalfPrecision
+from phalanx.plugins.precision.precision import Precision
+from phalanx.strategies.registry import STRATEGY_REGISTRY
+from phalanx.strategies.single_device import SingleDeviceStrategy
+from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.rank_zero import rank_zero_warn
+
+PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
+_PRECISION_ALIASES: dict[Any, str] = {
+    32: "32-true", "32": "32-true",
+    64: "64-true", "64": "64-true",
+    16: "16-mixed", "16": "16-mixed",
+    "bf16": "bf16-mixed",
+}  # fmt: skip
+_PLUGIN_TYPES = (Precision, CheckpointIO)
+
+
+def normalize_precision(precision: Any) -> str:
+    """Map a precision argument (including the aliases 32, 64, 16, 'bf16') to its canonical name."""
+    if isinstance(precision, str) and precision in PRECISIONS:
+        return precision
+    if not isinstance(precision, bool) and precision in _PRECISION_ALIASES:
+        return _PRECISION_ALIASES[precision]
+    raise ValueError(f"precision={precision!r} is not supported. Choose one of {list(PRECISIONS)} (aliases: 32, 64, 16, 'bf16').")
+
+
+def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
+    """Return the Accelerator for a name ('cpu', 'cuda', 'gpu', 'mps', 'auto', or registered) or an instance."""
+    if isinstance(accelerator, Accelerator):
+        return accelerator
+    if not isinstance(accelerator, str):
+        raise TypeError(f"accelerator must be a name or an Accelerator instance, got {type(accelerator).__name__}.")
+    name = accelerator.lower()
+    if name == "auto":
+        for candidate in ("cuda", "mps"):
+            if ACCELERATOR_REGISTRY.get_class(candidate).is_available():  # type: ignore[attr-defined]
+                return ACCELERATOR_REGISTRY.get(candidate)
+        return ACCELERATOR_REGISTRY.get("cpu")
+    if name == "gpu":
+        for candidate in ("cuda", "mps"):
+            if ACCELERATOR_REGISTRY.get_class(candidate).is_available():  # type: ignore[attr-defined]
+                return ACCELERATOR_REGISTRY.get(candidate)
+        raise ValueError("accelerator='gpu' was requested, but neither CUDA nor MPS is available on this machine. Use accelerator='cpu' (or 'auto').")
+    if name not in ACCELERATOR_REGISTRY:
+        raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of {['auto', 'gpu', *ACCELERATOR_REGISTRY.available()]}, or pass an Accelerator instance.")
+    accelerator_class = ACCELERATOR_REGISTRY.get_class(name)
+    if not accelerator_class.is_available():  # type: ignore[attr-defined]
+        usable = [n for n in ACCELERATOR_REGISTRY.available() if ACCELERATOR_REGISTRY.get_class(n).is_available()]  # type: ignore[attr-defined]
+        hint = " (torch.cuda.is_available() is False)" if name == "cuda" else ""
+        raise ValueError(f"accelerator={accelerator!r} was requested but is not available on this machine{hint}. Available accelerators: {usable}.")
+    return ACCELERATOR_REGISTRY.get(name)
+
+
+def precision_plugin_for(precision: str, accelerator: Accelerator) -> Precision:
+    """Return the precision plugin for ``precision`` on ``accelerator``, refusing what the device cannot run."""
+    device_type = getattr(accelerator, "name", "") or "cpu"
+    if precision == "16-mixed" and device_type == "cpu":
+        rank_zero_warn("precision='16-mixed' is not supported on the CPU: using 'bf16-mixed' (bfloat16 autocast) instead.")
+        precision = "bf16-mixed"
+    supported = type(accelerator).supported_precisions()
+    if precision not in supported:
+        raise ValueError(f"precision={precision!r} cannot run on the {device_type} accelerator here. Supported: {list(supported)}.")
+    if precision == "32-true":
+        return Precision()
+    if precision == "64-true":
+        return DoublePrecision()
+    if precision in ("16-true", "bf16-true"):
+        return HalfPrecision(precision)
+    return MixedPrecision(precision, device=device_type)
+
+
+def _split_plugins(plugins: Any) -> tuple[Precision | None, CheckpointIO | None]:
+    if plugins is None:
+        return None, None
+    items = list(plugins) if isinstance(plugins, Sequence) and not isinstance(plugins, str) else [plugins]
+    precision: Precision | None = None
+    checkpoint_io: CheckpointIO | None = None
+    for plugin in items:
+        if isinstance(plugin, Precision):
+            if precision is not None:
+                raise ValueError("plugins holds more than one Precision plugin; pass only one.")
+            precision = plugin
+        elif isinstance(plugin, CheckpointIO):
+            if checkpoint_io is not None:
+                raise ValueError("plugins holds more than one CheckpointIO; pass only one.")
+            checkpoint_io = plugin
+        else:
+            raise TypeError(f"plugins got a {type(plugin).__name__}; valid plugins are Precision and CheckpointIO instances.")
+    return precision, checkpoint_io
+
+
+def resolve_strategy(
+    *,
+    accelerator: str | Accelerator = "auto",
+    strategy: str | Strategy = "auto",
+    devices: Any = "auto",
+    num_nodes: int = 1,
+    precision: Any = "32-true",
+    plugins: Any = None,
+    sync_batchnorm: bool = False,
+) -> Strategy:
+    """Build the Strategy the Trainer will use, with its accelerator, precision plugin and checkpoint IO attached."""
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1.")
+    precision_name = normalize_precision(precision)
+    precision_plugin, checkpoint_io = _split_plugins(plugins)
+    if precision_plugin is not None and precision_name != "32-true":
+        raise ValueError(f"Both precision={precision!r} and a Precision plugin ({type(precision_plugin).__name__}) were given; pass only one.")
+
+    if isinstance(strategy, Strategy):
+        return _complete_strategy_instance(strategy, accelerator, precision_name, precision_plugin, checkpoint_io)
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be a registered name or a Strategy instance, got {type(strategy).__name__}.")
+
+    accelerator_instance = resolve_accelerator(accelerator)
+    parallel_devices = accelerator_instance.get_parallel_devices(devices)
+    process_count = len(parallel_devices) * num_nodes
+    name = strategy.lower()
+    if name == "auto":
+        if process_count > 1:
+            if "ddp" not in STRATEGY_REGISTRY:
+                raise ValueError(f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}.")
+            name = "ddp"
+        else:
+            name = "single_device"
+    if name not in STRATEGY_REGISTRY:
+        raise ValueError(f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a Strategy instance.")
+
+    plugin = precision_plugin if precision_plugin is not None else precision_plugin_for(precision_name, accelerator_instance)
+    if name == "single_device" or STRATEGY_REGISTRY.get_class(name) is SingleDeviceStrategy:
+        if process_count > 1:
+            raise ValueError(f"strategy={strategy!r} runs one process, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count}. Use a parallel strategy such as 'ddp', or devices=1.")
+        if sync_batchnorm:
+            rank_zero_warn("sync_batchnorm=True has no effect with a single device.")
+        built = STRATEGY_REGISTRY.get(name, device=parallel_devices[0], accelerator=accelerator_instance, precision_plugin=plugin, checkpoint_io=checkpoint_io)
+        return built
+    built = STRATEGY_REGISTRY.get(name)
+    built.accelerator = accelerator_instance
+    built.precision_plugin = plugin
+    if checkpoint_io is not None:
+        built.checkpoint_io = checkpoint_io
+    # Parallel strategies expose these attributes; the Trainer's arguments fill what the strategy left unset.
+    if getattr(built, "parallel_devices", False) is None:
+        built.parallel_devices = parallel_devices  # type: ignore[attr-defined]
+    if hasattr(built, "num_nodes") and not isinstance(type(built).num_nodes, property):
+        built.num_nodes = num_nodes  # type: ignore[attr-defined]
+    if hasattr(built, "sync_batchnorm"):
+        built.sync_batchnorm = sync_batchnorm  # type: ignore[attr-defined]
+    return built
+
+
+def _complete_strategy_instance(
+    strategy: Strategy,
+    accelerator: str | Accelerator,
+    precision_name: str,
+    precision_plugin: Precision | None,
+    checkpoint_io: CheckpointIO | None,
+) -> Strategy:
+    # A user's strategy instance keeps the parts it was built with; the Trainer's arguments fill in the rest.
+    if strategy.accelerator is None:
+        if isinstance(accelerator, Accelerator):
+            strategy.accelerator = accelerator
+        elif accelerator in ("auto", None):
+            device_type = strategy.root_device.type if _has_root_device(strategy) else "cpu"
+            strategy.accelerator = resolve_accelerator(device_type if device_type in ACCELERATOR_REGISTRY else "auto")
+        else:
+            strategy.accelerator = resolve_accelerator(accelerator)
+    elif accelerator not in ("auto", None) and not (isinstance(accelerator, str) and accelerator.lower() == getattr(strategy.accelerator, "name", None)) and accelerator is not strategy.accelerator:
+        raise ValueError(f"accelerator={accelerator!r} conflicts with the accelerator of the strategy instance ({type(strategy.accelerator).__name__}); set it in one place.")
+    if strategy._precision_plugin is None:
+        strategy.precision_plugin = precision_plugin if precision_plugin is not None else precision_plugin_for(precision_name, strategy.accelerator)
+    elif precision_plugin is not None or precision_name != "32-true":
+        raise ValueError(f"The strategy instance already has a precision plugin ({type(strategy.precision_plugin).__name__}); do not also pass precision= or a Precision plugin.")
+    if checkpoint_io is not None:
+        if strategy._checkpoint_io is not None:
+            raise ValueError("The strategy instance already has a CheckpointIO; do not also pass one in plugins.")
+        strategy.checkpoint_io = checkpoint_io
+    return strategy
+
+
+def _has_root_device(strategy: Strategy) -> bool:
+    try:
+        strategy.root_device  # noqa: B018 - a property that may need setup
+    except Exception:
+        return False
+    return True
+
+
+__all__ = ["PRECISIONS", "normalize_precision", "precision_plugin_for", "resolve_accelerator", "resolve_strategy"]

@@ -1,0 +1,32 @@
+"""Apply a function to every tensor inside nested plain containers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+
+def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Return ``data`` with ``fn`` applied to each tensor found in lists, tuples, dicts and dataclass-like namedtuples."""
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, (list, tuple)):
+        items = [apply_to_tensors(item, fn) for item in data]
+        if type(data) is list:
+            return items
+        if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple
+            return type(data)(*items)
+        return type(data)(items)
+    if isinstance(data, Mapping):
+        mapped = {key: apply_to_tensors(value, fn) for key, value in data.items()}
+        return mapped if type(data) is dict else type(data)(mapped)
+    return data
+
+
+def move_to_device(data: Any, device: torch.device) -> Any:
+    """Move every tensor in ``data`` to ``device`` (non-blocking when the source is pinned memory)."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=data.is_pinned())
+    return apply_to_tensors(data, lambda t: t.to(device, non_blocking=t.is_pinned()))

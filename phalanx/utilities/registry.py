@@ -1,0 +1,111 @@
+"""A name -> class registry with default keyword arguments and entry-point discovery."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generic, TypeVar
+
+_T = TypeVar("_T")
+
+
+class Registry(Generic[_T]):
+    """Maps lower-case names to a class (or factory) plus default keyword arguments and a description."""
+
+    def __init__(self, kind: str, entry_point_group: str) -> None:
+        self._kind = kind
+        self._entry_point_group = entry_point_group
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._entry_points_loaded = False
+
+    def register(
+        self,
+        name: str,
+        factory: Callable[..., _T] | None = None,
+        *,
+        description: str = "",
+        override: bool = False,
+        **init_params: Any,
+    ) -> Callable[..., Any]:
+        """Register ``factory`` under ``name`` (usable as a decorator when ``factory`` is omitted)."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"A {self._kind} name must be a non-empty string, got {name!r}")
+        key = name.lower()
+
+        def do_register(target: Callable[..., _T]) -> Callable[..., _T]:
+            if key in self._entries and not override:
+                raise ValueError(
+                    f"{self._kind.capitalize()} {name!r} is already registered"
+                    f" (to {self._entries[key]['factory'].__name__}); pass override=True to replace it."
+                )
+            self._entries[key] = {"factory": target, "description": description, "init_params": init_params}
+            return target
+
+        if factory is not None:
+            return do_register(factory)
+        return do_register
+
+    def remove(self, name: str) -> None:
+        """Forget ``name``."""
+        self._entries.pop(name.lower(), None)
+
+    def get(self, name: str, **overrides: Any) -> _T:
+        """Instantiate the entry for ``name`` with its default keyword arguments updated by ``overrides``."""
+        entry = self._lookup(name)
+        return entry["factory"](**{**entry["init_params"], **overrides})
+
+    def get_class(self, name: str) -> Callable[..., _T]:
+        """Return the class (or factory) registered under ``name``."""
+        return self._lookup(name)["factory"]
+
+    def init_params(self, name: str) -> dict[str, Any]:
+        """Return a copy of the default keyword arguments registered for ``name``."""
+        return dict(self._lookup(name)["init_params"])
+
+    def description(self, name: str) -> str:
+        """Return the description registered for ``name``."""
+        return self._lookup(name)["description"]
+
+    def available(self) -> list[str]:
+        """Return the registered names, sorted."""
+        self._load_entry_points()
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        if name.lower() not in self._entries:
+            self._load_entry_points()
+        return name.lower() in self._entries
+
+    def __len__(self) -> int:
+        return len(self.available())
+
+    def _lookup(self, name: str) -> dict[str, Any]:
+        if not isinstance(name, str):
+            raise TypeError(f"A {self._kind} name must be a string, got {type(name).__name__}")
+        key = name.lower()
+        if key not in self._entries:
+            self._load_entry_points()
+        if key not in self._entries:
+            raise ValueError(f"Unknown {self._kind} {name!r}. Registered {self._kind}s: {', '.join(self.available())}")
+        return self._entries[key]
+
+    def _load_entry_points(self) -> None:
+        # Third-party plugins are discovered only when a lookup misses or the names are listed,
+        # so that `import phalanx` never scans installed distributions.
+        if self._entry_points_loaded:
+            return
+        self._entry_points_loaded = True
+        from importlib.metadata import entry_points
+
+        for entry_point in entry_points(group=self._entry_point_group):
+            plugin = entry_point.load()
+            register = getattr(plugin, f"register_{self._kind.replace(' ', '_')}s", None)
+            if register is not None:
+                register(self)
+            elif callable(plugin):
+                plugin(self)
+            else:
+                raise TypeError(
+                    f"Entry point {entry_point.name!r} in group {self._entry_point_group!r} must be a class with"
+                    f" a register_{self._kind}s(registry) classmethod or a callable taking the registry."
+                )

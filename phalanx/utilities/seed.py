@@ -1,0 +1,79 @@
+"""Seeding and capturing/restoring the random number generators."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from typing import Any
+
+import torch
+
+from phalanx.utilities.rank_zero import rank_zero_warn
+
+_MAX_SEED = 2**32 - 1
+
+
+def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+    """Seed Python's, NumPy's (if imported) and torch's generators and return the seed.
+
+    With ``workers=True``, dataloader workers seeded by phalanx derive a distinct, reproducible seed from this seed,
+    their worker id and the global rank.
+    """
+    if seed is None:
+        env_seed = os.environ.get("PL_GLOBAL_SEED") or os.environ.get("PHALANX_GLOBAL_SEED")
+        if env_seed is None:
+            seed = random.randint(0, _MAX_SEED)
+            rank_zero_warn(f"No seed given: seed_everything chose {seed}.")
+        else:
+            seed = int(env_seed)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed <= _MAX_SEED:
+        raise ValueError(f"seed must be in [0, {_MAX_SEED}], got {seed}")
+    os.environ["PHALANX_GLOBAL_SEED"] = str(seed)
+    os.environ["PHALANX_SEED_WORKERS"] = "1" if workers else "0"
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed)
+    torch.manual_seed(seed)
+    return seed
+
+
+def worker_init_fn(worker_id: int, rank: int = 0) -> None:
+    """Seed one dataloader worker's torch, Python and NumPy generators, distinct per worker, rank and epoch."""
+    # torch gives each worker initial_seed() = base_seed + worker_id, where base_seed is drawn afresh for every
+    # epoch from the (seeded) main process: mixing it with the rank makes seeds differ across ranks and epochs.
+    base_seed = torch.initial_seed() - worker_id
+    mixed = torch.Generator().manual_seed(hash((base_seed, worker_id, rank)) & 0x7FFF_FFFF_FFFF_FFFF)
+    seeds = torch.randint(0, _MAX_SEED, (3,), generator=mixed).tolist()
+    torch.manual_seed(seeds[0])
+    random.seed(seeds[1])
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seeds[2])
+
+
+def collect_rng_states() -> dict[str, Any]:
+    """Snapshot the global generators as plain values and tensors (loadable with ``weights_only=True``)."""
+    version, internal, gauss = random.getstate()
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["torch.cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
+        states["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return states
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    """Restore generators from :func:`collect_rng_states`'s output."""
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "torch.cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch.cuda"])
+    if "numpy" in states:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = states["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
