@@ -249,10 +249,11 @@ class TQDMProgressBar(ProgressBar):
         self._predict_bar = bar
 
     # ------------------------------------------------------------------ bar factories
-    def _new_bar(self, desc: str, position: int, leave: bool, total: Any = None) -> _tqdm:
+    def _new_bar(self, desc: str, position: int, leave: bool, total: Any = None, initial: int = 0) -> _tqdm:
         return _tqdm(
             desc=desc,
             total=_finite_total(total),
+            initial=initial,
             position=2 * self._process_position + position,
             disable=self.is_disabled,
             leave=leave,
@@ -262,21 +263,21 @@ class TQDMProgressBar(ProgressBar):
             bar_format=self.BAR_FORMAT,
         )
 
-    def init_sanity_tqdm(self) -> _tqdm:
-        return self._new_bar(self.sanity_check_description, 0, leave=False)
+    def init_sanity_tqdm(self, total: Any = None) -> _tqdm:
+        return self._new_bar(self.sanity_check_description, 0, leave=False, total=total)
 
-    def init_train_tqdm(self) -> _tqdm:
-        return self._new_bar(self.train_description, 0, leave=True)
+    def init_train_tqdm(self, total: Any = None, initial: int = 0, desc: str | None = None) -> _tqdm:
+        return self._new_bar(desc or self.train_description, 0, leave=True, total=total, initial=initial)
 
-    def init_validation_tqdm(self) -> _tqdm:
+    def init_validation_tqdm(self, total: Any = None) -> _tqdm:
         has_main_bar = self._trainer is not None and _stage_name(self._trainer) == "fit"
-        return self._new_bar(self.validation_description, int(has_main_bar), leave=not has_main_bar)
+        return self._new_bar(self.validation_description, int(has_main_bar), leave=not has_main_bar, total=total)
 
-    def init_test_tqdm(self) -> _tqdm:
-        return self._new_bar(self.test_description, 0, leave=True)
+    def init_test_tqdm(self, total: Any = None) -> _tqdm:
+        return self._new_bar(self.test_description, 0, leave=True, total=total)
 
-    def init_predict_tqdm(self) -> _tqdm:
-        return self._new_bar(self.predict_description, 0, leave=True)
+    def init_predict_tqdm(self, total: Any = None) -> _tqdm:
+        return self._new_bar(self.predict_description, 0, leave=True, total=total)
 
     # ------------------------------------------------------------------ updating
     def _should_update(self, current: int, total: Any) -> bool:
@@ -324,14 +325,17 @@ class TQDMProgressBar(ProgressBar):
     # ------------------------------------------------------------------ hooks: training
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._trainer = trainer
+        fit_loop = getattr(trainer, "fit_loop", None)
+        # A run resumed from a mid-epoch checkpoint starts its first epoch after the batches already done.
+        initial = int(getattr(fit_loop, "batches_done", 0) or 0)
+        desc = f"Epoch {trainer.current_epoch}"
         if self._train_bar is None or self._leave:
             self._close(self._train_bar)
-            self._train_bar = self.init_train_tqdm()
-        fit_loop = getattr(trainer, "fit_loop", None)
-        initial = int(getattr(fit_loop, "batches_done", 0) or 0)
-        self._reset(self._train_bar, self.total_train_batches, initial)
-        if not self._train_bar.disable:
-            self._train_bar.set_description(f"Epoch {trainer.current_epoch}", refresh=False)
+            self._train_bar = self.init_train_tqdm(self.total_train_batches, initial, desc)
+        else:
+            if not self._train_bar.disable:
+                self._train_bar.set_description(desc, refresh=False)
+            self._reset(self._train_bar, self.total_train_batches, initial)
         self._last_refresh["train"] = None
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -361,8 +365,8 @@ class TQDMProgressBar(ProgressBar):
     def on_validation_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._trainer = trainer
         self._close(self._val_bar)
-        self._val_bar = self.init_sanity_tqdm() if trainer.sanity_checking else self.init_validation_tqdm()
-        self._reset(self._val_bar, self.total_val_batches)
+        total = self.total_val_batches
+        self._val_bar = self.init_sanity_tqdm(total) if trainer.sanity_checking else self.init_validation_tqdm(total)
         self._counts["val"] = 0
         self._last_refresh["val"] = None
 
@@ -385,8 +389,7 @@ class TQDMProgressBar(ProgressBar):
     def on_test_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._trainer = trainer
         self._close(self._test_bar)
-        self._test_bar = self.init_test_tqdm()
-        self._reset(self._test_bar, self.total_test_batches)
+        self._test_bar = self.init_test_tqdm(self.total_test_batches)
         self._counts["test"] = 0
         self._last_refresh["test"] = None
 
@@ -403,8 +406,7 @@ class TQDMProgressBar(ProgressBar):
     def on_predict_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._trainer = trainer
         self._close(self._predict_bar)
-        self._predict_bar = self.init_predict_tqdm()
-        self._reset(self._predict_bar, self.total_predict_batches)
+        self._predict_bar = self.init_predict_tqdm(self.total_predict_batches)
         self._counts["predict"] = 0
         self._last_refresh["predict"] = None
 

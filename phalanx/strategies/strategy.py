@@ -242,10 +242,11 @@ class Strategy(ABC):
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Run backward on the loss through the precision plugin."""
+        precision = self.precision_plugin
         self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self._module)
-        self.precision_plugin.backward(closure_loss, self._module, optimizer, *args, **kwargs)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self._module)
+        closure_loss = precision.pre_backward(closure_loss, self._module)
+        precision.backward(closure_loss, self._module, optimizer, *args, **kwargs)
+        closure_loss = precision.post_backward(closure_loss, self._module)
         self.post_backward(closure_loss)
         return closure_loss
 

@@ -165,6 +165,11 @@ class CheckpointConnector:
                 raise ValueError(f"The checkpoint holds {len(states)} LR scheduler state(s) but configure_optimizers created {len(strategy.lr_scheduler_configs)}.")
             for config, state in zip(strategy.lr_scheduler_configs, states):
                 config.scheduler.load_state_dict(state)
+        if checkpoint.get("global_step", 0) > 0:
+            # These optimizers have stepped before the checkpoint; without this flag torch warns that a scheduler
+            # steps "before optimizer.step()" when a resumed run's first action is an epoch-end scheduler step.
+            for optimizer in strategy.optimizers:
+                optimizer._opt_called = True  # type: ignore[attr-defined]
         callback_states = checkpoint.get("callbacks", {})
         for callback in trainer.callbacks:
             callback.on_load_checkpoint(trainer, module, checkpoint)

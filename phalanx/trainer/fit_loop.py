@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 # Where in an epoch a checkpoint was taken; decides what a resumed run still has to do.
 _IN_BATCHES = "batches"  # inside the batch loop: skip `batches_done` batches and go on
+_BATCH_END = "batch_end"  # in on_train_batch_end: skip the batches, then do that batch's validation check
 _VALIDATED = "validated"  # batches and epoch-end validation done: step epoch schedulers, run on_train_epoch_end
 _ENDED = "ended"  # on_train_epoch_end is running or ran: the next epoch starts fresh
 
@@ -76,7 +77,7 @@ class FitLoop:
         """Train until max_epochs, max_steps, max_time or a stop request."""
         trainer = self.trainer
         restored, self._restored = self._restored, None
-        if restored is not None and self.phase != _IN_BATCHES:
+        if restored is not None and self.phase in (_VALIDATED, _ENDED):
             if restored["rng"] is not None:
                 restore_rng_states(restored["rng"])
             if self.phase == _VALIDATED:
@@ -108,7 +109,6 @@ class FitLoop:
         self.num_batches = trainer.num_training_batches
         trainer.state.stage = RunningStage.TRAINING
         trainer._train_results.reset()
-        self.phase = _IN_BATCHES
 
         sampler = getattr(dataloader, "sampler", None)
         for candidate in (sampler, getattr(dataloader, "batch_sampler", None)):
@@ -145,8 +145,11 @@ class FitLoop:
         log_every = trainer.log_every_n_steps
         run_batch = self._automatic_batch if automatic else self._manual_batch
         exhausted = False
+        stop = False
+        if skip and self.phase == _BATCH_END:
+            stop = self._after_batch(deadline)
 
-        while self.batches_done < num_batches:
+        while not stop and self.batches_done < num_batches:
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -155,7 +158,7 @@ class FitLoop:
             batch_idx = self.batches_done
             batch = strategy.batch_to_device(batch)
             results.new_batch(batch)
-            if any([hook(batch, batch_idx) == -1 for hook in batch_start_hooks]):
+            if batch_start_hooks and any([hook(batch, batch_idx) == -1 for hook in batch_start_hooks]):
                 exhausted = True
                 break
             output = run_batch(batch, batch_idx)
@@ -163,15 +166,12 @@ class FitLoop:
             self.total_batches += 1
             if results.step_updated:
                 trainer._publish_step_metrics(results)
+            self.phase = _BATCH_END
             for hook in batch_end_hooks:
                 hook(output, batch, batch_idx)
             if loggers and self.total_batches % log_every == 0:
                 trainer._log_step_metrics()
-            if trainer._val_check_due(self, is_last=self.batches_done >= num_batches):
-                self._validate()
-            if self._stop_requested(deadline):
-                trainer._stop_now = True
-                break
+            stop = self._after_batch(deadline)
 
         if automatic and self._accumulated:
             self._flush_accumulated()
@@ -205,6 +205,17 @@ class FitLoop:
         self.phase = _IN_BATCHES
         self._epoch_start_rng = None
 
+    def _after_batch(self, deadline: float | None) -> bool:
+        """The validation check and stop check that follow each batch; True when training must stop."""
+        trainer = self.trainer
+        if trainer._val_check_due(self, is_last=self.batches_done >= self.num_batches):
+            self._validate()
+        self.phase = _IN_BATCHES
+        if self._stop_requested(deadline):
+            trainer._stop_now = True
+            return True
+        return False
+
     def _stop_requested(self, deadline: float | None) -> bool:
         trainer = self.trainer
         if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
@@ -223,15 +234,14 @@ class FitLoop:
     def _forward_backward(self, batch: Any, batch_idx: int) -> tuple[Tensor | None, Any]:
         trainer = self.trainer
         strategy = trainer.strategy
-        hooks = trainer._hooks
-        module = strategy.module
-        module._current_fx = "training_step"
+        strategy.module._current_fx = "training_step"
         output = strategy.training_step(batch, batch_idx)
         loss = extract_loss(output)
         if loss is None:
             return None, output
         if trainer._loss_divisor != 1:
             loss = loss / trainer._loss_divisor
+        hooks = trainer._hooks
         for hook in hooks["on_before_backward"]:
             hook(loss)
         strategy.backward(loss, trainer._optimizer)

@@ -1,0 +1,104 @@
+"""phalanx's fit time against a hand-written PyTorch loop: same model, data, optimizer and number of steps.
+
+MLP 32->64->1, batch 64, 3000 SGD steps (10 epochs of 300 batches), one thread, no logger, checkpoint or progress
+bar. Both run in this process, alternating, and the best of several repeats is compared (the least disturbed run).
+Usage: python bench/bench_fit.py [--repeats 5] [--steps 3000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import phalanx
+
+BATCH = 64
+BATCHES_PER_EPOCH = 300
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def make_loader() -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH * BATCHES_PER_EPOCH, 32, generator=generator)
+    y = torch.randn(BATCH * BATCHES_PER_EPOCH, 1, generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True)
+
+
+class Regressor(phalanx.TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = make_model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def raw_loop(steps: int) -> tuple[float, nn.Module]:
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = make_loader()
+    start = time.perf_counter()
+    step = 0
+    while step < steps:
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if step == steps:
+                break
+    return time.perf_counter() - start, model
+
+
+def phalanx_fit(steps: int) -> tuple[float, nn.Module]:
+    torch.manual_seed(0)
+    module = Regressor()
+    loader = make_loader()
+    trainer = phalanx.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    start = time.perf_counter()
+    trainer.fit(module, loader)
+    return time.perf_counter() - start, module.model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3000)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    raw_loop(300)  # warm up allocator and kernels for both
+    phalanx_fit(300)
+    raw_times, phalanx_times = [], []
+    for _ in range(args.repeats):
+        raw_time, raw_model = raw_loop(args.steps)
+        fit_time, fit_model = phalanx_fit(args.steps)
+        raw_times.append(raw_time)
+        phalanx_times.append(fit_time)
+    same = all(torch.equal(a, b) for a, b in zip(raw_model.parameters(), fit_model.parameters()))
+    best_raw, best_fit = min(raw_times), min(phalanx_times)
+    print(f"steps={args.steps} repeats={args.repeats} torch={torch.__version__} threads=1")
+    print(f"raw loop      best {best_raw:.3f} s  median {statistics.median(raw_times):.3f} s  ({best_raw / args.steps * 1e6:.1f} us/step)")
+    print(f"phalanx fit   best {best_fit:.3f} s  median {statistics.median(phalanx_times):.3f} s  ({best_fit / args.steps * 1e6:.1f} us/step)")
+    print(f"identical final weights: {same}")
+    print(f"fit-time ratio (best/best): {best_fit / best_raw:.3f}   (median/median: {statistics.median(phalanx_times) / statistics.median(raw_times):.3f})  target <= 1.10")
+
+
+if __name__ == "__main__":
+    main()
