@@ -7,6 +7,16 @@ from typing import Any, Callable, Generic, TypeVar
 _T = TypeVar("_T")
 
 
+def _plural(word: str) -> str:
+    """English plural of a registry kind: 'strategy' -> 'strategies', 'accelerator' -> 'accelerators'."""
+    return word[:-1] + "ies" if word.endswith("y") else word + "s"
+
+
+def _name_of(factory: Any) -> str:
+    """A readable name for a class, function or ``functools.partial``."""
+    return getattr(factory, "__qualname__", None) or getattr(factory, "__name__", None) or repr(factory)
+
+
 class Registry(Generic[_T]):
     """Maps lower-case names to a class (or factory) plus default keyword arguments and a description."""
 
@@ -34,7 +44,7 @@ class Registry(Generic[_T]):
             if key in self._entries and not override:
                 raise ValueError(
                     f"{self._kind.capitalize()} {name!r} is already registered"
-                    f" (to {self._entries[key]['factory'].__name__}); pass override=True to replace it."
+                    f" (to {_name_of(self._entries[key]['factory'])}); pass override=True to replace it."
                 )
             self._entries[key] = {"factory": target, "description": description, "init_params": init_params}
             return target
@@ -79,6 +89,10 @@ class Registry(Generic[_T]):
     def __len__(self) -> int:
         return len(self.available())
 
+    @property
+    def _register_hook(self) -> str:
+        return f"register_{_plural(self._kind.replace(' ', '_'))}"
+
     def _lookup(self, name: str) -> dict[str, Any]:
         if not isinstance(name, str):
             raise TypeError(f"A {self._kind} name must be a string, got {type(name).__name__}")
@@ -86,7 +100,7 @@ class Registry(Generic[_T]):
         if key not in self._entries:
             self._load_entry_points()
         if key not in self._entries:
-            raise ValueError(f"Unknown {self._kind} {name!r}. Registered {self._kind}s: {', '.join(self.available())}")
+            raise ValueError(f"Unknown {self._kind} {name!r}. Registered {_plural(self._kind)}: {', '.join(self.available())}")
         return self._entries[key]
 
     def _load_entry_points(self) -> None:
@@ -99,7 +113,8 @@ class Registry(Generic[_T]):
 
         for entry_point in entry_points(group=self._entry_point_group):
             plugin = entry_point.load()
-            register = getattr(plugin, f"register_{self._kind.replace(' ', '_')}s", None)
+            # The hook is named after the plural: register_strategies, register_accelerators.
+            register = getattr(plugin, self._register_hook, None)
             if register is not None:
                 register(self)
             elif callable(plugin):
@@ -107,5 +122,5 @@ class Registry(Generic[_T]):
             else:
                 raise TypeError(
                     f"Entry point {entry_point.name!r} in group {self._entry_point_group!r} must be a class with"
-                    f" a register_{self._kind}s(registry) classmethod or a callable taking the registry."
+                    f" a {self._register_hook}(registry) classmethod or a callable taking the registry."
                 )

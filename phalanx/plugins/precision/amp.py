@@ -26,6 +26,8 @@ class MixedPrecision(Precision):
         if scaler is None and precision == "16-mixed" and device == "cuda":
             scaler = torch.amp.GradScaler("cuda")
         self.scaler = scaler
+        # GradScaler refuses a second unscale_() of one optimizer before update(): remember which were unscaled.
+        self._unscaled: set[int] = set()
 
     def forward_context(self) -> AbstractContextManager:
         """Autocast to the mixed dtype on this device."""
@@ -44,18 +46,34 @@ class MixedPrecision(Precision):
         if isinstance(optimizer, LBFGS):
             raise TypeError("LBFGS needs its closure re-evaluated, which a GradScaler cannot do: use '32-true' or 'bf16-mixed'.")
         closure_result = closure()
-        self.unscale_gradients(optimizer)
+        skipped = closure_result is None and getattr(model, "automatic_optimization", True)
+        if not skipped:
+            self.unscale_gradients(optimizer)  # before the hooks and clipping in _after_closure see the gradients
         self._after_closure(model, optimizer)
-        if closure_result is None and getattr(model, "automatic_optimization", True):
-            return None  # training_step returned None: there are no gradients to step on
+        if skipped:
+            # training_step returned None: there are no gradients to step on. Clipping in the hooks may still have
+            # unscaled this optimizer; without update() the scaler would refuse to unscale it next step.
+            if id(optimizer) in self._unscaled:
+                self._unscaled.discard(id(optimizer))
+                self.scaler._per_optimizer_states.pop(id(optimizer), None)
+            return None
         result = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
+        self._unscaled.clear()  # update() resets the scaler's per-optimizer state
         return result
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale the gradients once per step so hooks and clipping see true values."""
-        if self.scaler is not None:
+        """Unscale the gradients at most once per step so hooks and clipping see true values."""
+        if self.scaler is not None and id(optimizer) not in self._unscaled:
             self.scaler.unscale_(optimizer)
+            self._unscaled.add(id(optimizer))
+
+    def clip_gradients(self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm") -> Tensor | None:
+        """Unscale first, so that the threshold applies to the true gradients, then clip as the base does."""
+        self._check_clip_algorithm(gradient_clip_algorithm)
+        if clip_val > 0:
+            self.unscale_gradients(optimizer)
+        return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def state_dict(self) -> dict[str, Any]:
         """The GradScaler's state."""

@@ -98,15 +98,21 @@ class Precision:
 
     def clip_gradients(self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm") -> Tensor | None:
         """Clip the gradients of ``optimizer``'s parameters by total norm or by value; returns the norm when clipping by norm."""
+        # Check the algorithm first: a typo must fail on the first step, not only once gradients exist.
+        self._check_clip_algorithm(gradient_clip_algorithm)
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not parameters or clip_val <= 0:
             return None
         if gradient_clip_algorithm == "norm":
             return torch.nn.utils.clip_grad_norm_(parameters, clip_val)
-        if gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(parameters, clip_val)
-            return None
-        raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not valid; choose 'norm' or 'value'.")
+        torch.nn.utils.clip_grad_value_(parameters, clip_val)
+        return None
+
+    @staticmethod
+    def _check_clip_algorithm(gradient_clip_algorithm: str) -> None:
+        """Raise ValueError unless ``gradient_clip_algorithm`` is 'norm' or 'value'."""
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not valid; choose 'norm' or 'value'.")
 
     def state_dict(self) -> dict[str, Any]:
         """Return the plugin's state for a checkpoint (e.g. the loss scaler)."""

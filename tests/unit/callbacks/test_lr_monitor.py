@@ -105,6 +105,7 @@ def test_default_interval_follows_each_scheduler():
     assert set(epoch_record[0]) == {"lr-Adam", "lr-RMSprop"}
     assert set(step_record[0]) == {"lr-SGD"}
 
+    step_opt.step()
     configs[0].scheduler.step()
     trainer.global_step = 1
     monitor.on_train_batch_start(trainer, None, None, 1)

@@ -132,7 +132,8 @@ def test_version_counter_for_preexisting_file(tmp_path):
     (tmp_path / "epoch=0-step=10.ckpt").write_bytes(b"from an earlier run")
     trainer = FakeTrainer(tmp_path)
     callback = ModelCheckpoint(dirpath=tmp_path)
-    callback.setup(trainer, None, "fit")
+    with pytest.warns(UserWarning, match="not empty"):
+        callback.setup(trainer, None, "fit")
     trainer.global_step = 10
     callback.on_validation_end(trainer, None)
     assert callback.best_model_path == os.path.join(os.path.realpath(tmp_path), "epoch=0-step=10-v1.ckpt")
@@ -144,7 +145,8 @@ def test_version_counter_disabled_overwrites(tmp_path):
     (tmp_path / "epoch=0-step=10.ckpt").write_bytes(b"old")
     trainer = FakeTrainer(tmp_path)
     callback = ModelCheckpoint(dirpath=tmp_path, enable_version_counter=False)
-    callback.setup(trainer, None, "fit")
+    with pytest.warns(UserWarning, match="not empty"):
+        callback.setup(trainer, None, "fit")
     trainer.global_step = 10
     callback.on_validation_end(trainer, None)
     assert ckpt_files(tmp_path) == ["epoch=0-step=10.ckpt"]
@@ -365,7 +367,8 @@ def test_state_dict_round_trip(tmp_path):
 
     # Resuming overwrites last.ckpt rather than versioning it, and keeps the top-k ranking.
     trainer2 = FakeTrainer(tmp_path)
-    restored.setup(trainer2, None, "fit")
+    with pytest.warns(UserWarning, match="not empty"):
+        restored.setup(trainer2, None, "fit")
     run_validation_epochs(trainer2, restored, [0.9, 0.9, 0.9, 0.2])
     assert "last.ckpt" in ckpt_files(tmp_path) and not any("last-v" in n for n in ckpt_files(tmp_path))
     assert restored.best_model_score.item() == pytest.approx(0.2)
