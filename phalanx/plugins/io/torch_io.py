@@ -74,7 +74,7 @@ def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any |
         if "weights_only" in str(error) or "Unsupported global" in str(error):
             raise UnsafeCheckpointError(f"Refusing to load {source}: it contains objects that are not tensors or plain values ({_first_line(error)}). {_UNSAFE_HINT}") from None
         raise CheckpointError(f"{source} is not a checkpoint torch can read: {_first_line(error)}") from None
-    except (RuntimeError, EOFError, ValueError) as error:
+    except Exception as error:  # torch raises many types for bytes it cannot parse (IndexError, EOFError, ...)
         raise CheckpointError(f"{source} is not a checkpoint torch can read (truncated or not written by torch.save): {_first_line(error)}") from None
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{source} holds a {type(checkpoint).__name__}, not a checkpoint dictionary.")
