@@ -60,6 +60,8 @@ class FitLoop:
             "total_batches": self.total_batches,
             "phase": self.phase,
             "epoch_start_rng": self._epoch_start_rng,
+            # A resumed run may still have to step a ReduceLROnPlateau or run EarlyStopping on these.
+            "callback_metrics": {name: value.detach().cpu() for name, value in self.trainer.callback_metrics.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], rng_states: dict[str, Any] | None = None) -> None:
@@ -70,13 +72,19 @@ class FitLoop:
         self.total_batches = int(state.get("total_batches", 0))
         self.phase = state.get("phase", _IN_BATCHES)
         self._epoch_start_rng = state.get("epoch_start_rng")
-        self._restored = {"rng": rng_states}
+        self._restored = {"rng": rng_states, "callback_metrics": dict(state.get("callback_metrics") or {})}
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
         """Train until max_epochs, max_steps, max_time or a stop request."""
         trainer = self.trainer
+        hooks = trainer._hooks
+        self._before_backward_hooks = hooks["on_before_backward"]
+        self._after_backward_hooks = hooks["on_after_backward"]
+        self._before_zero_grad_hooks = hooks["on_before_zero_grad"]
         restored, self._restored = self._restored, None
+        if restored is not None:
+            trainer._callback_metrics.update(restored["callback_metrics"])
         if restored is not None and self.phase in (_VALIDATED, _ENDED):
             if restored["rng"] is not None:
                 restore_rng_states(restored["rng"])
@@ -208,9 +216,11 @@ class FitLoop:
     def _after_batch(self, deadline: float | None) -> bool:
         """The validation check and stop check that follow each batch; True when training must stop."""
         trainer = self.trainer
-        if trainer._val_check_due(self, is_last=self.batches_done >= self.num_batches):
-            self._validate()
+        due = trainer._val_check_due(self, is_last=self.batches_done >= self.num_batches)
+        # From here a checkpoint (e.g. one saved when this validation ends) resumes at the next batch.
         self.phase = _IN_BATCHES
+        if due:
+            self._validate()
         if self._stop_requested(deadline):
             trainer._stop_now = True
             return True
@@ -241,11 +251,10 @@ class FitLoop:
             return None, output
         if trainer._loss_divisor != 1:
             loss = loss / trainer._loss_divisor
-        hooks = trainer._hooks
-        for hook in hooks["on_before_backward"]:
+        for hook in self._before_backward_hooks:
             hook(loss)
         strategy.backward(loss, trainer._optimizer)
-        for hook in hooks["on_after_backward"]:
+        for hook in self._after_backward_hooks:
             hook()
         loss = loss.detach()
         self._last_loss = loss
@@ -279,7 +288,7 @@ class FitLoop:
         strategy = trainer.strategy
         optimizer = trainer._optimizer
         strategy.optimizer_step(optimizer, closure, strategy.module)
-        for hook in trainer._hooks["on_before_zero_grad"]:
+        for hook in self._before_zero_grad_hooks:
             hook(optimizer)
         optimizer.zero_grad(set_to_none=True)
         self._accumulated = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -21,7 +22,11 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return type(data)(items)
     if isinstance(data, Mapping):
         mapped = {key: apply_to_tensors(value, fn) for key, value in data.items()}
-        return mapped if type(data) is dict else type(data)(mapped)
+        if type(data) is dict:
+            return mapped
+        if isinstance(data, defaultdict):
+            return type(data)(data.default_factory, mapped)  # its first argument is the factory, not the items
+        return type(data)(mapped)
     return data
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
+import re
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ _UNSAFE_HINT = (
     " wrote this file and trust it, load it yourself with torch.load(path, weights_only=False), keep the tensors and"
     " plain values, and save that again."
 )
+
+_GLOBAL_REFERENCE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def is_url(path: _PathLike) -> bool:
@@ -71,9 +75,15 @@ def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any |
     try:
         checkpoint = torch.load(stream, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        if "weights_only" in str(error) or "Unsupported global" in str(error):
-            raise UnsafeCheckpointError(f"Refusing to load {source}: it contains objects that are not tensors or plain values ({_first_line(error)}). {_UNSAFE_HINT}") from None
-        raise CheckpointError(f"{source} is not a checkpoint torch can read: {_first_line(error)}") from None
+        # Only a reference to a class or function ("GLOBAL pkg.Class") needs arbitrary unpickling; other refusals
+        # ("Unsupported operand 0") come from bytes that torch.save did not write.
+        offending = _GLOBAL_REFERENCE.search(str(error))
+        if offending is not None:
+            raise UnsafeCheckpointError(
+                f"Refusing to load {source}: it references {offending.group(1)}, which is not a tensor or plain value"
+                f" and loads only with weights_only=False, i.e. by running arbitrary code. {_UNSAFE_HINT}"
+            ) from None
+        raise CheckpointError(f"{source} is not a checkpoint torch can read (corrupted or not written by torch.save): {_first_line(error)}") from None
     except Exception as error:  # torch raises many types for bytes it cannot parse (IndexError, EOFError, ...)
         raise CheckpointError(f"{source} is not a checkpoint torch can read (truncated or not written by torch.save): {_first_line(error)}") from None
     if not isinstance(checkpoint, dict):
@@ -82,12 +92,11 @@ def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any |
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    # torch's weights-only errors bury the offending class in a line starting "WeightsUnpickler error:".
-    for line in text.splitlines():
-        if "Unsupported global" in line or "WeightsUnpickler error" in line:
-            return line.strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    """The informative line of ``error``'s message, after its type name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    # torch's weights-only errors bury the cause ("Unsupported operand 0") below a paragraph of general advice.
+    detail = next((line for line in lines if "Unsupported" in line or "Trying to load" in line), lines[0] if lines else "")
+    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
 
 class TorchCheckpointIO(CheckpointIO):
@@ -102,9 +111,16 @@ class TorchCheckpointIO(CheckpointIO):
             if parent:
                 fs.makedirs(parent, exist_ok=True)
             temporary = f"{fs_path}.{uuid.uuid4().hex}.tmp"
-            with fs.open(temporary, "wb") as handle:
-                handle.write(data)
-            fs.mv(temporary, fs_path)
+            try:
+                with fs.open(temporary, "wb") as handle:
+                    handle.write(data)
+                fs.mv(temporary, fs_path)
+            except BaseException:
+                # The previous checkpoint at fs_path is untouched; do not leave the partial temporary behind either.
+                with contextlib.suppress(Exception):
+                    if fs.exists(temporary):
+                        fs.rm(temporary)
+                raise
         else:
             if storage_options is not None:
                 raise TypeError(f"storage_options are only used for fsspec URLs, not for the local path {str(path)!r}.")
@@ -118,6 +134,8 @@ class TorchCheckpointIO(CheckpointIO):
             fs, fs_path = _fsspec_filesystem(path)
             if not fs.exists(fs_path):
                 raise FileNotFoundError(f"Checkpoint not found: {path}")
+            if fs.isdir(fs_path):
+                raise CheckpointError(f"{path} is a directory, not a checkpoint file readable by TorchCheckpointIO.")
             with fs.open(fs_path, "rb") as handle:
                 return load_bytes(handle.read(), str(path), map_location)
         local = Path(path)

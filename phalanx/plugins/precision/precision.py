@@ -10,6 +10,19 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 _NULL = nullcontext()
+_CLOSURE_ONCE: dict[type, bool] = {}
+
+
+def evaluates_closure_once(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's own, which call a closure once before updating (all but LBFGS).
+
+    Other optimizers (LBFGS, SAM-like ones from other packages) may re-evaluate the closure, so they always get it.
+    """
+    kind = type(optimizer)
+    known = _CLOSURE_ONCE.get(kind)
+    if known is None:
+        known = _CLOSURE_ONCE[kind] = kind.__module__.startswith("torch.optim.") and not issubclass(kind, torch.optim.LBFGS)
+    return known
 
 
 class Precision:
@@ -77,6 +90,12 @@ class Precision:
 
     def optimizer_step(self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Step ``optimizer``; ``closure`` computes the loss and gradients and is passed on so LBFGS-like optimizers work."""
+        if evaluates_closure_once(optimizer):
+            # Same result as optimizer.step(closure=...) for these optimizers, without its per-step overhead.
+            result = closure()
+            self._after_closure(model, optimizer)
+            optimizer.step(**kwargs)
+            return result
         return optimizer.step(closure=self._wrap_closure(model, optimizer, closure), **kwargs)
 
     def _wrap_closure(self, model: nn.Module | None, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:

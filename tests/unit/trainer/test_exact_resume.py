@@ -97,3 +97,40 @@ def test_resume_from_last_checkpoint_of_model_checkpoint(tmp_path):
     resumed, trainer = _train(ckpt_path="last", callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], enable_checkpointing=True, seed=5, max_epochs=3)
     assert trainer.global_step == 39
     assert same_parameters(resumed, reference)
+
+
+class PlateauModel(AdamWithScheduler):
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5, threshold=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": plateau, "monitor": "val_loss"}
+
+
+class InterruptAfterValidation(phalanx.Callback):
+    def __init__(self, at_step: int, path: str) -> None:
+        self.at_step = at_step
+        self.path = path
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        if trainer.global_step == self.at_step and not trainer.sanity_checking:
+            trainer.save_checkpoint(self.path)
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("at_step", [6, 13])  # after a mid-epoch validation; after the epoch-end validation
+def test_resume_from_a_checkpoint_saved_at_validation_end_with_a_plateau_scheduler(tmp_path, at_step):
+    def train(**kwargs: Any) -> tuple[list[torch.Tensor], Any]:
+        seed = kwargs.pop("seed", 7)
+        phalanx.seed_everything(seed)
+        model = PlateauModel(dropout=0.3)
+        trainer = quiet_trainer(max_epochs=3, val_check_interval=0.5, **kwargs.pop("trainer", {}))
+        trainer.fit(model, *loaders(n=100, batch_size=8), **kwargs)
+        return parameters_of(model), trainer
+
+    reference, reference_trainer = train()
+    path = str(tmp_path / "at_validation.ckpt")
+    with pytest.raises(KeyboardInterrupt):
+        train(trainer={"callbacks": [InterruptAfterValidation(at_step, path)]})
+    resumed, trainer = train(ckpt_path=path, seed=3)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == reference_trainer.optimizers[0].param_groups[0]["lr"] < 0.05
+    assert same_parameters(resumed, reference)
