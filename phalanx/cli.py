@@ -67,7 +67,7 @@ def _seed(value: str) -> int:
 
 # ---------------------------------------------------------------------------- demo
 # Kept in sync with phalanx.demo.run.DEFAULT_MAX_STEPS (not imported here: that would import torch).
-DEMO_DEFAULT_MAX_STEPS = 300
+DEMO_DEFAULT_MAX_STEPS = 900
 
 
 def _add_demo_parser(subparsers: Any) -> None:

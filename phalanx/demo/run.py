@@ -13,8 +13,9 @@ import torch
 import phalanx
 from phalanx.demo.data import CharDataModule
 from phalanx.demo.model import CharTransformer
+from phalanx.utilities.exceptions import MisconfigurationError
 
-DEFAULT_MAX_STEPS = 300
+DEFAULT_MAX_STEPS = 900
 DEFAULT_ROOT_DIR = os.path.join(tempfile.gettempdir(), "phalanx_demo")
 NUM_VALIDATIONS = 6  # how many times validation runs over a whole demo
 VAL_BATCHES = 4  # validation batches per validation (fixed windows: always the same text)
@@ -91,21 +92,27 @@ def run_demo(
     model = CharTransformer(vocab_size=datamodule.vocab_size, block_size=64)
     recorder = ValLossRecorder(verbose=verbose)
     interval = val_check_interval_for(max_steps)
-    trainer = phalanx.Trainer(
-        strategy=strategy,
-        devices=devices,
-        accelerator=accelerator,
-        precision=precision,
-        max_steps=max_steps,
-        val_check_interval=interval,
-        limit_val_batches=VAL_BATCHES,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        logger=False,
-        callbacks=[recorder],
-        enable_progress_bar=enable_progress_bar,
-        default_root_dir=os.fspath(default_root_dir) if default_root_dir is not None else DEFAULT_ROOT_DIR,
-    )
+    try:
+        trainer = phalanx.Trainer(
+            strategy=strategy,
+            devices=devices,
+            accelerator=accelerator,
+            precision=precision,
+            max_steps=max_steps,
+            val_check_interval=interval,
+            limit_val_batches=VAL_BATCHES,
+            num_sanity_val_steps=0,
+            enable_checkpointing=False,
+            logger=False,
+            callbacks=[recorder],
+            enable_progress_bar=enable_progress_bar,
+            default_root_dir=os.fspath(default_root_dir) if default_root_dir is not None else DEFAULT_ROOT_DIR,
+        )
+    except (ValueError, TypeError) as err:
+        # Bad strategy/devices/accelerator/precision values: surface them as configuration errors.
+        if isinstance(err, MisconfigurationError):
+            raise
+        raise MisconfigurationError(str(err)) from err
     trainer.fit(model, datamodule=datamodule)
 
     sample = ""

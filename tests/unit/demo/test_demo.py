@@ -216,7 +216,7 @@ def test_help_exits_cleanly(capsys):
     assert "--max-steps" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("max_steps", "expected"), [(30, 5), (1000, 125), (1, 1), (7, 1), (97, 17)])
+@pytest.mark.parametrize(("max_steps", "expected"), [(30, 5), (900, 150), (1000, 125), (1, 1), (7, 1), (97, 17)])
 def test_val_check_interval(max_steps, expected):
     assert val_check_interval_for(max_steps) == expected
 

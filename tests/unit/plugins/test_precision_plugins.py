@@ -345,6 +345,32 @@ def test_optimizer_step_calls_before_optimizer_step_after_the_closure() -> None:
     assert isinstance(result, torch.Tensor)
 
 
+def test_optimizer_step_gives_the_closure_to_optimizers_from_other_packages() -> None:
+    # A SAM-like optimizer from outside torch.optim may evaluate the closure several times: it must get it.
+    class TwoPassSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            assert closure is not None
+            closure()
+            return super().step(closure)
+
+    model = _model()
+    events: list = []
+    model._trainer = _RecordingTrainer(events, model)
+    optimizer = TwoPassSGD(model.parameters(), lr=1.0)
+    before = model.weight.detach().clone()
+
+    def closure() -> torch.Tensor:
+        events.append("closure")
+        optimizer.zero_grad()
+        loss = model(torch.ones(1, 4)).sum()
+        loss.backward()
+        return loss
+
+    Precision().optimizer_step(optimizer, model, closure)
+    assert events == ["closure", "before_optimizer_step"] * 2
+    torch.testing.assert_close(model.weight.detach(), before - 1.0)
+
+
 def test_optimizer_step_without_trainer_and_with_bf16_mixed_works() -> None:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -519,3 +519,25 @@ def test_evaluation_restores_each_submodules_training_mode():
     train, val = loaders()
     quiet_trainer(max_epochs=1, num_sanity_val_steps=1).fit(model, train, val)
     assert model.training and not model.net[0].training
+
+
+def test_lbfgs_gets_its_closure_re_evaluated():
+    evaluations: list[int] = []
+
+    class WithLBFGS(Regressor):
+        def training_step(self, batch, batch_idx):
+            evaluations.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
+
+    model = WithLBFGS()
+    train, val = loaders()
+    trainer = quiet_trainer(max_epochs=2)
+    before = trainer.validate(model, val, verbose=False)[0]["val_loss"]
+    trainer.fit(model, train)
+    after = trainer.validate(model, val, verbose=False)[0]["val_loss"]
+    assert trainer.global_step == 16
+    assert len(evaluations) > 16  # several closure evaluations per step
+    assert after < before
