@@ -108,10 +108,7 @@ def run_demo(
             enable_progress_bar=enable_progress_bar,
             default_root_dir=os.fspath(default_root_dir) if default_root_dir is not None else DEFAULT_ROOT_DIR,
         )
-    except (ValueError, TypeError) as err:
-        # Bad strategy/devices/accelerator/precision values: surface them as configuration errors.
-        if isinstance(err, MisconfigurationError):
-            raise
+    except ValueError as err:
         raise MisconfigurationError(str(err)) from err
     trainer.fit(model, datamodule=datamodule)
 

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-import phalanx
 from phalanx.cli import DEMO_DEFAULT_MAX_STEPS, build_parser, main, parse_devices
 from phalanx.demo.data import CORPUS_PATH, CharDataModule
 from phalanx.demo.model import CharTransformer
@@ -216,13 +215,20 @@ def test_help_exits_cleanly(capsys):
     assert "--max-steps" in capsys.readouterr().out
 
 
+def test_trainer_configuration_errors_are_reported_without_traceback(capsys):
+    assert main(["demo", "--strategy", "no-such-strategy", "--max-steps", "1", "--no-progress-bar"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("phalanx demo: error:")
+    assert "no-such-strategy" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize(("max_steps", "expected"), [(30, 5), (900, 150), (1000, 125), (1, 1), (7, 1), (97, 17)])
 def test_val_check_interval(max_steps, expected):
     assert val_check_interval_for(max_steps) == expected
 
 
 # ---------------------------------------------------------------------------- end to end
-@pytest.mark.skipif(not hasattr(phalanx, "Trainer"), reason="phalanx.Trainer is not available yet")
 def test_run_demo_short(tmp_path, capsys):
     result = run_demo(max_steps=30, enable_progress_bar=False, default_root_dir=tmp_path, accelerator="cpu")
     losses = result["val_losses"]
