@@ -61,12 +61,12 @@ def run_evaluation(trainer: Trainer, stage: str, dataloaders: list[Any], limits:
                 results.new_batch(batch, dataloader_idx)
                 for hook in batch_start:
                     hook(batch, batch_idx, dataloader_idx)
-                module._current_fx = step_name
+                module.__dict__["_current_fx"] = step_name
                 output = step(batch, batch_idx, **extra)
                 for hook in batch_end:
                     hook(output, batch, batch_idx, dataloader_idx)
         trainer._publish_epoch_metrics(results)
-        module._current_fx = None
+        module.__dict__["_current_fx"] = None
         hooks.call(f"on_{stage}_epoch_end")
         epoch_metrics = trainer._publish_epoch_metrics(results)
         if trainer.loggers and not trainer.sanity_checking:
@@ -111,13 +111,13 @@ def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | 
                     break
                 batch = strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
                 hooks.call("on_predict_batch_start", batch, batch_idx, dataloader_idx)
-                module._current_fx = "predict_step"
+                module.__dict__["_current_fx"] = "predict_step"
                 output = strategy.predict_step(batch, batch_idx, **extra)
                 hooks.call("on_predict_batch_end", output, batch, batch_idx, dataloader_idx)
                 if return_predictions:
                     outputs.append(output)
             all_outputs.append(outputs)
-        module._current_fx = None
+        module.__dict__["_current_fx"] = None
         hooks.call("on_predict_epoch_end")
         hooks.call("on_predict_end")
         strategy.on_predict_end()

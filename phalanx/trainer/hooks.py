@@ -70,11 +70,11 @@ def _with_fx_name(module: TrainingModule, name: str) -> Callable[..., Any]:
     def call_module_hook(*args: Any) -> Any:
         # self.log inside a hook needs to know where it is called from to pick step/epoch defaults.
         previous = module._current_fx
-        module._current_fx = name
+        module.__dict__["_current_fx"] = name
         try:
             result = method(*args)
         finally:
-            module._current_fx = previous
+            module.__dict__["_current_fx"] = previous
         trainer = module._trainer
         if publishes_epoch_metrics and trainer is not None and trainer._results is not None:
             # What the module logged at epoch end must be visible to the monitoring callbacks called next.

@@ -30,9 +30,15 @@ def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return data
 
 
+def _to_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.is_cpu else tensor.cpu()
+
+
 def move_to_device(data: Any, device: torch.device) -> Any:
     """Move every tensor in ``data`` to ``device`` (non-blocking from pinned memory to an accelerator)."""
     if device.type == "cpu":
         # The common CPU case: tensors are already there, and `.to()` would still cost a dispatcher round trip.
-        return apply_to_tensors(data, lambda t: t if t.device.type == "cpu" else t.to(device))
+        if type(data) in (list, tuple) and all(type(item) is torch.Tensor and item.is_cpu for item in data):
+            return data
+        return apply_to_tensors(data, _to_cpu)
     return apply_to_tensors(data, lambda t: t.to(device, non_blocking=t.is_pinned()))
