@@ -2,29 +2,41 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
+_ABSENT = object()
 
-def redirect_forward(wrapper: nn.Module, module: nn.Module, method_name: str, *args: Any, **kwargs: Any) -> Any:
+
+def redirect_forward(wrapper: nn.Module, module: nn.Module, method_name: str, *args: Any, after_step: Callable[[], None] | None = None, **kwargs: Any) -> Any:
     """Call ``module.<method_name>(*args, **kwargs)`` by way of ``wrapper(...)``.
 
     Wrappers such as DistributedDataParallel or FSDP do their work in hooks around ``forward``; calling
     ``training_step`` directly would bypass them. The module's ``forward`` is swapped for the step method for the
-    duration of one call, and the wrapper is called as usual.
+    duration of one call, and the wrapper is called as usual. ``after_step`` runs right after the step method,
+    still inside the wrapper's forward.
     """
-    original_forward = module.forward
+    # Work on __dict__ directly: nn.Module.__setattr__ would cost microseconds on every step.
+    attributes = module.__dict__
+    own_forward = attributes.get("forward", _ABSENT)
     method = getattr(module, method_name)
 
-    def step_as_forward(*inner_args: Any, **inner_kwargs: Any) -> Any:
-        # Restore first, so that a forward() called inside the step method is the real one.
-        module.forward = original_forward  # type: ignore[method-assign]
-        return method(*inner_args, **inner_kwargs)
+    def restore() -> None:
+        if own_forward is _ABSENT:
+            attributes.pop("forward", None)
+        else:
+            attributes["forward"] = own_forward
 
-    module.forward = step_as_forward  # type: ignore[method-assign]
+    def step_as_forward(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        restore()  # first, so that a forward() called inside the step method is the real one
+        result = method(*inner_args, **inner_kwargs)
+        if after_step is not None:
+            after_step()  # still inside the wrapper's forward, before its post-forward logic
+        return result
+
+    attributes["forward"] = step_as_forward
     try:
         return wrapper(*args, **kwargs)
     finally:
-        if "forward" in module.__dict__:
-            del module.__dict__["forward"]
+        restore()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.registry import Registry
 
 STRATEGY_REGISTRY: Registry[Strategy] = Registry("strategy", "phalanx.strategies")
 
-SingleDeviceStrategy.register_strategies(STRATEGY_REGISTRY)
+for _strategy in (SingleDeviceStrategy, DDPStrategy):
+    _strategy.register_strategies(STRATEGY_REGISTRY)

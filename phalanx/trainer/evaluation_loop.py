@@ -52,7 +52,6 @@ def run_evaluation(trainer: Trainer, stage: str, dataloaders: list[Any], limits:
         for dataloader_idx, (dataloader, limit) in enumerate(zip(dataloaders, limits)):
             if limit == 0:
                 continue
-            dataloader = strategy.process_dataloader(dataloader)
             extra = _step_kwargs(multiple, dataloader_idx)
             for batch_idx, batch in enumerate(dataloader):
                 if batch_idx >= limit:
@@ -97,6 +96,7 @@ def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | 
     assert module is not None
     hooks = trainer._hooks
     multiple = len(dataloaders) > 1
+    distributed = strategy.world_size > 1 and strategy.distributed_sampler_kwargs is not None
     all_outputs: list[list[Any]] = []
     with evaluation_mode(strategy.model, trainer.inference_mode):
         strategy.on_predict_start()
@@ -104,7 +104,6 @@ def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | 
         hooks.call("on_predict_epoch_start")
         for dataloader_idx, (dataloader, limit) in enumerate(zip(dataloaders, limits)):
             outputs: list[Any] = []
-            dataloader = strategy.process_dataloader(dataloader)
             extra = _step_kwargs(multiple, dataloader_idx)
             for batch_idx, batch in enumerate(dataloader):
                 if batch_idx >= limit:
@@ -116,6 +115,8 @@ def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | 
                 hooks.call("on_predict_batch_end", output, batch, batch_idx, dataloader_idx)
                 if return_predictions:
                     outputs.append(output)
+            if distributed and return_predictions:
+                outputs = _gather_in_dataset_order(strategy, dataloader, outputs)
             all_outputs.append(outputs)
         module.__dict__["_current_fx"] = None
         hooks.call("on_predict_epoch_end")
@@ -124,3 +125,15 @@ def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | 
     if not return_predictions:
         return None
     return all_outputs if multiple else all_outputs[0] if all_outputs else []
+
+
+def _gather_in_dataset_order(strategy: Any, dataloader: Any, outputs: list[Any]) -> list[Any]:
+    # Each rank predicted its own shard; every rank receives all of them, put back in dataset order and batched
+    # as one process would have batched them.
+    from phalanx.trainer.distributed_data import batch_indices, reassemble_predictions
+    from phalanx.utilities.apply import apply_to_tensors
+
+    indices = batch_indices(dataloader)[: len(outputs)]
+    local = [(batch, apply_to_tensors(output, lambda t: t.detach().cpu())) for batch, output in zip(indices, outputs)]
+    per_rank = strategy.all_gather_object(local)
+    return reassemble_predictions(per_rank, getattr(dataloader, "batch_size", None))

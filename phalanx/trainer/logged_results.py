@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from phalanx.utilities.rank_zero import rank_zero_warn
+
 if TYPE_CHECKING:
     from phalanx.strategies.strategy import Strategy
 
@@ -141,6 +143,11 @@ class LoggedResults:
             on_step = False  # outside a training batch there is no step to report; keep the epoch value
             on_epoch = True
         metric = _LoggedMetric(name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+        if on_epoch and not sync_dist and self._strategy.world_size > 1:
+            rank_zero_warn(
+                f"self.log({name!r}, ...) aggregates over the epoch without sync_dist=True: with several processes each"
+                " rank keeps its own value (and callbacks may decide differently per rank). Pass sync_dist=True."
+            )
         self._metrics[name] = metric
         return metric
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.accelerators.registry import ACCELERATOR_REGISTRY
+from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from phalanx.plugins.precision.amp import MixedPrecision
 from phalanx.plugins.precision.double import DoublePrecision
 from phalanx.plugins.precision.half import HalfPrecision
 from phalanx.plugins.precision.precision import Precision
+from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
@@ -25,7 +30,6 @@ _PRECISION_ALIASES: dict[Any, str] = {
     16: "16-mixed", "16": "16-mixed",
     "bf16": "bf16-mixed",
 }  # fmt: skip
-_PLUGIN_TYPES = (Precision, CheckpointIO)
 
 
 def normalize_precision(precision: Any) -> str:
@@ -82,24 +86,23 @@ def precision_plugin_for(precision: str, accelerator: Accelerator) -> Precision:
     return MixedPrecision(precision, device=device_type)
 
 
-def _split_plugins(plugins: Any) -> tuple[Precision | None, CheckpointIO | None]:
-    if plugins is None:
-        return None, None
-    items = list(plugins) if isinstance(plugins, Sequence) and not isinstance(plugins, str) else [plugins]
-    precision: Precision | None = None
-    checkpoint_io: CheckpointIO | None = None
-    for plugin in items:
-        if isinstance(plugin, Precision):
-            if precision is not None:
-                raise ValueError("plugins holds more than one Precision plugin; pass only one.")
-            precision = plugin
-        elif isinstance(plugin, CheckpointIO):
-            if checkpoint_io is not None:
-                raise ValueError("plugins holds more than one CheckpointIO; pass only one.")
-            checkpoint_io = plugin
-        else:
-            raise TypeError(f"plugins got a {type(plugin).__name__}; valid plugins are Precision and CheckpointIO instances.")
-    return precision, checkpoint_io
+class _Plugins:
+    """The plugins passed to the Trainer, sorted by kind."""
+
+    def __init__(self, plugins: Any) -> None:
+        self.precision: Precision | None = None
+        self.checkpoint_io: CheckpointIO | None = None
+        self.cluster_environment: ClusterEnvironment | None = None
+        self.layer_sync: LayerSync | None = None
+        items = [] if plugins is None else list(plugins) if isinstance(plugins, Sequence) and not isinstance(plugins, str) else [plugins]
+        kinds = {Precision: "precision", CheckpointIO: "checkpoint_io", ClusterEnvironment: "cluster_environment", LayerSync: "layer_sync"}
+        for plugin in items:
+            slot = next((name for kind, name in kinds.items() if isinstance(plugin, kind)), None)
+            if slot is None:
+                raise TypeError(f"plugins got a {type(plugin).__name__}; valid plugins are Precision, CheckpointIO, ClusterEnvironment and LayerSync instances.")
+            if getattr(self, slot) is not None:
+                raise ValueError(f"plugins holds more than one {slot.replace('_', ' ')} plugin; pass only one.")
+            setattr(self, slot, plugin)
 
 
 def resolve_strategy(
@@ -116,12 +119,17 @@ def resolve_strategy(
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1.")
     precision_name = normalize_precision(precision)
-    precision_plugin, checkpoint_io = _split_plugins(plugins)
+    given = _Plugins(plugins)
+    precision_plugin, checkpoint_io = given.precision, given.checkpoint_io
     if precision_plugin is not None and precision_name != "32-true":
         raise ValueError(f"Both precision={precision!r} and a Precision plugin ({type(precision_plugin).__name__}) were given; pass only one.")
 
     if isinstance(strategy, Strategy):
-        return _complete_strategy_instance(strategy, accelerator, precision_name, precision_plugin, checkpoint_io)
+        built = _complete_strategy_instance(strategy, accelerator, precision_name, precision_plugin, checkpoint_io)
+        if isinstance(built, ParallelStrategy):
+            assert built.accelerator is not None
+            _configure_parallel(built, built.parallel_devices or built.accelerator.get_parallel_devices(devices), num_nodes, sync_batchnorm, given)
+        return built
     if not isinstance(strategy, str):
         raise TypeError(f"strategy must be a registered name or a Strategy instance, got {type(strategy).__name__}.")
 
@@ -152,14 +160,29 @@ def resolve_strategy(
     built.precision_plugin = plugin
     if checkpoint_io is not None:
         built.checkpoint_io = checkpoint_io
-    # Parallel strategies expose these attributes; the Trainer's arguments fill what the strategy left unset.
-    if getattr(built, "parallel_devices", False) is None:
-        built.parallel_devices = parallel_devices  # type: ignore[attr-defined]
-    if hasattr(built, "num_nodes") and not isinstance(type(built).num_nodes, property):
-        built.num_nodes = num_nodes  # type: ignore[attr-defined]
-    if hasattr(built, "sync_batchnorm"):
-        built.sync_batchnorm = sync_batchnorm  # type: ignore[attr-defined]
+    if isinstance(built, ParallelStrategy):
+        _configure_parallel(built, parallel_devices, num_nodes, sync_batchnorm, given)
+    elif process_count > 1:
+        raise ValueError(f"strategy={strategy!r} is not a parallel strategy, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count} processes.")
     return built
+
+
+def _configure_parallel(strategy: ParallelStrategy, parallel_devices: list[torch.device], num_nodes: int, sync_batchnorm: bool, given: _Plugins) -> None:
+    # The Trainer's arguments fill what the strategy left unset; the environment must agree with them.
+    from phalanx.plugins.environments import detect_cluster_environment
+
+    if strategy.parallel_devices is None:
+        strategy.parallel_devices = parallel_devices
+    strategy.num_nodes = num_nodes
+    if given.cluster_environment is not None:
+        strategy.cluster_environment = given.cluster_environment
+    elif strategy.cluster_environment is None:
+        strategy.cluster_environment = detect_cluster_environment()
+    strategy.cluster_environment.validate_settings(num_devices=strategy.num_processes, num_nodes=num_nodes)
+    if given.layer_sync is not None:
+        strategy.layer_sync = given.layer_sync
+    elif sync_batchnorm:
+        strategy.layer_sync = TorchSyncBatchNorm()
 
 
 def _complete_strategy_instance(

@@ -7,6 +7,7 @@ import os
 import re
 import time
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -27,6 +28,7 @@ from phalanx.trainer.optimizer import ManualOptimizer
 from phalanx.trainer.setup import resolve_strategy
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerState, TrainerStatus
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn, set_global_rank
+from phalanx.utilities.seed import worker_init_fn
 
 
 def _parse_max_time(max_time: Any) -> float | None:
@@ -588,13 +590,13 @@ class Trainer:
             raise ValueError("fit() needs training data: pass train_dataloaders=, a datamodule with train_dataloader(), or define train_dataloader() on the TrainingModule.")
         if len(train) != 1:
             raise ValueError(f"fit() takes one training dataloader, got {len(train)}; combine the datasets into one DataLoader.")
-        self._train_dataloader = self.strategy.process_dataloader(train[0])
+        self._train_dataloader = self._prepare_dataloader(train[0], training=True)
         self.num_training_batches = limited_batches(self._train_dataloader, self.limit_train_batches, "limit_train_batches")
         if self.num_training_batches == 0:
             rank_zero_warn("The training dataloader yields no batches (limit_train_batches=0 or an empty dataset): fit will not train.")
         has_validation_step = type(module).validation_step is not TrainingModule.validation_step
         val = source.get("validate") if has_validation_step and self.limit_val_batches != 0 else []
-        self._val_dataloaders = [self.strategy.process_dataloader(loader) for loader in val]
+        self._val_dataloaders = [self._prepare_dataloader(loader, training=False) for loader in val]
         self._val_limits = [limited_batches(loader, self.limit_val_batches, "limit_val_batches") for loader in self._val_dataloaders]
         self.num_val_batches = list(self._val_limits)
         self.validation_enabled = bool(self._val_dataloaders) and any(limit > 0 for limit in self._val_limits)
@@ -618,6 +620,19 @@ class Trainer:
                         f"val_check_interval={interval} is more than the {self.num_training_batches} training batches of an epoch;"
                         " lower it, or pass check_val_every_n_epoch=None to count batches across epochs."
                     )
+
+    def _prepare_dataloader(self, dataloader: Any, training: bool) -> Any:
+        """Shard the data across processes (when the strategy splits data), seed workers, let the strategy wrap it."""
+        sampler_kwargs = self.strategy.distributed_sampler_kwargs
+        if sampler_kwargs and self.use_distributed_sampler:
+            from phalanx.trainer.distributed_data import distributed_dataloader
+
+            seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
+            dataloader = distributed_dataloader(dataloader, training=training, seed=seed, **sampler_kwargs)
+        if os.environ.get("PHALANX_SEED_WORKERS") == "1" and getattr(dataloader, "num_workers", 0) > 0 and dataloader.worker_init_fn is None:
+            # seed_everything(workers=True): every worker of every rank gets its own reproducible seed.
+            dataloader.worker_init_fn = partial(worker_init_fn, rank=self.global_rank)
+        return self.strategy.process_dataloader(dataloader)
 
     def _val_check_due(self, loop: FitLoop, is_last: bool) -> bool:
         every = self._val_every_batches
@@ -693,7 +708,7 @@ class Trainer:
             raise ValueError(f"Trainer.{fn}() needs {type(module).__name__}.{step_name}(batch, batch_idx) to be defined.")
         self._setup_run(module, source, ckpt_path)
         data_key = "validate" if stage == "validation" else "test"
-        dataloaders = [self.strategy.process_dataloader(loader) for loader in source.get(data_key)]
+        dataloaders = [self._prepare_dataloader(loader, training=False) for loader in source.get(data_key)]
         if not dataloaders:
             raise ValueError(f"Trainer.{fn}() needs data: pass dataloaders=, a datamodule with {'val' if stage == 'validation' else 'test'}_dataloader(), or define it on the module.")
         limit = self.limit_val_batches if stage == "validation" else self.limit_test_batches
@@ -714,7 +729,7 @@ class Trainer:
 
     def _run_predict(self, module: TrainingModule, source: DataSource, ckpt_path: Any, return_predictions: bool) -> list[Any] | None:
         self._setup_run(module, source, ckpt_path)
-        dataloaders = [self.strategy.process_dataloader(loader) for loader in source.get("predict")]
+        dataloaders = [self._prepare_dataloader(loader, training=False) for loader in source.get("predict")]
         if not dataloaders:
             raise ValueError("Trainer.predict() needs data: pass dataloaders=, a datamodule with predict_dataloader(), or define it on the module.")
         limits = [limited_batches(loader, self.limit_predict_batches, "limit_predict_batches") for loader in dataloaders]

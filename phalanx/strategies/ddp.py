@@ -1,0 +1,222 @@
+"""DDPStrategy: one process per device, gradients all-reduced by torch's DistributedDataParallel."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from phalanx.accelerators.accelerator import Accelerator
+from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
+from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.precision.precision import Precision
+from phalanx.strategies.forward_redirection import redirect_forward
+from phalanx.strategies.launchers.multiprocessing import START_METHODS, MultiProcessingLauncher
+from phalanx.strategies.launchers.subprocess_script import SubprocessScriptLauncher, watch_launcher_parent
+from phalanx.strategies.parallel import ParallelStrategy
+from phalanx.utilities import distributed
+from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+_UNUSED_PARAMETERS_HINT = (
+    "DistributedDataParallel found parameters that received no gradient in this step (some layers were not used to"
+    " compute the loss). Either use every parameter in training_step, or pass find_unused_parameters=True (e.g."
+    " strategy='ddp_find_unused_parameters_true' or DDPStrategy(find_unused_parameters=True)), which costs an extra"
+    " traversal of the graph each step."
+)
+
+
+class DDPStrategy(ParallelStrategy):
+    """Data parallelism: every process holds the whole model and trains on its shard of each batch."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
+        start_method: str = "popen",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        if start_method not in ("popen", *START_METHODS):
+            raise ValueError(f"start_method={start_method!r} is not valid; choose one of {('popen', *START_METHODS)}.")
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}.")
+        if model_averaging_period is not None and (isinstance(model_averaging_period, bool) or not isinstance(model_averaging_period, int) or model_averaging_period < 1):
+            raise ValueError(f"model_averaging_period={model_averaging_period!r} must be an int >= 1.")
+        self._ddp_comm_state = ddp_comm_state
+        self._ddp_comm_hook = ddp_comm_hook
+        self._ddp_comm_wrapper = ddp_comm_wrapper
+        self._model_averaging_period = model_averaging_period
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._ddp_kwargs = kwargs
+        self._launched_local_rank: int | None = None
+
+    # ------------------------------------------------------------------ processes and devices
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device: the local rank's entry of ``parallel_devices``."""
+        assert self.parallel_devices is not None, "the Trainer sets parallel_devices"
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def process_group_backend(self) -> str:
+        """'nccl' on CUDA, 'gloo' otherwise, unless given."""
+        if self._process_group_backend is not None:
+            return self._process_group_backend
+        return "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    @property
+    def launcher(self) -> Any:
+        """How the other processes start: re-running the script ('popen') or torch.multiprocessing."""
+        if self._launcher is None and self.cluster_environment is not None:
+            if self._start_method == "popen":
+                if not self.cluster_environment.creates_processes_externally:
+                    self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            elif self._launched_local_rank is None:
+                self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
+        return self._launcher
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A multiprocessing launcher is rebuilt in each worker, where it must not launch again.
+        state = self.__dict__.copy()
+        state["_launcher"] = None
+        return state
+
+    def setup_environment(self) -> None:
+        """Join the process group (once) and select this rank's device."""
+        assert self.cluster_environment is not None and self.parallel_devices is not None
+        if self._launched_local_rank is not None or self._start_method == "popen":
+            watch_launcher_parent()
+        environment = self.cluster_environment
+        environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        environment.set_world_size(self.num_nodes * self.num_processes)
+        set_global_rank(self.global_rank)
+        if not distributed.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", environment.main_address)
+            os.environ.setdefault("MASTER_PORT", str(environment.main_port))
+            rank_zero_info(f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend {self.process_group_backend}")
+            torch.distributed.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout)
+        super().setup_environment()
+
+    def model_to_device(self) -> None:
+        """Move the module to this rank's device."""
+        assert self._module is not None
+        self._module.to(self.root_device)
+
+    # ------------------------------------------------------------------ wrapping
+    def setup(self, trainer: Any) -> None:
+        """Move, convert and (when fitting) wrap the module in DistributedDataParallel."""
+        assert self.accelerator is not None and self._module is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == "fit"
+        if fitting and self._layer_sync is not None:
+            self._module = self._layer_sync.apply(self._module)
+        self._module = self.precision_plugin.convert_module(self._module)
+        self._model = self._module
+        self.model_to_device()
+        if fitting:
+            self._model = self._wrap(self._module)
+            self._register_comm_hook()
+            self.setup_optimizers(trainer)
+            self._enable_model_averaging()
+        else:
+            # Evaluation runs unwrapped; every rank starts from rank 0's weights.
+            for tensor in self._module.state_dict().values():
+                distributed.run_collective("broadcast(weights)", self.global_rank, self._timeout, lambda t=tensor: torch.distributed.broadcast(t, src=0))
+        self.setup_precision_plugin()
+
+    def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
+        device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids, **self._ddp_kwargs)
+
+    def _register_comm_hook(self) -> None:
+        if self._ddp_comm_hook is None:
+            return
+        hook = self._ddp_comm_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        assert isinstance(self._model, DistributedDataParallel)
+        self._model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
+
+    def _enable_model_averaging(self) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
+
+        if not isinstance(self._ddp_comm_state, PostLocalSGDState):
+            return
+        if self._model_averaging_period is None:
+            raise ValueError("Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (steps between model averages).")
+        from torch.distributed.optim import DistributedOptimizer, PostLocalSGDOptimizer, ZeroRedundancyOptimizer
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, (DistributedOptimizer, ZeroRedundancyOptimizer, PostLocalSGDOptimizer)):
+                raise ValueError(f"Model averaging cannot wrap a distributed optimizer ({type(optimizer).__name__}); use a regular torch optimizer.")
+        averager = PeriodicModelAverager(period=self._model_averaging_period, warmup_steps=self._ddp_comm_state.start_localSGD_iter)
+        self.optimizers = [PostLocalSGDOptimizer(optim=optimizer, averager=averager) for optimizer in self.optimizers]
+
+    # ------------------------------------------------------------------ steps
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Through DDP's forward; in manual optimization the reducer is prepared by ``pre_backward`` instead."""
+        model, module = self._model, self._module
+        if not isinstance(model, DistributedDataParallel) or module.automatic_optimization:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            # manual_backward runs inside training_step, i.e. inside DDP's forward: keep DDP from preparing the
+            # reducer for the (already finished) backward when the forward returns.
+            try:
+                return redirect_forward(model, module, "training_step", *args, after_step=lambda: setattr(model, "require_backward_grad_sync", False), **kwargs)
+            finally:
+                model.require_backward_grad_sync = True
+
+    def _run_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        if method == "training_step":
+            return super()._run_step(method, context, *args, **kwargs)
+        # Evaluation bypasses DDP: ranks may see different numbers of batches (no padded duplicates), so no
+        # collective (e.g. DDP's buffer broadcast) may run per batch.
+        with context:
+            return getattr(self._module, method)(*args, **kwargs)
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """In manual optimization, prepare DDP's reducer for the backward the user triggers."""
+        model = self._model
+        if isinstance(model, DistributedDataParallel) and not self._module.automatic_optimization and torch.is_grad_enabled() and model.require_backward_grad_sync:
+            model.require_forward_param_sync = True
+            model.reducer.prepare_for_backward([closure_loss] if model.find_unused_parameters else [])
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Turn DDP's unused-parameter error into a hint; stop the other processes."""
+        if isinstance(exception, RuntimeError) and "Expected to have finished reduction" in str(exception):
+            raise RuntimeError(_UNUSED_PARAMETERS_HINT) from exception
+        self.reconciliate_processes(repr(exception))
+
+    def teardown(self) -> None:
+        """Unwrap the module and revert SyncBatchNorm; the process group stays for later calls."""
+        if self._module is not None:
+            if self._layer_sync is not None:
+                self._module = self._layer_sync.revert(self._module)
+            self._model = self._module
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        """Register 'ddp', 'ddp_spawn', 'ddp_fork', 'ddp_notebook' and their find_unused_parameters variants."""
+        entries = (("ddp", "popen", "processes started by re-running the script"), ("ddp_spawn", "spawn", "processes started with spawn"), ("ddp_fork", "fork", "processes started with fork"), ("ddp_notebook", "fork", "fork, usable from notebooks"))
+        for name, start_method, how in entries:
+            registry.register(name, cls, description=f"DistributedDataParallel, {how}.", start_method=start_method)
+            for flag in (True, False):
+                registry.register(f"{name}_find_unused_parameters_{str(flag).lower()}", cls, description=f"DistributedDataParallel, {how}, find_unused_parameters={flag}.", start_method=start_method, find_unused_parameters=flag)

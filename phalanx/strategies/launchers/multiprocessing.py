@@ -1,0 +1,131 @@
+"""Starts every rank with torch.multiprocessing (spawn, fork or forkserver) and brings rank 0's results back."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import signal
+from typing import Any, Callable
+
+import torch
+
+from phalanx.strategies.launchers.launcher import Launcher
+
+START_METHODS = ("spawn", "fork", "forkserver")
+
+
+class MultiProcessingLauncher(Launcher):
+    """The main process starts N workers, waits for them, then takes over rank 0's trained state.
+
+    After ``fit`` the user's objects in the main process hold what rank 0 ended with: the module's weights, the
+    progress counters, the callback metrics and the callbacks' state (best model path, ...).
+    """
+
+    def __init__(self, strategy: Any, start_method: str = "spawn") -> None:
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is not valid for the multiprocessing launcher; choose one of {START_METHODS}.")
+        if start_method not in multiprocessing.get_all_start_methods():
+            raise ValueError(f"start_method={start_method!r} is not available on this platform; available: {multiprocessing.get_all_start_methods()}.")
+        self._strategy = strategy
+        self._start_method = start_method
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        """Fork works from a notebook; spawn needs importable code."""
+        return self._start_method == "fork"
+
+    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        """Run ``function`` in ``num_processes`` new processes and return rank 0's result."""
+        if multiprocessing.parent_process() is not None and self._start_method != "fork":
+            raise RuntimeError(
+                f"strategy with start_method={self._start_method!r} was asked to start processes from inside a worker"
+                " process. Your script is missing an `if __name__ == \"__main__\":` guard around the code that calls"
+                " Trainer.fit (each spawned process imports the script again)."
+            )
+        if self._start_method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise RuntimeError(
+                "Cannot fork processes after CUDA was initialised in the main process (CUDA does not survive a fork)."
+                " Use strategy='ddp_spawn' or 'ddp', or avoid touching CUDA before Trainer.fit."
+            )
+        environment = self._strategy.cluster_environment
+        os.environ["MASTER_ADDR"] = environment.main_address
+        os.environ["MASTER_PORT"] = str(environment.main_port)
+        context = torch.multiprocessing.get_context(self._start_method)
+        results = context.SimpleQueue()
+        torch.multiprocessing.start_processes(
+            _run_rank,
+            args=(trainer, function, args, kwargs, results, self._start_method),
+            nprocs=self._strategy.num_processes,
+            start_method=self._start_method,
+            join=True,
+        )
+        worker_output = _from_bytes(results.get())
+        if trainer is not None:
+            # The module the user passed (first argument of fit/validate/...) lives in this process: update it.
+            module = next((arg for arg in args if isinstance(arg, torch.nn.Module)), None)
+            _take_over(trainer, module, worker_output)
+        return worker_output["result"]
+
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        """torch.multiprocessing stops the remaining workers itself when one fails."""
+
+
+def _run_rank(local_rank: int, trainer: Any, function: Callable[..., Any], args: tuple, kwargs: dict, results: Any, start_method: str) -> None:
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    seed = os.environ.get("PHALANX_GLOBAL_SEED")
+    if seed is not None and start_method != "fork":
+        # A spawned interpreter starts with fresh generators; give it the seed the main process chose.
+        from phalanx.utilities.seed import seed_everything
+
+        seed_everything(int(seed), workers=os.environ.get("PHALANX_SEED_WORKERS") == "1")
+    strategy = trainer.strategy
+    strategy._launched_local_rank = local_rank
+    result = function(*args, **kwargs)
+    if strategy.global_rank == 0:
+        results.put(_to_bytes(_collect(trainer, result)))
+
+
+def _to_bytes(payload: dict[str, Any]) -> bytes:
+    # Plain bytes, not shared-memory tensors: this worker exits before the main process reads the queue.
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data: bytes) -> dict[str, Any]:
+    # Written by our own worker a moment ago (not a file from elsewhere), and it may hold any predict_step output.
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _cpu(state: Any) -> Any:
+    from phalanx.utilities.apply import apply_to_tensors
+
+    return apply_to_tensors(state, lambda t: t.detach().cpu())
+
+
+def _collect(trainer: Any, result: Any) -> dict[str, Any]:
+    module = trainer.strategy.module
+    return {
+        "result": _cpu(result),
+        "state_dict": _cpu(module.state_dict()) if module is not None else None,
+        "fit_loop": _cpu(trainer.fit_loop.state_dict()),
+        "callback_metrics": _cpu(dict(trainer.callback_metrics)),
+        "logged_metrics": _cpu(dict(trainer.logged_metrics)),
+        "callbacks": [_cpu(callback.state_dict()) for callback in trainer.callbacks],
+        "status": str(trainer.state.status),
+    }
+
+
+def _take_over(trainer: Any, module: torch.nn.Module | None, output: dict[str, Any]) -> None:
+    if module is not None and output["state_dict"] is not None:
+        module.load_state_dict(output["state_dict"])
+    loop = trainer.fit_loop
+    state = output["fit_loop"]
+    loop.current_epoch, loop.global_step = state["epoch"], state["global_step"]
+    loop.batches_done, loop.total_batches, loop.phase = state["batches_done"], state["total_batches"], state["phase"]
+    trainer._callback_metrics = output["callback_metrics"]
+    trainer._logged_metrics = output["logged_metrics"]
+    for callback, callback_state in zip(trainer.callbacks, output["callbacks"]):
+        if callback_state:
+            callback.load_state_dict(callback_state)

@@ -1,0 +1,71 @@
+"""Thin helpers over torch.distributed: reductions by name, and collectives whose failures say what to do."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch import Tensor
+
+_T = TypeVar("_T")
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def is_initialized() -> bool:
+    """Whether a default process group exists."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _reduce_op(name: str) -> Any:
+    ops = {"sum": torch.distributed.ReduceOp.SUM, "mean": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX, "min": torch.distributed.ReduceOp.MIN}
+    if name not in ops:
+        raise ValueError(f"reduce_op={name!r} is not supported; choose one of {REDUCE_OPS}.")
+    return ops[name]
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names the operation, the rank and the remedy."""
+
+
+def run_collective(name: str, rank: int, timeout: timedelta | None, collective: Callable[[], _T]) -> _T:
+    """Run ``collective``; turn a failure into a CollectiveError naming ``name`` and ``rank``."""
+    try:
+        return collective()
+    except RuntimeError as error:
+        text = str(error)
+        lowered = text.lower()
+        if "timed out" in lowered or "timeout" in lowered:
+            raise CollectiveError(
+                f"The collective '{name}' on rank {rank} timed out after {timeout}: another process did not reach the"
+                " same call (it may have crashed, or be stuck or much slower). If the wait is legitimate (slow data"
+                f" loading, a long checkpoint), raise the limit with the strategy's timeout= argument. Original error: {text.splitlines()[0] if text else error!r}"
+            ) from error
+        if "connection closed" in lowered or "connection reset" in lowered or "broken pipe" in lowered:
+            raise CollectiveError(f"The collective '{name}' on rank {rank} failed because another process left the job (it crashed or was killed). Original error: {text.splitlines()[0]}") from error
+        raise
+
+
+def all_reduce(tensor: Tensor, reduce_op: str, group: Any | None, rank: int, timeout: timedelta | None) -> Tensor:
+    """Return the reduction of ``tensor`` over all processes (``mean`` divides the sum by the world size)."""
+    op = _reduce_op(reduce_op)
+    result = tensor.detach().clone()
+    if not result.is_floating_point() and reduce_op == "mean":
+        result = result.float()
+    run_collective(f"all_reduce({reduce_op})", rank, timeout, lambda: torch.distributed.all_reduce(result, op=op, group=group))
+    if reduce_op == "mean":
+        result = result / torch.distributed.get_world_size(group)
+    return result
+
+
+def all_gather(tensor: Tensor, group: Any | None, sync_grads: bool, rank: int, timeout: timedelta | None) -> Tensor:
+    """Stack ``tensor`` from every process along a new first dimension (tensors must have the same shape)."""
+    if sync_grads:
+        from torch.distributed.nn.functional import all_gather as differentiable_all_gather
+
+        gathered = run_collective("all_gather", rank, timeout, lambda: differentiable_all_gather(tensor, group=group or torch.distributed.group.WORLD))
+        return torch.stack(gathered)
+    tensor = tensor.contiguous()
+    gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    run_collective("all_gather", rank, timeout, lambda: torch.distributed.all_gather(gathered, tensor, group=group))
+    return torch.stack(gathered)
