@@ -182,6 +182,8 @@ def _configure_parallel(strategy: ParallelStrategy, parallel_devices: list[torch
     if given.layer_sync is not None:
         strategy.layer_sync = given.layer_sync
     elif sync_batchnorm:
+        if all(device.type == "cpu" for device in strategy.parallel_devices or []):
+            raise ValueError("sync_batchnorm=True needs GPUs: torch's SyncBatchNorm does not run on the CPU. Remove it, or train with accelerator='cuda'.")
         strategy.layer_sync = TorchSyncBatchNorm()
 
 

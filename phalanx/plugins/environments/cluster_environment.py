@@ -63,7 +63,7 @@ class ClusterEnvironment(ABC):
 
 
 def _env_int(name: str, default: int | None = None) -> int:
-    """Read the integer environment variable ``name``; ValueError if it is missing (without default) or not an integer."""
+    """Read the integer variable ``name``; ValueError if it is missing (and has no default) or is not an integer."""
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         if default is None:
