@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -199,10 +200,14 @@ class DDPStrategy(ParallelStrategy):
             model.reducer.prepare_for_backward([closure_loss] if model.find_unused_parameters else [])
 
     def on_exception(self, exception: BaseException) -> None:
-        """Turn DDP's unused-parameter error into a hint; stop the other processes."""
+        """Stop the processes this one started; explain DDP's unused-parameter error; stay quiet about a peer's failure."""
+        self.reconciliate_processes(repr(exception))
         if isinstance(exception, RuntimeError) and "Expected to have finished reduction" in str(exception):
             raise RuntimeError(_UNUSED_PARAMETERS_HINT) from exception
-        self.reconciliate_processes(repr(exception))
+        if self.world_size > 1 and distributed.peer_left(exception):
+            # Another process failed first and reports its own traceback; a second one here would only mislead.
+            print(f"[phalanx] rank {self.global_rank}: stopping because another process of this job failed (its error is shown above or by the launcher).", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
 
     def teardown(self) -> None:
         """Unwrap the module and revert SyncBatchNorm; the process group stays for later calls."""

@@ -467,10 +467,12 @@ class Trainer:
             module = self.strategy.module
             for callback in self.callbacks:
                 callback.on_exception(self, module, exception)  # type: ignore[arg-type]
-            self.strategy.on_exception(exception)
-            for logger in self.loggers:
-                logger.finalize("interrupted" if interrupted else "failed")
-            self.strategy.teardown()
+            try:
+                self.strategy.on_exception(exception)  # may stop other processes, or raise a clearer error
+            finally:
+                for logger in self.loggers:
+                    logger.finalize("interrupted" if interrupted else "failed")
+                self.strategy.teardown()
             raise
         self.state.status = TrainerStatus.FINISHED
         self.state.stage = None

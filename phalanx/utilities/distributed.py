@@ -40,10 +40,19 @@ def run_collective(name: str, rank: int, timeout: timedelta | None, collective: 
                 f"The collective '{name}' on rank {rank} timed out after {timeout}: another process did not reach the"
                 " same call (it may have crashed, or be stuck or much slower). If the wait is legitimate (slow data"
                 f" loading, a long checkpoint), raise the limit with the strategy's timeout= argument. Original error: {text.splitlines()[0] if text else error!r}"
-            ) from error
-        if "connection closed" in lowered or "connection reset" in lowered or "broken pipe" in lowered:
-            raise CollectiveError(f"The collective '{name}' on rank {rank} failed because another process left the job (it crashed or was killed). Original error: {text.splitlines()[0]}") from error
+            ) from None
+        if peer_left(error):
+            raise CollectiveError(f"The collective '{name}' on rank {rank} failed because another process left the job (it crashed or was killed). Original error: {text.splitlines()[0]}") from None
         raise
+
+
+_PEER_LEFT = ("connection closed", "connection reset", "broken pipe", "another process left the job")
+
+
+def peer_left(error: BaseException) -> bool:
+    """Whether ``error`` only says that another process of the job went away (a consequence, not a cause)."""
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(marker in text for marker in _PEER_LEFT)
 
 
 def all_reduce(tensor: Tensor, reduce_op: str, group: Any | None, rank: int, timeout: timedelta | None) -> Tensor:

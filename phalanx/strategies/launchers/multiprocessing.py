@@ -37,7 +37,9 @@ class MultiProcessingLauncher(Launcher):
 
     def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         """Run ``function`` in ``num_processes`` new processes and return rank 0's result."""
-        if multiprocessing.parent_process() is not None and self._start_method != "fork":
+        # A spawned worker re-imports the main script while `_inheriting` is set: an unguarded fit() lands here.
+        bootstrapping = getattr(multiprocessing.current_process(), "_inheriting", False)
+        if (bootstrapping or multiprocessing.parent_process() is not None) and self._start_method != "fork":
             raise RuntimeError(
                 f"strategy with start_method={self._start_method!r} was asked to start processes from inside a worker"
                 " process. Your script is missing an `if __name__ == \"__main__\":` guard around the code that calls"

@@ -1,4 +1,4 @@
-"""A DDP job in which one rank fails. Usage: python failing_job.py STRATEGY FAILING_RANK MODE [MARKER]
+"""A DDP job in which one rank fails. Usage: python failing_job.py STRATEGY FAILING_RANK MODE TIMEOUT_S [MARKER]
 
 MODE: 'raise' (an exception in training_step), 'kill' (the process kills itself with SIGKILL), 'hang' (the rank
 sleeps past the collective timeout before the next step).
@@ -36,7 +36,7 @@ class Failing(Net):
 if __name__ == "__main__":
     strategy_name, failing_rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     start_method = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork"}[strategy_name]
-    strategy = DDPStrategy(start_method=start_method, timeout=timedelta(seconds=3))
+    strategy = DDPStrategy(start_method=start_method, timeout=timedelta(seconds=float(sys.argv[4])))
     trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_epochs=50, logger=False, enable_progress_bar=False,
                               enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(Failing(failing_rank, mode), DataLoader(IndexedRegression(n=64), batch_size=4))

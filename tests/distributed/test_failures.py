@@ -1,0 +1,52 @@
+"""A failing, killed or stuck rank never hangs the job: every process exits non-zero, soon, with one traceback."""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+
+import pytest
+from phalanx_distributed import processes_with_marker, run_script
+
+
+def _no_process_left(marker: str) -> bool:
+    deadline = time.monotonic() + 3
+    while processes_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not processes_with_marker(marker)
+
+
+# The collective timeout is 120 s here: the job must end because phalanx stops it, not because torch gives up.
+@pytest.mark.parametrize(
+    ("strategy", "failing_rank", "mode"),
+    [("ddp", 1, "raise"), ("ddp", 0, "raise"), ("ddp", 1, "kill"), ("ddp", 0, "kill"), ("ddp_spawn", 1, "raise"), ("ddp_fork", 1, "kill")],
+)
+def test_a_failing_rank_stops_the_whole_job(strategy, failing_rank, mode):
+    marker = f"marker-{uuid.uuid4().hex}"
+    job = run_script("failing_job.py", strategy, str(failing_rank), mode, "120", marker, timeout=60)
+    assert job.returncode != 0
+    assert job.seconds < 30, f"the job took {job.seconds:.1f} s to stop"
+    assert _no_process_left(marker)
+    if mode == "raise":
+        assert f"deliberate failure on rank {failing_rank}" in job.stderr
+        if strategy == "ddp":
+            assert job.stderr.count("Traceback") == 1, job.stderr
+    else:
+        assert job.stderr.count("Traceback") <= 1, job.stderr
+
+
+def test_a_stuck_rank_ends_in_a_timeout_that_names_the_operation_and_the_remedy():
+    marker = f"marker-{uuid.uuid4().hex}"
+    job = run_script("failing_job.py", "ddp", "1", "hang", "3", marker, timeout=60)
+    assert job.returncode != 0
+    assert "timed out" in job.stderr and "on rank 0" in job.stderr and "timeout=" in job.stderr
+    assert job.seconds < 30
+    assert _no_process_left(marker)
+
+
+def test_spawn_without_main_guard_fails_with_a_clear_message():
+    job = run_script("unguarded_spawn.py", timeout=60)
+    assert job.returncode != 0
+    assert 'if __name__ == "__main__":' in job.stderr
+    assert sys.executable  # the job ended by itself well before the helper's timeout
