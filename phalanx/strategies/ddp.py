@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from datetime import timedelta
@@ -31,6 +32,11 @@ _UNUSED_PARAMETERS_HINT = (
 )
 
 
+def _destroy_process_group() -> None:
+    if distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 class DDPStrategy(ParallelStrategy):
     """Data parallelism: every process holds the whole model and trains on its shard of each batch."""
 
@@ -57,6 +63,8 @@ class DDPStrategy(ParallelStrategy):
             raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}.")
         if model_averaging_period is not None and (isinstance(model_averaging_period, bool) or not isinstance(model_averaging_period, int) or model_averaging_period < 1):
             raise ValueError(f"model_averaging_period={model_averaging_period!r} must be an int >= 1.")
+        if model_averaging_period is None and type(ddp_comm_state).__name__ == "PostLocalSGDState":
+            raise ValueError("Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (optimizer steps between model averages).")
         self._ddp_comm_state = ddp_comm_state
         self._ddp_comm_hook = ddp_comm_hook
         self._ddp_comm_wrapper = ddp_comm_wrapper
@@ -112,6 +120,9 @@ class DDPStrategy(ParallelStrategy):
             os.environ.setdefault("MASTER_PORT", str(environment.main_port))
             rank_zero_info(f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend {self.process_group_backend}")
             torch.distributed.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout)
+            # Left alive until interpreter shutdown, the group's threads can abort the process ("terminate called
+            # without an active exception") and turn a successful job into a failed one.
+            atexit.register(_destroy_process_group)
         super().setup_environment()
 
     def model_to_device(self) -> None:
@@ -148,6 +159,10 @@ class DDPStrategy(ParallelStrategy):
     def _register_comm_hook(self) -> None:
         if self._ddp_comm_hook is None:
             return
+        state = self._ddp_comm_state
+        if type(state).__name__ == "PostLocalSGDState" and state.subgroup is None:  # type: ignore[union-attr]
+            # torch's default subgroup size is the number of CUDA devices; averaging within each node works anywhere.
+            state.subgroup, _ = torch.distributed.new_subgroups(group_size=self.num_processes)  # type: ignore[union-attr]
         hook = self._ddp_comm_hook
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
@@ -159,8 +174,7 @@ class DDPStrategy(ParallelStrategy):
 
         if not isinstance(self._ddp_comm_state, PostLocalSGDState):
             return
-        if self._model_averaging_period is None:
-            raise ValueError("Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (steps between model averages).")
+        assert self._model_averaging_period is not None, "checked in __init__"
         from torch.distributed.optim import DistributedOptimizer, PostLocalSGDOptimizer, ZeroRedundancyOptimizer
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 

@@ -167,3 +167,42 @@ def test_two_nodes_on_one_machine(tmp_path):
     rank0, rank1 = _ranks(tmp_path, 2)
     assert (rank0["node_rank"], rank1["node_rank"]) == (0, 1)
     assert rank0["world_size"] == 2 and rank0["weights"] == rank1["weights"]
+
+
+@pytest.fixture(scope="module")
+def options(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_options")
+    assert_ok(run_script("ddp_options.py", str(out)))
+    return _ranks(out, 2)
+
+
+def test_manual_optimization_and_static_graph_match_automatic_ddp(options):
+    rank0, rank1 = options
+    for key in ("automatic", "manual", "static_graph", "comm_hook", "averaging"):
+        assert rank0[key] == rank1[key], f"{key}: ranks diverged"
+    assert rank0["manual"] == rank0["automatic"]
+    assert rank0["static_graph"] == rank0["automatic"]
+
+
+def test_comm_hook_with_wrapper_and_post_local_sgd_averaging(options):
+    rank0, _ = options
+    assert rank0["hook_calls"] == 6  # one bucket per step, through our hook
+    flat = lambda tensors: [value for tensor in tensors for value in tensor]  # noqa: E731
+    assert flat(rank0["comm_hook"]) == pytest.approx(flat(rank0["automatic"]), abs=1e-2)  # fp16-compressed gradients
+    assert rank0["comm_hook"] != rank0["automatic"]
+    assert rank0["averaging_optimizer"] == "PostLocalSGDOptimizer"
+    assert rank0["averaging"] != rank0["automatic"]  # local steps between averages change the trajectory
+
+
+def test_unused_parameters_error_becomes_a_hint(tmp_path):
+    job = run_script("ddp_options.py", str(tmp_path), "unused")
+    assert job.returncode != 0
+    assert "find_unused_parameters=True" in job.stderr and "ddp_find_unused_parameters_true" in job.stderr
+
+
+def test_python_dash_m_with_arguments_is_relaunched_the_same_way(tmp_path):
+    job = run([sys.executable, "-m", "tiny_fit", str(tmp_path), "2", "1", "--extra-flag"], cwd=SCRIPTS)
+    assert_ok(job)
+    rank0, rank1 = _ranks(tmp_path, 2)
+    assert rank1["argv"] == rank0["argv"] == [str(tmp_path), "2", "1", "--extra-flag"]
+    assert rank0["weights"] == rank1["weights"]

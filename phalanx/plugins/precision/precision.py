@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
@@ -14,14 +15,21 @@ _CLOSURE_ONCE: dict[type, bool] = {}
 
 
 def evaluates_closure_once(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` is one of torch's own, which call a closure once before updating (all but LBFGS).
+    """Whether the closure can be run before ``step()`` instead of being passed to it.
 
-    Other optimizers (LBFGS, SAM-like ones from other packages) may re-evaluate the closure, so they always get it.
+    True for torch's own optimizers, which call a closure once before updating (all but LBFGS), and for optimizers
+    whose ``step`` takes no closure at all (e.g. PostLocalSGDOptimizer). Others (LBFGS, SAM-like optimizers) may
+    re-evaluate the closure, so they always get it.
     """
     kind = type(optimizer)
     known = _CLOSURE_ONCE.get(kind)
     if known is None:
-        known = _CLOSURE_ONCE[kind] = kind.__module__.startswith("torch.optim.") and not issubclass(kind, torch.optim.LBFGS)
+        torch_builtin = kind.__module__.startswith("torch.optim.") and not issubclass(kind, torch.optim.LBFGS)
+        try:
+            takes_closure = "closure" in inspect.signature(kind.step).parameters
+        except (TypeError, ValueError):
+            takes_closure = True
+        known = _CLOSURE_ONCE[kind] = torch_builtin or not takes_closure
     return known
 
 
