@@ -119,11 +119,27 @@ class DDPStrategy(ParallelStrategy):
             os.environ.setdefault("MASTER_ADDR", environment.main_address)
             os.environ.setdefault("MASTER_PORT", str(environment.main_port))
             rank_zero_info(f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend {self.process_group_backend}")
-            torch.distributed.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout)
+            torch.distributed.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, store=self._rendezvous_store())
             # Left alive until interpreter shutdown, the group's threads can abort the process ("terminate called
             # without an active exception") and turn a successful job into a failed one.
             atexit.register(_destroy_process_group)
         super().setup_environment()
+
+    def _rendezvous_store(self) -> Any:
+        """Under torchrun, a store whose keys are private to this restart attempt (None: torch's env:// default).
+
+        torchrun keeps one store across the restarts of its workers; a restarted rank could read the address a dead
+        rank of the previous attempt published and fail, or wait forever, while connecting.
+        """
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            return None
+        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
+            is_master=not agent_hosts_store and self.global_rank == 0, timeout=self._timeout or DEFAULT_TIMEOUT,
+        )  # fmt: skip
+        return torch.distributed.PrefixStore(f"phalanx/attempt_{attempt}", store)
 
     def model_to_device(self) -> None:
         """Move the module to this rank's device."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -10,7 +11,7 @@ import torch
 
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.hparams import is_plain
-from phalanx.utilities.rank_zero import rank_zero_warn
+from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states
 
 if TYPE_CHECKING:
@@ -53,6 +54,37 @@ def plain_hyperparameters(hparams: dict[str, Any], owner: str) -> dict[str, Any]
             " are left out of checkpoints; pass them again as overrides to load_from_checkpoint, or save_hyperparameters(ignore=...)."
         )
     return kept
+
+
+#: Written last into a directory checkpoint (sharded strategies), once every rank has written its part.
+COMPLETE_MARKER = ".complete"
+
+
+def is_complete_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a finished checkpoint: a whole torch file, or a directory with its completion marker."""
+    if path.name.startswith(".") or path.name.endswith(".tmp"):
+        return False  # an atomic write still in progress (or abandoned by a killed process)
+    if path.is_dir():
+        return (path / COMPLETE_MARKER).exists()
+    try:
+        # torch.save writes a zip archive whose directory sits at the end: a truncated file has none.
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def newest_complete_checkpoint(directories: list[Path]) -> str | None:
+    """The complete ``*.ckpt`` (file or directory) with the latest modification time under ``directories``."""
+    candidates: dict[Path, float] = {}
+    for directory in directories:
+        if directory.is_dir():
+            for path in directory.rglob("*.ckpt"):
+                if is_complete_checkpoint(path):
+                    candidates[path.resolve()] = path.stat().st_mtime
+    if not candidates:
+        return None
+    return str(max(candidates, key=lambda p: (candidates[p], str(p))))
 
 
 class CheckpointConnector:
@@ -108,6 +140,11 @@ class CheckpointConnector:
         if ckpt_path is None:
             return None
         trainer = self.trainer
+        if ckpt_path == "auto":
+            found = self.find_newest_complete()
+            if found is not None:
+                rank_zero_info(f"ckpt_path='auto': resuming from {found}")
+            return found
         if ckpt_path in ("best", "last"):
             callback = trainer.checkpoint_callback
             if callback is None:
@@ -122,8 +159,19 @@ class CheckpointConnector:
                 raise ValueError("ckpt_path='last': no last checkpoint was found; save one with ModelCheckpoint(save_last=True) or pass a path.")
             return str(path)
         if not isinstance(ckpt_path, (str, Path)):
-            raise TypeError(f"ckpt_path must be 'last', 'best' or a path, got {type(ckpt_path).__name__}.")
+            raise TypeError(f"ckpt_path must be 'auto', 'last', 'best' or a path, got {type(ckpt_path).__name__}.")
         return str(ckpt_path)
+
+    def search_directories(self) -> list[Path]:
+        """Where this run's checkpoints can be: every ModelCheckpoint's directory and ``default_root_dir``."""
+        directories = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        return directories + [Path(self.trainer.default_root_dir)]
+
+    def find_newest_complete(self) -> str | None:
+        """The most recently written complete checkpoint of this run (rank 0 decides, every rank gets the answer)."""
+        trainer = self.trainer
+        newest = newest_complete_checkpoint(self.search_directories()) if trainer.is_global_zero else None
+        return trainer.strategy.broadcast(newest)
 
     def _find_last(self, callback: Any) -> str:
         dirpath = getattr(callback, "dirpath", None)

@@ -221,6 +221,9 @@ class FitLoop:
         self.phase = _IN_BATCHES
         if due:
             self._validate()
+        if trainer.preemption is not None and trainer._preemption_requested(self.total_batches):
+            trainer._stop_now = True
+            return True
         if self._stop_requested(deadline):
             trainer._stop_now = True
             return True

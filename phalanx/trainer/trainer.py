@@ -25,6 +25,7 @@ from phalanx.trainer.fit_loop import FitLoop
 from phalanx.trainer.hooks import HookTable
 from phalanx.trainer.logged_results import LoggedResults
 from phalanx.trainer.optimizer import ManualOptimizer
+from phalanx.trainer.preemption import PREEMPTED_EXIT_CODE, Preemption
 from phalanx.trainer.setup import resolve_strategy
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerState, TrainerStatus
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn, set_global_rank
@@ -97,6 +98,7 @@ class Trainer:
         use_distributed_sampler: bool = True,
         benchmark: bool | None = None,
         inference_mode: bool = True,
+        preemption: Preemption | bool = True,
     ) -> None:
         self.strategy: Strategy = resolve_strategy(
             accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes,
@@ -166,6 +168,14 @@ class Trainer:
         self.use_distributed_sampler = use_distributed_sampler
         self.inference_mode = inference_mode
         self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
+        if preemption is True:
+            preemption = Preemption()
+        elif preemption is False or preemption is None:
+            preemption = None
+        elif not isinstance(preemption, Preemption):
+            raise TypeError(f"preemption must be True, False or a phalanx.trainer.Preemption, got {type(preemption).__name__}.")
+        self.preemption: Preemption | None = preemption
+        self.preempted = False
 
         self.loggers = self._build_loggers(logger if not fast_dev_batches else False)
         self.callbacks: list[Callback] = self._build_callbacks(
@@ -257,7 +267,10 @@ class Trainer:
             raise ValueError("Pass either dataloaders or a datamodule to fit(), not both.")
         self._check_datamodule(datamodule)
         source = DataSource(module, datamodule, train=train_dataloaders, validate=val_dataloaders)
+        self.preempted = False
         self._start(TrainerFn.FITTING, self._run_fit, module, source, ckpt_path)
+        if self.preempted and self.preemption is not None and self.preemption.exit:
+            raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def validate(self, model: TrainingModule | None = None, dataloaders: Any = None, ckpt_path: Any = None, verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
         """Run one validation epoch; return one dict of metrics per dataloader."""
@@ -555,12 +568,23 @@ class Trainer:
         self._deadline = time.monotonic() + self._max_time if self._max_time is not None else None
         for optimizer in strategy.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        self.fit_loop.run()
+        self._run_fit_loop()
         self.state.stage = None
         self._hooks.call("on_train_end")
         strategy.on_train_end()
         self._hooks.call("on_fit_end")
         self._teardown_run(module)
+
+    def _run_fit_loop(self) -> None:
+        # Signals are routed to preemption handling only around the training loop: during set-up (joining the
+        # process group, loading a checkpoint) a process must still stop at once when its launcher tells it to.
+        if self.preemption is None:
+            return self.fit_loop.run()
+        self.preemption.install()
+        try:
+            self.fit_loop.run()
+        finally:
+            self.preemption.uninstall()
 
     def _prepare_optimization(self, module: TrainingModule) -> None:
         strategy = self.strategy
@@ -741,7 +765,27 @@ class Trainer:
         self._teardown_run(module)
         return outputs
 
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints of this run go by default: the first ModelCheckpoint's directory, else default_root_dir/checkpoints."""
+        callback = self.checkpoint_callback
+        dirpath = getattr(callback, "dirpath", None)
+        return os.fspath(dirpath) if dirpath else os.path.join(self.default_root_dir, "checkpoints")
+
     # ------------------------------------------------------------------ called by the loops and plugins
+    def _preemption_requested(self, batches: int) -> bool:
+        preemption = self.preemption
+        if preemption is None or not preemption.requested(self, batches):
+            return False
+        # Every rank is here, at the same batch: write the checkpoint together, then stop.
+        signame = preemption.received.name if preemption.received is not None else "a signal on another rank"
+        path = os.path.join(self.checkpoint_dir, f"preempted-epoch={self.current_epoch}-step={self.global_step}.ckpt")
+        rank_zero_info(f"Preempted ({signame}): saving {path} and stopping.")
+        self.save_checkpoint(path)
+        preemption.requeue_job(self)
+        self.preempted = True
+        return True
+
     def _before_optimizer_step(self, optimizer: Any) -> None:
         for hook in self._hooks["on_before_optimizer_step"]:
             hook(optimizer)

@@ -116,6 +116,7 @@ def _collect(trainer: Any, result: Any) -> dict[str, Any]:
         "logged_metrics": _cpu(dict(trainer.logged_metrics)),
         "callbacks": [_cpu(callback.state_dict()) for callback in trainer.callbacks],
         "status": str(trainer.state.status),
+        "preempted": trainer.preempted,
     }
 
 
@@ -127,6 +128,7 @@ def _take_over(trainer: Any, module: torch.nn.Module | None, output: dict[str, A
     loop.current_epoch, loop.global_step = state["epoch"], state["global_step"]
     loop.batches_done, loop.total_batches, loop.phase = state["batches_done"], state["total_batches"], state["phase"]
     trainer._callback_metrics = output["callback_metrics"]
+    trainer.preempted = output["preempted"]
     trainer._logged_metrics = output["logged_metrics"]
     for callback, callback_state in zip(trainer.callbacks, output["callbacks"]):
         if callback_state:

@@ -16,6 +16,7 @@ from phalanx.strategies.launchers.launcher import Launcher
 
 _PARENT_PID = "PHALANX_LAUNCHER_PID"
 _POLL_SECONDS = 0.2
+_PREEMPTED = 75  # phalanx.trainer.preemption.PREEMPTED_EXIT_CODE: a preempted child stops on purpose, like this process
 
 
 def script_command() -> list[str]:
@@ -80,7 +81,7 @@ class SubprocessScriptLauncher(Launcher):
         while not self._stopping:
             for proc in self.procs:
                 code = proc.poll()
-                if code is not None and code != 0:
+                if code is not None and code not in (0, _PREEMPTED):
                     self._stopping = True
                     print(f"[phalanx] a process of this job exited with status {code}; stopping the others.", file=sys.stderr, flush=True)
                     self.kill()
@@ -91,8 +92,7 @@ class SubprocessScriptLauncher(Launcher):
         # At a normal exit of local rank 0, the children are finishing the same script: wait for them.
         self._stopping = True
         codes = [proc.wait() for proc in self.procs]
-        failed = [code for code in codes if code != 0]
-        if failed:
+        if any(code not in (0, _PREEMPTED) for code in codes):
             os._exit(1)
 
     def kill(self, signum: int = signal.SIGKILL) -> None:
