@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 from datetime import timedelta
@@ -21,6 +20,7 @@ from phalanx.strategies.launchers.multiprocessing import START_METHODS, MultiPro
 from phalanx.strategies.launchers.subprocess_script import SubprocessScriptLauncher, watch_launcher_parent
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.utilities import distributed
+from phalanx.utilities.process_group_exit import destroy_process_group_at_exit
 from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -30,11 +30,6 @@ _UNUSED_PARAMETERS_HINT = (
     " strategy='ddp_find_unused_parameters_true' or DDPStrategy(find_unused_parameters=True)), which costs an extra"
     " traversal of the graph each step."
 )
-
-
-def _destroy_process_group() -> None:
-    if distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 class DDPStrategy(ParallelStrategy):
@@ -120,9 +115,8 @@ class DDPStrategy(ParallelStrategy):
             os.environ.setdefault("MASTER_PORT", str(environment.main_port))
             rank_zero_info(f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend {self.process_group_backend}")
             torch.distributed.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, store=self._rendezvous_store())
-            # Left alive until interpreter shutdown, the group's threads can abort the process ("terminate called
-            # without an active exception") and turn a successful job into a failed one.
-            atexit.register(_destroy_process_group)
+            # Left alive until interpreter shutdown, the group's threads can abort a finished job (see the module).
+            destroy_process_group_at_exit()
         super().setup_environment()
 
     def _rendezvous_store(self) -> Any:
