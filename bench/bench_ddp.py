@@ -8,9 +8,9 @@ a user waits for. Jobs alternate (after one untimed warm-up of each); best and m
 Both jobs save rank 0's final weights, which must be identical.
 
 A job that dies at exit with "terminate called without an active exception" (a gloo worker thread needing the GIL
-while the interpreter shuts down, see pytorch/pytorch#190489; about 1 phalanx job in 40 with torch 2.13, as
-destroy_process_group() leaves gloo's threads running) is run again, and the count of such jobs is printed; any other
-failure stops the benchmark.
+while the interpreter shuts down, see pytorch/pytorch#190489 and phalanx/utilities/process_group_exit.py, which keeps
+phalanx's own jobs clear of it; the raw script can still hit it) is run again, and the count of such jobs is printed;
+any other failure stops the benchmark.
 
   phalanx:  python bench/ddp/phalanx_ddp.py OUT.pt STEPS
   raw:      python -m torch.distributed.run --nproc-per-node 2 --master-port PORT bench/ddp/raw_ddp.py OUT.pt STEPS
