@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -16,14 +14,8 @@ from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.forward_redirection import redirect_forward
-from phalanx.strategies.launchers.multiprocessing import START_METHODS, MultiProcessingLauncher
-from phalanx.strategies.launchers.subprocess_script import SubprocessScriptLauncher, watch_launcher_parent
-from phalanx.strategies.parallel import ParallelStrategy
+from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.utilities import distributed
-from phalanx.utilities.process_group_exit import destroy_process_group_at_exit
-from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
-
-DEFAULT_TIMEOUT = timedelta(minutes=30)
 _UNUSED_PARAMETERS_HINT = (
     "DistributedDataParallel found parameters that received no gradient in this step (some layers were not used to"
     " compute the loss). Either use every parameter in training_step, or pass find_unused_parameters=True (e.g."
@@ -51,11 +43,10 @@ class DDPStrategy(ParallelStrategy):
         start_method: str = "popen",
         **kwargs: Any,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
-        if start_method not in ("popen", *START_METHODS):
-            raise ValueError(f"start_method={start_method!r} is not valid; choose one of {('popen', *START_METHODS)}.")
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}.")
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+        )  # fmt: skip
         if model_averaging_period is not None and (isinstance(model_averaging_period, bool) or not isinstance(model_averaging_period, int) or model_averaging_period < 1):
             raise ValueError(f"model_averaging_period={model_averaging_period!r} must be an int >= 1.")
         if model_averaging_period is None and type(ddp_comm_state).__name__ == "PostLocalSGDState":
@@ -64,81 +55,7 @@ class DDPStrategy(ParallelStrategy):
         self._ddp_comm_hook = ddp_comm_hook
         self._ddp_comm_wrapper = ddp_comm_wrapper
         self._model_averaging_period = model_averaging_period
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
         self._ddp_kwargs = kwargs
-        self._launched_local_rank: int | None = None
-
-    # ------------------------------------------------------------------ processes and devices
-    @property
-    def root_device(self) -> torch.device:
-        """This process's device: the local rank's entry of ``parallel_devices``."""
-        assert self.parallel_devices is not None, "the Trainer sets parallel_devices"
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def process_group_backend(self) -> str:
-        """'nccl' on CUDA, 'gloo' otherwise, unless given."""
-        if self._process_group_backend is not None:
-            return self._process_group_backend
-        return "nccl" if self.root_device.type == "cuda" else "gloo"
-
-    @property
-    def launcher(self) -> Any:
-        """How the other processes start: re-running the script ('popen') or torch.multiprocessing."""
-        if self._launcher is None and self.cluster_environment is not None:
-            if self._start_method == "popen":
-                if not self.cluster_environment.creates_processes_externally:
-                    self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-            elif self._launched_local_rank is None:
-                self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
-        return self._launcher
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A multiprocessing launcher is rebuilt in each worker, where it must not launch again.
-        state = self.__dict__.copy()
-        state["_launcher"] = None
-        return state
-
-    def setup_environment(self) -> None:
-        """Join the process group (once) and select this rank's device."""
-        assert self.cluster_environment is not None and self.parallel_devices is not None
-        if self._launched_local_rank is not None or self._start_method == "popen":
-            watch_launcher_parent()
-        environment = self.cluster_environment
-        environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        environment.set_world_size(self.num_nodes * self.num_processes)
-        set_global_rank(self.global_rank)
-        if not distributed.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", environment.main_address)
-            os.environ.setdefault("MASTER_PORT", str(environment.main_port))
-            rank_zero_info(f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend {self.process_group_backend}")
-            torch.distributed.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, store=self._rendezvous_store())
-            # Left alive until interpreter shutdown, the group's threads can abort a finished job (see the module).
-            destroy_process_group_at_exit()
-        super().setup_environment()
-
-    def _rendezvous_store(self) -> Any:
-        """Under torchrun, a store whose keys are private to this restart attempt (None: torch's env:// default).
-
-        torchrun keeps one store across the restarts of its workers; a restarted rank could read the address a dead
-        rank of the previous attempt published and fail, or wait forever, while connecting.
-        """
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if attempt is None:
-            return None
-        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = torch.distributed.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
-            is_master=not agent_hosts_store and self.global_rank == 0, timeout=self._timeout or DEFAULT_TIMEOUT,
-        )  # fmt: skip
-        return torch.distributed.PrefixStore(f"phalanx/attempt_{attempt}", store)
-
-    def model_to_device(self) -> None:
-        """Move the module to this rank's device."""
-        assert self._module is not None
-        self._module.to(self.root_device)
 
     # ------------------------------------------------------------------ wrapping
     def setup(self, trainer: Any) -> None:
@@ -225,13 +142,10 @@ class DDPStrategy(ParallelStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         """Stop the processes this one started; explain DDP's unused-parameter error; stay quiet about a peer's failure."""
-        self.reconciliate_processes(repr(exception))
         if isinstance(exception, RuntimeError) and "Expected to have finished reduction" in str(exception):
+            self.reconciliate_processes(repr(exception))
             raise RuntimeError(_UNUSED_PARAMETERS_HINT) from exception
-        if self.world_size > 1 and distributed.peer_left(exception):
-            # Another process failed first and reports its own traceback; a second one here would only mislead.
-            print(f"[phalanx] rank {self.global_rank}: stopping because another process of this job failed (its error is shown above or by the launcher).", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
+        super().on_exception(exception)
 
     def teardown(self) -> None:
         """Unwrap the module and revert SyncBatchNorm; the process group stays for later calls."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from abc import ABC
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -15,14 +17,20 @@ from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.layer_sync import LayerSync
 from phalanx.plugins.precision.precision import Precision
+from phalanx.strategies.launchers.multiprocessing import START_METHODS, MultiProcessingLauncher
+from phalanx.strategies.launchers.subprocess_script import SubprocessScriptLauncher, watch_launcher_parent
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities import distributed
+from phalanx.utilities.process_group_exit import destroy_process_group_at_exit
+from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
 
 _T = TypeVar("_T")
 
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
 
 class ParallelStrategy(Strategy, ABC):
-    """Ranks come from a ClusterEnvironment; collectives go through torch.distributed."""
+    """Ranks come from a ClusterEnvironment; processes start through a launcher; collectives go through torch.distributed."""
 
     def __init__(
         self,
@@ -31,13 +39,102 @@ class ParallelStrategy(Strategy, ABC):
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        *,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
+        start_method: str = "popen",
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        if start_method not in ("popen", *START_METHODS):
+            raise ValueError(f"start_method={start_method!r} is not valid; choose one of {('popen', *START_METHODS)}.")
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}.")
         self.parallel_devices = parallel_devices
         self.cluster_environment = cluster_environment
         self._num_nodes = 1
         self._layer_sync: LayerSync | None = None
-        self._timeout: timedelta | None = None
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._launched_local_rank: int | None = None
+
+    # ------------------------------------------------------------------ processes and devices
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device: the local rank's entry of ``parallel_devices``."""
+        assert self.parallel_devices is not None, "the Trainer sets parallel_devices"
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def process_group_backend(self) -> str:
+        """'nccl' on CUDA, 'gloo' otherwise, unless given."""
+        if self._process_group_backend is not None:
+            return self._process_group_backend
+        return "nccl" if self.root_device.type == "cuda" else "gloo"
+
+    @property
+    def launcher(self) -> Any:
+        """How the other processes start: re-running the script ('popen') or torch.multiprocessing."""
+        if self._launcher is None and self.cluster_environment is not None:
+            if self._start_method == "popen":
+                if not self.cluster_environment.creates_processes_externally:
+                    self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            elif self._launched_local_rank is None:
+                self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
+        return self._launcher
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A multiprocessing launcher is rebuilt in each worker, where it must not launch again.
+        state = self.__dict__.copy()
+        state["_launcher"] = None
+        return state
+
+    def setup_environment(self) -> None:
+        """Join the process group (once) and select this rank's device."""
+        assert self.cluster_environment is not None and self.parallel_devices is not None
+        if self._launched_local_rank is not None or self._start_method == "popen":
+            watch_launcher_parent()
+        environment = self.cluster_environment
+        environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        environment.set_world_size(self.num_nodes * self.num_processes)
+        set_global_rank(self.global_rank)
+        if not distributed.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", environment.main_address)
+            os.environ.setdefault("MASTER_PORT", str(environment.main_port))
+            rank_zero_info(f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend {self.process_group_backend}")
+            torch.distributed.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, store=self._rendezvous_store())
+            # Left alive until interpreter shutdown, the group's threads can abort a finished job (see the module).
+            destroy_process_group_at_exit()
+        super().setup_environment()
+
+    def _rendezvous_store(self) -> Any:
+        """Under torchrun, a store whose keys are private to this restart attempt (None: torch's env:// default).
+
+        torchrun keeps one store across the restarts of its workers; a restarted rank could read the address a dead
+        rank of the previous attempt published and fail, or wait forever, while connecting.
+        """
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            return None
+        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
+            is_master=not agent_hosts_store and self.global_rank == 0, timeout=self._timeout or DEFAULT_TIMEOUT,
+        )  # fmt: skip
+        return torch.distributed.PrefixStore(f"phalanx/attempt_{attempt}", store)
+
+    def model_to_device(self) -> None:
+        """Move the module to this rank's device."""
+        assert self._module is not None
+        self._module.to(self.root_device)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Stop the processes this one started; stay quiet about a peer's failure (that peer reports its own)."""
+        self.reconciliate_processes(repr(exception))
+        if self.world_size > 1 and distributed.peer_left(exception):
+            # Another process failed first and reports its own traceback; a second one here would only mislead.
+            print(f"[phalanx] rank {self.global_rank}: stopping because another process of this job failed (its error is shown above or by the launcher).", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
 
     @property
     def num_nodes(self) -> int:

@@ -75,6 +75,14 @@ class Strategy(ABC):
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
         self._precision_plugin = precision_plugin
 
+    @classmethod
+    def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> Precision:
+        """The precision plugin this strategy needs for the precision name ``precision`` on ``accelerator``."""
+        # Strategies that own the precision machinery (FSDP's mixed-precision policy, DeepSpeed) override this.
+        from phalanx.trainer.setup import precision_plugin_for
+
+        return precision_plugin_for(precision, accelerator)
+
     @property
     def launcher(self) -> Any:
         """How extra processes are started; None runs everything in this process."""

@@ -147,8 +147,10 @@ def resolve_strategy(
     if name not in STRATEGY_REGISTRY:
         raise ValueError(f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a Strategy instance.")
 
-    plugin = precision_plugin if precision_plugin is not None else precision_plugin_for(precision_name, accelerator_instance)
-    if name == "single_device" or STRATEGY_REGISTRY.get_class(name) is SingleDeviceStrategy:
+    strategy_class = STRATEGY_REGISTRY.get_class(name)
+    make_plugin = getattr(strategy_class, "precision_plugin_for", None) or precision_plugin_for
+    plugin = precision_plugin if precision_plugin is not None else make_plugin(precision_name, accelerator_instance)
+    if name == "single_device" or strategy_class is SingleDeviceStrategy:
         if process_count > 1:
             raise ValueError(f"strategy={strategy!r} runs one process, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count}. Use a parallel strategy such as 'ddp', or devices=1.")
         if sync_batchnorm:
@@ -206,7 +208,7 @@ def _complete_strategy_instance(
     elif accelerator not in ("auto", None) and not (isinstance(accelerator, str) and accelerator.lower() == getattr(strategy.accelerator, "name", None)) and accelerator is not strategy.accelerator:
         raise ValueError(f"accelerator={accelerator!r} conflicts with the accelerator of the strategy instance ({type(strategy.accelerator).__name__}); set it in one place.")
     if strategy._precision_plugin is None:
-        strategy.precision_plugin = precision_plugin if precision_plugin is not None else precision_plugin_for(precision_name, strategy.accelerator)
+        strategy.precision_plugin = precision_plugin if precision_plugin is not None else type(strategy).precision_plugin_for(precision_name, strategy.accelerator)
     elif precision_plugin is not None or precision_name != "32-true":
         raise ValueError(f"The strategy instance already has a precision plugin ({type(strategy.precision_plugin).__name__}); do not also pass precision= or a Precision plugin.")
     if checkpoint_io is not None:
