@@ -219,6 +219,11 @@ class TrainingModule(nn.Module):
         return torch.get_default_dtype()
 
     @property
+    def device_mesh(self) -> Any:
+        """The strategy's DeviceMesh (ModelParallel: dims "data_parallel" and "tensor_parallel"), or None."""
+        return getattr(self._trainer.strategy, "device_mesh", None) if self._trainer is not None else None
+
+    @property
     def global_rank(self) -> int:
         """This process's global rank (0 when not attached)."""
         return self._trainer.global_rank if self._trainer is not None else 0

@@ -1,9 +1,12 @@
 """Strategies: how training is distributed."""
 
 from phalanx.strategies.ddp import DDPStrategy
+from phalanx.strategies.deepspeed import DeepSpeedStrategy
+from phalanx.strategies.fsdp import FSDPStrategy
+from phalanx.strategies.model_parallel import ModelParallelStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 
-__all__ = ["DDPStrategy", "ParallelStrategy", "STRATEGY_REGISTRY", "SingleDeviceStrategy", "Strategy"]
+__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy", "ParallelStrategy", "STRATEGY_REGISTRY", "SingleDeviceStrategy", "Strategy"]

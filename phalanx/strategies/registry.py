@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from phalanx.strategies.ddp import DDPStrategy
+from phalanx.strategies.deepspeed import DeepSpeedStrategy
+from phalanx.strategies.fsdp import FSDPStrategy
+from phalanx.strategies.model_parallel import ModelParallelStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.registry import Registry
 
 STRATEGY_REGISTRY: Registry[Strategy] = Registry("strategy", "phalanx.strategies")
 
-for _strategy in (SingleDeviceStrategy, DDPStrategy):
+for _strategy in (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy):
     _strategy.register_strategies(STRATEGY_REGISTRY)

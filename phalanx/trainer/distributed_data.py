@@ -266,7 +266,7 @@ def _is_plain_random(sampler: Any) -> bool:
     )
 
 
-def distributed_dataloader(dataloader: Any, *, num_replicas: int, rank: int, training: bool, seed: int) -> Any:
+def distributed_dataloader(dataloader: Any, *, num_replicas: int, rank: int, training: bool, seed: int, pad_evaluation: bool = False) -> Any:
     """``dataloader`` with its sampler replaced by this rank's share of the data.
 
     Left unchanged: anything that is not a DataLoader, a DataLoader over an IterableDataset (its dataset must shard
@@ -287,7 +287,9 @@ def distributed_dataloader(dataloader: Any, *, num_replicas: int, rank: int, tra
 
     Evaluation (``training=False``): :class:`UnrepeatedDistributedSampler` (``shuffle=False``) for a random or
     sequential sampler, and ``DistributedSamplerWrapper(repeat=False)`` for any other, so every sample is evaluated
-    exactly once.
+    exactly once. With ``pad_evaluation=True`` (strategies whose every forward pass is a collective, such as FSDP and
+    tensor parallelism, where ranks must run equally many batches) evaluation is padded like training, without
+    shuffling: up to ``num_replicas - 1`` samples are evaluated twice (predictions drop the repeats).
 
     A custom ``batch_sampler`` raises a ``ValueError`` unless it already draws from a distributed sampler.
     """
@@ -297,7 +299,9 @@ def distributed_dataloader(dataloader: Any, *, num_replicas: int, rank: int, tra
         return dataloader
     sampler, _, drop_last = _sampling(dataloader)
     dataset = dataloader.dataset
-    if training:
+    if training or pad_evaluation:
+        if not training:
+            sampler = SequentialSampler(dataset) if _is_plain_random(sampler) else sampler
         if _is_plain_random(sampler) or type(sampler) is SequentialSampler:
             new: Sampler = DistributedSampler(
                 dataset, num_replicas=num_replicas, rank=rank, shuffle=type(sampler) is RandomSampler, seed=seed, drop_last=drop_last
@@ -417,14 +421,15 @@ def _regroup(outputs: list[Any], sizes: list[int], order: list[int], bounds: lis
     raise ValueError(f"A predict output{where} of type {type(first).__name__} has no per-sample first dimension. {_PER_SAMPLE_HINT}")
 
 
-def reassemble_predictions(per_rank: list[list[tuple[list[int], Any]]], batch_size: int | None) -> list[Any]:
+def reassemble_predictions(per_rank: list[list[tuple[list[int], Any]]], batch_size: int | None, drop_repeats: bool = False) -> list[Any]:
     """Put the predictions of all ranks back in dataset order, batched as a single process would have batched them.
 
     ``per_rank[r]`` is rank ``r``'s list of ``(indices of the batch, predict_step output for that batch)``. Every output
     is split into samples (tensors along dim 0, per-sample lists/tuples element by element, dicts/tuples/lists of those
     leaf by leaf, ``None`` stays ``None``), samples are sorted by dataset index (stable, so an index drawn twice keeps
     both predictions, lower rank first), and cut into batches of ``batch_size`` (the largest batch seen when ``None``).
-    Containers keep their type. Raises ``ValueError`` for an output without one entry per sample, such as a float per
+    Containers keep their type. ``drop_repeats=True`` keeps only the first prediction of an index (the padding
+    of a padded sampler). Raises ``ValueError`` for an output without one entry per sample, such as a float per
     batch.
 
     With :class:`UnrepeatedDistributedSampler` over a sequential sampler this reproduces exactly the single-process
@@ -448,5 +453,8 @@ def reassemble_predictions(per_rank: list[list[tuple[list[int], Any]]], batch_si
         return []
     size = batch_size if batch_size is not None else max(sizes)
     order = sorted(range(len(indices)), key=indices.__getitem__)
-    bounds = [(start, min(start + size, len(indices))) for start in range(0, len(indices), size)]
+    if drop_repeats:
+        seen: set[int] = set()
+        order = [position for position in order if not (indices[position] in seen or seen.add(indices[position]))]
+    bounds = [(start, min(start + size, len(order))) for start in range(0, len(order), size)]
     return _regroup(outputs, sizes, order, bounds, "")

@@ -518,11 +518,14 @@ class Trainer:
         with strategy.tensor_init_context(), strategy.model_sharded_context():
             module.configure_model()
         path = self._checkpoint_connector.resolve_path(ckpt_path)
-        checkpoint = self._checkpoint_connector.load(path) if path is not None else None
-        if checkpoint is not None and not strategy.restore_checkpoint_after_setup:
+        checkpoint = None
+        if path is not None and not strategy.restore_checkpoint_after_setup:
+            checkpoint = self._checkpoint_connector.load(path)
             self._checkpoint_connector.restore_model(checkpoint)
         strategy.setup(self)
-        if checkpoint is not None and strategy.restore_checkpoint_after_setup:
+        if path is not None and strategy.restore_checkpoint_after_setup:
+            # Read once the model is sharded (and its optimizers exist), so that each rank reads only its shards.
+            checkpoint = self._checkpoint_connector.load(path)
             self._checkpoint_connector.restore_model(checkpoint)
         return checkpoint
 

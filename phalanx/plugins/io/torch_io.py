@@ -127,7 +127,7 @@ class TorchCheckpointIO(CheckpointIO):
             _write_local_atomically(data, Path(path))
 
     def load_checkpoint(self, path: _PathLike, map_location: Any | None = None) -> dict[str, Any]:
-        """Read the checkpoint at ``path`` with ``weights_only=True``."""
+        """Read the checkpoint at ``path`` with ``weights_only=True`` (a sharded checkpoint directory is read whole)."""
         if map_location is None:
             map_location = "cpu"
         if is_url(path):
@@ -142,7 +142,10 @@ class TorchCheckpointIO(CheckpointIO):
         if not local.exists():
             raise FileNotFoundError(f"Checkpoint not found: {path}")
         if local.is_dir():
-            raise CheckpointError(f"{path} is a directory, not a checkpoint file readable by TorchCheckpointIO.")
+            # A sharded (or DeepSpeed) checkpoint directory, read whole: any strategy can resume from it.
+            from phalanx.plugins.io.distributed_checkpoint import consolidate
+
+            return consolidate(local)
         with open(local, "rb") as handle:
             return load_bytes(handle, str(path), map_location)
 

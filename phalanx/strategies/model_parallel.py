@@ -1,0 +1,130 @@
+"""ModelParallelStrategy: a 2-D device mesh (data parallel x tensor parallel) that the module parallelises itself."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from phalanx.accelerators.accelerator import Accelerator
+from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
+from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.precision.precision import Precision
+from phalanx.strategies.dtensor_state import has_dtensors, has_meta_tensors
+from phalanx.strategies.fsdp import is_sharded
+from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
+from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
+
+MESH_DIMENSIONS = ("data_parallel", "tensor_parallel")
+
+
+def _check_size(name: str, value: Any) -> None:
+    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}={value!r} must be 'auto' or an int >= 1.")
+
+
+class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
+    """Tensor and data parallelism on a DeviceMesh named ("data_parallel", "tensor_parallel").
+
+    The module parallelises itself in ``configure_model`` using ``self.device_mesh`` (``parallelize_module`` on
+    ``device_mesh["tensor_parallel"]``, ``fully_shard`` on ``device_mesh["data_parallel"]``). Checkpoints are sharded
+    directories by default (``save_distributed_checkpoint=False`` writes one whole file).
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = "auto",
+        save_distributed_checkpoint: bool = True,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
+        )  # fmt: skip
+        _check_size("data_parallel_size", data_parallel_size)
+        _check_size("tensor_parallel_size", tensor_parallel_size)
+        self._data_parallel_size = data_parallel_size
+        self._tensor_parallel_size = tensor_parallel_size
+        self._state_dict_type = check_state_dict_type("sharded" if save_distributed_checkpoint else "full")
+        self.device_mesh: Any = None
+
+    # ------------------------------------------------------------------ the mesh
+    def mesh_shape(self) -> tuple[int, int]:
+        """(data parallel size, tensor parallel size); 'auto' is one node's processes for tensor parallelism."""
+        world = self.num_nodes * self.num_processes
+        dp, tp = self._data_parallel_size, self._tensor_parallel_size
+        if tp == "auto" and dp == "auto":
+            dp, tp = self.num_nodes, self.num_processes
+        elif tp == "auto":
+            tp = world // dp if world % dp == 0 else 0  # type: ignore[operator]
+        elif dp == "auto":
+            dp = world // tp if world % tp == 0 else 0  # type: ignore[operator]
+        if dp * tp != world:  # type: ignore[operator]
+            raise ValueError(
+                f"data_parallel_size={self._data_parallel_size!r} x tensor_parallel_size={self._tensor_parallel_size!r} must equal the"
+                f" number of processes ({world} = devices {self.num_processes} x num_nodes {self.num_nodes})."
+            )
+        return int(dp), int(tp)  # type: ignore[arg-type]
+
+    def setup_environment(self) -> None:
+        """Join the process group and build the 2-D device mesh."""
+        shape = self.mesh_shape()  # checked before any process group exists
+        super().setup_environment()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=MESH_DIMENSIONS)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """Only data-parallel ranks read different data; a tensor-parallel group reads the same batches."""
+        dp, tp = self.mesh_shape()
+        return {"num_replicas": dp, "rank": self.global_rank // tp, "pad_evaluation": True}
+
+    # ------------------------------------------------------------------ set-up
+    def connect(self, model: Any) -> None:
+        """Take the module, which must parallelise itself in ``configure_model``."""
+        from phalanx.module import TrainingModule
+
+        if type(model).configure_model is TrainingModule.configure_model:
+            raise TypeError(
+                f"ModelParallelStrategy needs {type(model).__name__}.configure_model() to parallelise the model with"
+                " self.device_mesh (parallelize_module on device_mesh['tensor_parallel'], fully_shard on device_mesh['data_parallel'])."
+            )
+        super().connect(model)
+
+    def setup(self, trainer: Any) -> None:
+        """Check that configure_model parallelised the module, materialise meta tensors, create optimizers."""
+        assert self.accelerator is not None and self._module is not None
+        module = self._module
+        self.accelerator.setup(trainer)
+        module = self.precision_plugin.convert_module(module)
+        self._module = module
+        dp, _ = self.mesh_shape()
+        if dp > 1 and not is_sharded(module):
+            raise ValueError(
+                f"data_parallel_size={dp}: gradients must be reduced across the data-parallel ranks. Apply"
+                " fully_shard(module, mesh=self.device_mesh['data_parallel']) in configure_model."
+            )
+        if not has_dtensors(module) and self.world_size > 1:
+            raise ValueError("configure_model did not parallelise any parameter with self.device_mesh; the model would be replicated without synchronisation.")
+        if has_meta_tensors(module):
+            self._materialize(module)
+        else:
+            self.model_to_device()
+        self._model = module
+        if trainer.state.fn == "fit":
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        """Register 'model_parallel'."""
+        registry.register("model_parallel", cls, description="Tensor parallelism and FSDP on a 2-D DeviceMesh, applied in configure_model.")
