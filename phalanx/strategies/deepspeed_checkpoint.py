@@ -1,0 +1,410 @@
+"""DeepSpeed checkpoint directories written by ``DeepSpeedStrategy``, and turning one into an ordinary phalanx checkpoint.
+
+Layout of ``NAME.ckpt/``::
+
+    latest                          DeepSpeed's pointer to the tag directory ('checkpoint')
+    checkpoint/                     DeepSpeed's own files: every rank writes its ZeRO partitions
+        mp_rank_00_model_states.pt                   stages 0-2: the module (in the training dtype), parameter shapes
+        zero_pp_rank_R_mp_rank_00_model_states.pt    stage 3: buffers, shapes, frozen-parameter shards of rank R
+        [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   stages 1-3: rank R's float32 master weights and optimizer state
+    phalanx_deepspeed_state.pt     the Trainer's state (loops, callbacks, RNG states, schedulers, hyper-parameters),
+                                    plain values, loadable with weights_only=True
+    .complete                       written last, once every rank has finished
+
+Consolidation never imports deepspeed and never unpickles arbitrary objects: DeepSpeed's files are read with
+``torch.load(weights_only=True)``, with a short allow-list that maps the few DeepSpeed record types they contain
+(loss scaler, ZeRO stage enum, fragment addresses) to inert placeholder objects.
+
+The optimizer state is mapped back to the standard ``optimizer.state_dict()`` layout (one entry per parameter, numbered
+in parameter-group order) for optimizers whose state tensors have one value per parameter element (Adam, AdamW, SGD
+with momentum, ...) plus scalars such as ``step``. When that is impossible (other state layouts, optimizer state
+offloaded to NVMe), the consolidated checkpoint holds the weights and training progress but no ``optimizer_states``:
+it can be loaded as weights (``load_from_checkpoint``) but training cannot resume from it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from phalanx.utilities.exceptions import CheckpointError
+
+#: The Trainer's own state in a DeepSpeed checkpoint directory.
+STATE_FILE = "phalanx_deepspeed_state.pt"
+#: The tag (sub-directory) DeepSpeedStrategy saves DeepSpeed's files under.
+TAG = "checkpoint"
+#: What ``DeepSpeedStrategy.optimizer_state`` puts in a checkpoint in place of each optimizer's state.
+OPTIMIZER_MARKER_KEY = "stored_by"
+OPTIMIZER_MARKER = {OPTIMIZER_MARKER_KEY: "deepspeed"}
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a checkpoint directory written by ``DeepSpeedStrategy``."""
+    directory = Path(path)
+    return directory.is_dir() and (directory / STATE_FILE).is_file() and (directory / "latest").is_file()
+
+
+def is_optimizer_marker(state: Any) -> bool:
+    """Whether ``state`` is the placeholder that says DeepSpeed's files hold this optimizer's state."""
+    return isinstance(state, dict) and state.get(OPTIMIZER_MARKER_KEY) == OPTIMIZER_MARKER[OPTIMIZER_MARKER_KEY]
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The Trainer's state saved beside DeepSpeed's files (``weights_only=True``)."""
+    from phalanx.plugins.io.torch_io import load_bytes
+
+    directory = Path(path)
+    if not is_deepspeed_checkpoint(directory):
+        raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint directory written by phalanx (it needs '{STATE_FILE}' and 'latest').")
+    with open(directory / STATE_FILE, "rb") as handle:
+        return load_bytes(handle, str(directory / STATE_FILE), map_location="cpu")
+
+
+# ---------------------------------------------------------------------------- reading DeepSpeed's files safely
+class _DeepSpeedRecord:
+    """Stands in for a DeepSpeed object found in a checkpoint: keeps its constructor arguments and state, runs no code."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _DeepSpeedRecord:
+        record = object.__new__(cls)
+        record.args = args
+        record.state = None
+        return record
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+def _enum_value(value: Any) -> Any:
+    """Stands in for a DeepSpeed enum class called with its value (e.g. ``ZeroStageEnum(3)``): the plain value."""
+    return value
+
+
+_ALLOWED_DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
+    (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (_DeepSpeedRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
+    (_enum_value, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (_enum_value, "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum"),
+]
+
+
+def _load_deepspeed_file(path: Path) -> dict[str, Any]:
+    from phalanx.plugins.io.torch_io import load_bytes
+
+    with torch.serialization.safe_globals(_ALLOWED_DEEPSPEED_GLOBALS), open(path, "rb") as handle:
+        return load_bytes(handle, str(path), map_location="cpu")
+
+
+class _Files:
+    """The files of one tag directory of a DeepSpeed checkpoint."""
+
+    def __init__(self, directory: Path) -> None:
+        if not directory.is_dir():
+            raise CheckpointError(f"DeepSpeed checkpoint files not found: {directory} does not exist.")
+        self.directory = directory
+        names = os.listdir(directory)
+        optim = {int(m.group(2)): name for name in names if (m := re.fullmatch(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", name))}
+        zero3_models = {int(m.group(1)): name for name in names if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", name))}
+        self.optim_files = [directory / optim[rank] for rank in sorted(optim)]
+        if sorted(optim) != list(range(len(optim))):
+            raise CheckpointError(f"{directory} is missing optimizer partitions: found ranks {sorted(optim)}.")
+        if zero3_models:
+            self.model_files = [directory / zero3_models[rank] for rank in sorted(zero3_models)]
+        elif (directory / "mp_rank_00_model_states.pt").is_file():
+            self.model_files = [directory / "mp_rank_00_model_states.pt"]
+        else:
+            raise CheckpointError(f"{directory} holds no DeepSpeed model states file (mp_rank_00_model_states.pt).")
+
+
+# ---------------------------------------------------------------------------- consolidation
+def load_deepspeed_checkpoint_as_full(path: str | os.PathLike) -> dict[str, Any]:
+    """Turn a DeepSpeed checkpoint directory into the dictionary of an ordinary single-file phalanx checkpoint.
+
+    The result has full float32 weights under the module's own parameter names in ``state_dict`` (buffers keep their
+    dtype, except float16/bfloat16 ones, which become float32), the Trainer's state as saved (``epoch``,
+    ``global_step``, ``loops``, ``callbacks``, ``rng_states``, ``lr_schedulers``, ``hyper_parameters``...), and
+    ``optimizer_states`` in torch's ``optimizer.state_dict()`` layout when the optimizer state can be mapped (see the
+    module docstring). Needs no process group and no deepspeed installation.
+    """
+    directory = Path(path)
+    state = read_trainer_state(directory)
+    meta = state.get("deepspeed", {})
+    tag = meta.get("tag") or (directory / "latest").read_text().strip()
+    files = _Files(directory / tag)
+    model_states = [_load_deepspeed_file(file) for file in files.model_files]
+    optim_states = [_load_deepspeed_file(file)["optimizer_state_dict"] for file in files.optim_files]
+    weights, optimizer_state = _consolidate(model_states, optim_states, str(directory))
+    full = {key: value for key, value in state.items() if key != "deepspeed"}
+    full["state_dict"] = weights
+    if "optimizer_states" in full:
+        if optimizer_state is None:
+            del full["optimizer_states"]  # weights and progress only: see the module docstring
+        else:
+            full["optimizer_states"] = [optimizer_state]
+    return full
+
+
+def _consolidate(model_states: list[dict[str, Any]], optim_states: list[dict[str, Any]], source: str) -> tuple[OrderedDict[str, Tensor], dict[str, Any] | None]:
+    first = model_states[0]
+    world_size = int(first.get("dp_world_size", len(optim_states) or 1))
+    module = first["module"]
+    buffer_names = set(first.get("buffer_names") or [])
+    if not optim_states:
+        # No ZeRO partitions: the module file holds the whole model and (for a torch optimizer) its usual state.
+        weights = OrderedDict((name, _to_float32(tensor)) for name, tensor in module.items())
+        optimizer = first.get("optimizer")
+        mapped = optimizer if isinstance(optimizer, dict) and set(optimizer) == {"state", "param_groups"} else None
+        return weights, mapped
+    if len(optim_states) != world_size:
+        raise CheckpointError(f"{source} was saved by {world_size} processes but holds {len(optim_states)} optimizer partitions.")
+    param_shapes: list[OrderedDict[str, Any]] = first["param_shapes"]
+    if "fp32_flat_groups" in optim_states[0]:
+        trainable, optimizer = _zero3(param_shapes, optim_states, world_size, source)
+        frozen = _zero3_frozen(model_states)
+    elif "single_partition_of_fp32_groups" in optim_states[0]:
+        trainable, optimizer = _zero12(param_shapes, optim_states, source)
+        frozen = {name: tensor for name, tensor in module.items() if name not in buffer_names}
+    else:
+        raise CheckpointError(f"{source}: the optimizer partitions hold no float32 master weights (optimizer state offloaded to NVMe?); they cannot be consolidated.")
+    weights: OrderedDict[str, Tensor] = OrderedDict()
+    for name, tensor in module.items():
+        # The module file gives the names in state_dict order; each value comes from the most precise source.
+        if name in trainable:
+            weights[name] = trainable[name]
+        elif name in buffer_names:
+            weights[name] = _to_float32(tensor)
+        elif name in frozen:
+            weights[name] = _to_float32(frozen[name])
+    for name, value in {**trainable, **frozen}.items():
+        weights.setdefault(name, _to_float32(value))
+    for alias, owner in (first.get("shared_params") or {}).items():
+        if owner in weights:
+            weights[alias] = weights[owner]
+    return weights, optimizer
+
+
+def _to_float32(tensor: Tensor) -> Tensor:
+    return tensor.float() if tensor.dtype in _HALF else tensor
+
+
+def _zero12(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], source: str) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+    """ZeRO stages 1 and 2: each param group is one flat vector split evenly across ranks (padding at the end)."""
+    paddings = optim_states[0].get("param_alignment_paddings")
+    trainable: dict[str, Tensor] = {}
+    slices: list[list[tuple[str, int, int, Any]]] = []  # per group: (name, offset, numel, shape)
+    for group, shapes in enumerate(param_shapes):
+        flat = torch.cat([state["single_partition_of_fp32_groups"][group].float() for state in optim_states])
+        offset = 0
+        group_slices = []
+        for index, (name, shape) in enumerate(shapes.items()):
+            numel = math.prod(shape)
+            if offset + numel > flat.numel():
+                raise CheckpointError(f"{source}: parameter {name!r} lies beyond the saved partitions of group {group}; the checkpoint is incomplete.")
+            trainable[name] = flat[offset : offset + numel].view(shape).clone()
+            group_slices.append((name, offset, numel, shape))
+            offset += numel + (paddings[group][index] if paddings is not None else 0)
+        slices.append(group_slices)
+    bases = [state["base_optimizer_state"] for state in optim_states]
+    per_group_states = [_group_states_12(base, len(param_shapes)) for base in bases]
+    if any(states is None for states in per_group_states):
+        return trainable, None
+    hyper = _group_hyper_parameters(bases[0], len(param_shapes))
+    if hyper is None:
+        return trainable, None
+    # The master weights were saved without the padding at the end of the last rank's partition; the state was not.
+    partition_numels = [[state["single_partition_of_fp32_groups"][g].numel() for g in range(len(param_shapes))] for state in optim_states]
+    paddings_per_rank = [list(state.get("group_paddings") or [0] * len(param_shapes)) for state in optim_states]
+    state_out: dict[int, dict[str, Any]] = {}
+    groups_out: list[dict[str, Any]] = []
+    next_index = 0
+    for group, group_slices in enumerate(slices):
+        keys = per_group_states[0][group].keys()
+        full: dict[str, Any] = {}
+        for key in keys:
+            values = [states[group].get(key) for states in per_group_states]
+            merged = _merge_state_value(values, [numels[group] for numels in partition_numels], [pads[group] for pads in paddings_per_rank])
+            if merged is _UNMAPPABLE:
+                return trainable, None
+            full[key] = merged
+        indices = []
+        for name, offset, numel, shape in group_slices:
+            entry = {}
+            for key, value in full.items():
+                entry[key] = value[offset : offset + numel].view(shape).clone() if isinstance(value, _Flat) else _copy(value.value)
+            if entry:
+                state_out[next_index] = entry
+            indices.append(next_index)
+            next_index += 1
+        groups_out.append({**hyper[group], "params": indices})
+    return trainable, {"state": state_out, "param_groups": groups_out}
+
+
+def _group_states_12(base: Any, groups: int) -> list[dict[str, Any]] | None:
+    """Per param group, the state of its one flat parameter (both layouts DeepSpeed writes)."""
+    if isinstance(base, list) and len(base) == groups and all(isinstance(s, dict) for s in base):
+        return base  # "elastic" layout: one lean state dict per group
+    if isinstance(base, dict) and "state" in base and "param_groups" in base and len(base["param_groups"]) == groups:
+        result = []
+        for group in base["param_groups"]:
+            params = group.get("params", [])
+            if len(params) != 1:
+                return None
+            result.append(base["state"].get(params[0], {}))
+        return result
+    return None
+
+
+def _group_hyper_parameters(base: Any, groups: int) -> list[dict[str, Any]] | None:
+    if isinstance(base, dict) and len(base.get("param_groups", [])) == groups:
+        return [{key: value for key, value in group.items() if key != "params"} for group in base["param_groups"]]
+    return None
+
+
+class _Flat:
+    """A state tensor with one value per element of the flat parameter vector."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def __getitem__(self, item: slice) -> Tensor:
+        return self.tensor[item]
+
+
+class _Scalar:
+    """A state value shared by every parameter of the group (e.g. Adam's ``step``)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+_UNMAPPABLE = object()
+
+
+def _merge_state_value(values: list[Any], partition_numels: list[int], paddings: list[int]) -> Any:
+    if any(value is None for value in values):
+        return _UNMAPPABLE
+    first = values[0]
+    if isinstance(first, Tensor) and first.dim() > 0:
+        if all(isinstance(v, Tensor) and v.numel() in (n, n + pad) for v, n, pad in zip(values, partition_numels, paddings)):
+            return _Flat(torch.cat([v.reshape(-1)[:n] for v, n in zip(values, partition_numels)]))
+        return _UNMAPPABLE
+    if isinstance(first, (Tensor, int, float, bool)):
+        return _Scalar(first)
+    return _UNMAPPABLE
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, Tensor) else value
+
+
+def _zero3(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], world_size: int, source: str) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+    """ZeRO stage 3: every parameter is split on its own into ``ceil(numel / world_size)`` elements per rank."""
+    flats = [torch.cat([group.float().reshape(-1) for group in state["fp32_flat_groups"]]) for state in optim_states]
+    layout: list[tuple[int, str, int, int, Any]] = []  # (group, name, offset in each rank's flat vector, numel, shape)
+    offset = 0
+    trainable: dict[str, Tensor] = {}
+    for group, shapes in enumerate(param_shapes):
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            part = math.ceil(numel / world_size)
+            if offset + part > flats[0].numel():
+                raise CheckpointError(f"{source}: parameter {name!r} lies beyond the saved partitions; the checkpoint is incomplete.")
+            trainable[name] = torch.cat([flat[offset : offset + part] for flat in flats])[:numel].view(shape).clone()
+            layout.append((group, name, offset, numel, shape))
+            offset += part
+    optimizer = _zero3_optimizer(param_shapes, optim_states, layout, world_size)
+    return trainable, optimizer
+
+
+def _zero3_optimizer(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], layout: list[tuple[int, str, int, int, Any]], world_size: int) -> dict[str, Any] | None:
+    bases = [state.get("optimizer_state_dict") for state in optim_states]
+    if not all(isinstance(base, dict) and "state" in base and "param_groups" in base for base in bases):
+        return None
+    sub_numels = [group.numel() for group in optim_states[0]["fp32_flat_groups"]]
+    sub_groups = bases[0]["param_groups"]
+    if len(sub_groups) != len(sub_numels):
+        return None
+    # Each sub-group (DeepSpeed splits big param groups by sub_group_size) belongs to one param group.
+    group_totals = [sum(math.ceil(math.prod(shape) / world_size) for shape in shapes.values()) for shapes in param_shapes]
+    owner_group: list[int] = []
+    group, filled = 0, 0
+    for numel in sub_numels:
+        while group < len(group_totals) and filled == group_totals[group]:
+            group, filled = group + 1, 0
+        if group >= len(group_totals) or filled + numel > group_totals[group]:
+            return None
+        owner_group.append(group)
+        filled += numel
+    merged: dict[str, Any] = {}
+    keys = None
+    for base in bases:
+        per_sub = []
+        for sub in base["param_groups"]:
+            params = sub.get("params", [])
+            if len(params) != 1:
+                return None
+            per_sub.append(base["state"].get(params[0], {}))
+        if keys is None:
+            keys = list(per_sub[0].keys())
+        for key in keys:
+            pieces = [entry.get(key) for entry in per_sub]
+            if any(piece is None for piece in pieces):
+                return None
+            if isinstance(pieces[0], Tensor) and pieces[0].dim() > 0:
+                if not all(isinstance(p, Tensor) and p.numel() == n for p, n in zip(pieces, sub_numels)):
+                    return None
+                merged.setdefault(key, []).append(torch.cat([p.reshape(-1) for p in pieces]))
+            elif isinstance(pieces[0], (Tensor, int, float, bool)):
+                merged.setdefault(key, pieces[0])
+            else:
+                return None
+    state_out: dict[int, dict[str, Any]] = {}
+    indices_per_group: list[list[int]] = [[] for _ in param_shapes]
+    for index, (group, _name, offset, numel, shape) in enumerate(layout):
+        part = math.ceil(numel / world_size)
+        entry = {}
+        for key, value in merged.items():
+            if isinstance(value, list):
+                entry[key] = torch.cat([flat[offset : offset + part] for flat in value])[:numel].view(shape).clone()
+            else:
+                entry[key] = _copy(value)
+        if entry:
+            state_out[index] = entry
+        indices_per_group[group].append(index)
+    groups_out = []
+    for group in range(len(param_shapes)):
+        first_sub = owner_group.index(group) if group in owner_group else None
+        hyper = {key: value for key, value in sub_groups[first_sub].items() if key != "params"} if first_sub is not None else {}
+        groups_out.append({**hyper, "params": indices_per_group[group]})
+    return {"state": state_out, "param_groups": groups_out}
+
+
+def _zero3_frozen(model_states: list[dict[str, Any]]) -> dict[str, Tensor]:
+    """Parameters outside the optimizer under ZeRO-3: each rank saved its shard of each."""
+    shapes = model_states[0].get("frozen_param_shapes") or {}
+    frozen = {}
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        pieces = [state["frozen_param_fragments"][name].reshape(-1) for state in model_states]
+        frozen[name] = torch.cat(pieces)[:numel].view(shape).clone()
+    return frozen
+
+
+__all__ = [
+    "OPTIMIZER_MARKER",
+    "STATE_FILE",
+    "TAG",
+    "is_deepspeed_checkpoint",
+    "is_optimizer_marker",
+    "load_deepspeed_checkpoint_as_full",
+    "read_trainer_state",
+]
