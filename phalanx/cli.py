@@ -123,11 +123,53 @@ def _run_demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- checkpoint
+def _add_checkpoint_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("checkpoint", help="work with checkpoints", description="Work with phalanx checkpoints.")
+    commands = parser.add_subparsers(dest="checkpoint_command", metavar="<checkpoint command>")
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint directory into one checkpoint file",
+        description=(
+            "Read a checkpoint directory written by FSDPStrategy(state_dict_type='sharded'), ModelParallelStrategy or"
+            " DeepSpeedStrategy and write one ordinary phalanx checkpoint file with whole tensors, which any strategy"
+            " (single device, DDP, ...) can load or resume from. Needs no GPU and no process group."
+        ),
+    )
+    consolidate.add_argument("directory", help="the checkpoint directory")
+    consolidate.add_argument("output", help="the checkpoint file to write (e.g. model.ckpt)")
+    consolidate.set_defaults(func=_run_consolidate_command)
+    parser.set_defaults(func=lambda args: (parser.print_help(sys.stderr), 2)[1])
+
+
+def _run_consolidate_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from phalanx.plugins.io.distributed_checkpoint import consolidate
+    from phalanx.plugins.io.torch_io import TorchCheckpointIO
+    from phalanx.utilities.exceptions import CheckpointError
+
+    directory = Path(args.directory)
+    if not directory.is_dir():
+        print(f"phalanx checkpoint consolidate: error: {directory} is not a directory (a sharded checkpoint is a directory).", file=sys.stderr)
+        return 2
+    try:
+        checkpoint = consolidate(directory)
+    except CheckpointError as err:
+        print(f"phalanx checkpoint consolidate: error: {err}", file=sys.stderr)
+        return 2
+    TorchCheckpointIO().save_checkpoint(checkpoint, args.output)
+    tensors = len(checkpoint.get("state_dict", {}))
+    print(f"wrote {args.output}: {tensors} module tensors, step {checkpoint.get('global_step', '?')}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="phalanx command line tools")
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     _add_demo_parser(subparsers)
+    _add_checkpoint_parser(subparsers)
     return parser
 
 

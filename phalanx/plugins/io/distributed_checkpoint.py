@@ -178,9 +178,14 @@ def tensor_entries(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _load(tensors: dict[str, Tensor], path: Path, no_dist: bool) -> None:
+    import warnings
+
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(tensors, storage_reader=_reader(path), no_dist=no_dist)
+    with warnings.catch_warnings():
+        # Reading a whole checkpoint in one process is the point of no_dist; DCP warns about it all the same.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(tensors, storage_reader=_reader(path), no_dist=no_dist)
 
 
 def load_whole(path: str | os.PathLike) -> dict[str, Any]:
