@@ -414,3 +414,16 @@ def test_reassembly_rejects_outputs_without_one_entry_per_sample(output: Any) ->
 def test_reassembly_rejects_bad_batch_size() -> None:
     with pytest.raises(ValueError, match="batch_size"):
         reassemble_predictions([[([0], torch.zeros(1))]], 0)
+
+
+def test_padded_evaluation_gives_every_rank_as_many_batches_and_prediction_drops_the_repeats() -> None:
+    # Sharded models (FSDP, tensor parallelism) run a collective in every forward pass: ranks must see equally many
+    # batches even when the data does not divide.
+    loaders = [distributed_dataloader(DataLoader(TensorDataset(torch.arange(11)), batch_size=2, shuffle=True), num_replicas=3, rank=r, training=False, seed=0, pad_evaluation=True) for r in range(3)]
+    assert [len(loader) for loader in loaders] == [2, 2, 2]
+    seen = [int(x) for loader in loaders for (batch,) in loader for x in batch]
+    assert len(seen) == 12 and sorted(set(seen)) == list(range(11))  # one index twice, none missing, no shuffling
+    per_rank = [[(idx, batch * 10) for idx, (batch,) in zip(batch_indices(loader), loader)] for loader in loaders]
+    merged = reassemble_predictions(per_rank, 2, drop_repeats=True)
+    assert [t.tolist() for t in merged] == [[0, 10], [20, 30], [40, 50], [60, 70], [80, 90], [100]]
+    assert sum(len(t) for t in reassemble_predictions(per_rank, 2)) == 12  # without drop_repeats the repeat stays
