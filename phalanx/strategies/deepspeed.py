@@ -406,6 +406,14 @@ class DeepSpeedStrategy(ParallelStrategy):
         return 1
 
     # ------------------------------------------------------------------ processes
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """Every rank reads its shard; under ZeRO-3 evaluation is padded so that all ranks run equally many forward passes."""
+        kwargs = super().distributed_sampler_kwargs
+        if kwargs is not None and self.zero_stage == 3:
+            return {**kwargs, "pad_evaluation": True}
+        return kwargs
+
     def setup_environment(self) -> None:
         """Join the process group, then let DeepSpeed adopt it (gloo on CPU, nccl on CUDA)."""
         if self.parallel_devices and all(device.type == "cpu" for device in self.parallel_devices):
@@ -599,9 +607,10 @@ class DeepSpeedStrategy(ParallelStrategy):
             per_rank = ", ".join(f"rank {rank}: {[int(c) if math.isfinite(c) else 'unknown' for c in row]}" for rank, row in enumerate(everyone))
             raise ValueError(
                 f"ZeRO stage 3 gathers parameters with collective operations in every forward pass, so every process must run the"
-                f" same number of {stage} batches; they differ ({per_rank}). phalanx splits evaluation data without padding:"
-                " make the dataset size a multiple of world_size x batch_size, use drop_last=True in the dataloader, or limit"
-                f" the batches (limit_{'val' if stage == 'validation' else stage}_batches=...)."
+                f" same number of {stage} batches; they differ ({per_rank}). phalanx pads the evaluation data of a torch"
+                " DataLoader for this; a dataloader it does not shard (use_distributed_sampler=False, a custom batch sampler,"
+                " an iterable) must yield as many batches on every process (or limit them with"
+                f" limit_{'val' if stage == 'validation' else stage}_batches=...)."
             )
         if any(math.isinf(count) for count in mine):
             rank_zero_warn(f"ZeRO stage 3: the {stage} dataloader has no length, so phalanx cannot check that every process runs as many batches; if one runs fewer, the others wait for it until the timeout.")

@@ -265,10 +265,15 @@ def config_optimizer_run(out: Path) -> dict[str, Any]:
     recorder = Recorder()
     trainer = make_trainer(DeepSpeedStrategy(config=config), out, max_steps=6, callbacks=[recorder])
     train, _ = loaders()
+    model.configure_model()
+    initial = {name: value.detach().clone() for name, value in model.state_dict().items()}
     trainer.fit(model, train)
+    final = full_weights(trainer)
+    engine_optimizer = trainer.optimizers[0].optimizer
     return {
         "losses": recorder.losses, "lrs": recorder.lrs, "global_step": trainer.global_step,
-        "optimizer": type(trainer.optimizers[0].optimizer).__name__, "schedulers": len(trainer.lr_scheduler_configs),
+        "optimizer": type(engine_optimizer).__name__, "base_optimizer": type(engine_optimizer.optimizer).__name__,
+        "schedulers": len(trainer.lr_scheduler_configs), "weights_changed": all(not torch.equal(initial[k], final[k]) for k in initial),
     }  # fmt: skip
 
 
