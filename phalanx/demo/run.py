@@ -112,13 +112,14 @@ def run_demo(
         raise MisconfigurationError(str(err)) from err
     trainer.fit(model, datamodule=datamodule)
 
-    sample = ""
+    # Every rank generates the same sample from the same generator: a sharded model (FSDP) gathers its layers in
+    # each forward pass, which needs all ranks; rank 0 prints it.
+    device = next(model.parameters()).device
+    prompt = torch.tensor([datamodule.encode(SAMPLE_PROMPT)], dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(prompt, SAMPLE_LENGTH - len(SAMPLE_PROMPT), temperature=0.8, generator=generator)
+    sample = datamodule.decode(out[0])
     if trainer.is_global_zero:
-        device = next(model.parameters()).device
-        prompt = torch.tensor([datamodule.encode(SAMPLE_PROMPT)], dtype=torch.long, device=device)
-        generator = torch.Generator(device=device).manual_seed(seed)
-        out = model.generate(prompt, SAMPLE_LENGTH - len(SAMPLE_PROMPT), temperature=0.8, generator=generator)
-        sample = datamodule.decode(out[0])
         if verbose:
             print("\n--- sample ---", flush=True)
             print(sample, flush=True)

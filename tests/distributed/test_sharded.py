@@ -73,10 +73,16 @@ def test_loss_curves_match_one_process_for_20_steps(job, single_run, name):
     assert _global_losses(results[name]["losses"]) == pytest.approx(single_losses, rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("name", ["fsdp_SHARD_GRAD_OP", "fsdp_NO_SHARD", "fsdp_HYBRID_SHARD", "fsdp_wrap_blocks", "fsdp_cpu_offload", "fsdp_activation_checkpointing"])
+@pytest.mark.parametrize("name", ["fsdp_SHARD_GRAD_OP", "fsdp_NO_SHARD", "fsdp_HYBRID_SHARD", "fsdp_wrap_blocks", "fsdp_cpu_offload", "fsdp_activation_checkpointing", "fsdp_self_sharded"])
 def test_sharding_options_end_with_the_weights_of_ddp(job, name):
     job_dir, _ = job
     _assert_same_weights(_weights(job_dir, name), _weights(job_dir, "ddp"), **TOLERANCE)
+
+
+def test_a_module_sharded_in_configure_model_is_not_wrapped_again(job):
+    _, results = job
+    assert len(results["fsdp_self_sharded"]["warnings"]) == 1  # rank 0 warns that the wrap policy is ignored
+    assert "auto_wrap_policy and activation_checkpointing_policy are ignored" in results["fsdp_self_sharded"]["warnings"][0]
 
 
 def test_fsdp_weights_match_one_process(job, single_run):

@@ -81,6 +81,24 @@ if __name__ == "__main__":
     fit("fsdp_clip", "fsdp", gradient_clip_val=0.05)
     fit("ddp_clip", "ddp", gradient_clip_val=0.05)
 
+    # ------------------------------------------------------------- a module that shards itself in configure_model is kept as it is
+    class SelfSharded(MLP):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.trainer.strategy.device_mesh
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        phalanx.seed_everything(7)
+        fit("fsdp_self_sharded", FSDPStrategy(auto_wrap_policy={nn.Linear}), SelfSharded())
+    results["fsdp_self_sharded"]["warnings"] = [str(w.message) for w in caught if "already sharded" in str(w.message)]
+
     # ------------------------------------------------------------- activation checkpointing: same losses, blocks run twice
     module, _ = fit("fsdp_activation_checkpointing", FSDPStrategy(auto_wrap_policy={nn.Linear}, activation_checkpointing_policy={type(MLP().blocks[0])}))
     results["fsdp_activation_checkpointing"]["block_calls"] = [block.calls for block in module.blocks]

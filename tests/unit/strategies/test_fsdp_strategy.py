@@ -115,3 +115,8 @@ def test_model_parallel_refuses_sizes_that_do_not_match_the_processes():
         strategy.mesh_shape()
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         ModelParallelStrategy(tensor_parallel_size=0)
+
+
+def test_model_parallel_shards_data_over_the_data_parallel_ranks_only():
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4)
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0, "pad_evaluation": True}
