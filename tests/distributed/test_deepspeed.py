@@ -33,7 +33,7 @@ JOB_TIMEOUT = 600
 
 
 class Jobs:
-    """Runs each strategy's job once, on first use; DDP resumes from the consolidated stage-2 checkpoint."""
+    """Runs each strategy's job once, on first use; DDP resumes from the stage-2 DeepSpeed checkpoint directory."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -46,9 +46,7 @@ class Jobs:
             extra: list[str] = []
             if strategy == "ddp":
                 stage2, _ = self.get("deepspeed_stage_2")
-                consolidated = self.root / "stage2_consolidated.ckpt"
-                torch.save(load_deepspeed_checkpoint_as_full(stage2 / "mid.ckpt"), consolidated)
-                extra = [str(consolidated)]
+                extra = [str(stage2 / "mid.ckpt")]  # DDP resumes from the DeepSpeed directory itself (read whole)
             job = run_script("deepspeed_job.py", strategy, str(out), *extra, env=clean_environment(DS_ACCELERATOR="cpu"), timeout=JOB_TIMEOUT)
             assert_ok(job)
             ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -158,6 +156,23 @@ def test_consolidated_checkpoint_is_an_ordinary_one(jobs: Jobs, strategy: str, t
     assert trainer.global_step == 15
 
 
+def test_phalanx_checkpoint_consolidate_and_load_from_checkpoint(jobs: Jobs, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from deepspeed_job import DSNet
+
+    from phalanx.cli import main
+
+    out, _ = jobs.get("deepspeed_stage_3")
+    target = tmp_path / "model.ckpt"
+    assert main(["checkpoint", "consolidate", str(out / "mid.ckpt"), str(target)]) == 0
+    assert "step 13" in capsys.readouterr().out
+    checkpoint = torch.load(target, weights_only=True)
+    assert checkpoint["global_step"] == 13 and "optimizer_states" in checkpoint
+    for source in (target, out / "mid.ckpt"):  # the file, or the directory read whole
+        model = DSNet.load_from_checkpoint(source)
+        _assert_weights_close({name: value for name, value in model.state_dict().items()}, _weights(out, "part"), atol=0.0)
+        assert model.hparams.lr == 0.01
+
+
 # ---------------------------------------------------------------------------- agreement with DDP
 @pytest.mark.parametrize("strategy", STAGES)
 def test_training_agrees_with_ddp_for_20_steps(jobs: Jobs, strategy: str) -> None:
@@ -181,14 +196,14 @@ def test_gradient_accumulation_and_clipping_agree_with_ddp(jobs: Jobs, strategy:
     _assert_weights_close(_weights(out, "accumulate"), _weights(ddp_out, "accumulate"), atol=1e-5)
 
 
-def test_ddp_resumes_from_a_consolidated_deepspeed_checkpoint(jobs: Jobs) -> None:
+def test_ddp_resumes_from_a_deepspeed_checkpoint_directory(jobs: Jobs) -> None:
     stage2_out, (stage2, _) = jobs.get("deepspeed_stage_2")
     ddp_out, (ddp0, ddp1) = jobs.get("ddp")
-    resumed = ddp0["resumed_from_consolidated"]
-    assert resumed["global_step"] == 40 and ddp1["resumed_from_consolidated"]["global_step"] == 40
+    resumed = ddp0["resumed_from_checkpoint"]
+    assert resumed["global_step"] == 40 and ddp1["resumed_from_checkpoint"]["global_step"] == 40
     # From the same state (weights, Adam moments, scheduler, loop position, generators), DDP continues as DeepSpeed did.
     assert resumed["losses"] == pytest.approx(stage2["resumed"]["losses"], rel=1e-5)
-    _assert_weights_close(_weights(ddp_out, "resumed_from_consolidated"), _weights(stage2_out, "resumed"), atol=1e-5)
+    _assert_weights_close(_weights(ddp_out, "resumed_from_checkpoint"), _weights(stage2_out, "resumed"), atol=1e-5)
 
 
 # ---------------------------------------------------------------------------- memory

@@ -1,6 +1,6 @@
 """One 2-process CPU job per strategy for the DeepSpeed tests (the same fits run under DDP as the reference).
 
-Usage: python deepspeed_job.py STRATEGY OUT_DIR [CONSOLIDATED.ckpt]
+Usage: python deepspeed_job.py STRATEGY OUT_DIR [CHECKPOINT]
 
 STRATEGY is 'deepspeed_stage_1', 'deepspeed_stage_2', 'deepspeed_stage_3' or 'ddp'. Every rank writes
 OUT_DIR/rank{R}.json; rank 0 writes the full weights of each fit to OUT_DIR/weights_{fit}.pt. The fits:
@@ -14,8 +14,8 @@ OUT_DIR/rank{R}.json; rank 0 writes the full weights of each fit to OUT_DIR/weig
 - accumulate: 12 optimizer updates with accumulate_grad_batches=2, gradient_clip_val=0.5 and a per-step scheduler
             (24 batches: under DeepSpeed global_step counts batches, under DDP optimizer steps).
 - manual:   manual optimization, 5 steps (must follow the first 5 losses of 'full').
-- extras:   stage-specific checks (DeepSpeed config optimizer/scheduler, bf16-mixed, resuming DDP from a
-            consolidated DeepSpeed checkpoint given as the third argument).
+- extras:   stage-specific checks (DeepSpeed config optimizer/scheduler, bf16-mixed), and resuming from the
+            checkpoint given as the third argument (DDP from a DeepSpeed directory) to 40 steps.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def save_weights(trainer: phalanx.Trainer, out: Path, name: str) -> None:
 
 def main() -> None:
     strategy, out = sys.argv[1], Path(sys.argv[2])
-    consolidated = sys.argv[3] if len(sys.argv) > 3 else None
+    resume_from = sys.argv[3] if len(sys.argv) > 3 else None
     deepspeed = strategy.startswith("deepspeed")
     report: dict[str, Any] = {"strategy": strategy}
 
@@ -229,15 +229,15 @@ def main() -> None:
         report["config_optimizer"] = config_optimizer_run(out)
     if strategy == "deepspeed_stage_2":
         report["bf16"] = bf16_run(out)
-    if consolidated is not None:
+    if resume_from is not None:
         phalanx.seed_everything(0)
         model = DSNet()
         recorder = Recorder()
         trainer = make_trainer(strategy, out, max_steps=40, callbacks=[recorder])
         train, val = loaders()
-        trainer.fit(model, train, val, ckpt_path=consolidated)
-        report["resumed_from_consolidated"] = {"losses": recorder.losses, "global_step": trainer.global_step}
-        save_weights(trainer, out, "resumed_from_consolidated")
+        trainer.fit(model, train, val, ckpt_path=resume_from)
+        report["resumed_from_checkpoint"] = {"losses": recorder.losses, "global_step": trainer.global_step}
+        save_weights(trainer, out, "resumed_from_checkpoint")
 
     rank = trainer.global_rank
     (out / f"rank{rank}.json").write_text(json.dumps(report))
