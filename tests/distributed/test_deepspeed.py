@@ -260,3 +260,12 @@ def test_bf16_mixed_keeps_a_bfloat16_module_and_float32_master_weights(jobs: Job
     assert run["memory"]["parameters"] == 2 * parameters
     assert run["memory"]["master_weights"] / (4 * parameters / 2) == pytest.approx(1.0, abs=0.01)
     assert run["losses"] == pytest.approx(rank0["full"]["losses"][: len(run["losses"])], rel=0.05)
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_2", "deepspeed_stage_3"])
+def test_cpu_offload_follows_the_run_without_it(jobs: Jobs, strategy: str) -> None:
+    _, (rank0, _) = jobs.get(strategy)
+    run = rank0["offload"]  # f"{strategy}_offload" with DeepSpeedCPUAdam, against Adam without offload
+    assert run["global_step"] == 5 and run["offload_optimizer"] == "cpu"
+    assert run["offload_param"] == ("cpu" if strategy == "deepspeed_stage_3" else None)
+    assert run["losses"] == pytest.approx(rank0["full"]["losses"][:5], rel=1e-4)

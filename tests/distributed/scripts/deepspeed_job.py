@@ -14,7 +14,8 @@ OUT_DIR/rank{R}.json; rank 0 writes the full weights of each fit to OUT_DIR/weig
 - accumulate: 12 optimizer updates with accumulate_grad_batches=2, gradient_clip_val=0.5 and a per-step scheduler
             (24 batches: under DeepSpeed global_step counts batches, under DDP optimizer steps).
 - manual:   manual optimization, 5 steps (must follow the first 5 losses of 'full').
-- extras:   stage-specific checks (DeepSpeed config optimizer/scheduler, bf16-mixed), and resuming from the
+- extras:   stage-specific checks (DeepSpeed config optimizer/scheduler, bf16-mixed, CPU offload with
+            DeepSpeedCPUAdam), and resuming from the
             checkpoint given as the third argument (DDP from a DeepSpeed directory) to 40 steps.
 """
 
@@ -91,6 +92,10 @@ class DSNet(phalanx.TrainingModule):
     def configure_optimizers(self) -> Any:
         if self.hparams.optimizer == "sgd":
             optimizer: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        elif self.hparams.optimizer == "cpu_adam":  # what ZeRO-Offload steps on the CPU (its C++ op compiles on first use)
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            optimizer = DeepSpeedCPUAdam(self.parameters(), lr=self.hparams.lr)
         else:
             optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.8)
@@ -225,6 +230,8 @@ def main() -> None:
     trainer.fit(model, train)
     report["manual"] = {"losses": recorder.losses, "global_step": trainer.global_step}
 
+    if strategy in ("deepspeed_stage_2", "deepspeed_stage_3"):
+        report["offload"] = offload_run(out, f"{strategy}_offload")
     if strategy == "deepspeed_stage_1":
         report["config_optimizer"] = config_optimizer_run(out)
     if strategy == "deepspeed_stage_2":
@@ -275,6 +282,18 @@ def config_optimizer_run(out: Path) -> dict[str, Any]:
         "optimizer": type(engine_optimizer).__name__, "base_optimizer": type(engine_optimizer.optimizer).__name__,
         "schedulers": len(trainer.lr_scheduler_configs), "weights_changed": all(not torch.equal(initial[k], final[k]) for k in initial),
     }  # fmt: skip
+
+
+def offload_run(out: Path, strategy: str) -> dict[str, Any]:
+    """ZeRO-Offload: optimizer states (and under stage 3 parameters) on the CPU, stepped by DeepSpeedCPUAdam."""
+    phalanx.seed_everything(0)
+    model = DSNet(optimizer="cpu_adam")
+    recorder = Recorder()
+    trainer = make_trainer(strategy, out, max_steps=5, callbacks=[recorder])
+    train, _ = loaders()
+    trainer.fit(model, train)
+    zero = trainer.strategy.config["zero_optimization"]
+    return {"losses": recorder.losses, "global_step": trainer.global_step, "offload_optimizer": zero.get("offload_optimizer", {}).get("device"), "offload_param": zero.get("offload_param", {}).get("device")}
 
 
 def bf16_run(out: Path) -> dict[str, Any]:
