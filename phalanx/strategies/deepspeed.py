@@ -16,6 +16,10 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
 - checkpoints are directories (see ``phalanx.strategies.deepspeed_checkpoint``): every rank writes its partitions, the
   Trainer's state goes beside them, and ``.complete`` is written last. Resuming lets the engine read its files
   (``restore_checkpoint_after_setup``); the LR schedulers are restored by the Trainer from the saved state.
+- under ZeRO-3 every forward pass gathers parameters collectively: evaluation data is padded
+  (``distributed_sampler_kwargs['pad_evaluation']``), the batch counts are checked at the start of each evaluation,
+  and evaluation steps run under ``no_grad`` instead of inference mode (parameters gathered in inference mode could
+  not be used by training afterwards).
 """
 
 from __future__ import annotations
@@ -456,7 +460,6 @@ class DeepSpeedStrategy(ParallelStrategy):
     def _initialize_training_engine(self, config: dict[str, Any]) -> None:
         from phalanx.trainer.optimization import LRSchedulerConfig, init_optimizers_and_schedulers
 
-        deepspeed = _import_deepspeed()
         module = self._module
         assert module is not None
         if _overrides(module, "backward") and not self._warned_backward_hook:
@@ -475,7 +478,10 @@ class DeepSpeedStrategy(ParallelStrategy):
                     " Return one optimizer (put several parameter groups in it), or name the optimizer in the DeepSpeed config."
                 )
             optimizer = optimizers[0]
+            if "scheduler" in config and self.lr_scheduler_configs:
+                raise ValueError("Both configure_optimizers and the DeepSpeed config define an LR scheduler; keep one of them.")
         parameters = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
+        deepspeed = _import_deepspeed()
         engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
             args=self._device_args(), model=module, optimizer=optimizer, model_parameters=parameters, config=config, dist_init_required=False,
         )  # fmt: skip

@@ -88,6 +88,15 @@ def test_fit_validate_and_exact_resume(jobs: Jobs, strategy: str) -> None:
     assert rank0["validate_from_checkpoint"][0]["val_loss"] == pytest.approx(rank0["validate_part"][0]["val_loss"], rel=1e-6)
     assert rank0["validate_from_checkpoint"] == rank1["validate_from_checkpoint"]
     assert rank0["full"]["val_loss"] == rank1["full"]["val_loss"]
+    # predict() returns every sample once, in dataset order (ZeRO-3's padding dropped), as the model computes them.
+    from deepspeed_job import VAL_SAMPLES, DSNet, Regression
+
+    model = DSNet()
+    model.configure_model()
+    model.load_state_dict(_weights(out, "resumed"))
+    with torch.no_grad():
+        expected = model(Regression(VAL_SAMPLES, seed=1).x).flatten().tolist()
+    assert rank0["predictions"] == pytest.approx(expected, abs=1e-5) and rank1["predictions"] == rank0["predictions"]
 
 
 @pytest.mark.parametrize("strategy", STAGES)

@@ -89,6 +89,9 @@ class DSNet(phalanx.TrainingModule):
         self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
         self.log("val_count", float(len(index)), reduce_fx="sum", sync_dist=True)
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
     def configure_optimizers(self) -> Any:
         if self.hparams.optimizer == "sgd":
             optimizer: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
@@ -191,6 +194,8 @@ def main() -> None:
     report["resumed"] = {"losses": recorder.losses, "lrs": recorder.lrs, "global_step": trainer.global_step}
     save_weights(trainer, out, "resumed")
     report["validate_after_fit"] = trainer.validate(model, val, verbose=False)
+    predictions = trainer.predict(model, val)
+    report["predictions"] = torch.cat(predictions).flatten().tolist()
 
     # validate a fresh model from the checkpoint directory
     phalanx.seed_everything(7)

@@ -238,3 +238,27 @@ def test_checkpoints_need_the_training_engine(tmp_path):
     with pytest.raises(RuntimeError, match="exists during and after fit"):
         strategy.backward(torch.ones(()), None)
     assert strategy.optimizer_state(object()) == {"stored_by": "deepspeed"}
+
+
+class _TwoOptimizers(phalanx.TrainingModule):
+    def __init__(self, schedule: bool = False) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.schedule = schedule
+
+    def configure_optimizers(self):
+        first = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.schedule:
+            return {"optimizer": first, "lr_scheduler": torch.optim.lr_scheduler.StepLR(first, 1)}
+        return [first, torch.optim.SGD(self.parameters(), lr=0.1)]
+
+
+def test_optimizer_configurations_deepspeed_cannot_drive_are_refused(monkeypatch):
+    monkeypatch.setattr(deepspeed_module, "_import_deepspeed", lambda: pytest.fail("refused before DeepSpeed is needed"))
+    strategy = DeepSpeedStrategy()
+    strategy._module = _TwoOptimizers()
+    with pytest.raises(ValueError, match="DeepSpeed drives exactly one optimizer, but configure_optimizers returned 2"):
+        strategy._initialize_training_engine({"zero_optimization": {"stage": 2}})
+    strategy._module = _TwoOptimizers(schedule=True)
+    with pytest.raises(ValueError, match="Both configure_optimizers and the DeepSpeed config define an LR scheduler"):
+        strategy._initialize_training_engine({"scheduler": {"type": "WarmupLR"}})
