@@ -24,7 +24,6 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.util
 import json
@@ -431,7 +430,9 @@ class DeepSpeedStrategy(ParallelStrategy):
         deepspeed.utils.logging.logger.setLevel(self._logging_level)
         deepspeed.init_distributed(dist_backend=self.process_group_backend, dist_init_required=False)
 
-    def _device_args(self) -> argparse.Namespace:
+    def _device_args(self) -> Any:
+        import argparse  # DeepSpeed reads the device index from an argparse namespace
+
         index = self.root_device.index if self.root_device.type != "cpu" else None
         return argparse.Namespace(device_rank=index if index is not None else self.local_rank)
 
