@@ -6,6 +6,7 @@ import io
 import multiprocessing
 import os
 import signal
+import tempfile
 from typing import Any, Callable
 
 import torch
@@ -53,16 +54,22 @@ class MultiProcessingLauncher(Launcher):
         environment = self._strategy.cluster_environment
         os.environ["MASTER_ADDR"] = environment.main_address
         os.environ["MASTER_PORT"] = str(environment.main_port)
-        context = torch.multiprocessing.get_context(self._start_method)
-        results = context.SimpleQueue()
-        torch.multiprocessing.start_processes(
-            _run_rank,
-            args=(trainer, function, args, kwargs, results, self._start_method),
-            nprocs=self._strategy.num_processes,
-            start_method=self._start_method,
-            join=True,
-        )
-        worker_output = _from_bytes(results.get())
+        # Rank 0's results travel through a file, not a pipe: a pipe blocks the writer once its buffer (64 KiB) is
+        # full, while this process is still waiting for the workers to exit.
+        handle, results_path = tempfile.mkstemp(prefix="phalanx-results-", suffix=".pt")
+        os.close(handle)
+        try:
+            torch.multiprocessing.start_processes(
+                _run_rank,
+                args=(trainer, function, args, kwargs, results_path, self._start_method),
+                nprocs=self._strategy.num_processes,
+                start_method=self._start_method,
+                join=True,
+            )
+            with open(results_path, "rb") as results:
+                worker_output = _from_bytes(results.read())
+        finally:
+            os.unlink(results_path)
         if trainer is not None:
             # The module the user passed (first argument of fit/validate/...) lives in this process: update it.
             module = next((arg for arg in args if isinstance(arg, torch.nn.Module)), None)
@@ -73,8 +80,13 @@ class MultiProcessingLauncher(Launcher):
         """torch.multiprocessing stops the remaining workers itself when one fails."""
 
 
-def _run_rank(local_rank: int, trainer: Any, function: Callable[..., Any], args: tuple, kwargs: dict, results: Any, start_method: str) -> None:
+def _run_rank(local_rank: int, trainer: Any, function: Callable[..., Any], args: tuple, kwargs: dict, results_path: str, start_method: str) -> None:
     os.environ["LOCAL_RANK"] = str(local_rank)
+    if start_method == "fork":
+        # A forked child inherits the parent's OpenMP thread pool in a broken state (libgomp is not fork-safe): its
+        # first parallel region, e.g. DDP flattening a large buffer to broadcast it, would wait forever. One thread,
+        # as torch's own forked DataLoader workers do.
+        torch.set_num_threads(1)
     seed = os.environ.get("PHALANX_GLOBAL_SEED")
     if seed is not None and start_method != "fork":
         # A spawned interpreter starts with fresh generators; give it the seed the main process chose.
@@ -85,11 +97,12 @@ def _run_rank(local_rank: int, trainer: Any, function: Callable[..., Any], args:
     strategy._launched_local_rank = local_rank
     result = function(*args, **kwargs)
     if strategy.global_rank == 0:
-        results.put(_to_bytes(_collect(trainer, result)))
+        with open(results_path, "wb") as results:
+            results.write(_to_bytes(_collect(trainer, result)))
 
 
 def _to_bytes(payload: dict[str, Any]) -> bytes:
-    # Plain bytes, not shared-memory tensors: this worker exits before the main process reads the queue.
+    # Plain bytes, not shared-memory tensors: this worker exits before the main process reads them.
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     return buffer.getvalue()
