@@ -147,14 +147,6 @@ class DDPStrategy(ParallelStrategy):
             raise RuntimeError(_UNUSED_PARAMETERS_HINT) from exception
         super().on_exception(exception)
 
-    def teardown(self) -> None:
-        """Unwrap the module and revert SyncBatchNorm; the process group stays for later calls."""
-        if self._module is not None:
-            if self._layer_sync is not None:
-                self._module = self._layer_sync.revert(self._module)
-            self._model = self._module
-        super().teardown()
-
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         """Register 'ddp', 'ddp_spawn', 'ddp_fork', 'ddp_notebook' and their find_unused_parameters variants."""

@@ -30,8 +30,6 @@ import json
 import logging
 import math
 import os
-import shutil
-import uuid
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +41,7 @@ from torch import Tensor, nn
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.io.torch_io import is_url
 from phalanx.plugins.precision.deepspeed import DEEPSPEED_PRECISIONS, DeepSpeedPrecision
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.deepspeed_checkpoint import (
@@ -196,6 +195,8 @@ class DeepSpeedStrategy(ParallelStrategy):
         logging_level: level of DeepSpeed's logger.
     """
 
+    precision_plugin_type = DeepSpeedPrecision
+
     def __init__(
         self,
         accelerator: Accelerator | None = None,
@@ -238,8 +239,6 @@ class DeepSpeedStrategy(ParallelStrategy):
         start_method: str = "popen",
     ) -> None:
         _import_deepspeed_spec_or_raise()
-        if precision_plugin is not None:
-            _check_precision_plugin(precision_plugin)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
@@ -298,19 +297,6 @@ class DeepSpeedStrategy(ParallelStrategy):
         if precision not in supported:
             raise ValueError(f"precision={precision!r} cannot run on the {getattr(accelerator, 'name', '?')} accelerator here. Supported with DeepSpeed: {[p for p in DEEPSPEED_PRECISIONS if p in supported]}.")
         return DeepSpeedPrecision(precision)
-
-    @property
-    def precision_plugin(self) -> DeepSpeedPrecision:
-        """The DeepSpeedPrecision plugin ('32-true' unless one was given)."""
-        if self._precision_plugin is None:
-            self._precision_plugin = DeepSpeedPrecision("32-true")
-        return self._precision_plugin  # type: ignore[return-value]
-
-    @precision_plugin.setter
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        if precision_plugin is not None:
-            _check_precision_plugin(precision_plugin)
-        self._precision_plugin = precision_plugin
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -728,15 +714,14 @@ class DeepSpeedStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoint directories
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank writes its partitions into a hidden directory; rank 0 adds the Trainer's state and ``.complete``, then renames it into place."""
-        from phalanx.plugins.io.torch_io import TorchCheckpointIO, is_url
-        from phalanx.trainer.checkpoint import COMPLETE_MARKER
+        from phalanx.plugins.io.directory import publish_directory, staging_directory
+        from phalanx.plugins.io.torch_io import TorchCheckpointIO
 
         engine = self._require_training_engine()
         if storage_options is not None or is_url(filepath):
             raise ValueError(f"DeepSpeed writes checkpoints to a local (or shared) file system path; {str(filepath)!r} with storage_options={storage_options!r} is not one.")
         target = Path(filepath).absolute()
-        staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp") if self.is_global_zero else None
-        staging = Path(self.broadcast(str(staging) if staging is not None else None))
+        staging = staging_directory(target, is_global_zero=self.is_global_zero, broadcast=self.broadcast)
         engine.save_checkpoint(str(staging), tag=TAG, client_state={}, exclude_frozen_parameters=self._exclude_frozen_parameters)
         if self.is_global_zero:
             state = {key: value for key, value in checkpoint.items() if key != "state_dict"}
@@ -744,13 +729,12 @@ class DeepSpeedStrategy(ParallelStrategy):
             TorchCheckpointIO().save_checkpoint(state, staging / STATE_FILE)
         self.barrier("DeepSpeedStrategy.save_checkpoint")
         if self.is_global_zero:
-            _write_marker(staging / COMPLETE_MARKER)
-            _replace_directory(staging, target)
+            publish_directory(staging, target)
         self.barrier("DeepSpeedStrategy.save_checkpoint(renamed)")
 
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
         """A DeepSpeed directory: the Trainer's state (its weights stay in DeepSpeed's files, see ``load_model_state_dict``)."""
-        if isinstance(checkpoint_path, (str, os.PathLike)) and "://" not in str(checkpoint_path) and is_deepspeed_checkpoint(checkpoint_path):
+        if isinstance(checkpoint_path, (str, os.PathLike)) and not is_url(checkpoint_path) and is_deepspeed_checkpoint(checkpoint_path):
             state = read_trainer_state(checkpoint_path)
             meta = dict(state.get("deepspeed") or {})
             meta["directory"] = str(Path(checkpoint_path).absolute())
@@ -758,13 +742,6 @@ class DeepSpeedStrategy(ParallelStrategy):
             state.setdefault("state_dict", {})  # DeepSpeed's files hold the weights
             return state
         return super().load_checkpoint(checkpoint_path)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Delete a checkpoint directory (or file), once (on global rank 0)."""
-        if self.is_global_zero and "://" not in str(filepath) and Path(filepath).is_dir():
-            shutil.rmtree(filepath)
-            return
-        super().remove_checkpoint(filepath)
 
     # ------------------------------------------------------------------ what the loops consult
     @property
@@ -810,15 +787,6 @@ class DeepSpeedStrategy(ParallelStrategy):
                     break
         return {"parameters": parameters, "optimizer_states": states + masters, "master_weights": masters}
 
-    # ------------------------------------------------------------------ teardown
-    def teardown(self) -> None:
-        """Unwrap the module; the engine stays (for ``save_checkpoint`` after fit) until the next ``setup``."""
-        if self._module is not None:
-            if self._layer_sync is not None:
-                self._module = self._layer_sync.revert(self._module)
-            self._model = self._module
-        super().teardown()
-
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         """Register 'deepspeed' and 'deepspeed_stage_{1,2,2_offload,3,3_offload,3_offload_nvme}'."""
@@ -841,49 +809,12 @@ def _import_deepspeed_spec_or_raise() -> None:
         _import_deepspeed()  # raises the install hint
 
 
-def _check_precision_plugin(plugin: Any) -> None:
-    if not isinstance(plugin, DeepSpeedPrecision):
-        raise TypeError(
-            f"DeepSpeedStrategy needs a DeepSpeedPrecision plugin (the engine owns mixed precision), got {type(plugin).__name__}."
-            f" Pass precision= to the Trainer (one of {list(DEEPSPEED_PRECISIONS)}) or DeepSpeedPrecision(...)."
-        )
-
-
 def _partitioned_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if hasattr(p, "ds_id")]
 
 
 def _bytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _write_marker(path: Path) -> None:
-    with open(path, "w") as handle:
-        handle.write("complete\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _replace_directory(staging: Path, target: Path) -> None:
-    """Put the finished ``staging`` directory at ``target``; an existing checkpoint there is moved aside, then deleted."""
-    previous = None
-    if target.exists() or target.is_symlink():
-        previous = target.with_name(f".{target.name}.{uuid.uuid4().hex}.old")
-        os.replace(target, previous)
-    os.replace(staging, target)
-    try:
-        directory = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-    except OSError:
-        pass
-    if previous is not None:
-        if previous.is_dir() and not previous.is_symlink():
-            shutil.rmtree(previous, ignore_errors=True)
-        else:
-            previous.unlink(missing_ok=True)
 
 
 __all__ = ["CONFIG_ENV_VAR", "DeepSpeedOptimizerHandle", "DeepSpeedStrategy", "deepspeed_available"]

@@ -72,6 +72,8 @@ def is_sharded(module: nn.Module) -> bool:
 class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     """Fully sharded data parallelism (ZeRO-3 by default) on torch's FSDP2, on CUDA or on the CPU."""
 
+    precision_plugin_type = FSDPPrecision
+
     def __init__(
         self,
         accelerator: Accelerator | None = None,
@@ -90,7 +92,6 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         device_mesh: tuple[int, int] | Any | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_precision_plugin(precision_plugin)
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
@@ -128,18 +129,6 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
             raise TypeError(f"FSDPStrategy got unexpected keyword argument(s) {unknown}; extra keyword arguments go to fully_shard, which accepts {sorted(valid)}.")
 
     # ------------------------------------------------------------------ precision
-    @property
-    def precision_plugin(self) -> Precision:
-        """The FSDPPrecision plugin (float32 unless one was given)."""
-        if self._precision_plugin is None:
-            self._precision_plugin = FSDPPrecision()
-        return self._precision_plugin
-
-    @precision_plugin.setter
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        _check_precision_plugin(precision_plugin)
-        self._precision_plugin = precision_plugin
-
     @classmethod
     def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> Precision:
         """An FSDPPrecision for ``precision`` (checked against what the accelerator supports)."""
@@ -240,21 +229,9 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
                     fully_shard(sub, **arguments)
         fully_shard(module, **arguments)
 
-    def model_to_device(self) -> None:
-        """Move the module to this rank's device (FSDP2 shards what is there)."""
-        assert self._module is not None
-        self._module.to(self.root_device)
-
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         """Register 'fsdp' and 'fsdp_cpu_offload'."""
         registry.register("fsdp", cls, description="Fully sharded data parallel (FSDP2), ZeRO-3 style.")
         registry.register("fsdp_cpu_offload", cls, description="Fully sharded data parallel with parameters and optimizer state offloaded to the CPU.", cpu_offload=True)
 
-
-def _check_precision_plugin(plugin: Precision | None) -> None:
-    if plugin is not None and not isinstance(plugin, FSDPPrecision):
-        raise TypeError(
-            f"FSDPStrategy needs an FSDPPrecision plugin, got {type(plugin).__name__}. Pass precision='bf16-mixed' (or another"
-            " precision name) to the Trainer, or FSDPPrecision('bf16-mixed') as precision_plugin."
-        )

@@ -241,7 +241,14 @@ class ParallelStrategy(Strategy, ABC):
             launcher.kill()
 
     def teardown(self) -> None:
-        """Release the environment, then the device and plugins."""
+        """Unwrap the module and revert the layer sync, release the environment, then the device and plugins.
+
+        The process group stays for later calls (it ends at interpreter exit).
+        """
+        if self._module is not None:
+            if self._layer_sync is not None:
+                self._module = self._layer_sync.revert(self._module)
+            self._model = self._module
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         super().teardown()

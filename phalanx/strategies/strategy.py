@@ -28,6 +28,9 @@ _T = TypeVar("_T")
 class Strategy(ABC):
     """Base class of every strategy; composes an Accelerator, a Precision plugin and a CheckpointIO."""
 
+    #: The precision plugins this strategy can run with (strategies that own mixed precision narrow it).
+    precision_plugin_type: type[Precision] = Precision
+
     def __init__(
         self,
         accelerator: Accelerator | None = None,
@@ -36,7 +39,8 @@ class Strategy(ABC):
     ) -> None:
         self._accelerator = accelerator
         self._checkpoint_io = checkpoint_io
-        self._precision_plugin = precision_plugin
+        self._precision_plugin: Precision | None = None
+        self.precision_plugin = precision_plugin
         self._module: TrainingModule | None = None
         self._model: nn.Module | None = None
         self._launcher: Any = None
@@ -68,11 +72,19 @@ class Strategy(ABC):
     def precision_plugin(self) -> Precision:
         """The precision plugin (float32 unless one was given)."""
         if self._precision_plugin is None:
-            self._precision_plugin = Precision()
+            self._precision_plugin = self.precision_plugin_type()
         return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        required = self.precision_plugin_type
+        if precision_plugin is not None and not isinstance(precision_plugin, required):
+            name = required.__name__
+            article = "an" if name[0] in "AEIOU" or (name[:2].isupper() and name[0] in "AEFHILMNORSX") else "a"
+            raise TypeError(
+                f"{type(self).__name__} needs {article} {name} plugin, got {type(precision_plugin).__name__}. Pass precision= (a"
+                f" precision name such as 'bf16-mixed') to the Trainer, or a {name} instance as precision_plugin."
+            )
         self._precision_plugin = precision_plugin
 
     @classmethod

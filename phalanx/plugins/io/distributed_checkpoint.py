@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from phalanx.plugins.io.directory import publish_directory, staging_directory, write_synced
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 META_FILE = "phalanx_meta.pt"
@@ -71,46 +71,21 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, is_glob
     import torch.distributed.checkpoint as dcp
 
     from phalanx.plugins.io.torch_io import serialize
-    from phalanx.trainer.checkpoint import COMPLETE_MARKER
 
     target = Path(path)
-    staging = broadcast(str(target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")) if is_global_zero else None)
-    staging_dir = Path(staging)
+    staging = staging_directory(target, is_global_zero=is_global_zero, broadcast=broadcast)
     tensors, meta = split_checkpoint(checkpoint)
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging_dir))
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging))
         if is_global_zero:
-            _write_synced(staging_dir / META_FILE, serialize(meta))
+            write_synced(staging / META_FILE, serialize(meta))
         barrier("sharded checkpoint written")
         if is_global_zero:
-            _write_synced(staging_dir / COMPLETE_MARKER, b"")
-            _swap_into_place(staging_dir, target)
+            publish_directory(staging, target)
     except BaseException:
         if is_global_zero:
-            shutil.rmtree(staging_dir, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
         raise
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _swap_into_place(staging: Path, target: Path) -> None:
-    # A directory cannot replace another in one rename: move the old one aside (hidden, never chosen by resume),
-    # move the new one in, then delete the old.
-    retired = None
-    if target.exists():
-        retired = target.with_name(f".{target.name}.{uuid.uuid4().hex}.old.tmp")
-        os.replace(target, retired)
-    os.replace(staging, target)
-    if retired is not None:
-        if retired.is_dir():
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            retired.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------- reading
