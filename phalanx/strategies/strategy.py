@@ -80,9 +80,8 @@ class Strategy(ABC):
         required = self.precision_plugin_type
         if precision_plugin is not None and not isinstance(precision_plugin, required):
             name = required.__name__
-            article = "an" if name[0] in "AEIOU" or (name[:2].isupper() and name[0] in "AEFHILMNORSX") else "a"
             raise TypeError(
-                f"{type(self).__name__} needs {article} {name} plugin, got {type(precision_plugin).__name__}. Pass precision= (a"
+                f"{type(self).__name__} runs with {name} plugins only, got {type(precision_plugin).__name__}. Pass precision= (a"
                 f" precision name such as 'bf16-mixed') to the Trainer, or a {name} instance as precision_plugin."
             )
         self._precision_plugin = precision_plugin

@@ -82,7 +82,7 @@ def test_trainer_resolves_deepspeed_with_its_precision_plugin():
 
 
 def test_precision_plugins_that_are_not_deepspeeds_are_refused():
-    with pytest.raises(TypeError, match="needs a DeepSpeedPrecision plugin.*MixedPrecision"):
+    with pytest.raises(TypeError, match="runs with DeepSpeedPrecision plugins only, got MixedPrecision"):
         phalanx.Trainer(strategy="deepspeed", accelerator="cpu", devices=2, plugins=[MixedPrecision("bf16-mixed", device="cpu")], logger=False)
     with pytest.raises(TypeError, match="DeepSpeedPrecision"):
         DeepSpeedStrategy(precision_plugin=HalfPrecision("bf16-true"))

@@ -32,7 +32,7 @@ def test_fsdp_precision_maps_names_to_a_mixed_precision_policy():
 
 
 def test_fsdp_needs_an_fsdp_precision_plugin():
-    with pytest.raises(TypeError, match="FSDPStrategy needs an FSDPPrecision plugin, got MixedPrecision"):
+    with pytest.raises(TypeError, match="FSDPStrategy runs with FSDPPrecision plugins only, got MixedPrecision"):
         FSDPStrategy(precision_plugin=MixedPrecision("bf16-mixed", device="cpu"))
     strategy = FSDPStrategy()
     with pytest.raises(TypeError, match="FSDPPrecision"):
