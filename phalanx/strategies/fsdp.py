@@ -1,6 +1,7 @@
 """FSDPStrategy: parameters, gradients and optimizer state sharded across processes with torch's FSDP2 (``fully_shard``).
 
-Runs on CUDA with NCCL and on the CPU with gloo. Only ``import torch.distributed.fsdp`` when the strategy is set up.
+Runs on CUDA with NCCL and on the CPU with gloo. ``torch.distributed.fsdp`` is imported only when an FSDPStrategy is
+constructed, so ``import phalanx`` stays cheap.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.dtensor_state import has_meta_tensors
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
+from phalanx.utilities import distributed
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -190,7 +192,7 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         # fully_shard keeps each rank's own slice: ranks that initialised differently would assemble a mixed model.
         if self.world_size > 1:
             for tensor in module.state_dict().values():
-                torch.distributed.broadcast(tensor, src=0)
+                distributed.run_collective("broadcast(weights)", self.global_rank, self._timeout, lambda t=tensor: torch.distributed.broadcast(t, src=0))
 
     def _apply_activation_checkpointing(self, module: nn.Module) -> None:
         if self._checkpoint_selector is None:
