@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phalanx.plugins.io.directory import COMPLETE_MARKER, is_retired_copy
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.hparams import is_plain
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -56,12 +57,14 @@ def plain_hyperparameters(hparams: dict[str, Any], owner: str) -> dict[str, Any]
     return kept
 
 
-#: Written last into a directory checkpoint (sharded strategies), once every rank has written its part.
-COMPLETE_MARKER = ".complete"
-
-
 def is_complete_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a finished checkpoint: a whole torch file, or a directory with its completion marker."""
+    """Whether ``path`` is a finished checkpoint: a whole torch file, or a directory with its completion marker.
+
+    A previous checkpoint moved aside by a save that replaces it (see ``phalanx.plugins.io.directory``) counts: a
+    kill between that save's two renames leaves it as the newest complete checkpoint of its name.
+    """
+    if is_retired_copy(path):
+        return path.is_dir() and (path / COMPLETE_MARKER).exists()
     if path.name.startswith(".") or path.name.endswith(".tmp"):
         return False  # an atomic write still in progress (or abandoned by a killed process)
     if path.is_dir():
@@ -79,7 +82,8 @@ def newest_complete_checkpoint(directories: list[Path]) -> str | None:
     candidates: dict[Path, float] = {}
     for directory in directories:
         if directory.is_dir():
-            for path in directory.rglob("*.ckpt"):
+            retired = [path for path in directory.rglob("*.retired") if is_retired_copy(path)]
+            for path in [*directory.rglob("*.ckpt"), *retired]:
                 if is_complete_checkpoint(path):
                     candidates[path.resolve()] = path.stat().st_mtime
     if not candidates:

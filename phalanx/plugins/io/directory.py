@@ -1,17 +1,33 @@
 """Checkpoint directories that appear whole or not at all (sharded and DeepSpeed checkpoints).
 
 Every rank writes its part into one hidden staging directory next to the target; once all have finished, rank 0
-writes the completion marker and renames the staging directory into place. A crash at any point leaves the previous
-checkpoint of that name intact, and a hidden or unmarked directory is never chosen by ``ckpt_path="auto"``.
+writes the completion marker and puts the staging directory in place of the target. At every instant a complete
+checkpoint of that name can be found by ``ckpt_path="auto"``:
+
+- On Linux the staging directory and the old checkpoint trade places in one ``renameat2(RENAME_EXCHANGE)`` call, so
+  the name never stops pointing at a complete checkpoint.
+- Where that call is unavailable (another OS, a file system without it), the old checkpoint is first renamed to a
+  *retired* name (``.NAME.<hex>.retired``), still complete and marked, which resume considers like any other
+  checkpoint until the new one is in place; then the staging directory is renamed to ``NAME``.
+
+A hidden staging directory, or a directory without its marker, is never chosen by ``ckpt_path="auto"``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import re
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any, Callable
+
+#: Written last into a directory checkpoint, once every rank has written its part.
+COMPLETE_MARKER = ".complete"
+_RETIRED = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.retired$")
 
 
 def staging_directory(target: Path, *, is_global_zero: bool, broadcast: Callable[[Any], Any]) -> Path:
@@ -30,22 +46,84 @@ def write_synced(path: Path, data: bytes) -> None:
 
 def publish_directory(staging: Path, target: Path) -> None:
     """Mark the finished ``staging`` directory complete and put it at ``target`` (on rank 0, after every rank wrote)."""
-    from phalanx.trainer.checkpoint import COMPLETE_MARKER
-
     write_synced(staging / COMPLETE_MARKER, b"")
-    # A directory cannot replace another in one rename: the old one is moved aside (hidden, never chosen by resume),
-    # the new one moved in, then the old one deleted.
-    retired = None
-    if target.exists() or target.is_symlink():
-        retired = target.with_name(f".{target.name}.{uuid.uuid4().hex}.old.tmp")
-        os.replace(target, retired)
-    os.replace(staging, target)
-    _sync_directory(target.parent)
-    if retired is not None:
-        if retired.is_dir() and not retired.is_symlink():
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            retired.unlink(missing_ok=True)
+    _sync_directory(staging)
+    if target.is_dir() and not target.is_symlink() and exchange_paths(staging, target):
+        # ``staging`` now holds the previous checkpoint.
+        _sync_directory(target.parent)
+        _remove(staging)
+    else:
+        retired = None
+        if target.exists() or target.is_symlink():
+            retired = target.with_name(f".{target.name}.{uuid.uuid4().hex}.retired")
+            os.replace(target, retired)
+            _sync_directory(target.parent)
+        os.replace(staging, target)
+        _sync_directory(target.parent)
+        if retired is not None:
+            _remove(retired)
+    for stale in retired_copies(target.parent, name=target.name):
+        _remove(stale)  # left by a save killed between its two renames; the new checkpoint supersedes it
+
+
+def retired_copies(directory: Path, *, name: str | None = None) -> list[Path]:
+    """Previous checkpoints moved aside by a save that replaces them (all of ``directory``'s, or those of ``name``)."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        match = _RETIRED.match(entry.name)
+        if match and (name is None or match.group("name") == name):
+            found.append(entry)
+    return found
+
+
+def is_retired_copy(path: Path) -> bool:
+    """Whether ``path`` is a previous checkpoint moved aside by a save that replaces it."""
+    return _RETIRED.match(path.name) is not None
+
+
+def exchange_paths(first: Path, second: Path) -> bool:
+    """Swap two existing paths atomically (Linux ``renameat2``); ``False`` where this system cannot."""
+    rename = _renameat2()
+    if rename is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if rename(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False  # the kernel or this file system does not offer the exchange: fall back to two renames
+    raise OSError(code, f"Could not swap {first} and {second}: {os.strerror(code)}")
+
+
+_RENAMEAT2: list[Any] = []
+
+
+def _renameat2() -> Any:
+    if not _RENAMEAT2:
+        function = None
+        if sys.platform.startswith("linux"):
+            try:
+                function = ctypes.CDLL(None, use_errno=True).renameat2
+                function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+                function.restype = ctypes.c_int
+            except (OSError, AttributeError):
+                function = None  # a C library older than glibc 2.28, or not glibc
+        _RENAMEAT2.append(function)
+    return _RENAMEAT2[0]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _sync_directory(directory: Path) -> None:
