@@ -27,6 +27,8 @@ _UNUSED_PARAMETERS_HINT = (
 class DDPStrategy(ParallelStrategy):
     """Data parallelism: every process holds the whole model and trains on its shard of each batch."""
 
+    step_collectives = {"forward": "DDP forward (buffer broadcast)", "backward": "DDP gradient all-reduce (backward)", "optimizer_step": "optimizer step (DDP forward and gradient all-reduce)"}
+
     def __init__(
         self,
         accelerator: Accelerator | None = None,
@@ -117,7 +119,7 @@ class DDPStrategy(ParallelStrategy):
         model, module = self._model, self._module
         if not isinstance(model, DistributedDataParallel) or module.automatic_optimization:
             return super().training_step(*args, **kwargs)
-        with self.precision_plugin.train_step_context():
+        with self.naming_collectives("forward"), self.precision_plugin.train_step_context():
             # manual_backward runs inside training_step, i.e. inside DDP's forward: keep DDP from preparing the
             # reducer for the (already finished) backward when the forward returns.
             try:

@@ -195,6 +195,12 @@ class DeepSpeedStrategy(ParallelStrategy):
         logging_level: level of DeepSpeed's logger.
     """
 
+    step_collectives = {
+        "forward": "DeepSpeed forward (ZeRO-3 parameter all-gather)",
+        "backward": "DeepSpeed gradient reduction (backward)",
+        "optimizer_step": "DeepSpeed optimizer step (partition all-gather)",
+    }
+
     precision_plugin_type = DeepSpeedPrecision
 
     def __init__(
@@ -535,7 +541,8 @@ class DeepSpeedStrategy(ParallelStrategy):
         precision = self.precision_plugin
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, self._module)
-        precision.backward(closure_loss, engine, optimizer, *args, **kwargs)
+        with self.naming_collectives("backward"):
+            precision.backward(closure_loss, engine, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, self._module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -549,7 +556,8 @@ class DeepSpeedStrategy(ParallelStrategy):
             engine.set_gradient_accumulation_boundary(boundary)
         else:
             boundary = True
-        result = self.precision_plugin.optimizer_step(optimizer, model=engine, closure=closure, **kwargs)
+        with self.naming_collectives("optimizer_step"):
+            result = self.precision_plugin.optimizer_step(optimizer, model=engine, closure=closure, **kwargs)
         self._updated_last_step = boundary
         return result
 

@@ -75,6 +75,11 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     """Fully sharded data parallelism (ZeRO-3 by default) on torch's FSDP2, on CUDA or on the CPU."""
 
     precision_plugin_type = FSDPPrecision
+    step_collectives = {
+        "forward": "FSDP parameter all-gather (forward)",
+        "backward": "FSDP parameter all-gather and gradient reduce-scatter (backward)",
+        "optimizer_step": "optimizer step (FSDP all-gathers, reduce-scatters and gradient-norm all-reduce)",
+    }
 
     def __init__(
         self,

@@ -32,6 +32,12 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     directories by default (``save_distributed_checkpoint=False`` writes one whole file).
     """
 
+    step_collectives = {
+        "forward": "tensor-parallel and FSDP collectives (forward)",
+        "backward": "tensor-parallel and FSDP collectives (backward)",
+        "optimizer_step": "optimizer step (tensor-parallel and FSDP collectives)",
+    }
+
     def __init__(
         self,
         data_parallel_size: int | str = "auto",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import Tensor
@@ -30,20 +31,54 @@ class CollectiveError(RuntimeError):
 
 def run_collective(name: str, rank: int, timeout: timedelta | None, collective: Callable[[], _T]) -> _T:
     """Run ``collective``; turn a failure into a CollectiveError naming ``name`` and ``rank``."""
-    try:
+    with naming_collective_failures(name, rank, timeout):
         return collective()
-    except RuntimeError as error:
-        text = str(error)
-        lowered = text.lower()
-        if "timed out" in lowered or "timeout" in lowered:
-            raise CollectiveError(
-                f"The collective '{name}' on rank {rank} timed out after {timeout}: another process did not reach the"
-                " same call (it may have crashed, or be stuck or much slower). If the wait is legitimate (slow data"
-                f" loading, a long checkpoint), raise the limit with the strategy's timeout= argument. Original error: {text.splitlines()[0] if text else error!r}"
-            ) from None
-        if peer_left(error):
-            raise CollectiveError(f"The collective '{name}' on rank {rank} failed because another process left the job (it crashed or was killed). Original error: {text.splitlines()[0]}") from None
+
+
+@contextmanager
+def naming_collective_failures(name: str, rank: int, timeout: timedelta | None, *, transport_only: bool = False) -> Iterator[None]:
+    """Turn a timeout or a lost peer inside the block into a CollectiveError naming ``name``, ``rank`` and ``timeout=``.
+
+    Collectives that torch runs on its own (DDP's gradient all-reduce, FSDP's parameter gathers) fail with the
+    transport's raw text ("Timed out waiting 10000ms for recv"); wrapping the step that runs them says which one it was.
+    A CollectiveError raised inside (a collective phalanx named itself) passes through unchanged. With
+    ``transport_only``, only errors whose text comes from torch.distributed's transports are translated, so that a
+    user's own "timed out" inside a step keeps its message.
+    """
+    try:
+        yield
+    except CollectiveError:
         raise
+    except RuntimeError as error:
+        explained = explain_collective_failure(name, rank, timeout, error)
+        if explained is None or (transport_only and not from_transport(error)):
+            raise
+        raise explained from None
+
+
+def explain_collective_failure(name: str, rank: int, timeout: timedelta | None, error: RuntimeError) -> CollectiveError | None:
+    """A CollectiveError saying what ``error`` means for the collective ``name``, or None if it is not a collective's."""
+    text = str(error)
+    first_line = text.splitlines()[0] if text else repr(error)
+    lowered = text.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        return CollectiveError(
+            f"The collective '{name}' on rank {rank} timed out after {timeout}: another process did not reach the"
+            " same call (it may have crashed, or be stuck or much slower). If the wait is legitimate (slow data"
+            f" loading, a long checkpoint), raise the limit with the strategy's timeout= argument. Original error: {first_line}"
+        )
+    if peer_left(error):
+        return CollectiveError(f"The collective '{name}' on rank {rank} failed because another process left the job (it crashed or was killed). Original error: {first_line}")
+    return None
+
+
+_TRANSPORT_MARKERS = ("gloo", "nccl", "c10d", "processgroup", "timed out waiting", "watchdog")
+
+
+def from_transport(error: BaseException) -> bool:
+    """Whether ``error``'s text comes from a torch.distributed transport (gloo, NCCL, c10d)."""
+    text = str(error).lower()
+    return any(marker in text for marker in _TRANSPORT_MARKERS)
 
 
 _PEER_LEFT = ("connection closed", "connection reset", "broken pipe", "another process left the job")

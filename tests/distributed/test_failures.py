@@ -50,3 +50,25 @@ def test_spawn_without_main_guard_fails_with_a_clear_message():
     assert job.returncode != 0
     assert 'if __name__ == "__main__":' in job.stderr
     assert sys.executable  # the job ended by itself well before the helper's timeout
+
+
+# Nothing is logged with sync_dist in this job: the stall is noticed inside the collectives torch's wrappers run on
+# their own, which gloo reports as "Timed out waiting 3000ms for recv"; phalanx names the operation instead.
+@pytest.mark.parametrize(
+    ("strategy", "point", "operation"),
+    [
+        ("ddp", "forward", "DDP gradient all-reduce (backward)"),
+        ("ddp", "backward", "DDP gradient all-reduce (backward)"),
+        ("fsdp", "forward", "FSDP parameter all-gather"),
+        ("fsdp", "backward", "FSDP parameter all-gather and gradient reduce-scatter (backward)"),
+    ],
+)
+def test_a_rank_stalled_in_the_wrappers_collectives_is_reported_by_operation_rank_and_timeout(strategy, point, operation):
+    marker = f"marker-{uuid.uuid4().hex}"
+    job = run_script("stalled_rank_job.py", strategy, point, "3", marker, timeout=90)
+    assert job.returncode != 0
+    assert "CollectiveError" in job.stderr, job.stderr[-3000:]
+    assert f"The collective '{operation}" in job.stderr and "on rank 0 timed out after 0:00:03" in job.stderr
+    assert "timeout= argument" in job.stderr
+    assert job.seconds < 40
+    assert _no_process_left(marker)
