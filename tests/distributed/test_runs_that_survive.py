@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from phalanx.trainer.checkpoint import is_complete_checkpoint
 from phalanx_distributed import SCRIPTS, assert_ok, clean_environment, free_port, run, run_script
 
 
@@ -66,3 +67,24 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_and_the_rerun_
     assert previous["global_step"] == 4
     assert_ok(run_script("resumable_job.py", str(run_dir), "1", "--slow-save", "8"))
     assert _same(run_dir / "final.pt", reference / "final.pt")
+
+
+def _close(a, b, tolerance: float = 1e-5) -> bool:
+    first, second = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return len(first) == len(second) and all(torch.allclose(x, y, atol=tolerance, rtol=0) for x, y in zip(first, second))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_2"])
+def test_sigterm_on_a_sharded_strategy_saves_exits_75_and_the_rerun_ends_like_ddp(tmp_path, reference_two_ranks, strategy):
+    if strategy.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    env = clean_environment(DS_ACCELERATOR="cpu")
+    first = run_script("resumable_job.py", str(tmp_path), "2", "--strategy", strategy, "--signal", "1", "6", "SIGTERM", env=env)
+    assert first.returncode == 75, first.stderr[-3000:]
+    preempted = tmp_path / "checkpoints" / "preempted-epoch=0-step=6.ckpt"
+    assert is_complete_checkpoint(preempted)  # FSDP: one whole file by default; DeepSpeed: a marked directory
+    before = (tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").stat().st_mtime_ns
+    assert_ok(run_script("resumable_job.py", str(tmp_path), "2", "--strategy", strategy, env=env))
+    assert (tmp_path / "checkpoints" / "epoch=0-step=4.ckpt").stat().st_mtime_ns == before  # resumed, not restarted
+    assert is_complete_checkpoint(tmp_path / "checkpoints" / "epoch=0-step=8.ckpt")
+    assert _close(tmp_path / "final.pt", reference_two_ranks)

@@ -1,9 +1,10 @@
 """A training job that survives interruptions: it always calls fit(ckpt_path="auto").
 
-Usage: python resumable_job.py OUT_DIR DEVICES [--signal RANK STEP NAME] [--kill RANK STEP] [--slow-save STEP]
+Usage: python resumable_job.py OUT_DIR DEVICES [--signal RANK STEP NAME] [--kill RANK STEP] [--slow-save STEP] [--strategy NAME]
   --signal    rank RANK sends itself signal NAME after STEP optimizer steps (only on the first attempt)
   --kill      rank RANK kills itself with SIGKILL after STEP steps (only on the first torchrun attempt)
   --slow-save the checkpoint written at STEP sleeps before it is renamed into place (a window to kill the job)
+  --strategy  the registered strategy name (default: 'ddp' on several devices)
 Rank 0 writes the final parameters to OUT_DIR/final.pt.
 """
 
@@ -86,20 +87,22 @@ def main() -> None:
     parser.add_argument("--signal", nargs=3)
     parser.add_argument("--kill", nargs=2)
     parser.add_argument("--slow-save", type=int)
+    parser.add_argument("--strategy")
     args = parser.parse_args()
     out = Path(args.out)
     phalanx.seed_everything(7)
     model = Net()
     plugins = [SlowIO(out, args.slow_save)] if args.slow_save else []
     trainer = phalanx.Trainer(
-        strategy="ddp" if args.devices > 1 else "auto", devices=args.devices, accelerator="cpu", max_epochs=3,
+        strategy=args.strategy or ("ddp" if args.devices > 1 else "auto"), devices=args.devices, accelerator="cpu", max_epochs=3,
         callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=4, save_top_k=-1), Faults(args, out)],
         plugins=plugins, preemption=Preemption(check_every_n_steps=1), logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=out, deterministic=True,
     )
     trainer.fit(model, DataLoader(IndexedRegression(n=60), batch_size=4, shuffle=True), ckpt_path="auto")
+    state = trainer.strategy.module_state_dict()  # whole tensors (a collective under the sharded strategies)
     if trainer.is_global_zero:
-        torch.save([p.detach() for p in model.parameters()], out / "final.pt")
+        torch.save([value.detach().cpu() for value in state.values()], out / "final.pt")
 
 
 if __name__ == "__main__":
