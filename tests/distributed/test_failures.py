@@ -7,7 +7,7 @@ import time
 import uuid
 
 import pytest
-from phalanx_distributed import processes_with_marker, run_script
+from phalanx_distributed import clean_environment, processes_with_marker, run_script
 
 
 def _no_process_left(marker: str) -> bool:
@@ -71,4 +71,14 @@ def test_a_rank_stalled_in_the_wrappers_collectives_is_reported_by_operation_ran
     assert f"The collective '{operation}" in job.stderr and "on rank 0 timed out after 0:00:03" in job.stderr
     assert "timeout= argument" in job.stderr
     assert job.seconds < 40
+    assert _no_process_left(marker)
+
+
+@pytest.mark.parametrize(("strategy", "failing_rank"), [("ddp", 1), ("ddp", 0), ("ddp_fork", 1)])
+def test_a_killed_rank_ends_the_job_within_two_seconds_with_no_process_left(tmp_path, strategy, failing_rank):
+    marker, stamp = f"marker-{uuid.uuid4().hex}", tmp_path / "killed_at"
+    job = run_script("failing_job.py", strategy, str(failing_rank), "kill", "120", marker, env=clean_environment(KILL_STAMP=str(stamp)), timeout=60)
+    ended = time.time()
+    assert job.returncode != 0
+    assert ended - float(stamp.read_text()) < 2.0, f"the job ended {ended - float(stamp.read_text()):.2f} s after rank {failing_rank} was killed"
     assert _no_process_left(marker)

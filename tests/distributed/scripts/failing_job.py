@@ -27,6 +27,9 @@ class Failing(Net):
             if self.mode == "raise":
                 raise RuntimeError(f"deliberate failure on rank {self.global_rank}")
             if self.mode == "kill":
+                if os.environ.get("KILL_STAMP"):  # when the rank died, for the test that times the job's end
+                    with open(os.environ["KILL_STAMP"], "w") as stamp:
+                        stamp.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "hang":
                 time.sleep(30)
