@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 _T = TypeVar("_T")
 
@@ -88,6 +88,31 @@ class Registry(Generic[_T]):
 
     def __len__(self) -> int:
         return len(self.available())
+
+    # Lightning users index the registries as dictionaries: ``STRATEGY_REGISTRY["ddp"]["init_params"]``.
+    def __getitem__(self, name: str) -> dict[str, Any]:
+        """The entry for ``name`` as Lightning lays it out: ``{kind}``, ``{kind}_name``, ``description``, ``init_params``."""
+        try:
+            entry = self._lookup(name)
+        except ValueError as error:
+            raise KeyError(str(error)) from None
+        key = self._kind.replace(" ", "_")
+        return {key: entry["factory"], f"{key}_name": name.lower(), "description": entry["description"], "init_params": dict(entry["init_params"])}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.available())
+
+    def keys(self) -> list[str]:
+        """The registered names, sorted (as ``available()``)."""
+        return self.available()
+
+    def values(self) -> list[dict[str, Any]]:
+        """Every entry, laid out as ``registry[name]``."""
+        return [self[name] for name in self.available()]
+
+    def items(self) -> list[tuple[str, dict[str, Any]]]:
+        """``(name, registry[name])`` for every registered name."""
+        return [(name, self[name]) for name in self.available()]
 
     @property
     def _register_hook(self) -> str:

@@ -212,3 +212,22 @@ def test_entry_points_are_not_loaded_for_names_already_registered(fake_distribut
     assert "fakeplugin_mod" not in sys.modules  # a hit does not scan installed distributions
     assert "fake" in registry  # a miss does
     assert "fakeplugin_mod" in sys.modules
+
+
+def test_registries_index_like_lightnings_dictionaries() -> None:
+    from phalanx.accelerators.registry import ACCELERATOR_REGISTRY
+    from phalanx.strategies import DDPStrategy
+    from phalanx.strategies.registry import STRATEGY_REGISTRY
+
+    entry = STRATEGY_REGISTRY["DDP_Spawn"]
+    assert entry["strategy"] is DDPStrategy and entry["strategy_name"] == "ddp_spawn"
+    assert entry["init_params"] == {"start_method": "spawn"} and "spawn" in entry["description"]
+    entry["init_params"]["start_method"] = "fork"  # a copy: the registry keeps its defaults
+    assert STRATEGY_REGISTRY.init_params("ddp_spawn") == {"start_method": "spawn"}
+    assert "ddp" in STRATEGY_REGISTRY and "nope" not in STRATEGY_REGISTRY
+    assert list(STRATEGY_REGISTRY) == STRATEGY_REGISTRY.keys() == STRATEGY_REGISTRY.available()
+    assert dict(STRATEGY_REGISTRY.items())["ddp"]["strategy"] is DDPStrategy
+    assert len(STRATEGY_REGISTRY.values()) == len(STRATEGY_REGISTRY)
+    assert ACCELERATOR_REGISTRY["cpu"]["accelerator_name"] == "cpu"
+    with pytest.raises(KeyError, match="Unknown strategy 'nope'. Registered strategies: .*ddp"):
+        STRATEGY_REGISTRY["nope"]
