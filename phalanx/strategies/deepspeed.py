@@ -53,6 +53,7 @@ from phalanx.strategies.deepspeed_checkpoint import (
     load_deepspeed_checkpoint_as_full,
     read_trainer_state,
 )
+from phalanx.strategies.deepspeed_files import check_tag_files, refuse_unsafe_engine_reads, safe_engine_reads, tag_directory
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.utilities import distributed
 from phalanx.utilities.exceptions import CheckpointError
@@ -193,6 +194,11 @@ class DeepSpeedStrategy(ParallelStrategy):
         zero_allow_untested_optimizer: let ZeRO drive optimizers DeepSpeed has not tested (e.g. SGD).
         exclude_frozen_parameters: leave parameters without gradients out of checkpoints.
         logging_level: level of DeepSpeed's logger.
+        allow_unsafe_checkpoint_load: when resuming, let DeepSpeed read its files its own way, unpickling arbitrary
+            objects (any code the files' author chose runs). By default phalanx reads every file DeepSpeed asks for
+            with ``weights_only=True`` (DeepSpeed's record types allowed), keeps every name inside the checkpoint
+            directory, and refuses the resumes DeepSpeed would read past that (universal checkpoints, MoE experts).
+            Set it only for checkpoints you wrote yourself.
     """
 
     step_collectives = {
@@ -243,6 +249,7 @@ class DeepSpeedStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: str = "popen",
+        allow_unsafe_checkpoint_load: bool = False,
     ) -> None:
         _import_deepspeed_spec_or_raise()
         super().__init__(
@@ -284,6 +291,9 @@ class DeepSpeedStrategy(ParallelStrategy):
         self._user_config = _load_config(config)
         self._logging_level = logging_level
         self._exclude_frozen_parameters = exclude_frozen_parameters
+        if not isinstance(allow_unsafe_checkpoint_load, bool):
+            raise TypeError(f"allow_unsafe_checkpoint_load must be True or False, got {allow_unsafe_checkpoint_load!r}.")
+        self._allow_unsafe_checkpoint_load = allow_unsafe_checkpoint_load
         self._engine: Any = None
         self._engine_trains = False  # whether the engine has an optimizer (created by fit)
         self._config: dict[str, Any] | None = None
@@ -694,9 +704,19 @@ class DeepSpeedStrategy(ParallelStrategy):
         saved_stage = meta.get("zero_stage")
         if saved_stage is not None and saved_stage != self.zero_stage:
             raise CheckpointError(f"{meta['directory']} was written with ZeRO stage {saved_stage}; resume it with the same stage (now {self.zero_stage}).")
-        load_path, _ = engine.load_checkpoint(meta["directory"], tag=meta.get("tag", TAG), load_module_strict=strict, load_optimizer_states=True, load_lr_scheduler_states=False)
+        # The tag comes from the checkpoint (its state file, else 'latest'): a plain name inside it, every file
+        # DeepSpeed needs present. DeepSpeed is given the checked tag, so it never reads 'latest' itself.
+        directory = Path(meta["directory"])
+        tag, folder = tag_directory(directory, meta.get("tag"))
+        check_tag_files(folder, world_size=saved_world_size, zero_stage=saved_stage)
+        reads: AbstractContextManager = nullcontext()
+        if not self._allow_unsafe_checkpoint_load:
+            refuse_unsafe_engine_reads(engine, directory)
+            reads = safe_engine_reads(engine, directory, folder)
+        with reads:
+            load_path, _ = engine.load_checkpoint(str(directory), tag=tag, load_module_strict=strict, load_optimizer_states=True, load_lr_scheduler_states=False)
         if load_path is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint in {meta['directory']} (tag {meta.get('tag', TAG)!r}).")
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {directory} (tag {tag!r}).")
         self._optimizer_restored = True
 
     def _load_full_weights(self, weights: dict[str, Any], strict: bool) -> None:

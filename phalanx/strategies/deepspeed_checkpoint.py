@@ -12,8 +12,11 @@ Layout of ``NAME.ckpt/``::
     .complete                       written last, once every rank has finished
 
 Consolidation never imports deepspeed and never unpickles arbitrary objects: DeepSpeed's files are read with
-``torch.load(weights_only=True)``, with a short allow-list that maps the few DeepSpeed record types they contain
-(loss scaler, ZeRO stage enum, fragment addresses) to inert placeholder objects.
+``torch.load(weights_only=True)``, with a short allow-list, active only while phalanx reads one of these files, that
+maps the few DeepSpeed record types they contain (loss scaler, ZeRO stage enum, fragment addresses) to inert
+placeholder objects. The tag (from the state file or ``latest``) must be a plain name inside the directory, and no
+file read may lead outside it through a symbolic link. A file that is missing, truncated, damaged or from another
+checkpoint gives one ``CheckpointError`` naming it.
 
 The optimizer state is mapped back to the standard ``optimizer.state_dict()`` layout (one entry per parameter, numbered
 in parameter-group order) for optimizers whose state tensors have one value per parameter element (Adam, AdamW, SGD
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from phalanx.plugins.io.checkpoint_files import entry_inside
+from phalanx.strategies.deepspeed_files import Files, load_part, tag_directory
 from phalanx.utilities.exceptions import CheckpointError
 
 #: The Trainer's own state in a DeepSpeed checkpoint directory.
@@ -64,65 +68,12 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
 
     directory = Path(path)
     if not is_deepspeed_checkpoint(directory):
-        raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint directory written by phalanx (it needs '{STATE_FILE}' and 'latest').")
-    with open(directory / STATE_FILE, "rb") as handle:
+        missing = [name for name in (STATE_FILE, "latest") if not (directory / name).is_file()] if directory.is_dir() else []
+        detail = f"; {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else ""
+        raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint directory written by phalanx (it needs '{STATE_FILE}' and 'latest'){detail}.")
+    file = entry_inside(directory, STATE_FILE, root=directory, what="phalanx's state file")
+    with open(file, "rb") as handle:
         return load_bytes(handle, str(directory / STATE_FILE), map_location="cpu")
-
-
-# ---------------------------------------------------------------------------- reading DeepSpeed's files safely
-class _DeepSpeedRecord:
-    """Stands in for a DeepSpeed object found in a checkpoint: keeps its constructor arguments and state, runs no code."""
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> _DeepSpeedRecord:
-        record = object.__new__(cls)
-        record.args = args
-        record.state = None
-        return record
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-def _enum_value(value: Any) -> Any:
-    """Stands in for a DeepSpeed enum class called with its value (e.g. ``ZeroStageEnum(3)``): the plain value."""
-    return value
-
-
-_ALLOWED_DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
-    (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-    (_DeepSpeedRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
-    (_enum_value, "deepspeed.runtime.zero.config.ZeroStageEnum"),
-    (_enum_value, "deepspeed.runtime.zero.offload_config.OffloadDeviceEnum"),
-]
-
-
-def _load_deepspeed_file(path: Path) -> dict[str, Any]:
-    from phalanx.plugins.io.torch_io import load_bytes
-
-    with torch.serialization.safe_globals(_ALLOWED_DEEPSPEED_GLOBALS), open(path, "rb") as handle:
-        return load_bytes(handle, str(path), map_location="cpu")
-
-
-class _Files:
-    """The files of one tag directory of a DeepSpeed checkpoint."""
-
-    def __init__(self, directory: Path) -> None:
-        if not directory.is_dir():
-            raise CheckpointError(f"DeepSpeed checkpoint files not found: {directory} does not exist.")
-        self.directory = directory
-        names = os.listdir(directory)
-        optim = {int(m.group(2)): name for name in names if (m := re.fullmatch(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", name))}
-        zero3_models = {int(m.group(1)): name for name in names if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", name))}
-        self.optim_files = [directory / optim[rank] for rank in sorted(optim)]
-        if sorted(optim) != list(range(len(optim))):
-            raise CheckpointError(f"{directory} is missing optimizer partitions: found ranks {sorted(optim)}.")
-        if zero3_models:
-            self.model_files = [directory / zero3_models[rank] for rank in sorted(zero3_models)]
-        elif (directory / "mp_rank_00_model_states.pt").is_file():
-            self.model_files = [directory / "mp_rank_00_model_states.pt"]
-        else:
-            raise CheckpointError(f"{directory} holds no DeepSpeed model states file (mp_rank_00_model_states.pt).")
 
 
 # ---------------------------------------------------------------------------- consolidation
@@ -137,12 +88,19 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike) -> dict[str, Any]
     """
     directory = Path(path)
     state = read_trainer_state(directory)
-    meta = state.get("deepspeed", {})
-    tag = meta.get("tag") or (directory / "latest").read_text().strip()
-    files = _Files(directory / tag)
-    model_states = [_load_deepspeed_file(file) for file in files.model_files]
-    optim_states = [_load_deepspeed_file(file)["optimizer_state_dict"] for file in files.optim_files]
-    weights, optimizer_state = _consolidate(model_states, optim_states, str(directory))
+    meta = state.get("deepspeed")
+    tag, _ = tag_directory(directory, meta.get("tag") if isinstance(meta, dict) else None)
+    files = Files(directory / tag)  # checked to lie inside; named as the user names the directory
+    model_states = [load_part(file, directory, "module") for file in files.model_files]
+    files.check_world_size(model_states[0].get("dp_world_size", len(files.optim_files) or 1))
+    optim_states = [load_part(file, directory, "optimizer_state_dict")["optimizer_state_dict"] for file in files.optim_files]
+    try:
+        weights, optimizer_state = _consolidate(model_states, optim_states, str(files.directory))
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as error:
+        # Files that each read fine but do not fit together: cut short, of another model, of another save.
+        raise CheckpointError(f"{files.directory}: DeepSpeed's files do not fit together (damaged, or from different checkpoints): {type(error).__name__}: {error}") from None
     full = {key: value for key, value in state.items() if key != "deepspeed"}
     full["state_dict"] = weights
     if "optimizer_states" in full:
@@ -202,13 +160,17 @@ def _zero12(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[s
     trainable: dict[str, Tensor] = {}
     slices: list[list[tuple[str, int, int, Any]]] = []  # per group: (name, offset, numel, shape)
     for group, shapes in enumerate(param_shapes):
+        sizes = [state["single_partition_of_fp32_groups"][group].numel() for state in optim_states]
+        # DeepSpeed splits a group evenly; only the last rank's part is saved shorter (without its padding).
+        if any(size != sizes[0] for size in sizes[:-1]) or sizes[-1] > sizes[0]:
+            raise CheckpointError(f"{source}: the optimizer partitions of parameter group {group} hold {sizes} elements; DeepSpeed splits a group evenly, so they come from different checkpoints.")
         flat = torch.cat([state["single_partition_of_fp32_groups"][group].float() for state in optim_states])
         offset = 0
         group_slices = []
         for index, (name, shape) in enumerate(shapes.items()):
             numel = math.prod(shape)
             if offset + numel > flat.numel():
-                raise CheckpointError(f"{source}: parameter {name!r} lies beyond the saved partitions of group {group}; the checkpoint is incomplete.")
+                raise CheckpointError(f"{source}: parameter {name!r} lies beyond the saved partitions of group {group}; the checkpoint is incomplete, or its files come from different checkpoints.")
             trainable[name] = flat[offset : offset + numel].view(shape).clone()
             group_slices.append((name, offset, numel, shape))
             offset += numel + (paddings[group][index] if paddings is not None else 0)
@@ -309,6 +271,8 @@ def _copy(value: Any) -> Any:
 def _zero3(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], world_size: int, source: str) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
     """ZeRO stage 3: every parameter is split on its own into ``ceil(numel / world_size)`` elements per rank."""
     flats = [torch.cat([group.float().reshape(-1) for group in state["fp32_flat_groups"]]) for state in optim_states]
+    if any(flat.numel() != flats[0].numel() for flat in flats):
+        raise CheckpointError(f"{source}: the optimizer partitions hold {[flat.numel() for flat in flats]} elements; ZeRO-3 gives every rank as many, so they come from different checkpoints.")
     layout: list[tuple[int, str, int, int, Any]] = []  # (group, name, offset in each rank's flat vector, numel, shape)
     offset = 0
     trainable: dict[str, Tensor] = {}
@@ -317,7 +281,7 @@ def _zero3(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[st
             numel = math.prod(shape)
             part = math.ceil(numel / world_size)
             if offset + part > flats[0].numel():
-                raise CheckpointError(f"{source}: parameter {name!r} lies beyond the saved partitions; the checkpoint is incomplete.")
+                raise CheckpointError(f"{source}: parameter {name!r} lies beyond the saved partitions; the checkpoint is incomplete, or its files come from different checkpoints.")
             trainable[name] = torch.cat([flat[offset : offset + part] for flat in flats])[:numel].view(shape).clone()
             layout.append((group, name, offset, numel, shape))
             offset += part

@@ -10,4 +10,8 @@ class CheckpointError(ValueError):
 
 
 class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint that can only be loaded by unpickling arbitrary objects, which phalanx refuses."""
+    """A checkpoint that could only be loaded by running code from it, or by reading files outside it; phalanx refuses."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (disk full, ...); the previous checkpoint of that name is left as it was."""

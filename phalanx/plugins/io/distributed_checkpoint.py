@@ -7,15 +7,23 @@ Layout of ``NAME.ckpt/``::
                                      hyper-parameters...), plain values, loadable with weights_only=True
     .complete                        written last, once every rank has finished: only then is the checkpoint used
 
-Only tensors go through DCP, so reading never needs DCP's pickled byte entries; DCP's own ``.metadata`` file is read
-with an unpickler that accepts only DCP's metadata classes. A save goes to a hidden temporary directory that is
-renamed into place when complete, so a crash mid-save leaves the previous checkpoint of that name intact.
+Only tensors go through DCP, so reading never needs DCP's pickled byte entries (DCP would unpickle those with
+``weights_only=False``): a read that asks for one is refused. DCP's own ``.metadata`` file is read with an unpickler
+that accepts only the globals DCP writes there, and checked against the directory before DCP uses it (see
+``phalanx.plugins.io.dcp_metadata``); ``phalanx_meta.pt`` is read with ``weights_only=True``. Whatever is wrong with a
+directory (a file missing, truncated or from another checkpoint, a hostile pickle, a name leading outside it) gives
+one ``CheckpointError`` naming the file and the entry, never torch's ``CheckpointException`` (a ``BaseException``).
+
+A save goes to a hidden temporary directory that is renamed into place when complete, so a crash or a failed write
+(disk full) mid-save leaves the previous checkpoint of that name intact; a failed write raises ``CheckpointWriteError``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import functools
 import os
-import pickle
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -23,11 +31,14 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from phalanx.plugins.io.checkpoint_files import entry_inside
+from phalanx.plugins.io.dcp_metadata import DCP_METADATA_FILE, read_metadata
 from phalanx.plugins.io.directory import publish_directory, staging_directory, write_synced
-from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
+from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 META_FILE = "phalanx_meta.pt"
-DCP_METADATA_FILE = ".metadata"
+#: In phalanx_meta.pt: the id DCP gave the save, to recognise a ``.metadata`` of another checkpoint.
+_SAVE_ID = "dcp_save_id"
 _MODEL_PREFIX = "model/"
 _OPTIMIZER_PREFIX = "optimizer/"
 
@@ -67,7 +78,11 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Tensor], dic
 
 # ---------------------------------------------------------------------------- writing
 def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, is_global_zero: bool, broadcast: Callable[[Any], Any], barrier: Callable[[str], None]) -> None:
-    """Write ``checkpoint`` as a sharded directory at ``path`` (every rank calls this; rank 0 finishes it)."""
+    """Write ``checkpoint`` as a sharded directory at ``path`` (every rank calls this; rank 0 finishes it).
+
+    Raises ``CheckpointWriteError`` (naming the directory and the cause) when the files cannot be written; the
+    previous checkpoint at ``path`` is then left as it was.
+    """
     import torch.distributed.checkpoint as dcp
 
     from phalanx.plugins.io.torch_io import serialize
@@ -76,9 +91,16 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, is_glob
     staging = staging_directory(target, is_global_zero=is_global_zero, broadcast=broadcast)
     tensors, meta = split_checkpoint(checkpoint)
     try:
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging))
-        if is_global_zero:
-            write_synced(staging / META_FILE, serialize(meta))
+        try:
+            metadata = dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging))
+            if is_global_zero:
+                meta[_SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+                write_synced(staging / META_FILE, serialize(meta))
+        except CheckpointError:
+            raise
+        except BaseException as error:
+            _reraise_interrupt(error)
+            raise CheckpointWriteError(_write_failure(target, error)) from _root_cause(error)
         barrier("sharded checkpoint written")
         if is_global_zero:
             publish_directory(staging, target)
@@ -88,50 +110,102 @@ def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, is_glob
         raise
 
 
+def _reraise_interrupt(error: BaseException) -> None:
+    """Raise the KeyboardInterrupt or SystemExit in ``error`` (DCP wraps them too): they are no failed read or write."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    interrupt = next((e for e in _causes(error) if not isinstance(e, (Exception, CheckpointException))), None)
+    if interrupt is not None:
+        raise interrupt
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error``, the per-rank failures DCP wrapped into it, and their causes, innermost last."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    found: list[BaseException] = []
+    pending = [error]
+    while pending and len(found) < 32:
+        current = pending.pop(0)
+        if current in found:
+            continue
+        found.append(current)
+        if isinstance(current, CheckpointException):
+            pending.extend(failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values())
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+    return found
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    causes = _causes(error)
+    return next((e for e in causes if isinstance(e, OSError) and e.errno), causes[-1])
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.errno:
+        where = f" ({error.filename})" if error.filename else ""
+        return f"{os.strerror(error.errno)} [{errno.errorcode.get(error.errno, error.errno)}]{where}"
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
+
+
+def _write_failure(target: Path, error: BaseException) -> str:
+    try:
+        free = f"; {shutil.disk_usage(target.parent).free} bytes are free on its file system"
+    except OSError:
+        free = ""
+    return (
+        f"Could not write the sharded checkpoint {target}: {_describe(_root_cause(error))}{free}. Nothing was"
+        f" published: the previous checkpoint at {target}, if there is one, is unchanged."
+    )
+
+
 # ---------------------------------------------------------------------------- reading
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's ``.metadata``: DCP's metadata classes, torch dtypes and sizes, paths; nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafeCheckpointError(f"Refusing to read the DCP metadata: it references {module}.{name}, which is not part of DCP's metadata format.")
-
-
-def _reader(path: Path) -> Any:
+@functools.cache
+def _safe_reader_class() -> type:
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
 
     class SafeFileSystemReader(FileSystemReader):
+        """DCP's reader, given metadata phalanx has checked; it reads tensors only, one entry at a time."""
+
+        def __init__(self, directory: Path, metadata: Any) -> None:
+            super().__init__(directory)
+            self._directory = directory
+            self._metadata = metadata
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
-            with open(Path(self.path) / DCP_METADATA_FILE, "rb") as handle:
-                try:
-                    metadata = _MetadataUnpickler(handle).load()
-                except UnsafeCheckpointError:
-                    raise
-                except Exception as error:
-                    raise CheckpointError(f"{self.path} has an unreadable DCP metadata file: {type(error).__name__}: {error}") from None
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+            if self._metadata.storage_meta is None:
+                self._metadata.storage_meta = StorageMeta()
+            self._metadata.storage_meta.load_id = self.load_id
+            return self._metadata
 
-    return SafeFileSystemReader(path)
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            for item in plan.items:
+                if item.type != LoadItemType.TENSOR:
+                    raise UnsafeCheckpointError(
+                        f"Refusing to read {self._directory}: entry {item.dest_index.fqn!r} is stored as pickled bytes, which DCP"
+                        " unpickles with weights_only=False (running code chosen by the file's author); phalanx checkpoints hold only tensors there."
+                    )
+            for item in plan.items:
+                # One entry per call, so that a failure names its file and entry.
+                info = self.storage_data[item.storage_index]
+                entry_inside(self._directory, info.relative_path, root=self._directory, what=f"the shard file of entry {item.dest_index.fqn!r}")
+                try:
+                    super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
+                except Exception as error:
+                    raise CheckpointError(
+                        f"{self._directory / info.relative_path} is damaged or belongs to another checkpoint: entry"
+                        f" {item.dest_index.fqn!r} (bytes {info.offset}..{info.offset + info.length}) cannot be read: {_describe(error)}"
+                    ) from None
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    return SafeFileSystemReader
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -140,36 +214,91 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
     directory = Path(path)
     if not is_sharded_checkpoint(directory):
-        raise CheckpointError(f"{directory} is not a sharded phalanx checkpoint (no {DCP_METADATA_FILE} and {META_FILE}).")
-    return load_bytes((directory / META_FILE).read_bytes(), str(directory / META_FILE))
+        missing = [name for name in (DCP_METADATA_FILE, META_FILE) if not (directory / name).exists()] if directory.is_dir() else []
+        detail = f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else "it is not a directory"
+        raise CheckpointError(f"{directory} is not a sharded phalanx checkpoint: {detail}.")
+    file = entry_inside(directory, META_FILE, root=directory, what="phalanx's state file")
+    meta = load_bytes(file.read_bytes(), str(directory / META_FILE))
+    _check_meta(meta, directory / META_FILE)
+    return meta
+
+
+def _check_meta(meta: dict[str, Any], source: Path) -> None:
+    sharded = meta.get("sharded_tensors")
+    model = sharded.get("model") if isinstance(sharded, dict) else None
+    optimizer = sharded.get("optimizer") if isinstance(sharded, dict) else None
+    if not isinstance(model, list) or not all(isinstance(name, str) for name in model) or not isinstance(optimizer, list):
+        raise CheckpointError(f"{source} is damaged: it has no valid 'sharded_tensors' list (the names of the tensors stored through DCP).")
+    states = meta.get("optimizer_states")
+    for entry in optimizer:
+        ok = isinstance(entry, (list, tuple)) and len(entry) == 3 and type(entry[0]) is int and isinstance(entry[1], (int, str)) and isinstance(entry[2], str)
+        if ok:
+            index, pid, _ = entry
+            ok = isinstance(states, list) and 0 <= index < len(states) and isinstance(states[index], dict) and isinstance(states[index].get("state"), dict) and isinstance(states[index]["state"].get(pid), dict)
+        if not ok:
+            raise CheckpointError(f"{source} is damaged: its sharded optimizer entry {entry!r} names no optimizer state in the file.")
+
+
+def _tensor_keys(meta: dict[str, Any]) -> list[str]:
+    sharded = meta["sharded_tensors"]
+    return [_MODEL_PREFIX + name for name in sharded["model"]] + [f"{_OPTIMIZER_PREFIX}{i}/{pid}/{name}" for i, pid, name in sharded["optimizer"]]
+
+
+def _checked_metadata(directory: Path, meta: dict[str, Any]) -> Any:
+    """DCP's metadata, checked to be that of the same save as ``meta`` and to hold every tensor ``meta`` lists."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(directory)
+    saved_id = meta.get(_SAVE_ID)
+    found_id = getattr(metadata.storage_meta, "save_id", None)
+    if saved_id is not None and found_id != saved_id:
+        raise CheckpointError(f"{directory / DCP_METADATA_FILE} belongs to another checkpoint: it was written by save {found_id!r}, {META_FILE} by save {saved_id!r}.")
+    for key in _tensor_keys(meta):
+        entry = metadata.state_dict_metadata.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            state = "missing from" if entry is None else "not a tensor entry in"
+            raise CheckpointError(f"{directory}: entry {key!r}, listed in {META_FILE}, is {state} {DCP_METADATA_FILE} (damaged, or the files come from different checkpoints).")
+    return metadata
 
 
 def tensor_entries(path: str | os.PathLike) -> dict[str, Any]:
     """The tensors a sharded checkpoint holds: key -> DCP's metadata (``size``, ``properties.dtype``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = _reader(Path(path)).read_metadata()
+    metadata = read_metadata(Path(path))
     return {key: entry for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
 
 
-def _load(tensors: dict[str, Tensor], path: Path, no_dist: bool) -> None:
+def _load(tensors: dict[str, Tensor], directory: Path, metadata: Any, no_dist: bool) -> None:
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        # Reading a whole checkpoint in one process is the point of no_dist; DCP warns about it all the same.
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(tensors, storage_reader=_reader(path), no_dist=no_dist)
+    try:
+        with warnings.catch_warnings():
+            # Reading a whole checkpoint in one process is the point of no_dist; DCP warns about it all the same.
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(tensors, storage_reader=_safe_reader_class()(directory, metadata), no_dist=no_dist)
+    except CheckpointError:
+        raise
+    except BaseException as error:
+        _reraise_interrupt(error)
+        # DCP wraps every rank's failure into a CheckpointException (a BaseException naming no file): give the first
+        # CheckpointError raised by a reader (this rank's or another's), or one naming the directory.
+        raised = next((e for e in _causes(error) if isinstance(e, CheckpointError)), None)
+        if raised is not None:
+            raise type(raised)(str(raised)) from None
+        raise CheckpointError(f"{directory} cannot be read (damaged, or its files come from different checkpoints): {_describe(_root_cause(error))}") from None
 
 
 def load_whole(path: str | os.PathLike) -> dict[str, Any]:
     """Read a sharded checkpoint into one ordinary phalanx checkpoint with whole tensors (no process group needed)."""
     directory = Path(path)
     meta = read_meta(directory)
-    entries = tensor_entries(directory)
-    tensors = {key: torch.empty(tuple(entry.size), dtype=entry.properties.dtype) for key, entry in entries.items()}
-    _load(tensors, directory, no_dist=True)
+    metadata = _checked_metadata(directory, meta)
+    entries = metadata.state_dict_metadata
+    tensors = {key: torch.empty(tuple(entries[key].size), dtype=entries[key].properties.dtype) for key in _tensor_keys(meta)}
+    _load(tensors, directory, metadata, no_dist=True)
     return _reassemble(meta, tensors)
 
 
@@ -184,7 +313,8 @@ def load_into(path: str | os.PathLike, module_state: dict[str, Tensor], optimize
 
     directory = Path(path)
     meta = read_meta(directory)
-    entries = tensor_entries(directory)
+    metadata = _checked_metadata(directory, meta)
+    entries = metadata.state_dict_metadata
     tensors: dict[str, Tensor] = {}
     for name in meta["sharded_tensors"]["model"]:
         if name in module_state:
@@ -194,21 +324,22 @@ def load_into(path: str | os.PathLike, module_state: dict[str, Tensor], optimize
             if index >= len(optimizers):
                 continue
             parameters = [p for group in optimizers[index].param_groups for p in group["params"]]
-            saved_ids = [i for group in meta["optimizer_states"][index]["param_groups"] for i in group["params"]]
+            saved_ids = [i for group in meta["optimizer_states"][index].get("param_groups", []) for i in group.get("params", [])]
             entry = entries[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"]
             parameter = parameters[saved_ids.index(pid)] if pid in saved_ids and len(saved_ids) == len(parameters) else None
             if parameter is not None and is_dtensor(parameter) and tuple(entry.size) == tuple(parameter.shape):
                 tensors[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"] = torch.empty_like(parameter, dtype=entry.properties.dtype)
             else:
                 tensors[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-    _load(tensors, directory, no_dist=False)
+    _load(tensors, directory, metadata, no_dist=False)
     return _reassemble(meta, tensors)
 
 
 def _reassemble(meta: dict[str, Any], tensors: dict[str, Tensor]) -> dict[str, Any]:
     sharded = meta.pop("sharded_tensors")
+    meta.pop(_SAVE_ID, None)
     meta["state_dict"] = {name: tensors[_MODEL_PREFIX + name] for name in sharded["model"] if _MODEL_PREFIX + name in tensors}
-    for index, pid, name in sharded["optimizer"]:
+    for index, pid, name in sharded["optimizer"]:  # each names an existing state (checked by _check_meta)
         key = f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"
         if key in tensors:
             meta["optimizer_states"][index]["state"][pid][name] = tensors[key]
@@ -221,10 +352,15 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
     if is_sharded_checkpoint(directory):
         return load_whole(directory)
     try:
-        from phalanx.strategies.deepspeed_checkpoint import is_deepspeed_checkpoint, load_deepspeed_checkpoint_as_full
+        from phalanx.strategies.deepspeed_checkpoint import STATE_FILE, is_deepspeed_checkpoint, load_deepspeed_checkpoint_as_full
     except ImportError:
         is_deepspeed_checkpoint = None  # type: ignore[assignment]
+        STATE_FILE = None  # type: ignore[assignment]
     if is_deepspeed_checkpoint is not None and is_deepspeed_checkpoint(directory):
         return load_deepspeed_checkpoint_as_full(directory)
+    for layout, files in (("sharded (DCP)", (DCP_METADATA_FILE, META_FILE)), ("DeepSpeed", (STATE_FILE, "latest"))):
+        present = [name for name in files if name is not None and (directory / name).exists()]
+        if present and len(present) < len(files):
+            missing = [name for name in files if name not in present]
+            raise CheckpointError(f"{directory} looks like a {layout} checkpoint ({', '.join(present)}) but is missing {', '.join(map(str, missing))}: it is incomplete or damaged.")
     raise CheckpointError(f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a DeepSpeed one.")
-

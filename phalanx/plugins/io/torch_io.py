@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +77,14 @@ def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any |
         checkpoint = torch.load(stream, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
         # Only a reference to a class or function ("GLOBAL pkg.Class") needs arbitrary unpickling; other refusals
-        # ("Unsupported operand 0") come from bytes that torch.save did not write.
+        # ("Unsupported operand 0") come from bytes that torch.save did not write, or from a pickle that names its
+        # globals in a way torch's reader does not parse (STACK_GLOBAL): those are looked for in the bytes.
         offending = _GLOBAL_REFERENCE.search(str(error))
-        if offending is not None:
+        # torch names builtins without their module ("GLOBAL eval"): give it back.
+        names = [_qualified(offending.group(1))] if offending is not None else _disallowed_globals(stream)
+        if names:
             raise UnsafeCheckpointError(
-                f"Refusing to load {source}: it references {offending.group(1)}, which is not a tensor or plain value"
+                f"Refusing to load {source}: it references {', '.join(names)}, which is not a tensor or plain value"
                 f" and loads only with weights_only=False, i.e. by running arbitrary code. {_UNSAFE_HINT}"
             ) from None
         raise CheckpointError(f"{source} is not a checkpoint torch can read (corrupted or not written by torch.save): {_first_line(error)}") from None
@@ -89,6 +93,60 @@ def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any |
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{source} holds a {type(checkpoint).__name__}, not a checkpoint dictionary.")
     return checkpoint
+
+
+def _qualified(name: str) -> str:
+    import builtins
+
+    # torch drops the "builtins." of the names it reports ("GLOBAL eval", "GLOBAL str.join"): put it back.
+    return f"builtins.{name}" if hasattr(builtins, name.split(".")[0]) else name
+
+
+def _disallowed_globals(stream: Any) -> list[str]:
+    """The globals a refused checkpoint's pickle names that torch's weights-only reader does not allow (for messages)."""
+    try:
+        stream.seek(0)
+        data = stream.read()
+        if zipfile.is_zipfile(io.BytesIO(data)):
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                pickled = next((archive.read(name) for name in archive.namelist() if name.endswith("data.pkl")), b"")
+        else:
+            pickled = data
+        from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
+
+        allowed = set(_get_allowed_globals()) | set(_get_user_allowed_globals())
+    except Exception:  # only a better message is at stake
+        return []
+    return [name for name in referenced_globals(pickled) if name not in allowed]
+
+
+def referenced_globals(data: bytes) -> list[str]:
+    """The ``module.name`` globals a pickle refers to, found by reading its opcodes (nothing is unpickled)."""
+    import pickletools
+
+    found: list[str] = []
+    memo: dict[Any, Any] = {}
+    pushed: list[Any] = []  # the strings pushed (directly or from the memo), in order: STACK_GLOBAL takes the last two
+    last: Any = None  # what the previous opcode pushed, if it was a string
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            name = opcode.name
+            if name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                memo[arg if name != "MEMOIZE" else len(memo)] = last
+                continue
+            last = None
+            if name in ("GLOBAL", "INST"):
+                found.append(str(arg).replace(" ", "."))
+            elif name == "STACK_GLOBAL" and len(pushed) >= 2:
+                found.append(f"{pushed[-2]}.{pushed[-1]}")
+            elif "UNICODE" in name or "STRING" in name or name in ("GET", "BINGET", "LONG_BINGET"):
+                last = arg if "GET" not in name else memo.get(arg)
+                pushed.append(last)
+            elif name == "STOP":
+                break
+    except Exception:  # damaged bytes: what was found before them
+        pass
+    return list(dict.fromkeys(found))
 
 
 def _first_line(error: BaseException) -> str:

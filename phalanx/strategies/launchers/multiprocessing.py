@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import shutil
 import signal
 import tempfile
 from typing import Any, Callable
@@ -55,9 +56,12 @@ class MultiProcessingLauncher(Launcher):
         os.environ["MASTER_ADDR"] = environment.main_address
         os.environ["MASTER_PORT"] = str(environment.main_port)
         # Rank 0's results travel through a file, not a pipe: a pipe blocks the writer once its buffer (64 KiB) is
-        # full, while this process is still waiting for the workers to exit.
-        handle, results_path = tempfile.mkstemp(prefix="phalanx-results-", suffix=".pt")
-        os.close(handle)
+        # full, while this process is still waiting for the workers to exit. The file is read with
+        # weights_only=False (it may hold any predict_step output), so nobody else may be able to put it there: it
+        # lives in a directory only this user can enter (mkdtemp: mode 0700, a fresh name), which another local
+        # user cannot list, write or swap a file into, whatever the permissions of the temporary directory above.
+        private = tempfile.mkdtemp(prefix="phalanx-results-")
+        results_path = os.path.join(private, "results.pt")
         try:
             torch.multiprocessing.start_processes(
                 _run_rank,
@@ -66,10 +70,9 @@ class MultiProcessingLauncher(Launcher):
                 start_method=self._start_method,
                 join=True,
             )
-            with open(results_path, "rb") as results:
-                worker_output = _from_bytes(results.read())
+            worker_output = _read_results(results_path)
         finally:
-            os.unlink(results_path)
+            shutil.rmtree(private, ignore_errors=True)
         if trainer is not None:
             # The module the user passed (first argument of fit/validate/...) lives in this process: update it.
             module = next((arg for arg in args if isinstance(arg, torch.nn.Module)), None)
@@ -108,8 +111,18 @@ def _to_bytes(payload: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+def _read_results(path: str) -> dict[str, Any]:
+    """What rank 0 wrote into the private directory (see ``launch``), refusing a file this user does not own."""
+    with open(path, "rb") as results:
+        info = os.fstat(results.fileno())
+        if hasattr(os, "getuid") and info.st_uid != os.getuid():
+            raise RuntimeError(f"{path} belongs to user id {info.st_uid}, not to this process's user: refusing to unpickle it.")
+        return _from_bytes(results.read())
+
+
 def _from_bytes(data: bytes) -> dict[str, Any]:
-    # Written by our own worker a moment ago (not a file from elsewhere), and it may hold any predict_step output.
+    # Written by our own worker a moment ago into a directory only this user can write (not a file from
+    # elsewhere), and it may hold any predict_step output, which weights_only=True would refuse.
     return torch.load(io.BytesIO(data), weights_only=False)
 
 

@@ -12,7 +12,7 @@ from phalanx.plugins.io.distributed_checkpoint import consolidate, is_sharded_ch
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.strategies.dtensor_state import full_optimizer_state, load_module_state, load_optimizer_state
 from phalanx.trainer.checkpoint import COMPLETE_MARKER, is_complete_checkpoint, newest_complete_checkpoint
-from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
+from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 # Saving without a process group is what these tests do on purpose; DCP says so each time.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -67,7 +67,7 @@ def test_a_second_save_replaces_the_first_and_a_failed_save_leaves_it(tmp_path, 
         raise OSError("disk full")
 
     monkeypatch.setattr(dcp, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointWriteError, match=r"Could not write the sharded checkpoint .*last.ckpt: OSError: disk full"):
         _save(_checkpoint(3), path)
     assert load_whole(path)["global_step"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

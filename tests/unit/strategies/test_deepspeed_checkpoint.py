@@ -260,7 +260,7 @@ def test_only_deepspeeds_inert_record_types_are_accepted(tmp_path, deepspeed_typ
     optim = torch.load(path, weights_only=False)
     optim["optimizer_state_dict"]["extra"] = Settings() if kind == "other DeepSpeed class" else _RunsCode()
     torch.save(optim, path)
-    named = "deepspeed.runtime.settings.Settings" if kind == "other DeepSpeed class" else "print"
+    named = "deepspeed.runtime.settings.Settings" if kind == "other DeepSpeed class" else "builtins.print"
     with pytest.raises(UnsafeCheckpointError, match=rf"Refusing to load .*zero_pp_rank_1_mp_rank_00_optim_states.pt: it references {named}"):
         load_deepspeed_checkpoint_as_full(directory)
 

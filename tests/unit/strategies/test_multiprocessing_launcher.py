@@ -1,0 +1,45 @@
+"""The multiprocessing launcher brings rank 0's results back through a file only this user can reach."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from phalanx.strategies.launchers import multiprocessing as launcher_module
+from phalanx.strategies.launchers.multiprocessing import MultiProcessingLauncher, _read_results, _to_bytes
+
+
+def _strategy() -> Any:
+    return SimpleNamespace(cluster_environment=SimpleNamespace(main_address="127.0.0.1", main_port=29500), num_processes=2)
+
+
+def test_results_travel_through_a_private_directory_that_is_removed_afterwards(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher_module.tempfile, "tempdir", str(tmp_path))
+    seen: dict[str, Any] = {}
+
+    def start_processes(function, args, nprocs, start_method, join):  # stands in for the workers: rank 0 writes
+        results_path = Path(args[4])
+        seen["mode"] = stat.S_IMODE(os.stat(results_path.parent).st_mode)
+        seen["directory"] = results_path.parent
+        results_path.write_bytes(_to_bytes({"result": {"answer": 42, "tensor": torch.ones(2)}}))
+
+    monkeypatch.setattr(launcher_module.torch.multiprocessing, "start_processes", start_processes)
+    result = MultiProcessingLauncher(_strategy(), start_method="spawn").launch(lambda: None)
+    assert result["answer"] == 42 and torch.equal(result["tensor"], torch.ones(2))
+    assert seen["mode"] == 0o700 and seen["directory"].parent == tmp_path  # no other user may enter, list or write
+    assert not seen["directory"].exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_results_file_owned_by_another_user_is_not_unpickled(tmp_path):
+    path = tmp_path / "results.pt"
+    path.write_bytes(_to_bytes({"result": 1}))
+    os.chown(path, 12345, -1)
+    with pytest.raises(RuntimeError, match="belongs to user id 12345, not to this process's user: refusing to unpickle it"):
+        _read_results(str(path))
