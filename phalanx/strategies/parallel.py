@@ -228,10 +228,11 @@ class ParallelStrategy(Strategy, ABC):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Tensor | Any:
-        """All-reduce ``tensor`` with ``reduce_op`` ('mean', 'sum', 'max', 'min'); other values pass through."""
+        """All-reduce ``tensor`` with ``reduce_op`` ('mean'/'avg', 'sum', 'max', 'min' or a ReduceOp); others pass through."""
+        reduce_op = distributed.normalize_reduce_op(reduce_op)
         if not isinstance(tensor, Tensor) or not distributed.is_initialized():
             return tensor
-        return distributed.all_reduce(tensor, reduce_op or "mean", group, self.global_rank, self._timeout)
+        return distributed.all_reduce(tensor, reduce_op, group, self.global_rank, self._timeout)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Stack ``tensor`` from all processes (differentiable with ``sync_grads=True``)."""

@@ -11,6 +11,7 @@ from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.distributed import normalize_reduce_op
 
 _T = TypeVar("_T")
 
@@ -49,7 +50,8 @@ class SingleDeviceStrategy(Strategy):
         return True
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Tensor | Any:
-        """Nothing to reduce across one process."""
+        """Nothing to reduce across one process (``reduce_op`` is still checked, as it would be on several)."""
+        normalize_reduce_op(reduce_op)
         return tensor
 
     def barrier(self, name: str | None = None) -> None:

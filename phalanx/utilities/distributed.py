@@ -25,6 +25,24 @@ def _reduce_op(name: str) -> Any:
     return ops[name]
 
 
+_REDUCE_ALIASES = {"avg": "mean", "average": "mean"}
+
+
+def normalize_reduce_op(reduce_op: Any) -> str:
+    """One of ``REDUCE_OPS`` from what Lightning accepts: those names in any case, 'avg', ReduceOp members, None (mean)."""
+    if reduce_op is None:
+        return "mean"
+    if isinstance(reduce_op, str):
+        name = _REDUCE_ALIASES.get(reduce_op.lower(), reduce_op.lower())
+    else:
+        # torch.distributed.ReduceOp members (ReduceOp.SUM, ReduceOp.AVG, ...) print as "RedOpType.SUM".
+        name = str(getattr(reduce_op, "name", reduce_op)).rsplit(".", 1)[-1].lower()
+        name = _REDUCE_ALIASES.get(name, name)
+    if name not in REDUCE_OPS:
+        raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {REDUCE_OPS} (any case), 'avg', or the matching torch.distributed.ReduceOp member.")
+    return name
+
+
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names the operation, the rank and the remedy."""
 
@@ -92,6 +110,7 @@ def peer_left(error: BaseException) -> bool:
 
 def all_reduce(tensor: Tensor, reduce_op: str, group: Any | None, rank: int, timeout: timedelta | None) -> Tensor:
     """Return the reduction of ``tensor`` over all processes (``mean`` divides the sum by the world size)."""
+    reduce_op = normalize_reduce_op(reduce_op)
     op = _reduce_op(reduce_op)
     result = tensor.detach().clone()
     if not result.is_floating_point() and reduce_op == "mean":
