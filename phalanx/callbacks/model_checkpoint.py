@@ -4,25 +4,36 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from phalanx.callbacks._checkpoint_checks import (
+    check_arguments,
+    check_flags,
+    check_template,
+    fill_template,
+    local_parameters_finite,
+    restored_entries,
+)
+from phalanx.callbacks._checkpoint_files import (
+    FILE_EXTENSION,
+    checkpoint_in_folder,
+    claim,
+    exists,
+    is_url,
+    release,
+    removal_refusal,
+    same_location,
+)
 from phalanx.callbacks.callback import Callback
+from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
     from phalanx.trainer.trainer import Trainer
-
-# ``{name}`` or ``{name:format_spec}``; a name may hold anything but braces and colons ("val/loss" included).
-_TEMPLATE_FIELD = re.compile(r"\{([^{}:]+)(?::([^{}]*))?\}")
-
-
-def _is_url(path: str) -> bool:
-    return "://" in str(path)
 
 
 def _stage_name(trainer: Any) -> str:
@@ -52,29 +63,39 @@ class Checkpoint(Callback):
 class ModelCheckpoint(Checkpoint):
     """Save checkpoints during ``fit``: every ``n`` steps or epochs, keeping the ``save_top_k`` best by ``monitor``.
 
+    Only ``*.ckpt`` files and checkpoint directories (with their ``.complete`` marker) directly inside ``dirpath`` are
+    ever overwritten or removed, whatever a resumed checkpoint's callback state names. New file names are claimed
+    with an exclusive create on global rank 0 (and broadcast), so two runs sharing ``dirpath`` never write one file.
+
     Args:
         dirpath: Folder of the checkpoints. Defaults to ``trainer.log_dir/checkpoints`` when the Trainer has a
             logger, else ``trainer.default_root_dir/checkpoints``.
         filename: Name template without extension, e.g. ``"{epoch}-{val_loss:.2f}"``; fields are filled from the
-            logged metrics plus ``epoch`` and ``step``. Defaults to ``"{epoch}-{step}"``.
+            logged metrics plus ``epoch`` and ``step``. Defaults to ``"{epoch}-{step}"``. Checked at construction:
+            ValueError for unbalanced braces, a bad format spec or conversion, a path separator outside a field, a
+            leading '.', or an empty template.
         monitor: Metric (a key of ``trainer.callback_metrics``) that ranks the checkpoints; None keeps the newest.
         verbose: Report each decision.
         save_last: Also write ``last.ckpt`` at every save point.
         save_top_k: How many checkpoints to keep: ``-1`` all, ``0`` none, ``k`` the best ``k``.
         save_weights_only: Write only the module weights.
-        mode: "min" or "max": whether a lower or higher ``monitor`` value is better.
+        mode: "min" or "max": whether a lower or higher ``monitor`` value is better. A non-finite value always
+            ranks worst and is never the best.
         auto_insert_metric_name: Write ``{epoch}`` as ``epoch=3`` rather than ``3``.
         every_n_train_steps: Save after every ``n`` optimizer steps (0 or None: not by steps).
         every_n_epochs: Save every ``n`` epochs (the default, 1, unless ``every_n_train_steps`` is set).
         save_on_train_epoch_end: Save at the end of the training epoch rather than after validation. By default the
             callback saves after validation when validation runs during ``fit``.
         enable_version_counter: Append ``-v1``, ``-v2``... rather than overwrite a file this run did not write.
+        save_on_nonfinite: Save even when the module's parameters are not all finite. By default (False) such a
+            save point writes nothing, so no NaN/inf checkpoint replaces or evicts a good one (best, top-k,
+            ``last.ckpt``); a warning names the checkpoints kept. All processes take the same decision.
     """
 
     CHECKPOINT_JOIN_CHAR = "-"
     CHECKPOINT_EQUALS_CHAR = "="
     CHECKPOINT_NAME_LAST = "last"
-    FILE_EXTENSION = ".ckpt"
+    FILE_EXTENSION = FILE_EXTENSION
     STARTING_VERSION = 1
 
     def __init__(
@@ -92,29 +113,15 @@ class ModelCheckpoint(Checkpoint):
         every_n_epochs: int | None = None,
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
+        save_on_nonfinite: bool = False,
     ) -> None:
         super().__init__()
-        if mode not in ("min", "max"):
-            raise ValueError(f"`mode` must be 'min' or 'max', got {mode!r}.")
-        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
-            raise ValueError(
-                f"`save_top_k` must be an int >= -1 (-1: keep all, 0: keep none, k: keep the best k), got {save_top_k!r}."
-            )
-        if monitor is None and save_top_k not in (-1, 0, 1):
-            raise ValueError(
-                f"ModelCheckpoint(save_top_k={save_top_k}, monitor=None) cannot rank checkpoints: set `monitor` to a"
-                " logged metric, or use save_top_k=1 (keep the newest) or save_top_k=-1 (keep all)."
-            )
-        if save_last not in (None, True, False):
-            raise ValueError(f"`save_last` must be True, False or None, got {save_last!r}.")
-        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"`{name}` must be None or an int >= 0, got {value!r}.")
-        if (every_n_train_steps or 0) > 0 and (every_n_epochs or 0) > 0:
-            raise ValueError(
-                f"`every_n_train_steps={every_n_train_steps}` and `every_n_epochs={every_n_epochs}` are mutually"
-                " exclusive: set only one of them."
-            )
+        check_arguments(dirpath, filename, monitor, save_top_k, mode, every_n_train_steps, every_n_epochs)
+        check_flags(
+            verbose=verbose, save_weights_only=save_weights_only, auto_insert_metric_name=auto_insert_metric_name,
+            enable_version_counter=enable_version_counter, save_on_nonfinite=save_on_nonfinite, save_last=save_last,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+        )
 
         self.monitor = monitor
         self.verbose = verbose
@@ -124,6 +131,7 @@ class ModelCheckpoint(Checkpoint):
         self.mode = mode
         self.auto_insert_metric_name = auto_insert_metric_name
         self.enable_version_counter = enable_version_counter
+        self.save_on_nonfinite = save_on_nonfinite
         self._save_on_train_epoch_end = save_on_train_epoch_end
         if every_n_train_steps is None and every_n_epochs is None:
             self._every_n_train_steps, self._every_n_epochs = 0, 1
@@ -137,7 +145,7 @@ class ModelCheckpoint(Checkpoint):
         self.best_model_score: Tensor | None = None
         self.best_k_models: dict[str, Tensor] = {}
         self.kth_best_model_path = ""
-        self.kth_value: Tensor = torch.tensor(math.inf if mode == "min" else -math.inf)
+        self.kth_value: Tensor = self._worst_score()
         self.last_model_path = ""
         self.current_score: Tensor | None = None
 
@@ -145,7 +153,11 @@ class ModelCheckpoint(Checkpoint):
         self._last_global_step_saved = 0
         # Files this callback wrote during this run (only those may be overwritten without a version suffix).
         self._written: set[str] = set()
+        # Placeholders claimed on rank 0 and not yet replaced by their checkpoint.
+        self._claimed: set[str] = set()
         self._pending_state: dict[str, Any] | None = None
+        # (global step, decision) of the last finiteness check, so that one save point checks once.
+        self._finite_at: tuple[int, bool] | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -213,25 +225,43 @@ class ModelCheckpoint(Checkpoint):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the bookkeeping; paths that are not checkpoints inside ``dirpath`` are dropped with a warning."""
+        if not isinstance(state_dict, dict):
+            raise CheckpointError(f"The ModelCheckpoint state in this checkpoint is a {type(state_dict).__name__}, not a dict.")
         if self.dirpath is None and state_dict.get("dirpath") is not None:
             # The folder is resolved in ``setup``; compare once it is known.
             self._pending_state = dict(state_dict)
             return
         saved_dirpath = state_dict.get("dirpath", self.dirpath)
         if saved_dirpath == self.dirpath:
-            self.best_model_score = state_dict.get("best_model_score")
-            self.current_score = state_dict.get("current_score")
-            self.kth_best_model_path = state_dict.get("kth_best_model_path", "")
-            if state_dict.get("kth_value") is not None:
-                self.kth_value = state_dict["kth_value"]
-            self.best_k_models = dict(state_dict.get("best_k_models", {}))
-            self.last_model_path = state_dict.get("last_model_path", "")
+            self._restore_ranking(state_dict)
+            return
+        rank_zero_warn(
+            f"The checkpoint folder changed from {saved_dirpath!r} to {self.dirpath!r}: only `best_model_path`"
+            " is restored; the top-k bookkeeping starts afresh in the new folder."
+        )
+        # Kept for ckpt_path="best" only: a path outside ``dirpath`` is never overwritten nor removed.
+        best = state_dict.get("best_model_path", "")
+        self.best_model_path = best if isinstance(best, str) else ""
+
+    def _restore_ranking(self, state: dict[str, Any]) -> None:
+        best_k, entries, dropped = restored_entries(state, self.dirpath or "")
+        self.best_k_models = {path: self._finite_or_worst(score) for path, score in best_k.items()}
+        self.last_model_path = entries["last_model_path"]
+        self.current_score = entries["current_score"]
+        if self.best_k_models:
+            # Recomputed from the entries kept rather than trusted: a dropped k-th entry would be looked up.
+            self._update_ranking()
         else:
+            best, score = entries["best_model_path"], entries["best_model_score"]
+            self.best_model_path = best
+            self.best_model_score = score if best and score is not None and bool(torch.isfinite(score)) else None
+        if dropped:
             rank_zero_warn(
-                f"The checkpoint folder changed from {saved_dirpath!r} to {self.dirpath!r}: only `best_model_path`"
-                " is restored; the top-k bookkeeping starts afresh in the new folder."
+                f"ModelCheckpoint ignored paths in the resumed checkpoint's callback state that are not '*{FILE_EXTENSION}'"
+                f" entries directly inside dirpath {self.dirpath!r}: {', '.join(dropped)}. The callback never overwrites"
+                " or removes anything outside its folder."
             )
-        self.best_model_path = state_dict.get("best_model_path", "")
 
     # ------------------------------------------------------------------ file names
     def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None) -> str:
@@ -242,30 +272,23 @@ class ModelCheckpoint(Checkpoint):
         >>> ModelCheckpoint(dirpath="ckpts", filename="{val/loss:.2f}").format_checkpoint_name({"val/loss": 0.123})
         'ckpts/val_loss=0.12.ckpt'
         """
+        if filename is not None:
+            if not isinstance(filename, str):
+                raise TypeError(f"`filename` must be a str template or None, got {type(filename).__name__}.")
+            check_template(filename)
         template = filename if filename is not None else self.filename
-        name = self._format_template(template or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}", metrics)
+        template = template or "{epoch}" + self.CHECKPOINT_JOIN_CHAR + "{step}"
+        equals = self.CHECKPOINT_EQUALS_CHAR if self.auto_insert_metric_name else None
+        name = fill_template(template, {key: _as_python_number(value) for key, value in metrics.items()}, equals)
         if ver is not None:
             name = self.CHECKPOINT_JOIN_CHAR.join((name, f"v{ver}"))
         name += self.FILE_EXTENSION
         return os.path.join(self.dirpath, name) if self.dirpath else name
 
-    def _format_template(self, template: str, metrics: dict[str, Any]) -> str:
-        def fill(match: re.Match) -> str:
-            key, spec = match.group(1), match.group(2) or ""
-            value = _as_python_number(metrics.get(key, 0))
-            text = format(value, spec)
-            if self.auto_insert_metric_name:
-                text = f"{key}{self.CHECKPOINT_EQUALS_CHAR}{text}"
-            return text
-
-        name = _TEMPLATE_FIELD.sub(fill, template)
-        # "/" in a metric name (or anywhere in the template) must not move the file out of ``dirpath``.
-        return name.replace("/", "_").replace(os.sep, "_")
-
     def file_exists(self, filepath: str, trainer: Trainer) -> bool:
         """Whether ``filepath`` exists, as seen by rank 0 (so every rank takes the same decision)."""
-        exists = self._exists(filepath) if trainer.is_global_zero else False
-        return bool(trainer.strategy.broadcast(exists))
+        found = exists(filepath) if trainer.is_global_zero else False
+        return bool(trainer.strategy.broadcast(found))
 
     # ------------------------------------------------------------------ decisions
     def check_monitor_top_k(self, trainer: Trainer, current: Tensor | None = None) -> bool:
@@ -295,6 +318,28 @@ class ModelCheckpoint(Checkpoint):
     def _is_epoch_to_save(self, trainer: Trainer) -> bool:
         return self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0
 
+    def _parameters_finite(self, trainer: Trainer) -> bool:
+        """Whether the module's parameters are all finite on every process (checked once per save point)."""
+        if self.save_on_nonfinite:
+            return True
+        if self._finite_at is not None and self._finite_at[0] == trainer.global_step:
+            return self._finite_at[1]
+        module = getattr(trainer.strategy, "module", None)
+        if module is None:
+            return True
+        finite = bool(trainer.strategy.reduce_boolean_decision(local_parameters_finite(module), all=True))
+        self._finite_at = (trainer.global_step, finite)
+        return finite
+
+    def _warn_nonfinite(self, trainer: Trainer) -> None:
+        kept = [path for path in dict.fromkeys([self.best_model_path, *self.best_k_models, self.last_model_path]) if path]
+        rank_zero_warn(
+            f"ModelCheckpoint: the module's parameters are not all finite at epoch {trainer.current_epoch}, global"
+            f" step {trainer.global_step} (did the loss become NaN or inf?). Nothing is saved at this point and no"
+            f" checkpoint is replaced or removed; kept: {', '.join(kept) if kept else 'none written yet'}. Pass"
+            " ModelCheckpoint(save_on_nonfinite=True) to save such checkpoints anyway."
+        )
+
     # ------------------------------------------------------------------ saving
     def _monitor_candidates(self, trainer: Trainer) -> dict[str, Any]:
         candidates = dict(trainer.callback_metrics)
@@ -305,6 +350,13 @@ class ModelCheckpoint(Checkpoint):
         return candidates
 
     def _save_at_this_point(self, trainer: Trainer) -> None:
+        if self.save_top_k == 0 and not self.save_last:
+            return
+        if not self._parameters_finite(trainer):
+            self._warn_nonfinite(trainer)
+            # Counted as handled, so that the other hooks of this step neither check nor warn again.
+            self._last_global_step_saved = trainer.global_step
+            return
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
@@ -349,20 +401,7 @@ class ModelCheckpoint(Checkpoint):
         self.current_score = current
         filepath = self._filepath_for(candidates, trainer, reusable=to_delete)
         self.best_k_models[filepath] = current
-
-        if len(self.best_k_models) == k:
-            worst = max if self.mode == "min" else min
-            self.kth_best_model_path = worst(self.best_k_models, key=lambda p: self.best_k_models[p].item())
-            self.kth_value = self.best_k_models[self.kth_best_model_path]
-
-        finite = {p: s for p, s in self.best_k_models.items() if torch.isfinite(s)}
-        if finite:
-            best = min if self.mode == "min" else max
-            self.best_model_path = best(finite, key=lambda p: finite[p].item())
-            self.best_model_score = finite[self.best_model_path]
-        else:
-            # Non-finite values are never the best; there is no best model yet.
-            self.best_model_path, self.best_model_score = "", None
+        self._update_ranking(full=len(self.best_k_models) == k)
 
         if self.verbose:
             rank_zero_info(
@@ -374,6 +413,21 @@ class ModelCheckpoint(Checkpoint):
         if to_delete and to_delete != filepath:
             self._remove_checkpoint(trainer, to_delete)
 
+    def _update_ranking(self, full: bool = True) -> None:
+        """Recompute the k-th (worst kept) and the best entry of ``best_k_models``."""
+        if full:
+            worst = max if self.mode == "min" else min
+            self.kth_best_model_path = worst(self.best_k_models, key=lambda p: self.best_k_models[p].item())
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
+        finite = {p: s for p, s in self.best_k_models.items() if torch.isfinite(s)}
+        if finite:
+            best = min if self.mode == "min" else max
+            self.best_model_path = best(finite, key=lambda p: finite[p].item())
+            self.best_model_score = finite[self.best_model_path]
+        else:
+            # Non-finite values are never the best; there is no best model yet.
+            self.best_model_path, self.best_model_score = "", None
+
     def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
         if not self.save_last:
             return
@@ -384,42 +438,72 @@ class ModelCheckpoint(Checkpoint):
             self._remove_checkpoint(trainer, previous)
 
     def _filepath_for(self, candidates: dict[str, Any], trainer: Trainer, reusable: str | None, template: str | None = None) -> str:
-        """The path for this save, with a version suffix when it would overwrite a file this run did not write."""
+        """The path for this save: rank 0 decides (claiming a new name exclusively) and every rank gets its answer."""
+        filepath = self._claim_name(candidates, reusable, template) if trainer.is_global_zero else None
+        return trainer.strategy.broadcast(filepath)
+
+    def _claim_name(self, candidates: dict[str, Any], reusable: str | None, template: str | None) -> str:
+        """The first of NAME, NAME-v1, NAME-v2... that this run owns or could create (rank 0 only)."""
         filepath = self.format_checkpoint_name(candidates, template)
         if not self.enable_version_counter:
             return filepath
         version = self.STARTING_VERSION
-        while filepath != reusable and not self._owns(filepath) and self.file_exists(filepath, trainer):
+        # A placeholder made by an exclusive create reserves a new name: another run saving the same name at the
+        # same moment gets the next version rather than overwriting this run's file (check-then-write would not).
+        while filepath != reusable and not self._owns(filepath) and not claim(filepath):
             filepath = self.format_checkpoint_name(candidates, template, ver=version)
             version += 1
+        if filepath != reusable and not self._owns(filepath):
+            self._claimed.add(filepath)
         return filepath
 
     def _owns(self, filepath: str) -> bool:
         return filepath in self._written or filepath in self.best_k_models or filepath == self.last_model_path
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
-        trainer.save_checkpoint(filepath, weights_only=self.save_weights_only)
+        try:
+            trainer.save_checkpoint(filepath, weights_only=self.save_weights_only)
+        except BaseException:
+            if filepath in self._claimed:
+                release(filepath)
+            raise
+        finally:
+            self._claimed.discard(filepath)
         self._last_global_step_saved = trainer.global_step
         self._written.add(filepath)
         for logger in trainer.loggers or []:
             logger.after_save_checkpoint(self)
 
     def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
-        # Never delete what we did not write in this folder, nor the checkpoint this run resumed from.
-        if not self._owns(filepath) and not self._in_dirpath(filepath):
-            return
-        resumed_from = getattr(trainer, "ckpt_path", None)
-        if isinstance(resumed_from, (str, os.PathLike)) and not _is_url(str(resumed_from)) and not _is_url(filepath):
-            if os.path.realpath(os.fspath(resumed_from)) == os.path.realpath(filepath):
-                return
-        trainer.strategy.remove_checkpoint(filepath)
+        """Remove ``filepath`` if it is a checkpoint inside ``dirpath``; never anything else."""
+        target = checkpoint_in_folder(filepath, self.dirpath) if self.dirpath else None
+        # Rank 0 decides for all (one broadcast on every rank, whatever each rank's file system says).
+        refusal = self._removal_refusal(trainer, filepath, target) if trainer.is_global_zero else None
+        refusal = trainer.strategy.broadcast(refusal)
+        if refusal is None:
+            trainer.strategy.remove_checkpoint(target if target is not None else filepath)
+        elif refusal:
+            rank_zero_warn(
+                f"ModelCheckpoint: not removing {filepath!r}: {refusal}. Only '*{FILE_EXTENSION}' files and checkpoint"
+                " directories written by phalanx directly inside dirpath are ever removed."
+            )
         self._written.discard(filepath)
 
+    def _removal_refusal(self, trainer: Trainer, filepath: str, target: str | None) -> str | None:
+        """Why rank 0 keeps ``filepath``: None to remove it, "" to keep it silently, else the reason."""
+        if target is None:
+            return f"it is not a '*{FILE_EXTENSION}' entry directly inside dirpath {self.dirpath!r}"
+        if same_location(getattr(trainer, "ckpt_path", None), target):
+            return ""  # never delete the checkpoint this run resumed from
+        return removal_refusal(target, may_be_pending=filepath in self._written)
+
     # ------------------------------------------------------------------ helpers
+    def _worst_score(self, dtype: torch.dtype | None = None) -> Tensor:
+        return torch.tensor(math.inf if self.mode == "min" else -math.inf, dtype=dtype)
+
     def _finite_or_worst(self, score: Tensor) -> Tensor:
-        if torch.isfinite(score):
-            return score
-        return torch.tensor(math.inf if self.mode == "min" else -math.inf, dtype=score.dtype)
+        """``score`` when finite, else the worst value for ``mode``: NaN and inf never rank above a finite score."""
+        return score if torch.isfinite(score) else self._worst_score(score.dtype)
 
     @staticmethod
     def _score_text(score: Tensor | None) -> str:
@@ -428,8 +512,8 @@ class ModelCheckpoint(Checkpoint):
     @staticmethod
     def _normalize_dir(dirpath: str | os.PathLike) -> str:
         path = os.fspath(dirpath)
-        if _is_url(path):
-            return path
+        if is_url(path):
+            return path.rstrip("/")
         return os.path.realpath(os.path.expanduser(path))
 
     def _resolve_dirpath(self, trainer: Trainer) -> str:
@@ -442,24 +526,8 @@ class ModelCheckpoint(Checkpoint):
             base = trainer.default_root_dir
         return self._normalize_dir(os.path.join(os.fspath(base), "checkpoints"))
 
-    def _in_dirpath(self, filepath: str) -> bool:
-        if not self.dirpath:
-            return False
-        if _is_url(filepath) or _is_url(self.dirpath):
-            return str(filepath).startswith(self.dirpath.rstrip("/") + "/")
-        return os.path.dirname(os.path.realpath(filepath)) == os.path.realpath(self.dirpath)
-
-    @staticmethod
-    def _exists(filepath: str) -> bool:
-        if _is_url(filepath):
-            import fsspec
-
-            fs, path = fsspec.core.url_to_fs(filepath)
-            return bool(fs.exists(path))
-        return os.path.exists(filepath)
-
     def _warn_if_dir_not_empty(self, dirpath: str) -> None:
-        if self.save_top_k == 0 or _is_url(dirpath):
+        if self.save_top_k == 0 or is_url(dirpath):
             return
         if os.path.isdir(dirpath) and any(name.endswith(self.FILE_EXTENSION) for name in os.listdir(dirpath)):
             rank_zero_warn(f"Checkpoint directory {dirpath} exists and is not empty.")

@@ -9,7 +9,11 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any
 
+from phalanx.utilities.rank_zero import rank_zero_only
+
 _VERSION_DIR = re.compile(r"^version_(\d+)$")
+# Created in the version folder of an fsspec URL to claim it (see ``_claim_url_version``).
+_CLAIM_MARKER = ".phalanx-version"
 
 
 class Logger(ABC):
@@ -59,8 +63,14 @@ class Logger(ABC):
         """Hook called after the checkpoint callback saved a checkpoint; a no-op by default."""
 
 
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
 def _next_version(root_dir: str) -> int:
     """Return one past the highest ``version_N`` folder in ``root_dir`` (0 if there is none)."""
+    if _is_url(root_dir):
+        return _next_url_version(root_dir)
     try:
         entries = os.listdir(root_dir)
     except (FileNotFoundError, NotADirectoryError):
@@ -71,6 +81,59 @@ def _next_version(root_dir: str) -> int:
         if match and os.path.isdir(os.path.join(root_dir, entry)):
             versions.append(int(match.group(1)))
     return max(versions) + 1 if versions else 0
+
+
+def _claim_version(root_dir: str) -> int:
+    """Create the first free ``version_N`` folder in ``root_dir`` and return N.
+
+    The folder's creation is the claim: ``os.mkdir`` fails for all but one of several runs creating the same folder,
+    and the others move on to N+1, so two runs started together never share a version (choosing N first and creating
+    the folder at the first write, later, would let them).
+    """
+    if _is_url(root_dir):
+        return _claim_url_version(root_dir)
+    os.makedirs(root_dir, exist_ok=True)
+    version = _next_version(root_dir)
+    while True:
+        try:
+            os.mkdir(os.path.join(root_dir, f"version_{version}"))
+            return version
+        except FileExistsError:
+            version += 1
+
+
+def _next_url_version(root_dir: str) -> int:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(root_dir)
+    try:
+        entries = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    versions = []
+    for entry in entries:
+        match = _VERSION_DIR.match(entry["name"].rstrip("/").rsplit("/", 1)[-1])
+        if match and entry.get("type") == "directory":
+            versions.append(int(match.group(1)))
+    return max(versions) + 1 if versions else 0
+
+
+def _claim_url_version(root_dir: str) -> int:
+    # Object stores have no folders to create exclusively; the claim is a marker file opened in 'xb' mode, which is
+    # exclusive where the file system supports it and check-then-create elsewhere (there two runs can still race).
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(root_dir)
+    fs.makedirs(path, exist_ok=True)
+    version = _next_url_version(root_dir)
+    while True:
+        folder = f"{path.rstrip('/')}/version_{version}"
+        fs.makedirs(folder, exist_ok=True)
+        try:
+            with fs.open(f"{folder}/{_CLAIM_MARKER}", "xb"):
+                return version
+        except FileExistsError:
+            version += 1
 
 
 def _to_scalar(key: str, value: Any) -> int | float:
@@ -105,7 +168,12 @@ def _to_dict(params: dict[str, Any] | argparse.Namespace) -> dict[str, Any]:
 
 
 class _DirectoryLogger(Logger):
-    """A logger that writes under ``save_dir/name/version_N`` (shared by CSV and TensorBoard loggers)."""
+    """A logger that writes under ``save_dir/name/version_N`` (shared by CSV and TensorBoard loggers).
+
+    Without an explicit ``version``, the run claims the next free ``version_N`` by creating its folder (exclusively,
+    see ``_claim_version``), so runs started together in one ``save_dir`` never share a folder. For an fsspec URL the
+    claim is a marker file opened in 'xb' mode: exclusive only where the file system implements that mode so.
+    """
 
     def __init__(
         self,
@@ -140,9 +208,13 @@ class _DirectoryLogger(Logger):
 
     @property
     def version(self) -> int | str:
-        """The run's version, picked as the next free ``version_N`` on first access and then fixed."""
+        """The run's version: on first access global rank 0 claims the next free ``version_N`` by creating it.
+
+        Other ranks write nothing and only compute the number, which may differ from rank 0's.
+        """
         if self._version is None:
-            self._version = _next_version(self.root_dir)
+            claiming = rank_zero_only.rank == 0  # type: ignore[attr-defined]
+            self._version = _claim_version(self.root_dir) if claiming else _next_version(self.root_dir)
         return self._version
 
     @property

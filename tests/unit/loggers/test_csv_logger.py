@@ -48,7 +48,9 @@ def test_version_numbering(tmp_path):
 def test_version_is_fixed_after_first_access(tmp_path):
     logger = CSVLogger(tmp_path)
     assert logger.version == 0
-    os.makedirs(tmp_path / "logs" / "version_0")
+    # The first access claimed the folder by creating it; a later run takes the next one.
+    assert os.path.isdir(tmp_path / "logs" / "version_0")
+    os.makedirs(tmp_path / "logs" / "version_1")
     assert logger.version == 0
     assert logger.log_dir.endswith("version_0")
 
@@ -56,11 +58,12 @@ def test_version_is_fixed_after_first_access(tmp_path):
 def test_explicit_versions_and_no_name(tmp_path):
     assert CSVLogger(tmp_path, version=3).log_dir == os.path.join(tmp_path, "logs", "version_3")
     assert CSVLogger(tmp_path, version="run-a").log_dir == os.path.join(tmp_path, "logs", "run-a")
-    for name in (None, ""):
+    for expected, name in enumerate((None, "")):
         logger = CSVLogger(tmp_path, name=name)
         assert logger.name == ""
         assert logger.root_dir == os.fspath(tmp_path)
-        assert logger.log_dir == os.path.join(tmp_path, "version_0")
+        # Each logger claims its own folder: the second one does not reuse the first one's.
+        assert logger.log_dir == os.path.join(tmp_path, f"version_{expected}")
 
 
 @pytest.mark.parametrize(

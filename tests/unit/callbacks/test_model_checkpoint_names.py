@@ -1,0 +1,278 @@
+"""ModelCheckpoint file names: templates and arguments are checked at construction, and new names are claimed
+exclusively, so runs sharing a folder never write (or keep) each other's checkpoints."""
+
+import multiprocessing
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from phalanx.callbacks import ModelCheckpoint
+from phalanx.plugins.io.torch_io import TorchCheckpointIO
+from phalanx.trainer.checkpoint import is_complete_checkpoint
+from phalanx.utilities.rank_zero import rank_zero_only
+
+
+@pytest.fixture(autouse=True)
+def _rank_zero(monkeypatch):
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+
+
+# ---------------------------------------------------------------------- templates and arguments at construction
+@pytest.mark.parametrize(
+    ("filename", "match"),
+    [
+        ("{epoch", "unbalanced"),
+        ("epoch}", "unbalanced"),
+        ("{{epoch}}", "brace"),
+        ("{}-{epoch}", "empty"),
+        ("{epoch:{width}}", "nested"),
+        ("{epoch:zz}", "format spec 'zz'"),
+        ("{val_loss:q}", "format spec 'q'"),
+        ("{epoch:.2s}", "format spec"),
+        ("{val_loss!x}", "conversion '!x'"),
+        ("{val_loss!}", "conversion '!'"),
+        ("{ epoch}", "spaces"),
+        ("run/{epoch}", "separator '/'"),
+        ("../{epoch}", "separator '/'"),
+        ("/tmp/{epoch}", "separator '/'"),
+        ("..", "'.'"),
+        (".hidden-{epoch}", "'.'"),
+        ("", "empty"),
+        ("a\0b", "NUL"),
+        ("x" * 300, "255 bytes"),
+        ("{epoch:>300}", "255 bytes"),
+    ],
+)
+def test_bad_filename_is_refused_at_construction(filename, match):
+    with pytest.raises(ValueError, match=match) as error:
+        ModelCheckpoint(filename=filename)
+    assert "filename=" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("filename", "metrics", "expected"),
+    [
+        ("{epoch}", {"epoch": 3}, "epoch=3"),
+        ("{epoch:02d}-{val_loss:.2f}", {"epoch": 3, "val_loss": torch.tensor(0.123)}, "epoch=03-val_loss=0.12"),
+        ("{val/loss:.3f}", {"val/loss": 0.5}, "val_loss=0.500"),
+        ("model-{epoch}", {"epoch": 1}, "model-epoch=1"),
+        ("{val_loss!r}", {"val_loss": 0.25}, "val_loss=0.25"),
+        ("{step:,}", {"step": 12345}, "step=12,345"),
+        ("{count:d}", {"count": torch.tensor(7)}, "count=7"),
+        ("{epoch:/>3}", {"epoch": 1}, "epoch=__1"),
+    ],
+)
+def test_good_filenames_format(tmp_path, filename, metrics, expected):
+    callback = ModelCheckpoint(dirpath=tmp_path, filename=filename)
+    assert os.path.basename(callback.format_checkpoint_name(metrics)) == expected + ".ckpt"
+
+
+def test_format_error_at_save_names_the_template(tmp_path):
+    # "{loss:d}" is valid for an int metric; a float at save time is refused with the template and value named.
+    callback = ModelCheckpoint(dirpath=tmp_path, filename="{loss:d}")
+    with pytest.raises(ValueError, match=r"filename='\{loss:d\}'.*loss=0\.5"):
+        callback.format_checkpoint_name({"loss": 0.5})
+    with pytest.raises(ValueError, match="unbalanced"):
+        callback.format_checkpoint_name({}, filename="{oops")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"dirpath": 3}, TypeError, "dirpath"),
+        ({"dirpath": ""}, ValueError, "dirpath"),
+        ({"dirpath": "a\0b"}, ValueError, "dirpath"),
+        ({"dirpath": "{file}"}, ValueError, "not a folder"),
+        ({"filename": 3}, TypeError, "filename"),
+        ({"monitor": 3}, TypeError, "monitor"),
+        ({"monitor": ""}, ValueError, "monitor"),
+        ({"mode": None}, ValueError, "mode"),
+        ({"verbose": "yes"}, TypeError, "verbose"),
+        ({"save_weights_only": 1}, TypeError, "save_weights_only"),
+        ({"save_last": "link"}, TypeError, "save_last"),
+        ({"save_last": 1}, TypeError, "save_last"),
+        ({"save_on_train_epoch_end": "x"}, TypeError, "save_on_train_epoch_end"),
+        ({"enable_version_counter": None}, TypeError, "enable_version_counter"),
+        ({"auto_insert_metric_name": 0}, TypeError, "auto_insert_metric_name"),
+        ({"save_on_nonfinite": "no"}, TypeError, "save_on_nonfinite"),
+        ({"save_top_k": 1.0}, ValueError, "save_top_k"),
+        ({"every_n_train_steps": True}, ValueError, "every_n_train_steps"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(tmp_path, kwargs, error, match):
+    (tmp_path / "file").write_text("not a folder")
+    kwargs = {k: (v.format(file=tmp_path / "file") if isinstance(v, str) and "{file}" in v else v) for k, v in kwargs.items()}
+    with pytest.raises(error, match=match):
+        ModelCheckpoint(**kwargs)
+
+
+# ---------------------------------------------------------------------- names claimed exclusively
+class Strategy:
+    def __init__(self, is_global_zero=True, rank_zero_answer=None):
+        self.is_global_zero = is_global_zero
+        self.rank_zero_answer = rank_zero_answer
+        self.broadcasts = []
+
+    def broadcast(self, obj, src=0):
+        self.broadcasts.append(obj)
+        # A rank other than 0 offers None and receives rank 0's name; any other broadcast passes through.
+        if not self.is_global_zero and obj is None and self.rank_zero_answer is not None:
+            return self.rank_zero_answer
+        return obj
+
+    def reduce_boolean_decision(self, decision, all=True):
+        return decision
+
+    def remove_checkpoint(self, path):
+        TorchCheckpointIO().remove_checkpoint(path)
+
+
+class RunTrainer(SimpleNamespace):
+    """Saves a checkpoint holding this run's id and weights, slowly (as a large model would)."""
+
+    def __init__(self, root, run, delay=0.0, strategy=None):
+        strategy = strategy or Strategy()
+        super().__init__(
+            callback_metrics={}, global_step=10, current_epoch=0, sanity_checking=False, fast_dev_run=False,
+            state=SimpleNamespace(fn="fit"), validation_enabled=True, loggers=[], log_dir=None,
+            default_root_dir=str(root), is_global_zero=strategy.is_global_zero, strategy=strategy, ckpt_path=None,
+        )
+        self.run, self.delay = run, delay
+
+    def save_checkpoint(self, filepath, weights_only=False):
+        time.sleep(self.delay)  # serialising: the window in which a check-then-write name is taken by another run
+        if self.is_global_zero:
+            TorchCheckpointIO().save_checkpoint({"run": self.run, "state_dict": {"w": torch.full((3,), float(self.run))}}, filepath)
+
+
+def save_once(dirpath, run, barrier, delay=0.05):
+    """One run's first save point, started together with the other runs' (returns its best and last paths)."""
+    callback = ModelCheckpoint(dirpath=dirpath, save_last=True)
+    trainer = RunTrainer(dirpath, run, delay)
+    callback.setup(trainer, None, "fit")
+    barrier.wait(timeout=10)
+    callback.on_validation_end(trainer, None)
+    return callback.best_model_path, callback.last_model_path
+
+
+def assert_each_run_has_its_own_files(results, runs):
+    best = {run: paths[0] for run, paths in results.items()}
+    last = {run: paths[1] for run, paths in results.items()}
+    assert sorted(results) == list(range(runs))
+    assert len(set(best.values())) == runs and len(set(last.values())) == runs
+    for run in range(runs):
+        for path in (best[run], last[run]):
+            checkpoint = torch.load(path, weights_only=True)
+            assert checkpoint["run"] == run and torch.equal(checkpoint["state_dict"]["w"], torch.full((3,), float(run)))
+
+
+def test_threads_saving_together_claim_distinct_names(tmp_path):
+    runs = 4
+    barrier = threading.Barrier(runs)
+    results, errors = {}, []
+
+    def work(run):
+        try:
+            results[run] = save_once(str(tmp_path), run, barrier)
+        except BaseException as error:  # reported below: an assertion in a thread would be lost
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(run,)) for run in range(runs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+    assert_each_run_has_its_own_files(results, runs)
+    names = sorted(os.listdir(tmp_path))
+    assert names == sorted(["epoch=0-step=10.ckpt"] + [f"epoch=0-step=10-v{v}.ckpt" for v in range(1, runs)]
+                           + ["last.ckpt"] + [f"last-v{v}.ckpt" for v in range(1, runs)])
+
+
+def _process_run(dirpath, run, barrier, queue):
+    try:
+        queue.put((run, save_once(dirpath, run, barrier)))
+    except BaseException as error:
+        queue.put((run, repr(error)))
+
+
+def test_processes_saving_together_claim_distinct_names(tmp_path):
+    runs = 3
+    context = multiprocessing.get_context("fork")  # no re-import of torch: the three runs start within milliseconds
+    barrier, queue = context.Barrier(runs), context.Queue()
+    processes = [context.Process(target=_process_run, args=(str(tmp_path), run, barrier, queue)) for run in range(runs)]
+    for process in processes:
+        process.start()
+    try:
+        results = dict(queue.get(timeout=20) for _ in range(runs))
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    assert all(isinstance(paths, tuple) for paths in results.values()), results
+    assert_each_run_has_its_own_files(results, runs)
+
+
+def test_other_ranks_take_rank_zero_name_and_claim_nothing(tmp_path):
+    answer = os.path.join(os.path.realpath(tmp_path), "from-rank-zero.ckpt")
+    strategy = Strategy(is_global_zero=False, rank_zero_answer=None)
+    callback = ModelCheckpoint(dirpath=tmp_path)
+    trainer = RunTrainer(tmp_path, run=1, strategy=strategy)
+    callback.setup(trainer, None, "fit")
+    strategy.rank_zero_answer = answer
+    callback.on_validation_end(trainer, None)
+    assert callback.best_model_path == answer
+    assert None in strategy.broadcasts  # this rank offered no name of its own
+    assert os.listdir(tmp_path) == []  # and created no placeholder
+
+
+def test_failed_save_leaves_no_placeholder(tmp_path):
+    class Failing(RunTrainer):
+        def save_checkpoint(self, filepath, weights_only=False):
+            raise OSError("disk full")
+
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    trainer = Failing(tmp_path, run=0)
+    callback.setup(trainer, None, "fit")
+    with pytest.raises(OSError, match="disk full"):
+        callback.on_validation_end(trainer, None)
+    assert os.listdir(tmp_path) == []
+
+
+def test_placeholder_is_never_a_complete_checkpoint(tmp_path):
+    from phalanx.callbacks._checkpoint_files import claim
+
+    target = tmp_path / "epoch=0-step=1.ckpt"
+    assert claim(str(target)) is True and target.stat().st_size == 0
+    assert claim(str(target)) is False
+    assert not is_complete_checkpoint(target)
+
+
+def test_fsspec_names_are_claimed_too():
+    import uuid
+
+    import fsspec
+
+    folder = f"memory://claims-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    try:
+        first = ModelCheckpoint(dirpath=folder)
+        second = ModelCheckpoint(dirpath=folder)
+        paths = []
+        for run, callback in enumerate((first, second)):
+            trainer = RunTrainer(folder, run)
+            trainer.save_checkpoint = lambda path, weights_only=False, run=run: TorchCheckpointIO().save_checkpoint({"run": run}, path)
+            callback.setup(trainer, None, "fit")
+            callback.on_validation_end(trainer, None)
+            paths.append(callback.best_model_path)
+        assert paths == [f"{folder}/epoch=0-step=10.ckpt", f"{folder}/epoch=0-step=10-v1.ckpt"]
+        for run, path in enumerate(paths):
+            with fsspec.open(path, "rb") as handle:
+                assert torch.load(handle, weights_only=True)["run"] == run
+    finally:
+        fs.rm(folder.split("://")[1], recursive=True)
