@@ -104,7 +104,6 @@ def _add_demo_parser(subparsers: Any) -> None:
 
 def _run_demo_command(args: argparse.Namespace) -> int:
     from phalanx.demo.run import run_demo
-    from phalanx.utilities.exceptions import MisconfigurationError
 
     try:
         run_demo(
@@ -117,9 +116,10 @@ def _run_demo_command(args: argparse.Namespace) -> int:
             default_root_dir=args.default_root_dir,
             enable_progress_bar=not args.no_progress_bar,
         )
-    except MisconfigurationError as err:
-        print(f"phalanx demo: error: {err}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError, OSError) as err:
+        # The options reach the Trainer, which refuses bad ones with a ValueError/TypeError naming them; an
+        # unwritable --default-root-dir surfaces as an OSError.
+        return _error("phalanx demo", str(err))
     return 0
 
 
@@ -137,31 +137,88 @@ def _add_checkpoint_parser(subparsers: Any) -> None:
         ),
     )
     consolidate.add_argument("directory", help="the checkpoint directory")
-    consolidate.add_argument("output", help="the checkpoint file to write (e.g. model.ckpt)")
+    consolidate.add_argument("output", help="the checkpoint file to write (e.g. model.ckpt); it must not exist yet")
+    consolidate.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it is an existing file")
     consolidate.set_defaults(func=_run_consolidate_command)
-    parser.set_defaults(func=lambda args: (parser.print_help(sys.stderr), 2)[1])
+    parser.set_defaults(func=lambda args: _error("phalanx checkpoint", "choose a checkpoint command: consolidate (see phalanx checkpoint --help)"))
+
+
+def _consolidate_output_problem(directory: Any, output: Any, overwrite: bool) -> str | None:
+    """Why ``output`` cannot receive the consolidated ``directory`` (None: it can); nothing is written."""
+    target = output.absolute()
+    if target.resolve() == directory.resolve():
+        return f"the output {output} is the input directory itself; name a new file, e.g. {directory.name}.consolidated.ckpt"
+    if directory.resolve() in target.resolve().parents:
+        return f"the output {output} is inside the input directory {directory}, which must stay unchanged; write it elsewhere"
+    if target.is_dir():
+        return f"the output {output} is an existing directory; name a file to write, e.g. {output / 'model.ckpt'}"
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"the output {output} is below {parent}, which is a file, not a directory"
+            break
+    if target.exists() and not overwrite:
+        return f"the output {output} exists; pass --overwrite to replace it, or name a new file"
+    return None
 
 
 def _run_consolidate_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from phalanx.plugins.io.distributed_checkpoint import consolidate
+    name = "phalanx checkpoint consolidate"
+    directory, output = Path(args.directory), Path(args.output)
+    if not directory.exists():
+        return _error(name, f"{directory} is not a directory: nothing exists at that path (expected a sharded checkpoint directory)")
+    if not directory.is_dir():
+        hint = " It is a file; a single-file checkpoint needs no consolidation." if directory.is_file() else ""
+        return _error(name, f"{directory} is not a directory (a sharded checkpoint is a directory).{hint}")
+    from phalanx.plugins.io.distributed_checkpoint import consolidate, is_sharded_checkpoint
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
+    from phalanx.strategies.deepspeed_checkpoint import is_deepspeed_checkpoint
     from phalanx.utilities.exceptions import CheckpointError
 
-    directory = Path(args.directory)
-    if not directory.is_dir():
-        print(f"phalanx checkpoint consolidate: error: {directory} is not a directory (a sharded checkpoint is a directory).", file=sys.stderr)
-        return 2
+    try:
+        known = is_sharded_checkpoint(directory) or is_deepspeed_checkpoint(directory)
+    except OSError as err:
+        return _error(name, f"cannot read {directory}: {err.strerror or err}")
+    if not known:
+        return _error(name, f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a DeepSpeed one")
+    problem = _consolidate_output_problem(directory, output, args.overwrite)
+    if problem is not None:
+        return _error(name, problem)
+
     try:
         checkpoint = consolidate(directory)
     except CheckpointError as err:
-        print(f"phalanx checkpoint consolidate: error: {err}", file=sys.stderr)
-        return 2
-    TorchCheckpointIO().save_checkpoint(checkpoint, args.output)
+        return _error(name, str(err))
+    except OSError as err:
+        return _error(name, f"cannot read {directory}: {err.strerror or err} ({getattr(err, 'filename', None) or directory})")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 - a damaged directory fails in many ways inside torch's readers
+        # (DCP's CheckpointException is a BaseException): report it, never a traceback.
+        return _error(name, f"{directory} is not a checkpoint phalanx can read ({type(err).__name__}: {_summary(err)})")
+    try:
+        TorchCheckpointIO().save_checkpoint(checkpoint, output)
+    except OSError as err:
+        return _error(name, f"cannot write {output}: {err.strerror or err}")
     tensors = len(checkpoint.get("state_dict", {}))
-    print(f"wrote {args.output}: {tensors} module tensors, step {checkpoint.get('global_step', '?')}")
+    print(f"wrote {output}: {tensors} module tensors, step {checkpoint.get('global_step', '?')}")
     return 0
+
+
+def _summary(error: BaseException) -> str:
+    """The first and the last line of ``error``'s message (torch's checkpoint errors carry a whole remote traceback)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.startswith("Traceback")]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[0]} ... {lines[-1]}"
+
+
+def _error(command: str, message: str) -> int:
+    """Print one ``error:`` line on stderr; return the exit status of a usage error."""
+    print(f"{command}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
 
 
 # ---------------------------------------------------------------------------- entry point
@@ -179,6 +236,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     func = getattr(args, "func", None)
     if func is None:
-        parser.print_help(sys.stderr)
-        return 2
+        return _error("phalanx", "choose a command: demo or checkpoint (see phalanx --help)")
     return int(func(args) or 0)

@@ -368,20 +368,29 @@ class TrainingModule(nn.Module):
     def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any | None = None, strict: bool = True, **overrides: Any) -> TrainingModule:
         """Build the module from the hyper-parameters saved in a checkpoint (``overrides`` win) and load its weights."""
         from phalanx.plugins.io.torch_io import TorchCheckpointIO
+        from phalanx.trainer.checkpoint_checks import check_checkpoint, check_weights, check_weights_fit
         from phalanx.utilities.exceptions import CheckpointError
 
+        source = str(checkpoint_path)
         checkpoint = TorchCheckpointIO().load_checkpoint(checkpoint_path, map_location=map_location)
-        if "state_dict" not in checkpoint:
-            raise CheckpointError(f"{checkpoint_path} has no 'state_dict': it was not written by phalanx's Trainer.")
+        check_checkpoint(checkpoint, source, fitting=False)
         hparams = dict(checkpoint.get("hyper_parameters") or {})
         hparams.update(overrides)
         signature = inspect.signature(cls.__init__)
         accepts_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
         if not accepts_kwargs:
             hparams = {key: value for key, value in hparams.items() if key in signature.parameters}
-        module = cls(**hparams)
+        try:
+            module = cls(**hparams)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise CheckpointError(
+                f"{source}: {cls.__name__}(**checkpoint['hyper_parameters']) failed ({type(error).__name__}: {error})."
+                f" Saved hyper-parameters: {sorted(hparams)}; pass corrected values as keyword arguments to load_from_checkpoint."
+            ) from error
         module.configure_model()
         module.on_load_checkpoint(checkpoint)
+        check_weights(source, checkpoint.get("state_dict"))
+        check_weights_fit(source, checkpoint["state_dict"], module.state_dict(), strict=strict, owner=cls.__name__)
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
         if map_location is not None:
             module.to(map_location if not callable(map_location) else "cpu")

@@ -111,9 +111,22 @@ class EarlyStopping(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Checked whole before anything is assigned: a damaged entry leaves the callback as it was.
+        from phalanx.utilities.exceptions import CheckpointError
+
+        missing = [key for key in ("wait_count", "stopped_epoch", "best_score", "patience") if key not in state_dict]
+        if missing:
+            raise CheckpointError(f"the EarlyStopping state lacks {missing}")
+        for key in ("wait_count", "stopped_epoch", "patience"):
+            value = state_dict[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(f"the EarlyStopping state's {key!r} is {value!r}; expected an int >= 0")
+        best = state_dict["best_score"]
+        if isinstance(best, bool) or not isinstance(best, (Tensor, int, float)) or (isinstance(best, Tensor) and best.numel() != 1):
+            raise CheckpointError(f"the EarlyStopping state's 'best_score' is a {type(best).__name__}; expected a number")
         self.wait_count = state_dict["wait_count"]
         self.stopped_epoch = state_dict["stopped_epoch"]
-        self.best_score = state_dict["best_score"]
+        self.best_score = best.detach().reshape(()).clone() if isinstance(best, Tensor) else torch.tensor(float(best))
         self.patience = state_dict["patience"]
 
     # ------------------------------------------------------------------ hooks

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.plugins.io.directory import COMPLETE_MARKER, is_retired_copy
+from phalanx.trainer.checkpoint_checks import check_checkpoint, check_optimizer_states, check_scheduler_states, check_weights, check_weights_fit
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.hparams import is_plain
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -96,6 +97,7 @@ class CheckpointConnector:
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
+        self._source = "checkpoint"  # the path of the checkpoint being restored, for error messages
 
     def dump(self, weights_only: bool = False) -> dict[str, Any]:
         """Return the checkpoint dictionary of the current state (every rank must call this: RNG states are gathered)."""
@@ -105,6 +107,7 @@ class CheckpointConnector:
         strategy = trainer.strategy
         module = strategy.module
         assert module is not None
+        trainer.fit_loop.nonfinite.report()  # a save reads values on the host anyway: a good moment for 'warn'
         checkpoint: dict[str, Any] = {
             "phalanx_version": __version__,
             "pytorch_version": str(torch.__version__),
@@ -184,38 +187,55 @@ class CheckpointConnector:
         candidates = sorted(Path(dirpath).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime) if Path(dirpath).is_dir() else []
         return str(candidates[-1]) if candidates else ""
 
-    def load(self, path: str) -> dict[str, Any]:
-        """Read a checkpoint through the strategy and check that it is a phalanx checkpoint."""
+    def load(self, path: str, *, fitting: bool = False) -> dict[str, Any]:
+        """Read a checkpoint through the strategy and check its entries (with ``fitting``, the training state too)."""
         checkpoint = self.trainer.strategy.load_checkpoint(path)
-        if "state_dict" not in checkpoint:
-            raise CheckpointError(f"{path} has no 'state_dict' entry: it is not a checkpoint written by phalanx's Trainer.")
+        check_checkpoint(checkpoint, str(path), fitting=fitting)
+        self._source = str(path)
         return checkpoint
 
-    def restore_model(self, checkpoint: dict[str, Any]) -> None:
-        """Load the module weights (and let the module read its own entries)."""
+    def check_model_state(self, checkpoint: dict[str, Any]) -> None:
+        """Let the module read its entries (``on_load_checkpoint``), then check the weights against it, loading nothing.
+
+        Only for strategies that load the weights into the plain module (``restore_checkpoint_after_setup`` False).
+        """
+        module = self.trainer.strategy.module
+        assert module is not None
+        module.on_load_checkpoint(checkpoint)
+        check_weights(self._source, checkpoint.get("state_dict"))
+        check_weights_fit(self._source, checkpoint["state_dict"], module.state_dict(), strict=True, owner=type(module).__name__)
+
+    def check_training_state(self, checkpoint: dict[str, Any]) -> None:
+        """Check the optimizer and scheduler states against the live optimizers and schedulers, loading nothing."""
+        from phalanx.strategies.strategy import Strategy
+
+        strategy = self.trainer.strategy
+        if strategy.restores_optimizer:
+            return  # the strategy restored them itself while reading the checkpoint
+        if type(strategy).load_optimizer_state_dict is Strategy.load_optimizer_state_dict:
+            check_optimizer_states(self._source, checkpoint["optimizer_states"], strategy.optimizers)
+        check_scheduler_states(self._source, checkpoint.get("lr_schedulers", []), strategy.lr_scheduler_configs)
+
+    def restore_model(self, checkpoint: dict[str, Any], *, hook_called: bool = False) -> None:
+        """Load the module weights (and let the module read its own entries, unless ``check_model_state`` did)."""
         strategy = self.trainer.strategy
         assert strategy.module is not None
-        strategy.module.on_load_checkpoint(checkpoint)
+        if not hook_called:
+            strategy.module.on_load_checkpoint(checkpoint)
+            if not strategy.restore_checkpoint_after_setup:
+                check_weights_fit(self._source, checkpoint["state_dict"], strategy.module.state_dict(), strict=True, owner=type(strategy.module).__name__)
         strategy.load_model_state_dict(checkpoint)
 
     def restore_training_state(self, checkpoint: dict[str, Any]) -> None:
-        """Restore optimizers, schedulers, precision, callbacks, datamodule and loop progress."""
+        """Restore optimizers, schedulers, precision, callbacks, datamodule and loop progress (checked by ``load``)."""
         trainer = self.trainer
         strategy = trainer.strategy
         module = strategy.module
-        if "optimizer_states" not in checkpoint:
-            raise CheckpointError(
-                "This checkpoint was saved with weights_only=True and holds no optimizer or loop state, so training"
-                " cannot resume from it. Load the weights with TrainingModule.load_from_checkpoint and call fit without ckpt_path."
-            )
         if "precision_plugin" in checkpoint:
-            strategy.precision_plugin.load_state_dict(checkpoint["precision_plugin"])
+            self._apply("['precision_plugin']", strategy.precision_plugin.load_state_dict, checkpoint["precision_plugin"])
         if not strategy.restores_optimizer:
             strategy.load_optimizer_state_dict(checkpoint)
-            states = checkpoint.get("lr_schedulers", [])
-            if len(states) != len(strategy.lr_scheduler_configs):
-                raise ValueError(f"The checkpoint holds {len(states)} LR scheduler state(s) but configure_optimizers created {len(strategy.lr_scheduler_configs)}.")
-            for config, state in zip(strategy.lr_scheduler_configs, states):
+            for config, state in zip(strategy.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
                 config.scheduler.load_state_dict(state)
         if checkpoint.get("global_step", 0) > 0:
             # These optimizers have stepped before the checkpoint; without this flag torch warns that a scheduler
@@ -226,13 +246,20 @@ class CheckpointConnector:
         for callback in trainer.callbacks:
             callback.on_load_checkpoint(trainer, module, checkpoint)
             if callback.state_key in callback_states:
-                callback.load_state_dict(callback_states[callback.state_key])
+                self._apply(f"['callbacks'][{callback.state_key!r}]", callback.load_state_dict, callback_states[callback.state_key])
         datamodule = trainer.datamodule
         if datamodule is not None:
             datamodule.on_load_checkpoint(checkpoint)
             if "datamodule" in checkpoint:
-                datamodule.load_state_dict(checkpoint["datamodule"])
-        rng_states = checkpoint.get("rng_states") or [None]
+                self._apply("['datamodule']", datamodule.load_state_dict, checkpoint["datamodule"])
+        rng_states = checkpoint["rng_states"]
         rank = strategy.global_rank
         own_rng = rng_states[rank] if rank < len(rng_states) else None
         trainer.fit_loop.load_state_dict(checkpoint["loops"]["fit_loop"], rng_states=own_rng)
+
+    def _apply(self, entry: str, load: Any, state: Any) -> None:
+        # The owners of these entries (callbacks, plugins, the datamodule) check their own state: name the entry.
+        try:
+            load(state)
+        except Exception as error:
+            raise CheckpointError(f"{self._source}: checkpoint{entry} could not be restored ({type(error).__name__}: {error}).") from error

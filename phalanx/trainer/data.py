@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sized
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterable, Iterator, Sized
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
+
+from phalanx.utilities.exceptions import CheckpointError
 
 if TYPE_CHECKING:
     from phalanx.datamodule import DataModule
@@ -44,6 +46,8 @@ def dataloader_length(dataloader: Any) -> int | float:
 def limited_batches(dataloader: Any, limit: int | float, name: str) -> int | float:
     """Apply a ``limit_*_batches`` value to a dataloader's length."""
     length = dataloader_length(dataloader)
+    if limit == 0:
+        return 0  # also for data without a length: nothing to take
     if isinstance(limit, int):
         return min(length, limit)
     if limit == 1.0:
@@ -54,6 +58,25 @@ def limited_batches(dataloader: Any, limit: int | float, name: str) -> int | flo
     if limit > 0 and batches == 0:
         raise ValueError(f"{name}={limit} of {length} batches is less than one batch; raise it or pass an int.")
     return batches
+
+
+def empty_data_reason(dataloader: Any, limit: int | float) -> str:
+    """Why ``dataloader`` (with ``limit_train_batches=limit``) gives no batch, in words for a warning."""
+    if limit == 0:
+        return f"limit_train_batches={limit!r}"
+    dataset = getattr(dataloader, "dataset", None)
+    length = dataloader_length(dataloader)
+    if isinstance(dataloader, DataLoader) and not isinstance(dataset, IterableDataset) and isinstance(dataset, Sized):
+        size = len(dataset)
+        if size == 0:
+            return f"the training DataLoader's dataset ({type(dataset).__name__}) is empty"
+        if dataloader.drop_last and dataloader.batch_size is not None and size < dataloader.batch_size:
+            return f"drop_last=True drops the only, partial batch: the dataset has {size} samples, fewer than batch_size={dataloader.batch_size}"
+    if length == 0:
+        return f"the training data ({type(dataloader).__name__}) has length 0"
+    if isinstance(dataloader, Iterator):
+        return f"the training data is a {type(dataloader).__name__}, an iterator: it yields its batches once and has none left; pass a re-iterable object such as a DataLoader"
+    return f"the training data ({type(dataloader).__name__}{' over ' + type(dataset).__name__ if dataset is not None else ''}) yielded nothing"
 
 
 def as_dataloader_list(value: Any, stage: str) -> list[Any]:
@@ -119,11 +142,18 @@ def iterate_from(dataloader: Any, skip: int) -> Iterator[Any]:
         and sampler_iterator is not None
         and hasattr(iterator, "_num_yielded")
     )
-    if fast:
+    try:
+        if fast:
+            for _ in range(skip):
+                next(sampler_iterator)
+            iterator._num_yielded += skip
+            return iterator
         for _ in range(skip):
-            next(sampler_iterator)
-        iterator._num_yielded += skip
-        return iterator
-    for _ in range(skip):
-        next(iterator)
+            next(iterator)
+    except StopIteration:
+        # Only a resumed run skips batches: the checkpoint was taken further into the epoch than this data reaches.
+        raise CheckpointError(
+            f"Resuming mid-epoch needs to pass {skip} batches already trained on, but the training data ends before that;"
+            " resume with the data (and limit_train_batches) the checkpoint was saved with."
+        ) from None
     return iterator

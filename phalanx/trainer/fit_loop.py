@@ -8,8 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from phalanx.trainer.data import iterate_from
+from phalanx.trainer.data import empty_data_reason, iterate_from
+from phalanx.trainer.nonfinite import NonFiniteLossCheck, SkippedBatch
 from phalanx.trainer.state import RunningStage
+from phalanx.utilities.exceptions import CheckpointError
+from phalanx.utilities.rank_zero import rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states, restore_rng_states
 
 if TYPE_CHECKING:
@@ -49,6 +52,8 @@ class FitLoop:
         self._last_validated_at = -1
         self._last_loss: Tensor | None = None
         self._accumulated = 0  # backward passes since the last optimizer step
+        self._skip_window = False  # a non-finite loss was seen in this accumulation window ('skip'): no step at its end
+        self.nonfinite = NonFiniteLossCheck(trainer, 0)
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -83,6 +88,9 @@ class FitLoop:
         self._after_backward_hooks = hooks["on_after_backward"]
         self._before_zero_grad_hooks = hooks["on_before_zero_grad"]
         restored, self._restored = self._restored, None
+        self.nonfinite = NonFiniteLossCheck(trainer, self.global_step)
+        if trainer.num_training_batches == 0:
+            return  # _prepare_fit_data warned, naming the cause; an epoch without batches would never reach max_steps
         if restored is not None:
             trainer._callback_metrics.update(restored["callback_metrics"])
         if restored is not None and self.phase in (_VALIDATED, _ENDED):
@@ -96,6 +104,7 @@ class FitLoop:
         while not self._done():
             self._run_epoch(restored)
             restored = None
+        self.nonfinite.report()
 
     def _done(self) -> bool:
         trainer = self.trainer
@@ -137,6 +146,11 @@ class FitLoop:
                 restore_rng_states(restored["rng"])
             self.batches_done = 0
             self._epoch_start_rng = collect_rng_states()
+        if skip > self.num_batches:
+            raise CheckpointError(
+                f"The checkpoint resumes after batch {skip} of epoch {self.current_epoch}, but the training data has only"
+                f" {self.num_batches} batches per epoch now; resume with the data (and limit_train_batches) it was saved with."
+            )
         iterator = iterate_from(dataloader, skip)
         if skip and restored is not None and restored["rng"] is not None:
             restore_rng_states(restored["rng"])
@@ -153,6 +167,7 @@ class FitLoop:
         log_every = trainer.log_every_n_steps
         run_batch = self._automatic_batch if automatic else self._manual_batch
         exhausted = False
+        skipped_by_hook = False
         stop = False
         if skip and self.phase == _BATCH_END:
             stop = self._after_batch(deadline)
@@ -167,7 +182,7 @@ class FitLoop:
             batch = strategy.batch_to_device(batch)
             results.new_batch(batch)
             if batch_start_hooks and any([hook(batch, batch_idx) == -1 for hook in batch_start_hooks]):
-                exhausted = True
+                exhausted = skipped_by_hook = True
                 break
             output = run_batch(batch, batch_idx)
             self.batches_done += 1
@@ -177,13 +192,21 @@ class FitLoop:
             self.phase = _BATCH_END
             for hook in batch_end_hooks:
                 hook(output, batch, batch_idx)
-            if loggers and self.total_batches % log_every == 0:
-                trainer._log_step_metrics()
+            if self.total_batches % log_every == 0:
+                if loggers:
+                    trainer._log_step_metrics()
+                self.nonfinite.report()
             stop = self._after_batch(deadline)
 
         if automatic and self._accumulated:
             self._flush_accumulated()
-        if not exhausted and self.batches_done < num_batches:
+        self._skip_window = False
+        if exhausted and self.batches_done == 0 and self._epoch_cannot_train(skipped_by_hook):
+            trainer._stop_now = True
+            stopped_inside_epoch = True
+        else:
+            stopped_inside_epoch = not exhausted and self.batches_done < num_batches
+        if stopped_inside_epoch:
             # Stopped inside the epoch (max_steps, max_time, a stop request): callbacks see the epoch end, but the
             # progress stays mid-epoch so that a resumed run continues at the next batch.
             trainer._publish_epoch_metrics(trainer._train_results)
@@ -197,6 +220,21 @@ class FitLoop:
             self._validate()
         self._finish_epoch()
 
+    def _epoch_cannot_train(self, skipped_by_hook: bool) -> bool:
+        """An epoch ended before its first batch: warn and return True when no later epoch can train either."""
+        trainer = self.trainer
+        if skipped_by_hook:
+            if trainer.max_epochs != -1:
+                return False  # on_train_batch_start may train in a later epoch, and max_epochs ends the run anyway
+            reason = "on_train_batch_start returned -1 before its first batch, and max_epochs=-1 sets no epoch limit"
+        else:
+            reason = empty_data_reason(trainer._train_dataloader, trainer.limit_train_batches)
+        rank_zero_warn(
+            f"Epoch {self.current_epoch} trained no batch ({reason}): fit stops at global step {self.global_step}, as no"
+            " later epoch would train either."
+        )
+        return True
+
     def _finish_epoch(self) -> None:
         trainer = self.trainer
         trainer._step_schedulers("epoch")
@@ -205,6 +243,7 @@ class FitLoop:
         trainer._publish_epoch_metrics(trainer._train_results)
         if trainer.loggers:
             trainer._log_epoch_metrics(trainer._train_results)
+        self.nonfinite.report()
         self._advance_epoch()
 
     def _advance_epoch(self) -> None:
@@ -231,6 +270,8 @@ class FitLoop:
 
     def _stop_requested(self, deadline: float | None) -> bool:
         trainer = self.trainer
+        if trainer._stop_now:  # nonfinite_loss='stop'
+            return True
         if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
             return True
         if deadline is not None and time.monotonic() >= deadline:
@@ -255,6 +296,15 @@ class FitLoop:
             return None, output
         if trainer._loss_divisor != 1:
             loss = loss / trainer._loss_divisor
+        nonfinite = self.nonfinite
+        if self._skip_window:
+            raise SkippedBatch(output)  # the rest of a window with a non-finite loss ('skip')
+        if nonfinite.checks_every_step:
+            if not nonfinite.all_finite(loss):
+                nonfinite.act(loss, batch_idx)
+                raise SkippedBatch(output)
+        else:
+            nonfinite.record(loss)
         for hook in self._before_backward_hooks:
             hook(loss)
         strategy.backward(loss, trainer._optimizer)
@@ -266,13 +316,24 @@ class FitLoop:
         return loss, output
 
     def _automatic_batch(self, batch: Any, batch_idx: int) -> Any:
+        try:
+            return self._forward_backward_step(batch, batch_idx)
+        except SkippedBatch as skipped:
+            self._drop_window(ends_window=self._ends_window())
+            return skipped.output
+
+    def _ends_window(self) -> bool:
         trainer = self.trainer
         accumulate = trainer.accumulate_grad_batches
-        if accumulate > 1 and not trainer.strategy.handles_gradient_accumulation:
-            done = self.batches_done + 1
-            if done % accumulate != 0 and done != self.num_batches:
-                with trainer.strategy.block_backward_sync():
-                    return self._forward_backward(batch, batch_idx)[1]
+        if accumulate == 1 or trainer.strategy.handles_gradient_accumulation:
+            return True
+        done = self.batches_done + 1
+        return done % accumulate == 0 or done == self.num_batches
+
+    def _forward_backward_step(self, batch: Any, batch_idx: int) -> Any:
+        if not self._ends_window():
+            with self.trainer.strategy.block_backward_sync():
+                return self._forward_backward(batch, batch_idx)[1]
         outputs: list[Any] = [None]
 
         def closure() -> Tensor | None:
@@ -281,6 +342,13 @@ class FitLoop:
 
         self._optimizer_step(closure)
         return outputs[0]
+
+    def _drop_window(self, ends_window: bool) -> None:
+        # A non-finite loss: the gradients of its accumulation window are dropped and no optimizer step is taken
+        # (global_step does not count it); the rest of the window runs forward only.
+        self.trainer._optimizer.zero_grad(set_to_none=True)
+        self._accumulated = 0
+        self._skip_window = not ends_window and not self.trainer._stop_now
 
     def _flush_accumulated(self) -> None:
         # An iterable without a length ended inside an accumulation window: step on what was accumulated.
@@ -303,5 +371,15 @@ class FitLoop:
     def _manual_batch(self, batch: Any, batch_idx: int) -> Any:
         module = self.trainer.strategy.module
         module.__dict__["_current_fx"] = "training_step"
-        return self.trainer.strategy.training_step(batch, batch_idx)
+        output = self.trainer.strategy.training_step(batch, batch_idx)
+        # training_step has stepped the optimizers already: the loss it returns can only be reported ('warn'),
+        # stop training after this batch ('stop') or raise ('raise').
+        loss = output if isinstance(output, Tensor) else output.get("loss") if isinstance(output, Mapping) else None
+        if isinstance(loss, Tensor):
+            nonfinite = self.nonfinite
+            if not nonfinite.checks_every_step:
+                nonfinite.record(loss.detach())
+            elif not nonfinite.all_finite(loss.detach()):
+                nonfinite.act(loss.detach(), batch_idx)
+        return output
 

@@ -21,6 +21,7 @@ from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
+from phalanx.trainer.arguments import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -36,17 +37,22 @@ def normalize_precision(precision: Any) -> str:
     """Map a precision argument (including the aliases 32, 64, 16, 'bf16') to its canonical name."""
     if isinstance(precision, str) and precision in PRECISIONS:
         return precision
-    if not isinstance(precision, bool) and precision in _PRECISION_ALIASES:
+    if isinstance(precision, (int, str)) and not isinstance(precision, bool) and precision in _PRECISION_ALIASES:
         return _PRECISION_ALIASES[precision]
-    raise ValueError(f"precision={precision!r} is not supported. Choose one of {list(PRECISIONS)} (aliases: 32, 64, 16, 'bf16').")
+    if isinstance(precision, Precision) or (isinstance(precision, type) and issubclass(precision, Precision)):
+        example = precision.__qualname__ if isinstance(precision, type) else type(precision).__qualname__
+        raise TypeError(f"precision={shown(precision)} is a precision plugin; pass a plugin instance in plugins=[{example}()], or a name in precision= ({list(PRECISIONS)}).")
+    raise ValueError(f"precision={shown(precision)} is not supported. Choose one of {list(PRECISIONS)} (aliases: 32, 64, 16, 'bf16').")
 
 
 def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
     """Return the Accelerator for a name ('cpu', 'cuda', 'gpu', 'mps', 'auto', or registered) or an instance."""
     if isinstance(accelerator, Accelerator):
         return accelerator
+    names = ["auto", "gpu", *ACCELERATOR_REGISTRY.available()]
+    reject_class("accelerator", accelerator, Accelerator, f"a name: {names}")
     if not isinstance(accelerator, str):
-        raise TypeError(f"accelerator must be a name or an Accelerator instance, got {type(accelerator).__name__}.")
+        raise TypeError(f"accelerator={shown(accelerator)} (of type {type(accelerator).__name__}) is not valid; pass a name ({names}) or an Accelerator instance.")
     name = accelerator.lower()
     if name == "auto":
         for candidate in ("cuda", "mps"):
@@ -94,12 +100,17 @@ class _Plugins:
         self.checkpoint_io: CheckpointIO | None = None
         self.cluster_environment: ClusterEnvironment | None = None
         self.layer_sync: LayerSync | None = None
-        items = [] if plugins is None else list(plugins) if isinstance(plugins, Sequence) and not isinstance(plugins, str) else [plugins]
+        listed = isinstance(plugins, Sequence) and not isinstance(plugins, str)
+        items = [] if plugins is None else list(plugins) if listed else [plugins]
         kinds = {Precision: "precision", CheckpointIO: "checkpoint_io", ClusterEnvironment: "cluster_environment", LayerSync: "layer_sync"}
-        for plugin in items:
-            slot = next((name for kind, name in kinds.items() if isinstance(plugin, kind)), None)
+        valid = "valid plugins are Precision, CheckpointIO, ClusterEnvironment and LayerSync instances"
+        for index, plugin in enumerate(items):
+            name = f"plugins[{index}]" if listed else "plugins"
+            for kind in kinds:
+                reject_class(name, plugin, kind, "")
+            slot = next((slot for kind, slot in kinds.items() if isinstance(plugin, kind)), None)
             if slot is None:
-                raise TypeError(f"plugins got a {type(plugin).__name__}; valid plugins are Precision, CheckpointIO, ClusterEnvironment and LayerSync instances.")
+                raise TypeError(f"{name}={shown(plugin)} (of type {type(plugin).__name__}) is not valid; {valid}.")
             if getattr(self, slot) is not None:
                 raise ValueError(f"plugins holds more than one {slot.replace('_', ' ')} plugin; pass only one.")
             setattr(self, slot, plugin)
@@ -130,8 +141,9 @@ def resolve_strategy(
             assert built.accelerator is not None
             _configure_parallel(built, built.parallel_devices or built.accelerator.get_parallel_devices(devices), num_nodes, sync_batchnorm, given)
         return built
+    reject_class("strategy", strategy, Strategy, f"a registered name: {['auto', *STRATEGY_REGISTRY.available()]}")
     if not isinstance(strategy, str):
-        raise TypeError(f"strategy must be a registered name or a Strategy instance, got {type(strategy).__name__}.")
+        raise TypeError(f"strategy={shown(strategy)} (of type {type(strategy).__name__}) is not valid; pass a registered name ({['auto', *STRATEGY_REGISTRY.available()]}) or a Strategy instance.")
 
     accelerator_instance = resolve_accelerator(accelerator)
     parallel_devices = accelerator_instance.get_parallel_devices(devices)

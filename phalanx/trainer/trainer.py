@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from datetime import timedelta
 from functools import partial
@@ -18,12 +17,14 @@ from phalanx.callbacks.callback import Callback
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.strategies.strategy import Strategy
+from phalanx.trainer.arguments import NONFINITE_LOSS_MODES, check_bool, check_choice, check_int, check_number, parse_max_time, reject_class, resolve_root_dir, shown
 from phalanx.trainer.checkpoint import CheckpointConnector
-from phalanx.trainer.data import DataSource, limited_batches, validate_limit
+from phalanx.trainer.data import DataSource, empty_data_reason, limited_batches, validate_limit
 from phalanx.trainer.evaluation_loop import run_evaluation, run_prediction, split_by_dataloader
 from phalanx.trainer.fit_loop import FitLoop
 from phalanx.trainer.hooks import HookTable
 from phalanx.trainer.logged_results import LoggedResults
+from phalanx.trainer.nonfinite import check_nonfinite_mode
 from phalanx.trainer.optimizer import ManualOptimizer
 from phalanx.trainer.preemption import PREEMPTED_EXIT_CODE, Preemption
 from phalanx.trainer.setup import resolve_strategy
@@ -32,35 +33,36 @@ from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn, set_glob
 from phalanx.utilities.seed import worker_init_fn
 
 
-def _parse_max_time(max_time: Any) -> float | None:
-    if max_time is None:
-        return None
-    if isinstance(max_time, timedelta):
-        seconds = max_time.total_seconds()
-    elif isinstance(max_time, dict):
-        seconds = timedelta(**max_time).total_seconds()
-    elif isinstance(max_time, str):
-        match = re.fullmatch(r"(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})", max_time.strip())
-        if match is None:
-            raise ValueError(f"max_time={max_time!r} must look like 'DD:HH:MM:SS' (e.g. '00:12:00:00').")
-        days, hours, minutes, secs = (int(part) for part in match.groups())
-        seconds = timedelta(days=days, hours=hours, minutes=minutes, seconds=secs).total_seconds()
-    else:
-        raise TypeError(f"max_time must be a 'DD:HH:MM:SS' string, a timedelta or a dict of timedelta arguments, got {type(max_time).__name__}.")
-    if seconds <= 0:
-        raise ValueError(f"max_time={max_time!r} must be a positive duration.")
-    return seconds
-
-
-def _check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}{' or None' if allow_none else ''}.")
-
-
 class Trainer:
-    """Trains, evaluates and predicts with a TrainingModule; ``strategy=`` decides how the work is distributed."""
+    """Trains, evaluates and predicts with a TrainingModule; ``strategy=`` decides how the work is distributed.
+
+    The arguments mean what they mean in Lightning's Trainer; each is checked here, and a bad value raises a
+    TypeError or ValueError naming the argument, the value and the valid choices. Beyond Lightning:
+
+    Args:
+        preemption: True (default) saves a checkpoint and stops on SIGTERM/SIGUSR1-like signals (see
+            :class:`~phalanx.trainer.preemption.Preemption`); False leaves signals alone.
+        detect_anomaly: Run fit, validate, test and predict under ``torch.autograd.detect_anomaly()``: a backward
+            that produces NaN raises, naming the forward operation at fault. Slow; for debugging.
+        nonfinite_loss: What ``fit`` does when a training loss is NaN or infinite:
+
+            - ``"warn"`` (default): a warning, once per fit, naming the range of global steps. The check is kept on
+              the device and read only where the loop reads values anyway (every ``log_every_n_steps`` batches,
+              epoch ends, checkpoint saves), so it adds no host-device synchronisation; the update is applied.
+            - ``"skip"``: the batch does not update the weights: its gradients (and those of the rest of its
+              gradient accumulation window) are dropped, no optimizer step is taken and ``global_step`` does not
+              count it. Needs automatic optimization; refused with strategies that accumulate gradients themselves
+              (DeepSpeed).
+            - ``"stop"``: that batch is not applied and training stops after it (``trainer.should_stop``), ending
+              cleanly like any stop: ``global_step`` is the number of finite steps taken.
+            - ``"raise"``: a FloatingPointError naming the global step, epoch and batch_idx.
+            - ``"ignore"``: no check at all.
+
+            ``"skip"``, ``"stop"`` and ``"raise"`` read every loss on the host, i.e. synchronise every step, and
+            with several processes agree through ``strategy.reduce_boolean_decision`` (one all-reduce per step), so
+            that every rank takes the same decision. With manual optimization, the loss ``training_step`` returns is
+            checked after the step it ran ("skip" is refused there).
+    """
 
     def __init__(
         self,
@@ -99,7 +101,18 @@ class Trainer:
         benchmark: bool | None = None,
         inference_mode: bool = True,
         preemption: Preemption | bool = True,
+        detect_anomaly: bool = False,
+        nonfinite_loss: str = "warn",
     ) -> None:
+        for name, flag in (("sync_batchnorm", sync_batchnorm), ("use_distributed_sampler", use_distributed_sampler), ("inference_mode", inference_mode), ("detect_anomaly", detect_anomaly)):
+            check_bool(name, flag)
+        for name, flag in (("enable_progress_bar", enable_progress_bar), ("enable_checkpointing", enable_checkpointing), ("enable_model_summary", enable_model_summary), ("benchmark", benchmark)):
+            check_bool(name, flag, allow_none=True)
+        check_choice("deterministic", deterministic, (None, True, False, "warn"))
+        check_choice("nonfinite_loss", nonfinite_loss, NONFINITE_LOSS_MODES)
+        self.detect_anomaly = detect_anomaly
+        self.nonfinite_loss = nonfinite_loss
+        self.default_root_dir = resolve_root_dir(default_root_dir)
         self.strategy: Strategy = resolve_strategy(
             accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes,
             precision=precision, plugins=plugins, sync_batchnorm=sync_batchnorm,
@@ -111,17 +124,19 @@ class Trainer:
         elif isinstance(fast_dev_run, int) and fast_dev_run >= 0:
             fast_dev_batches = fast_dev_run
         else:
-            raise ValueError(f"fast_dev_run={fast_dev_run!r} must be a bool or an int >= 0 (number of batches).")
+            raise ValueError(f"fast_dev_run={shown(fast_dev_run)} is not valid; it must be a bool or an int >= 0 (number of batches).")
         self.fast_dev_run: bool | int = fast_dev_batches if fast_dev_batches else False
 
-        _check_int("max_steps", max_steps, -1)
-        _check_int("max_epochs", max_epochs, -1, allow_none=True)
-        _check_int("min_epochs", min_epochs, 0, allow_none=True)
-        _check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
-        _check_int("check_val_every_n_epoch", check_val_every_n_epoch, 1, allow_none=True)
-        _check_int("num_sanity_val_steps", num_sanity_val_steps, -1, allow_none=True)
-        _check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
-        self._max_time = _parse_max_time(max_time)
+        check_int("max_steps", max_steps, -1)
+        check_int("max_epochs", max_epochs, -1, allow_none=True)
+        check_int("min_epochs", min_epochs, 0, allow_none=True)
+        if min_epochs is not None and max_epochs is not None and max_epochs != -1 and min_epochs > max_epochs:
+            raise ValueError(f"min_epochs={min_epochs} is more than max_epochs={max_epochs}; lower min_epochs or raise max_epochs.")
+        check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
+        check_int("check_val_every_n_epoch", check_val_every_n_epoch, 1, allow_none=True)
+        check_int("num_sanity_val_steps", num_sanity_val_steps, -1, allow_none=True)
+        check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
+        self._max_time = parse_max_time(max_time)
         if max_epochs is None:
             max_epochs = 1000 if max_steps == -1 and self._max_time is None else -1
         self.max_epochs: int = max_epochs
@@ -137,13 +152,12 @@ class Trainer:
         self.limit_predict_batches = validate_limit("limit_predict_batches", 1.0 if limit_predict_batches is None else limit_predict_batches)
         if val_check_interval is None:
             val_check_interval = 1.0
-        if isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float)) or val_check_interval <= 0 or (isinstance(val_check_interval, float) and val_check_interval > 1.0):
-            raise ValueError(f"val_check_interval={val_check_interval!r} must be a float in (0.0, 1.0] (fraction of an epoch) or an int >= 1 (batches).")
+        if isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float)) or not val_check_interval > 0 or (isinstance(val_check_interval, float) and not val_check_interval <= 1.0):
+            raise ValueError(f"val_check_interval={shown(val_check_interval)} is not valid; it must be a float in (0.0, 1.0] (fraction of an epoch) or an int >= 1 (batches).")
         self.val_check_interval = val_check_interval
-        if gradient_clip_val is not None and (isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val < 0):
-            raise ValueError(f"gradient_clip_val={gradient_clip_val!r} must be a number >= 0.")
-        if gradient_clip_algorithm is not None and gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not valid; choose 'norm' or 'value'.")
+        if gradient_clip_val is not None:
+            check_number("gradient_clip_val", gradient_clip_val, 0)
+        check_choice("gradient_clip_algorithm", gradient_clip_algorithm, (None, "norm", "value"))
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
         if fast_dev_batches:
@@ -152,9 +166,17 @@ class Trainer:
             self.max_steps, self.max_epochs, self.num_sanity_val_steps = fast_dev_batches, 1, 0
             self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
             self._max_time = None
+        reject_class("preemption", preemption, Preemption, "True or False")
+        if preemption is True:
+            preemption = Preemption()
+        elif preemption is False or preemption is None:
+            preemption = None
+        elif not isinstance(preemption, Preemption):
+            raise TypeError(f"preemption={shown(preemption)} (of type {type(preemption).__name__}) is not valid; pass True, False or a phalanx.trainer.Preemption instance.")
+        self.preemption: Preemption | None = preemption
+        self.preempted = False
 
-        if deterministic not in (None, True, False, "warn"):
-            raise ValueError(f"deterministic={deterministic!r} must be True, False, 'warn' or None.")
+        # Process-wide switches last: a Trainer refused for a bad argument leaves them untouched.
         self.deterministic = deterministic
         if deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -167,15 +189,6 @@ class Trainer:
         self.sync_batchnorm = sync_batchnorm
         self.use_distributed_sampler = use_distributed_sampler
         self.inference_mode = inference_mode
-        self.default_root_dir = os.fspath(default_root_dir) if default_root_dir is not None else os.getcwd()
-        if preemption is True:
-            preemption = Preemption()
-        elif preemption is False or preemption is None:
-            preemption = None
-        elif not isinstance(preemption, Preemption):
-            raise TypeError(f"preemption must be True, False or a phalanx.trainer.Preemption, got {type(preemption).__name__}.")
-        self.preemption: Preemption | None = preemption
-        self.preempted = False
 
         self.loggers = self._build_loggers(logger if not fast_dev_batches else False)
         self.callbacks: list[Callback] = self._build_callbacks(
@@ -225,15 +238,19 @@ class Trainer:
             return [CSVLogger(save_dir=self.default_root_dir, name="logs")]
         if logger is False or logger is None:
             return []
-        items = list(logger) if isinstance(logger, (list, tuple)) else [logger]
-        for item in items:
+        listed = isinstance(logger, (list, tuple))
+        items = list(logger) if listed else [logger]
+        for index, item in enumerate(items):
+            name = f"logger[{index}]" if listed else "logger"
+            reject_class(name, item, Logger, "")
             if not isinstance(item, Logger):
-                raise TypeError(f"logger must be True, False, a Logger or a list of Loggers; got {type(item).__name__}.")
+                raise TypeError(f"{name}={shown(item)} (of type {type(item).__name__}) is not valid; pass True, False, a Logger instance (e.g. CSVLogger(save_dir=...)) or a list of them.")
         return items
 
     def _build_callbacks(self, callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool) -> list[Callback]:
         from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
 
+        reject_class("callbacks", callbacks, Callback, "")
         if callbacks is None:
             items: list[Callback] = []
         elif isinstance(callbacks, Callback):
@@ -241,10 +258,11 @@ class Trainer:
         elif isinstance(callbacks, (list, tuple)):
             items = list(callbacks)
         else:
-            raise TypeError(f"callbacks must be a Callback or a list of Callbacks, got {type(callbacks).__name__}.")
-        for callback in items:
+            raise TypeError(f"callbacks={shown(callbacks)} (of type {type(callbacks).__name__}) is not valid; pass a Callback instance or a list of them.")
+        for index, callback in enumerate(items):
+            reject_class(f"callbacks[{index}]", callback, Callback, "")
             if not isinstance(callback, Callback):
-                raise TypeError(f"callbacks got a {type(callback).__name__}, which is not a phalanx Callback.")
+                raise TypeError(f"callbacks[{index}]={shown(callback)} (of type {type(callback).__name__}) is not a phalanx Callback; pass Callback instances.")
         if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
             items.append(ModelCheckpoint())
         elif not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in items):
@@ -266,6 +284,7 @@ class Trainer:
         if datamodule is not None and (train_dataloaders is not None or val_dataloaders is not None):
             raise ValueError("Pass either dataloaders or a datamodule to fit(), not both.")
         self._check_datamodule(datamodule)
+        check_nonfinite_mode(self, module.automatic_optimization)
         source = DataSource(module, datamodule, train=train_dataloaders, validate=val_dataloaders)
         self.preempted = False
         self._start(TrainerFn.FITTING, self._run_fit, module, source, ckpt_path)
@@ -472,6 +491,9 @@ class Trainer:
         self._stop_now = False
         try:
             launcher = self.strategy.launcher
+            if self.detect_anomaly:
+                args = (run, *args)
+                run = self._run_detecting_anomalies
             result = launcher.launch(run, *args, trainer=self) if launcher is not None else run(*args)
         except BaseException as exception:
             interrupted = isinstance(exception, KeyboardInterrupt)
@@ -490,6 +512,12 @@ class Trainer:
         self.state.status = TrainerStatus.FINISHED
         self.state.stage = None
         return result
+
+    @staticmethod
+    def _run_detecting_anomalies(run: Callable[..., Any], *args: Any) -> Any:
+        # Entered in the process that runs the stage (a launcher's worker too): the switch is per thread.
+        with torch.autograd.detect_anomaly(check_nan=True):
+            return run(*args)
 
     def _setup_run(self, module: TrainingModule, source: DataSource, ckpt_path: Any) -> dict[str, Any] | None:
         """Everything common to the four entry points, up to a set-up strategy; returns the loaded checkpoint."""
@@ -517,16 +545,28 @@ class Trainer:
         module.setup(stage)
         with strategy.tensor_init_context(), strategy.model_sharded_context():
             module.configure_model()
-        path = self._checkpoint_connector.resolve_path(ckpt_path)
+        connector = self._checkpoint_connector
+        path = connector.resolve_path(ckpt_path)
+        fitting = self.state.fn == TrainerFn.FITTING
         checkpoint = None
         if path is not None and not strategy.restore_checkpoint_after_setup:
-            checkpoint = self._checkpoint_connector.load(path)
-            self._checkpoint_connector.restore_model(checkpoint)
+            checkpoint = connector.load(path, fitting=fitting)
+            if fitting:
+                # Applied once the optimizers exist and their states are checked too: a damaged checkpoint is
+                # refused before it changes anything of the model, the optimizers or the loops.
+                connector.check_model_state(checkpoint)
+            else:
+                connector.restore_model(checkpoint)
         strategy.setup(self)
         if path is not None and strategy.restore_checkpoint_after_setup:
             # Read once the model is sharded (and its optimizers exist), so that each rank reads only its shards.
-            checkpoint = self._checkpoint_connector.load(path)
-            self._checkpoint_connector.restore_model(checkpoint)
+            checkpoint = connector.load(path, fitting=fitting)
+            if fitting:
+                connector.check_training_state(checkpoint)
+            connector.restore_model(checkpoint)
+        elif checkpoint is not None and fitting:
+            connector.check_training_state(checkpoint)
+            connector.restore_model(checkpoint, hook_called=True)
         return checkpoint
 
     def _teardown_run(self, module: TrainingModule) -> None:
@@ -622,7 +662,8 @@ class Trainer:
         self._train_dataloader = self._prepare_dataloader(train[0], training=True)
         self.num_training_batches = limited_batches(self._train_dataloader, self.limit_train_batches, "limit_train_batches")
         if self.num_training_batches == 0:
-            rank_zero_warn("The training dataloader yields no batches (limit_train_batches=0 or an empty dataset): fit will not train.")
+            reason = empty_data_reason(self._train_dataloader, self.limit_train_batches)
+            rank_zero_warn(f"The training data gives no batch ({reason}): fit returns without training.")
         has_validation_step = type(module).validation_step is not TrainingModule.validation_step
         val = source.get("validate") if has_validation_step and self.limit_val_batches != 0 else []
         self._val_dataloaders = [self._prepare_dataloader(loader, training=False) for loader in val]

@@ -3,8 +3,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from phalanx_testing import Regressor, loaders, quiet_trainer
 
 from phalanx.callbacks import EarlyStopping
+from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_only
 
 
@@ -258,3 +260,51 @@ def test_fit_stops_early_on_a_flat_metric(tmp_path):
     assert module.epochs_started == 3
     assert trainer.should_stop
     assert "did not improve" in callback.stopping_reason_message
+
+
+class NaNFromEpochOne(Regressor):
+    """Its training loss (logged as train_loss) is NaN from epoch 1 on."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.current_epoch >= 1:
+            loss = loss * math.nan
+            self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_check_finite_stops_a_real_fit_whose_metric_turns_nan(check_finite):
+    callback = EarlyStopping(monitor="train_loss", patience=100, check_finite=check_finite)
+    trainer = quiet_trainer(max_epochs=4, callbacks=[callback], nonfinite_loss="ignore")
+    trainer.fit(NaNFromEpochOne(), loaders()[0])
+    if check_finite:
+        assert trainer.should_stop and trainer.current_epoch == 2  # stopped at the end of epoch 1
+        assert callback.stopping_reason == "non_finite_metric" and callback.stopped_epoch == 1
+        assert "train_loss = nan is not finite" in callback.stopping_reason_message
+    else:
+        assert trainer.current_epoch == 4 and callback.stopping_reason == "not_stopped"
+        assert callback.wait_count == 3  # NaN never counts as an improvement
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"wait_count": None}, "lacks \\['wait_count'\\]"),
+        ({"patience": -1}, "'patience' is -1"),
+        ({"stopped_epoch": "3"}, "'stopped_epoch' is '3'"),
+        ({"best_score": "low"}, "'best_score' is a str"),
+        ({"best_score": torch.ones(2)}, "'best_score' is a Tensor"),
+    ],
+)
+def test_a_damaged_state_is_refused_before_anything_changes(change, message):
+    state = EarlyStopping(monitor="val_loss", patience=5).state_dict()
+    for key, value in change.items():
+        if value is None:
+            del state[key]
+        else:
+            state[key] = value
+    callback = EarlyStopping(monitor="val_loss", patience=7)
+    with pytest.raises(CheckpointError, match=message):
+        callback.load_state_dict(state)
+    assert callback.patience == 7 and callback.wait_count == 0 and callback.best_score.item() == math.inf
