@@ -182,6 +182,10 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
     except OSError as err:
         return _error(name, f"cannot read {directory}: {err.strerror or err}")
     if not known:
+        try:
+            consolidate(directory)  # reads nothing here: it only says which files a known layout misses
+        except CheckpointError as err:
+            return _error(name, str(err))
         return _error(name, f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a DeepSpeed one")
     problem = _consolidate_output_problem(directory, output, args.overwrite)
     if problem is not None:
