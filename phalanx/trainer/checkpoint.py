@@ -184,7 +184,11 @@ class CheckpointConnector:
         dirpath = getattr(callback, "dirpath", None)
         if dirpath is None:
             dirpath = Path(self.trainer.default_root_dir) / "checkpoints"
-        candidates = sorted(Path(dirpath).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime) if Path(dirpath).is_dir() else []
+        if not Path(dirpath).is_dir():
+            return ""
+        # Only complete ones: a save killed mid-way leaves an empty name reservation or a retired copy behind.
+        names = [*Path(dirpath).glob("last*.ckpt"), *Path(dirpath).glob(".last*.retired")]
+        candidates = sorted((p for p in names if is_complete_checkpoint(p)), key=lambda p: p.stat().st_mtime)
         return str(candidates[-1]) if candidates else ""
 
     def load(self, path: str, *, fitting: bool = False) -> dict[str, Any]:

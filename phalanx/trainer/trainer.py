@@ -203,6 +203,8 @@ class Trainer:
         self.should_stop = False
         self.datamodule: DataModule | None = None
         self._checkpoint_connector = CheckpointConnector(self)
+        #: The checkpoint the current (or last) run started from, resolved ('last', 'best', 'auto' become a path).
+        self.ckpt_path: str | None = None
         self._hooks = HookTable()
         self._results: LoggedResults | None = None
         self._train_results = LoggedResults(self.strategy)
@@ -547,6 +549,7 @@ class Trainer:
             module.configure_model()
         connector = self._checkpoint_connector
         path = connector.resolve_path(ckpt_path)
+        self.ckpt_path = path
         fitting = self.state.fn == TrainerFn.FITTING
         checkpoint = None
         if path is not None and not strategy.restore_checkpoint_after_setup:
