@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from phalanx.utilities.exceptions import CheckpointError
+
 SENTINEL = "__PHALANX_PAYLOAD__"
 DCP = "torch.distributed.checkpoint.metadata"
 
@@ -185,3 +187,21 @@ def damage(path: Path, kind: str) -> None:
 
 
 DAMAGE_KINDS = ["missing", "empty", "half", "random bytes", "wrong magic"]
+
+
+class CliError(CheckpointError):
+    """What ``phalanx checkpoint consolidate`` printed when it refused (exit status 2, no output file)."""
+
+
+def consolidate_through_cli(path: Path, tmp_path: Path) -> None:
+    """Run ``phalanx checkpoint consolidate PATH OUT`` in this process; raise CliError with its message if it refused."""
+    import contextlib
+
+    from phalanx.cli import main
+
+    out, err = tmp_path / "consolidated.ckpt", io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(["checkpoint", "consolidate", str(path), str(out)])
+    if status != 0:
+        assert status == 2 and not out.exists()
+        raise CliError(err.getvalue())

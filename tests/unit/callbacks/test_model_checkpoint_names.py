@@ -1,13 +1,12 @@
 """ModelCheckpoint file names: templates and arguments are checked at construction, and new names are claimed
 exclusively, so runs sharing a folder never write (or keep) each other's checkpoints."""
 
-import multiprocessing
 import os
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
+from phalanx_concurrency import in_processes, in_threads
 import torch
 
 from phalanx.callbacks import ModelCheckpoint
@@ -172,48 +171,16 @@ def assert_each_run_has_its_own_files(results, runs):
 
 def test_threads_saving_together_claim_distinct_names(tmp_path):
     runs = 4
-    barrier = threading.Barrier(runs)
-    results, errors = {}, []
-
-    def work(run):
-        try:
-            results[run] = save_once(str(tmp_path), run, barrier)
-        except BaseException as error:  # reported below: an assertion in a thread would be lost
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(run,)) for run in range(runs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=20)
-    assert not errors and not any(thread.is_alive() for thread in threads)
+    results = in_threads(lambda run, barrier: save_once(str(tmp_path), run, barrier), runs)
     assert_each_run_has_its_own_files(results, runs)
     names = sorted(os.listdir(tmp_path))
     assert names == sorted(["epoch=0-step=10.ckpt"] + [f"epoch=0-step=10-v{v}.ckpt" for v in range(1, runs)]
                            + ["last.ckpt"] + [f"last-v{v}.ckpt" for v in range(1, runs)])
 
 
-def _process_run(dirpath, run, barrier, queue):
-    try:
-        queue.put((run, save_once(dirpath, run, barrier)))
-    except BaseException as error:
-        queue.put((run, repr(error)))
-
-
 def test_processes_saving_together_claim_distinct_names(tmp_path):
     runs = 3
-    context = multiprocessing.get_context("fork")  # no re-import of torch: the three runs start within milliseconds
-    barrier, queue = context.Barrier(runs), context.Queue()
-    processes = [context.Process(target=_process_run, args=(str(tmp_path), run, barrier, queue)) for run in range(runs)]
-    for process in processes:
-        process.start()
-    try:
-        results = dict(queue.get(timeout=20) for _ in range(runs))
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
+    results = in_processes(lambda run, barrier: save_once(str(tmp_path), run, barrier), runs)
     assert all(isinstance(paths, tuple) for paths in results.values()), results
     assert_each_run_has_its_own_files(results, runs)
 

@@ -1,13 +1,12 @@
 """Runs started together in one ``save_dir`` get distinct ``version_N`` folders: the folder's creation is the claim."""
 
-import multiprocessing
 import os
-import threading
 import time
 import uuid
 
 import fsspec
 import pytest
+from phalanx_concurrency import in_processes, in_threads
 
 from phalanx.loggers import CSVLogger
 from phalanx.loggers.logger import _claim_version, _next_version
@@ -43,46 +42,12 @@ def assert_each_run_has_its_own_folder(save_dir, versions):
 
 
 def test_threads_started_together_get_distinct_versions(tmp_path):
-    runs = 8
-    barrier = threading.Barrier(runs)
-    versions, errors = {}, []
-
-    def work(run):
-        try:
-            versions[run] = start_run(str(tmp_path), run, barrier)
-        except BaseException as error:  # reported below: an assertion in a thread would be lost
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(run,)) for run in range(runs)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=20)
-    assert not errors and not any(thread.is_alive() for thread in threads)
+    versions = in_threads(lambda run, barrier: start_run(str(tmp_path), run, barrier), runs=8)
     assert_each_run_has_its_own_folder(str(tmp_path), versions)
 
 
-def _process_run(save_dir, run, barrier, queue):
-    try:
-        queue.put((run, start_run(save_dir, run, barrier)))
-    except BaseException as error:
-        queue.put((run, repr(error)))
-
-
 def test_processes_started_together_get_distinct_versions(tmp_path):
-    runs = 3
-    context = multiprocessing.get_context("fork")  # no re-import: the three runs start within milliseconds
-    barrier, queue = context.Barrier(runs), context.Queue()
-    processes = [context.Process(target=_process_run, args=(str(tmp_path), run, barrier, queue)) for run in range(runs)]
-    for process in processes:
-        process.start()
-    try:
-        versions = dict(queue.get(timeout=20) for _ in range(runs))
-    finally:
-        for process in processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
+    versions = in_processes(lambda run, barrier: start_run(str(tmp_path), run, barrier), runs=3)
     assert all(isinstance(version, int) for version in versions.values()), versions
     assert_each_run_has_its_own_folder(str(tmp_path), versions)
 

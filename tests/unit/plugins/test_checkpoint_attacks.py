@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from checkpoint_attacks import SENTINEL, OpenedFiles, bare, payloads, splice, text, torch_file
+from checkpoint_attacks import CliError, consolidate_through_cli, SENTINEL, OpenedFiles, bare, payloads, splice, text, torch_file
 from phalanx_testing import Regressor, loaders, quiet_trainer
 
 from phalanx.plugins.io.distributed_checkpoint import load_into, load_whole, read_meta, save_sharded, tensor_entries
@@ -65,23 +65,12 @@ def _own_metadata(directory: Path) -> Any:
 
 
 # ---------------------------------------------------------------------------- every reader
-class CliError(CheckpointError):
-    """What ``phalanx checkpoint consolidate`` printed when it refused (exit status 2, no output file)."""
 
 
 def _refusal(reader: str) -> type[CheckpointError]:
     return CliError if reader == "cli consolidate" else UnsafeCheckpointError  # the CLI prints the message only
 
 
-def _cli(path: Path, tmp_path: Path) -> None:
-    from phalanx.cli import main
-
-    out, err = tmp_path / "consolidated.ckpt", io.StringIO()
-    with contextlib.redirect_stderr(err):
-        status = main(["checkpoint", "consolidate", str(path), str(out)])
-    if status != 0:
-        assert status == 2 and not out.exists()
-        raise CliError(err.getvalue())
 
 
 def _fit(path: Path, tmp_path: Path) -> None:
@@ -103,7 +92,7 @@ READERS: dict[str, Callable[[Path, Path], Any]] = {
     "Trainer.fit(ckpt_path=path)": _fit,
     "Trainer.fit(ckpt_path='auto')": _fit_auto,
     "load_from_checkpoint": lambda path, tmp: Regressor.load_from_checkpoint(path),
-    "cli consolidate": _cli,
+    "cli consolidate": consolidate_through_cli,
 }
 METADATA_READERS = [name for name in READERS if name != "read_meta"]  # read_meta reads phalanx_meta.pt only
 META_FILE_READERS = [name for name in READERS if name != "tensor_entries"]  # tensor_entries reads .metadata only

@@ -22,7 +22,7 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 
-from checkpoint_attacks import DAMAGE_KINDS, SENTINEL, OpenedFiles, damage, payloads, splice, torch_file  # noqa: E402
+from checkpoint_attacks import CliError, consolidate_through_cli, DAMAGE_KINDS, SENTINEL, OpenedFiles, damage, payloads, splice, torch_file  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: E402
 from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: E402
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
@@ -91,19 +91,8 @@ def _resume(directory: Path, engine: _Engine | None = None, **options: Any) -> _
     return engine
 
 
-class CliError(CheckpointError):
-    """What ``phalanx checkpoint consolidate`` printed when it refused (exit status 2, no output file)."""
 
 
-def _cli(path: Path, tmp_path: Path) -> None:
-    from phalanx.cli import main
-
-    out, err = tmp_path / "consolidated.ckpt", io.StringIO()
-    with contextlib.redirect_stderr(err):
-        status = main(["checkpoint", "consolidate", str(path), str(out)])
-    if status != 0:
-        assert status == 2 and not out.exists()
-        raise CliError(err.getvalue())
 
 
 READERS: dict[str, Callable[[Path, Path], Any]] = {
@@ -113,7 +102,7 @@ READERS: dict[str, Callable[[Path, Path], Any]] = {
     "Trainer.fit(ckpt_path=path)": lambda path, tmp: quiet_trainer(max_steps=1, default_root_dir=tmp / "run").fit(Regressor(), loaders()[0], ckpt_path=str(path)),
     "Trainer.fit(ckpt_path='auto')": lambda path, tmp: quiet_trainer(max_steps=1, default_root_dir=tmp / "run").fit(Regressor(), loaders()[0], ckpt_path="auto"),
     "load_from_checkpoint": lambda path, tmp: Regressor.load_from_checkpoint(path),
-    "cli consolidate": _cli,
+    "cli consolidate": consolidate_through_cli,
     "resume through the engine": lambda path, tmp: _resume(path),
 }
 
