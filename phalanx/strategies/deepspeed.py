@@ -17,7 +17,7 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
   Trainer's state goes beside them, and ``.complete`` is written last. Resuming lets the engine read its files
   (``restore_checkpoint_after_setup``); the LR schedulers are restored by the Trainer from the saved state.
 - under ZeRO-3 every forward pass gathers parameters collectively: evaluation data is padded
-  (``distributed_sampler_kwargs['pad_evaluation']``), the batch counts are checked at the start of each evaluation,
+  (``strategy.pads_evaluation``), the batch counts are checked at the start of each evaluation,
   and evaluation steps run under ``no_grad`` instead of inference mode (parameters gathered in inference mode could
   not be used by training afterwards).
 """
@@ -413,11 +413,13 @@ class DeepSpeedStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ processes
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
-        """Every rank reads its shard; under ZeRO-3 evaluation is padded so that all ranks run equally many forward passes."""
-        kwargs = super().distributed_sampler_kwargs
-        if kwargs is not None and self.zero_stage == 3:
-            return {**kwargs, "pad_evaluation": True}
-        return kwargs
+        """Every rank reads its shard (``num_replicas``, ``rank``)."""
+        return super().distributed_sampler_kwargs
+
+    @property
+    def pads_evaluation(self) -> bool:
+        """Under ZeRO-3 every forward pass gathers parameters: all ranks must run equally many, so evaluation is padded."""
+        return self.zero_stage == 3
 
     def setup_environment(self) -> None:
         """Join the process group, then let DeepSpeed adopt it (gloo on CPU, nccl on CUDA)."""

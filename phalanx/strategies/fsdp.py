@@ -145,8 +145,13 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     # ------------------------------------------------------------------ processes
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
-        """Every rank reads its shard; evaluation is padded so that all ranks run equally many forward passes."""
-        return {**super().distributed_sampler_kwargs, "pad_evaluation": True}  # type: ignore[dict-item]
+        """Every rank reads its shard (``num_replicas``, ``rank``)."""
+        return super().distributed_sampler_kwargs
+
+    @property
+    def pads_evaluation(self) -> bool:
+        """Every forward pass gathers parameters: all ranks must run equally many, so evaluation is padded."""
+        return True
 
     def setup_environment(self) -> None:
         """Join the process group, then build the device mesh the parameters are sharded over."""

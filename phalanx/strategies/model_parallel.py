@@ -92,7 +92,12 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
         """Only data-parallel ranks read different data; a tensor-parallel group reads the same batches."""
         dp, tp = self.mesh_shape()
-        return {"num_replicas": dp, "rank": self.global_rank // tp, "pad_evaluation": True}
+        return {"num_replicas": dp, "rank": self.global_rank // tp}
+
+    @property
+    def pads_evaluation(self) -> bool:
+        """Every forward pass runs collectives: all ranks must run equally many, so evaluation is padded."""
+        return True
 
     # ------------------------------------------------------------------ set-up
     def connect(self, model: Any) -> None:

@@ -178,8 +178,13 @@ class Strategy(ABC):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
-        """Arguments for a DistributedSampler (``num_replicas``, ``rank``), or None when data is not split."""
+        """Arguments for ``DistributedSampler(dataset, **kwargs)`` (``num_replicas``, ``rank``), or None when data is not split."""
         return None
+
+    @property
+    def pads_evaluation(self) -> bool:
+        """Whether evaluation data is padded so that every rank runs equally many forward passes (sharded models)."""
+        return False
 
     def all_gather_object(self, obj: _T) -> list[_T]:
         """Gather a picklable object from every process (one element per rank)."""

@@ -136,5 +136,5 @@ def _gather_in_dataset_order(strategy: Any, dataloader: Any, outputs: list[Any])
     indices = batch_indices(dataloader)[: len(outputs)]
     local = [(batch, apply_to_tensors(output, lambda t: t.detach().cpu())) for batch, output in zip(indices, outputs)]
     per_rank = strategy.all_gather_object(local)
-    padded = bool((strategy.distributed_sampler_kwargs or {}).get("pad_evaluation"))
+    padded = strategy.pads_evaluation
     return reassemble_predictions(per_rank, getattr(dataloader, "batch_size", None), drop_repeats=padded)

@@ -701,7 +701,7 @@ class Trainer:
             from phalanx.trainer.distributed_data import distributed_dataloader
 
             seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
-            dataloader = distributed_dataloader(dataloader, training=training, seed=seed, **sampler_kwargs)
+            dataloader = distributed_dataloader(dataloader, training=training, seed=seed, pad_evaluation=self.strategy.pads_evaluation, **sampler_kwargs)
         if os.environ.get("PHALANX_SEED_WORKERS") == "1" and getattr(dataloader, "num_workers", 0) > 0 and dataloader.worker_init_fn is None:
             # seed_everything(workers=True): every worker of every rank gets its own reproducible seed.
             dataloader.worker_init_fn = partial(worker_init_fn, rank=self.global_rank)

@@ -75,9 +75,9 @@ def test_trainer_resolves_deepspeed_with_its_precision_plugin():
     assert isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage == 3
     assert isinstance(strategy.precision_plugin, DeepSpeedPrecision) and strategy.precision_plugin.precision == "bf16-mixed"
     assert strategy.handles_gradient_accumulation and strategy.restore_checkpoint_after_setup and not strategy.restores_optimizer
-    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0, "pad_evaluation": True}
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and strategy.pads_evaluation
     stage2 = phalanx.Trainer(strategy="deepspeed", accelerator="cpu", devices=2, logger=False).strategy
-    assert stage2.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}  # only ZeRO-3 needs equal evaluation batches
+    assert stage2.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and not stage2.pads_evaluation  # only ZeRO-3 needs equal evaluation batches
     assert isinstance(stage2.precision_plugin, DeepSpeedPrecision) and stage2.precision_plugin.precision == "32-true"
 
 

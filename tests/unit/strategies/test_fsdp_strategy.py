@@ -19,7 +19,7 @@ def test_registry_names_and_trainer_resolution():
     trainer = phalanx.Trainer(strategy="fsdp", accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
     plugin = trainer.strategy.precision_plugin
     assert isinstance(plugin, FSDPPrecision) and plugin.precision == "bf16-mixed"
-    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0, "pad_evaluation": True}
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and trainer.strategy.pads_evaluation
 
 
 def test_fsdp_precision_maps_names_to_a_mixed_precision_policy():
@@ -119,4 +119,4 @@ def test_model_parallel_refuses_sizes_that_do_not_match_the_processes():
 
 def test_model_parallel_shards_data_over_the_data_parallel_ranks_only():
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4)
-    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0, "pad_evaluation": True}
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and strategy.pads_evaluation
