@@ -108,6 +108,17 @@ def test_same_weights_as_a_hand_written_ddp_script_and_close_to_one_process(tmp_
 
 
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
+def test_spawned_and_forked_ranks_train_like_ddp_and_a_hand_written_script(tmp_path, strategy):
+    # Spawned workers receive the module through shared memory: each rank must step its own copy, or every update
+    # lands world_size times (the weights would differ from the reference by far more than rounding).
+    assert_ok(run_script("ddp_parity.py", str(tmp_path / "ours.pt"), strategy))
+    assert_ok(run_script("reference_ddp.py", str(tmp_path / "reference.pt")))
+    ours = torch.load(tmp_path / "ours.pt", weights_only=True)
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours, reference))
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
 def test_multiprocessing_launchers_bring_results_back(tmp_path, strategy):
     assert_ok(run_script("launch_results.py", str(tmp_path), strategy))
     main = json.loads((tmp_path / "main.json").read_text())

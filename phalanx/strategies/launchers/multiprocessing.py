@@ -98,10 +98,25 @@ def _run_rank(local_rank: int, trainer: Any, function: Callable[..., Any], args:
         seed_everything(int(seed), workers=os.environ.get("PHALANX_SEED_WORKERS") == "1")
     strategy = trainer.strategy
     strategy._launched_local_rank = local_rank
+    _own_module_tensors(args)
     result = function(*args, **kwargs)
     if strategy.global_rank == 0:
         with open(results_path, "wb") as results:
             results.write(_to_bytes(_collect(trainer, result)))
+
+
+def _own_module_tensors(args: tuple) -> None:
+    """Give this worker its own copy of each module tensor that arrived in shared memory.
+
+    torch.multiprocessing hands tensors to spawned workers through shared memory, so without this every rank's
+    optimizer would step the same storage and each update would land world_size times. Data tensors (datasets) stay
+    shared: they are only read.
+    """
+    for module in (arg for arg in args if isinstance(arg, torch.nn.Module)):
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.is_shared():
+                    tensor.data = tensor.data.clone()
 
 
 def _to_bytes(payload: dict[str, Any]) -> bytes:
