@@ -119,6 +119,16 @@ def test_spawned_and_forked_ranks_train_like_ddp_and_a_hand_written_script(tmp_p
 
 
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
+def test_workers_keep_the_main_process_switches_and_configure_model_layers_come_back(tmp_path, strategy):
+    assert_ok(run_script("spawn_settings.py", str(tmp_path), strategy))
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen == {"deterministic": True, "warn_only": True, "cudnn_deterministic": True, "matmul_precision": "medium"}
+    main = json.loads((tmp_path / "main.json").read_text())
+    assert main == {"has_head": True, "same_as_rank0": True}
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
 def test_multiprocessing_launchers_bring_results_back(tmp_path, strategy):
     assert_ok(run_script("launch_results.py", str(tmp_path), strategy))
     main = json.loads((tmp_path / "main.json").read_text())

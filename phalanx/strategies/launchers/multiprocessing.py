@@ -65,7 +65,7 @@ class MultiProcessingLauncher(Launcher):
         try:
             torch.multiprocessing.start_processes(
                 _run_rank,
-                args=(trainer, function, args, kwargs, results_path, self._start_method),
+                args=(trainer, function, args, kwargs, results_path, self._start_method, _global_settings()),
                 nprocs=self._strategy.num_processes,
                 start_method=self._start_method,
                 join=True,
@@ -83,8 +83,29 @@ class MultiProcessingLauncher(Launcher):
         """torch.multiprocessing stops the remaining workers itself when one fails."""
 
 
-def _run_rank(local_rank: int, trainer: Any, function: Callable[..., Any], args: tuple, kwargs: dict, results_path: str, start_method: str) -> None:
+def _global_settings() -> dict[str, Any]:
+    """torch's process-wide switches as the main process set them (``Trainer(deterministic=, benchmark=)`` or the user)."""
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def _apply_global_settings(settings: dict[str, Any]) -> None:
+    # A spawned interpreter starts with torch's defaults: without this, deterministic=True would not hold in the
+    # ranks that actually train.
+    torch.use_deterministic_algorithms(settings["deterministic"], warn_only=settings["deterministic_warn_only"])
+    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
+    torch.set_float32_matmul_precision(settings["float32_matmul_precision"])
+
+
+def _run_rank(local_rank: int, trainer: Any, function: Callable[..., Any], args: tuple, kwargs: dict, results_path: str, start_method: str, settings: dict[str, Any]) -> None:
     os.environ["LOCAL_RANK"] = str(local_rank)
+    _apply_global_settings(settings)
     if start_method == "fork":
         # A forked child inherits the parent's OpenMP thread pool in a broken state (libgomp is not fork-safe): its
         # first parallel region, e.g. DDP flattening a large buffer to broadcast it, would wait forever. One thread,
@@ -163,7 +184,12 @@ def _collect(trainer: Any, result: Any) -> dict[str, Any]:
 
 def _take_over(trainer: Any, module: torch.nn.Module | None, output: dict[str, Any]) -> None:
     if module is not None and output["state_dict"] is not None:
-        module.load_state_dict(output["state_dict"])
+        state = output["state_dict"]
+        if set(state) - set(module.state_dict()) and callable(getattr(module, "configure_model", None)):
+            # Layers made in configure_model exist only in the workers, which ran it: make them here too.
+            with torch.no_grad():
+                module.configure_model()
+        module.load_state_dict(state)
     loop = trainer.fit_loop
     state = output["fit_loop"]
     loop.current_epoch, loop.global_step = state["epoch"], state["global_step"]
