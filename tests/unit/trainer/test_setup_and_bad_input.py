@@ -216,3 +216,10 @@ def test_resuming_from_a_weights_only_checkpoint_is_refused_with_advice(tmp_path
     trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
     with pytest.raises(CheckpointError, match="load_from_checkpoint"):
         quiet_trainer(max_steps=2).fit(Regressor(), loaders()[0], ckpt_path=tmp_path / "weights.ckpt")
+
+
+def test_precision_none_means_the_default_or_the_given_plugin():
+    from phalanx.plugins.precision.double import DoublePrecision
+
+    assert quiet_trainer(precision=None).precision == "32-true"
+    assert quiet_trainer(precision=None, plugins=[DoublePrecision()]).precision == "64-true"
