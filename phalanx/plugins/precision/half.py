@@ -34,8 +34,9 @@ class TruePrecision(Precision):
     dtype: torch.dtype = torch.float32
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """Cast parameters and buffers."""
-        return module.to(dtype=self.dtype)
+        """Cast floating-point parameters and buffers (complex and integer ones keep their dtype)."""
+        # module.to(dtype=...) would also turn complex tensors into real ones, dropping their imaginary part.
+        return module._apply(lambda tensor: tensor.to(self.dtype) if tensor.is_floating_point() else tensor)
 
     def convert_input(self, data: Any) -> Any:
         """Cast floating-point inputs."""

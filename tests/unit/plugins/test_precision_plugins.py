@@ -424,3 +424,14 @@ def test_clip_gradients_with_an_invalid_algorithm_raises_even_without_gradients(
     model.weight.grad = torch.ones(1, 4)
     with pytest.raises(ValueError, match="'nrom'"):
         plugin.clip_gradients(optimizer, 1.0, "nrom")
+
+
+@pytest.mark.parametrize("plugin", [DoublePrecision(), HalfPrecision("bf16-true")], ids=["64-true", "bf16-true"])
+def test_true_precision_casts_floating_tensors_and_keeps_complex_and_integer_ones(plugin):
+    module = nn.Linear(2, 2)
+    module.phase = nn.Parameter(torch.tensor([1 + 2j, 3 - 4j]))
+    module.register_buffer("count", torch.tensor([7]))
+    converted = plugin.convert_module(module)
+    assert converted.weight.dtype == plugin.dtype and converted.bias.dtype == plugin.dtype
+    assert converted.phase.dtype == torch.complex64 and torch.equal(converted.phase, torch.tensor([1 + 2j, 3 - 4j]))
+    assert converted.count.dtype == torch.int64 and converted.count.item() == 7
