@@ -17,13 +17,15 @@ def _no_closure() -> None:
 class ManualOptimizer:
     """Wraps a torch optimizer so that ``step()`` goes through the strategy and precision plugin, and counts steps."""
 
-    def __init__(self, optimizer: Optimizer, trainer: Trainer) -> None:
+    def __init__(self, optimizer: Optimizer, trainer: Trainer | None) -> None:
         self.optimizer = optimizer
         self._trainer = trainer
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Run the optimizer step (with loss scaling and hooks) and advance ``global_step``."""
         trainer = self._trainer
+        if trainer is None:
+            raise RuntimeError("This optimizer handle is a copy (pickled or deep-copied) and is detached from the Trainer; call self.optimizers() in the TrainingModule for a handle that steps.")
         result = trainer.strategy.optimizer_step(self.optimizer, closure if closure is not None else _no_closure, trainer.strategy.module, **kwargs)
         trainer.fit_loop.global_step += 1
         return result
@@ -38,7 +40,18 @@ class ManualOptimizer:
         return self.optimizer.param_groups
 
     def __getattr__(self, name: str) -> Any:
+        # Only reached for names the handle lacks. While pickle or copy rebuild a handle, "optimizer" itself is not
+        # there yet: looking it up through __getattr__ again would recurse forever.
+        if name == "optimizer" or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The wrapped optimizer travels; the Trainer (threads, files, the process group) does not.
+        return {"optimizer": self.optimizer, "_trainer": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"ManualOptimizer({self.optimizer!r})"
