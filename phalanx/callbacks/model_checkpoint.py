@@ -419,13 +419,13 @@ class ModelCheckpoint(Checkpoint):
             worst = max if self.mode == "min" else min
             self.kth_best_model_path = worst(self.best_k_models, key=lambda p: self.best_k_models[p].item())
             self.kth_value = self.best_k_models[self.kth_best_model_path]
-        finite = {p: s for p, s in self.best_k_models.items() if torch.isfinite(s)}
-        if finite:
+        if self.best_k_models:
+            # Non-finite scores are stored as the worst value, so a finite one always wins; when every kept score
+            # is non-finite the (equally worst) first one is the best there is, as in Lightning.
             best = min if self.mode == "min" else max
-            self.best_model_path = best(finite, key=lambda p: finite[p].item())
-            self.best_model_score = finite[self.best_model_path]
+            self.best_model_path = best(self.best_k_models, key=lambda p: self.best_k_models[p].item())
+            self.best_model_score = self.best_k_models[self.best_model_path]
         else:
-            # Non-finite values are never the best; there is no best model yet.
             self.best_model_path, self.best_model_score = "", None
 
     def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:

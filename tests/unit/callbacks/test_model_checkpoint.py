@@ -236,12 +236,13 @@ def test_no_monitor_keeps_newest_only(tmp_path):
     assert callback.best_model_path.endswith("epoch=2-step=30.ckpt")
 
 
-def test_non_finite_values_are_never_best(tmp_path):
+def test_non_finite_values_rank_worst(tmp_path):
     trainer = FakeTrainer(tmp_path)
     callback = ModelCheckpoint(dirpath=tmp_path, monitor="val_acc", mode="max", save_top_k=2)
     callback.setup(trainer, None, "fit")
     run_validation_epochs(trainer, callback, [float("nan")], key="val_acc")
-    assert callback.best_model_score is None and callback.best_model_path == ""
+    # As in Lightning: NaN is stored as the worst value, and the only checkpoint kept is the best there is.
+    assert callback.best_model_score.item() == -math.inf and callback.best_model_path.endswith(".ckpt")
     run_validation_epochs(trainer, callback, [float("nan"), 0.2], key="val_acc")
     assert callback.best_model_score.item() == pytest.approx(0.2)
     trainer.current_epoch, trainer.global_step = 5, 60
