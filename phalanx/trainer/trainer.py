@@ -726,6 +726,10 @@ class Trainer:
             return False
         if isinstance(self.val_check_interval, int):
             return loop.batches_done % self.val_check_interval == 0
+        if self.val_check_interval < 1.0 and self._val_every_batches:
+            # A fraction validates every int(fraction * batches) batches, as in Lightning: 0.3 of 32 batches is
+            # batches 9, 18 and 27, not also the epoch's end.
+            return loop.batches_done % self._val_every_batches == 0
         return True
 
     def _sanity_check(self) -> None:
