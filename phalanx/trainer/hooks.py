@@ -27,6 +27,8 @@ CALLBACK_ONLY_HOOKS = ("on_sanity_check_start", "on_sanity_check_end")
 
 
 def _overrides(obj: object, base: type, name: str) -> bool:
+    if callable(getattr(obj, "__dict__", {}).get(name)):
+        return True  # assigned on the instance (``model.on_train_epoch_end = fn``), as Lightning users do
     method = getattr(type(obj), name, None)
     return method is not None and method is not getattr(base, name, None)
 
