@@ -204,6 +204,15 @@ class ModelCheckpoint(Checkpoint):
         if self._is_epoch_to_save(trainer):
             self._save_at_this_point(trainer)
 
+    def on_train_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        """With ``save_last``, training always ends with ``last.ckpt`` of its final state, as in Lightning."""
+        if not self.save_last or self._should_skip_saving_checkpoint(trainer):
+            return
+        if not self._parameters_finite(trainer):
+            self._warn_nonfinite(trainer)
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
     def on_validation_end(self, trainer: Trainer, module: TrainingModule) -> None:
         if self._should_skip_saving_checkpoint(trainer) or self._should_save_on_train_epoch_end(trainer):
             return
