@@ -89,6 +89,16 @@ class ParallelStrategy(Strategy, ABC):
         state["_launcher"] = None
         return state
 
+    def record_global_rank(self) -> None:
+        """Tell the environment this process's global rank, known from the layout before any process group exists.
+
+        Called once devices and nodes are set (the Trainer does it at construction), so that rank-zero-guarded code
+        between ``Trainer(...)`` and ``fit`` runs once per job, not once per node.
+        """
+        assert self.cluster_environment is not None and self.parallel_devices is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        set_global_rank(self.global_rank)
+
     def setup_environment(self) -> None:
         """Join the process group (once) and select this rank's device."""
         assert self.cluster_environment is not None and self.parallel_devices is not None

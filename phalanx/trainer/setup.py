@@ -201,6 +201,7 @@ def _configure_parallel(strategy: ParallelStrategy, parallel_devices: list[torch
         if all(device.type == "cpu" for device in strategy.parallel_devices or []):
             raise ValueError("sync_batchnorm=True needs GPUs: torch's SyncBatchNorm does not run on the CPU. Remove it, or train with accelerator='cuda'.")
         strategy.layer_sync = TorchSyncBatchNorm()
+    strategy.record_global_rank()
 
 
 def _complete_strategy_instance(

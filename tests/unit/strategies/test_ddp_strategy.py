@@ -114,3 +114,21 @@ def test_seed_everything_workers_injects_a_rank_aware_worker_init_fn(monkeypatch
     monkeypatch.setenv("PHALANX_SEED_WORKERS", "0")
     fresh, _ = loaders(num_workers=1)
     assert trainer._prepare_dataloader(fresh, training=True).worker_init_fn is None
+
+
+@pytest.mark.parametrize(("node_rank", "local_rank", "expected"), [("1", None, 2), ("1", "1", 3), ("0", "1", 1), (None, None, 0)])
+def test_ranks_are_known_from_construction_not_only_from_fit(monkeypatch, node_rank, local_rank, expected):
+    from phalanx.utilities import rank_zero
+
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_PORT", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    if node_rank is not None:
+        monkeypatch.setenv("NODE_RANK", node_rank)
+    if local_rank is not None:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    try:
+        trainer = phalanx.Trainer(strategy="ddp", devices=2, num_nodes=2, accelerator="cpu", logger=False)
+        assert trainer.global_rank == expected and trainer.is_global_zero is (expected == 0)
+        assert rank_zero.rank_zero_only.rank == expected  # rank-zero-only code before fit runs on global rank 0 only
+    finally:
+        rank_zero.set_global_rank(0)
