@@ -25,7 +25,7 @@ class SkippedBatch(Exception):  # noqa: N818 - control flow inside the fit loop,
 class NonFiniteLossCheck:
     """Watches the training loss of one ``fit``.
 
-    'warn' adds two device-side operations per batch and reads the result only where the loop reads values on the
+    'warn' adds one device-side operation per batch (a running sum) and reads it only where the loop reads values on the
     host anyway (every ``log_every_n_steps`` batches, at epoch ends and checkpoint saves): it never synchronises a step.
     'skip', 'stop' and 'raise' read every loss on the host (and agree across processes), i.e. synchronise every step.
     """
@@ -33,7 +33,7 @@ class NonFiniteLossCheck:
     def __init__(self, trainer: Trainer, global_step: int) -> None:
         self.trainer = trainer
         self.mode: str = trainer.nonfinite_loss
-        self._finite: Tensor | None = None  # count of finite losses since the window started, on the loss's device
+        self._finite: Tensor | None = None  # sum of the losses since the window started, on the loss's device
         self._recorded = 0  # losses recorded since the window started
         self._window_start = global_step
         self.skipped = 0  # batches skipped for a non-finite loss ('skip')
@@ -44,32 +44,36 @@ class NonFiniteLossCheck:
         return self.mode in ("skip", "stop", "raise")
 
     def record(self, loss: Tensor) -> None:
-        """'warn': count the loss on its device, without reading it."""
+        """'warn': add the loss into a running sum on its device, without reading it (one small kernel per batch).
+
+        A NaN or an infinity in any term makes the sum non-finite, so one read of the sum tells whether the window
+        had a non-finite loss; counting each one would cost a second kernel per batch.
+        """
         if self.mode != "warn":
             return
-        finite = torch.isfinite(loss) if loss.ndim == 0 else torch.isfinite(loss).all()
         if self._finite is None:
-            self._finite = torch.zeros((), dtype=torch.int64, device=loss.device)
-        self._finite.add_(finite)
+            dtype = torch.float32 if loss.device.type == "mps" else torch.float64  # MPS has no float64
+            self._finite = torch.zeros((), dtype=dtype, device=loss.device)
+        self._finite.add_(loss.detach().sum() if loss.ndim else loss.detach())
         self._recorded += 1
 
     def report(self) -> None:
-        """'warn': read the count (called where the loop already reads values on the host) and warn once per fit."""
+        """'warn': read the sum (called where the loop already reads values on the host) and warn once per fit."""
         if self._finite is None or self._recorded == 0:
             return
-        bad = self._recorded - int(self._finite.item())
+        finite = bool(torch.isfinite(self._finite))
         start, end = self._window_start, self.trainer.fit_loop.global_step
-        if bad:
+        if not finite:
             trainer = self.trainer
             rank = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
             warnings.warn(
-                f"{rank}The training loss was NaN or infinite for {bad} of the {self._recorded} batches between global step"
-                f" {start} and {end} (epoch {trainer.current_epoch}); those updates were applied and training goes on"
-                f" (nonfinite_loss='warn'). This is reported once per fit: {_ADVICE}.",
+                f"{rank}The training loss was NaN or infinite at least once in the {self._recorded} batches between"
+                f" global step {start} and {end} (epoch {trainer.current_epoch}); those updates were applied and"
+                f" training goes on (nonfinite_loss='warn'). This is reported once per fit: {_ADVICE}.",
                 UserWarning,
                 stacklevel=2,
             )
-            self.mode = "warned"  # once per fit: stop counting
+            self.mode = "warned"  # once per fit: stop summing
             self._finite = None
             return
         self._finite.zero_()
