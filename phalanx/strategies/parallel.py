@@ -204,38 +204,8 @@ class ParallelStrategy(Strategy, ABC):
     step_collectives: dict[str, str] = {"forward": "forward pass", "backward": "backward pass (gradient synchronisation)", "optimizer_step": "optimizer step"}
 
     def naming_collectives(self, phase: str) -> AbstractContextManager:
-        """Context in which a timeout or a lost peer is reported as a CollectiveError naming ``phase``'s collectives."""
+        """A timeout or a lost peer inside is reported as a CollectiveError naming ``phase``'s collectives and the rank."""
         return distributed.naming_collective_failures(self.step_collectives.get(phase, phase), self.global_rank, self._timeout, transport_only=True)
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``training_step``; a stalled peer in the wrapper's collectives is reported by name."""
-        with self.naming_collectives("forward"):
-            return super().training_step(*args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``validation_step``; a stalled peer in the wrapper's collectives is reported by name."""
-        with self.naming_collectives("forward"):
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``test_step``; a stalled peer in the wrapper's collectives is reported by name."""
-        with self.naming_collectives("forward"):
-            return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``predict_step``; a stalled peer in the wrapper's collectives is reported by name."""
-        with self.naming_collectives("forward"):
-            return super().predict_step(*args, **kwargs)
-
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Backward through the precision plugin; a stalled peer in gradient synchronisation is reported by name."""
-        with self.naming_collectives("backward"):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any | None = None, **kwargs: Any) -> Any:
-        """Step ``optimizer`` (running ``closure``); a stalled peer is reported by the phase it stalled in."""
-        with self.naming_collectives("optimizer_step"):
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Tensor | Any:
         """All-reduce ``tensor`` with ``reduce_op`` ('mean'/'avg', 'sum', 'max', 'min' or a ReduceOp); others pass through."""

@@ -245,21 +245,29 @@ class Strategy(ABC):
                 return redirect_forward(self._model, self._module, method, *args, **kwargs)
             return getattr(self._module, method)(*args, **kwargs)
 
+    def naming_collectives(self, phase: str) -> AbstractContextManager:
+        """Context around a step's ``phase`` ('forward', 'backward', 'optimizer_step') that names failed collectives."""
+        return nullcontext()
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``training_step`` under the precision's context."""
-        return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+        with self.naming_collectives("forward"):
+            return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``validation_step`` under the precision's context."""
-        return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+        with self.naming_collectives("forward"):
+            return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``test_step`` under the precision's context."""
-        return self._run_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+        with self.naming_collectives("forward"):
+            return self._run_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``predict_step`` under the precision's context."""
-        return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+        with self.naming_collectives("forward"):
+            return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Called before backward."""
@@ -269,7 +277,8 @@ class Strategy(ABC):
         precision = self.precision_plugin
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, self._module)
-        precision.backward(closure_loss, self._module, optimizer, *args, **kwargs)
+        with self.naming_collectives("backward"):
+            precision.backward(closure_loss, self._module, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, self._module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -279,7 +288,8 @@ class Strategy(ABC):
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any) -> Any:
         """Step ``optimizer`` through the precision plugin (which runs ``closure`` first)."""
-        return self.precision_plugin.optimizer_step(optimizer, model=model if model is not None else self._module, closure=closure, **kwargs)
+        with self.naming_collectives("optimizer_step"):
+            return self.precision_plugin.optimizer_step(optimizer, model=model if model is not None else self._module, closure=closure, **kwargs)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Return ``optimizer``'s state for a checkpoint (sharded strategies consolidate it first)."""
