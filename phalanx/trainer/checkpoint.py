@@ -78,13 +78,14 @@ def is_complete_checkpoint(path: Path) -> bool:
         return False
 
 
-def newest_complete_checkpoint(directories: list[Path]) -> str | None:
-    """The complete ``*.ckpt`` (file or directory) with the latest modification time under ``directories``."""
+def newest_complete_checkpoint(directories: list[Path], *, name_prefix: str = "", recursive: bool = True) -> str | None:
+    """The complete ``{name_prefix}*.ckpt`` (file or directory) with the latest modification time under ``directories``."""
     candidates: dict[Path, float] = {}
     for directory in directories:
         if directory.is_dir():
-            retired = [path for path in directory.rglob("*.retired") if is_retired_copy(path)]
-            for path in [*directory.rglob("*.ckpt"), *retired]:
+            find = directory.rglob if recursive else directory.glob
+            retired = [path for path in find("*.retired") if is_retired_copy(path) and path.name[1:].startswith(name_prefix)]
+            for path in [*find(f"{name_prefix}*.ckpt"), *retired]:
                 if is_complete_checkpoint(path):
                     candidates[path.resolve()] = path.stat().st_mtime
     if not candidates:
@@ -184,12 +185,8 @@ class CheckpointConnector:
         dirpath = getattr(callback, "dirpath", None)
         if dirpath is None:
             dirpath = Path(self.trainer.default_root_dir) / "checkpoints"
-        if not Path(dirpath).is_dir():
-            return ""
         # Only complete ones: a save killed mid-way leaves an empty name reservation or a retired copy behind.
-        names = [*Path(dirpath).glob("last*.ckpt"), *Path(dirpath).glob(".last*.retired")]
-        candidates = sorted((p for p in names if is_complete_checkpoint(p)), key=lambda p: p.stat().st_mtime)
-        return str(candidates[-1]) if candidates else ""
+        return newest_complete_checkpoint([Path(dirpath)], name_prefix="last", recursive=False) or ""
 
     def load(self, path: str, *, fitting: bool = False) -> dict[str, Any]:
         """Read a checkpoint through the strategy and check its entries (with ``fitting``, the training state too)."""
