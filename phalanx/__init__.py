@@ -16,6 +16,9 @@ _PUBLIC = {
     "seed_everything": "phalanx.utilities.seed",
 }
 
+# Subpackages reachable as attributes, as Lightning users write them: ``phalanx.callbacks.ModelCheckpoint(...)``.
+_SUBPACKAGES = ("accelerators", "callbacks", "loggers", "plugins", "strategies", "utilities")
+
 if TYPE_CHECKING:
     from phalanx.callbacks.callback import Callback
     from phalanx.datamodule import DataModule
@@ -25,6 +28,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"phalanx.{name}")  # importing binds it in this module's namespace
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
@@ -34,7 +39,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC])
+    return sorted({*globals(), *_PUBLIC, *_SUBPACKAGES})
 
 
 __all__ = ["Callback", "DataModule", "Trainer", "TrainingModule", "__version__", "seed_everything"]

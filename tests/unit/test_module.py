@@ -149,3 +149,19 @@ def test_import_phalanx_is_cheap():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == ""
+
+
+def test_subpackages_are_reachable_as_attributes_and_load_lazily():
+    # Lightning users write `pl.callbacks.ModelCheckpoint(...)` after `import lightning.pytorch as pl`.
+    code = (
+        "import sys, phalanx; "
+        "before = 'phalanx.callbacks' in sys.modules; "
+        "names = [phalanx.callbacks.ModelCheckpoint.__name__, phalanx.loggers.CSVLogger.__name__, "
+        "phalanx.strategies.DDPStrategy.__name__, phalanx.plugins.TorchCheckpointIO.__name__, "
+        "phalanx.accelerators.CPUAccelerator.__name__, phalanx.utilities.__name__]; "
+        "print(before, ','.join(names), 'callbacks' in dir(phalanx))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "ModelCheckpoint,CSVLogger,DDPStrategy,TorchCheckpointIO,CPUAccelerator,phalanx.utilities", "True"]
+    with pytest.raises(AttributeError, match="no attribute 'calbacks'"):
+        phalanx.calbacks  # noqa: B018
