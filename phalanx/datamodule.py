@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+from functools import partial
 from collections.abc import Mapping
 from typing import Any, Sequence
 
@@ -59,3 +60,45 @@ class DataModule:
 
     # train_dataloader / val_dataloader / test_dataloader / predict_dataloader are looked up by name:
     # define the ones your DataModule provides.
+
+    @classmethod
+    def from_datasets(
+        cls,
+        train_dataset: Any = None,
+        val_dataset: Any = None,
+        test_dataset: Any = None,
+        predict_dataset: Any = None,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        **datamodule_kwargs: Any,
+    ) -> DataModule:
+        """A DataModule whose dataloaders wrap the given datasets (each one dataset, a sequence or a dict of them)."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int.")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers={num_workers!r} must be an int >= 0.")
+        datamodule = cls(**datamodule_kwargs)
+        given = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
+        for stage, datasets in given.items():
+            if datasets is None:
+                continue
+            # Training data is shuffled, as Lightning does; evaluation and prediction keep the dataset's order.
+            build = partial(_loaders_of, datasets, f"{stage}_dataset", shuffle=stage == "train", batch_size=batch_size, num_workers=num_workers)
+            setattr(datamodule, f"{stage}_dataloader", build)
+        return datamodule
+
+
+def _loaders_of(datasets: Any, argument: str, *, shuffle: bool, batch_size: int, num_workers: int) -> Any:
+    from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+    def loader(dataset: Any) -> DataLoader:
+        if not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
+            raise TypeError(f"{argument} must hold torch Datasets (or objects with __getitem__ and __len__), got {type(dataset).__name__}.")
+        # An IterableDataset has no indices to shuffle.
+        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and not isinstance(dataset, IterableDataset), num_workers=num_workers)
+
+    if isinstance(datasets, Mapping):
+        return {key: loader(dataset) for key, dataset in datasets.items()}
+    if isinstance(datasets, (list, tuple)):
+        return [loader(dataset) for dataset in datasets]
+    return loader(datasets)
