@@ -65,12 +65,12 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
             leading '.', or an empty template.
         monitor: Metric (a key of ``trainer.callback_metrics``) that ranks the checkpoints; None keeps the newest.
         verbose: Report each decision.
-        save_last: Also write ``last.ckpt`` at every save point. ``"link"``: ``last.ckpt`` is a relative symbolic link
-            to the newest checkpoint written (no second copy); it is switched to the new file before an older one is
-            removed, in one rename, so it never dangles. Where links cannot be made (some file systems, Windows
-            without the privilege) a regular ``last.ckpt`` is written instead, with a warning. Local folders only
-            (ValueError at ``setup`` for an fsspec URL). With ``save_top_k=0`` there is nothing to link to and
-            ``last.ckpt`` is a regular file.
+        save_last: Also write ``last.ckpt`` (the current state) at every save point. ``"link"``: when a checkpoint of
+            the current step was just written, ``last.ckpt`` is a relative symbolic link to it instead of a second
+            copy (else a regular file, as with True); the link is switched, in one rename, before any older checkpoint
+            is removed, so it never dangles. Where links cannot be made (some file systems, Windows without the
+            privilege) regular files are written, with a warning. Local folders only (ValueError at ``setup`` for an
+            fsspec URL).
         save_top_k: How many checkpoints to keep: ``-1`` all, ``0`` none, ``k`` the best ``k``.
         save_on_exception: When ``fit`` fails with an exception (KeyboardInterrupt included) after an optimizer step
             that no checkpoint holds yet, save one more checkpoint, named like the others by ``filename`` but under a

@@ -89,6 +89,20 @@ def test_save_on_exception_keeps_the_state_of_a_failed_fit(tmp_path, callback_op
         assert step_of(tmp_path / "last.ckpt") == step
 
 
+def test_a_fit_resumed_from_the_exception_checkpoint_ends_as_an_uninterrupted_one(tmp_path):
+    torch.manual_seed(0)
+    uninterrupted = Failing()
+    quiet_trainer(max_steps=6).fit(uninterrupted, loaders()[0])
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(ModelCheckpoint(dirpath=tmp_path, save_on_exception=True), Failing(fail_at=3), max_steps=6)
+    resumed = Failing()
+    trainer = quiet_trainer(max_steps=6)
+    trainer.fit(resumed, loaders()[0], ckpt_path=tmp_path / "epoch=0-step=3.ckpt")
+    assert trainer.global_step == 6
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted.parameters(), resumed.parameters()))
+
+
 def test_a_failing_exception_save_only_warns_and_the_original_error_is_raised(tmp_path, monkeypatch):
     callback = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True, every_n_epochs=5)
     trainer = quiet_trainer(callbacks=[callback], enable_checkpointing=True, max_epochs=2)
