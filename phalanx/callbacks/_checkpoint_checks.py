@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import timedelta
 from functools import lru_cache
 from typing import Any
 
@@ -177,12 +178,38 @@ def local_parameters_finite(module: torch.nn.Module) -> bool:
 
 
 def check_flags(**flags: Any) -> None:
-    """Raise TypeError unless every flag is a bool (``save_last`` and ``save_on_train_epoch_end`` may be None)."""
+    """Raise TypeError unless every flag is a bool (``save_last`` and ``save_on_train_epoch_end`` may be None).
+
+    ``save_last`` may also be ``"link"``.
+    """
     for name, value in flags.items():
-        allow_none = name in ("save_last", "save_on_train_epoch_end")
+        if name == "save_last":
+            if value is None or isinstance(value, bool) or (isinstance(value, str) and value == "link"):
+                continue
+            raise TypeError(f"`save_last` must be True, False, None or 'link' (last.ckpt as a symbolic link to the newest checkpoint), got {value!r}.")
+        allow_none = name == "save_on_train_epoch_end"
         if not isinstance(value, bool) and not (allow_none and value is None):
             allowed = "True, False or None" if allow_none else "True or False"
             raise TypeError(f"`{name}` must be {allowed}, got {value!r}.")
+
+
+def check_time_interval(train_time_interval: Any, every_n_train_steps: Any, every_n_epochs: Any) -> None:
+    """Refuse a ``train_time_interval`` that is not a ``timedelta`` >= 0, or one set together with another trigger."""
+    if train_time_interval is None:
+        return
+    if not isinstance(train_time_interval, timedelta):
+        raise TypeError(
+            f"`train_time_interval` must be a datetime.timedelta (e.g. timedelta(minutes=30)) or None, got"
+            f" {type(train_time_interval).__name__} {train_time_interval!r}."
+        )
+    if train_time_interval < timedelta(0):
+        raise ValueError(f"`train_time_interval` must not be negative, got {train_time_interval!r}.")
+    others = [f"{name}={value!r}" for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)) if value]
+    if others:
+        raise ValueError(
+            f"`train_time_interval={train_time_interval!r}` and `{others[0]}` are mutually exclusive: set only one"
+            " trigger per ModelCheckpoint (use several callbacks to save on several triggers)."
+        )
 
 
 def check_dirpath(dirpath: Any) -> None:

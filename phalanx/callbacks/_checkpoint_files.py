@@ -3,13 +3,15 @@
 A checkpoint's callback state is untrusted input (the file may have been tampered with), so every path it names is
 checked here before the callback overwrites or removes it: only a ``*.ckpt`` entry directly inside the callback's
 folder that is a regular file, or a directory with phalanx's completion marker, is ever removed. Symbolic links are
-never followed nor removed.
+never followed; the only ones removed are those the callback made itself (``save_last="link"``), and only the link.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import uuid
 from typing import Any
 
 FILE_EXTENSION = ".ckpt"
@@ -75,10 +77,12 @@ def _url_entry(path: str, folder: str) -> str | None:
     return prefix + name
 
 
-def removal_refusal(target: str, *, may_be_pending: bool) -> str | None:
+def removal_refusal(target: str, *, may_be_pending: bool, own_link: bool = False) -> str | None:
     """Why ``target`` (from :func:`checkpoint_in_folder`) must not be removed: None when it may, "" when it is absent.
 
     ``may_be_pending``: the callback wrote ``target`` itself, perhaps through a write still queued (asynchronous IO).
+    ``own_link``: the callback made ``target`` as a symbolic link (``save_last="link"``); such a link may be removed
+    (:func:`remove_link` removes the link only, never what it points to).
     """
     from phalanx.trainer.checkpoint import COMPLETE_MARKER
 
@@ -94,7 +98,9 @@ def removal_refusal(target: str, *, may_be_pending: bool) -> str | None:
     except FileNotFoundError:
         return None if may_be_pending else ""
     if stat.S_ISLNK(info.st_mode):
-        return "it is a symbolic link (phalanx never writes one; neither the link nor its target is touched)"
+        if own_link:
+            return None
+        return "it is a symbolic link phalanx did not make in this run (neither the link nor its target is touched)"
     if stat.S_ISDIR(info.st_mode):
         try:
             marker = os.lstat(os.path.join(target, COMPLETE_MARKER))
@@ -158,6 +164,73 @@ def release(path: str) -> None:
             os.unlink(path)
     except OSError:
         pass  # a placeholder left behind is harmless: it is never resumed from
+
+
+# ---------------------------------------------------------------------------- last.ckpt as a link
+def is_link(path: str) -> bool:
+    """Whether ``path`` is a symbolic link (never for fsspec URLs)."""
+    return not is_url(path) and os.path.islink(path)
+
+
+def publish_link(target: str, link: str) -> bool:
+    """Make ``link`` a relative symbolic link to ``target`` (both in one folder), replacing what is at ``link``.
+
+    The link is made under a hidden temporary name and renamed over ``link`` in one step, so ``link`` always names a
+    complete checkpoint: the old one until the rename, the new one after. A checkpoint directory at ``link`` (which a
+    rename cannot replace) is first moved to a *retired* name that resume still considers, and removed once the link
+    is in place. Returns False, changing nothing, where this system or file system cannot make links (Windows
+    without the privilege, some network file systems).
+    """
+    folder, name = os.path.split(link)
+    temporary = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
+    try:
+        os.symlink(os.path.basename(target), temporary)
+    except (OSError, NotImplementedError):
+        return False
+    try:
+        if os.path.isdir(link) and not os.path.islink(link):
+            retired = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.retired")
+            os.replace(link, retired)
+            os.replace(temporary, link)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(temporary, link)
+    except BaseException:
+        remove_link(temporary)
+        raise
+    _sync_folder(folder)
+    return True
+
+
+def points_to(link: str, target: str) -> bool:
+    """Whether ``link`` is a symbolic link whose text names ``target``'s file name (as :func:`publish_link` makes)."""
+    try:
+        return os.readlink(link) == os.path.basename(target)
+    except OSError:
+        return False
+
+
+def remove_link(path: str) -> None:
+    """Remove the symbolic link at ``path`` (never what it points to); nothing when it is gone or not a link."""
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _sync_folder(folder: str) -> None:
+    # A rename is durable only once the folder entry itself is flushed.
+    try:
+        handle = os.open(folder or os.curdir, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def _filesystem(path: str) -> tuple[Any, str]:

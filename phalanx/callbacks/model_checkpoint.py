@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,20 +15,13 @@ from phalanx.callbacks._checkpoint_checks import (
     check_arguments,
     check_flags,
     check_template,
+    check_time_interval,
     fill_template,
     local_parameters_finite,
     restored_entries,
 )
-from phalanx.callbacks._checkpoint_files import (
-    FILE_EXTENSION,
-    checkpoint_in_folder,
-    claim,
-    exists,
-    is_url,
-    release,
-    removal_refusal,
-    same_location,
-)
+from phalanx.callbacks._checkpoint_files import FILE_EXTENSION, is_link, is_url
+from phalanx.callbacks._checkpoint_saves import CheckpointSaves, stage_name
 from phalanx.callbacks.callback import Callback
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -34,12 +29,6 @@ from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
     from phalanx.trainer.trainer import Trainer
-
-
-def _stage_name(trainer: Any) -> str:
-    """``trainer.state.fn`` as a plain string (it may be an enum whose value is the string)."""
-    fn = getattr(getattr(trainer, "state", None), "fn", None)
-    return str(getattr(fn, "value", fn))
 
 
 def _as_python_number(value: Any) -> Any:
@@ -60,7 +49,7 @@ class Checkpoint(Callback):
     """Base class of the callbacks that write checkpoints (the Trainer looks them up by this type)."""
 
 
-class ModelCheckpoint(Checkpoint):
+class ModelCheckpoint(CheckpointSaves, Checkpoint):
     """Save checkpoints during ``fit``: every ``n`` steps or epochs, keeping the ``save_top_k`` best by ``monitor``.
 
     Only ``*.ckpt`` files and checkpoint directories (with their ``.complete`` marker) directly inside ``dirpath`` are
@@ -76,17 +65,36 @@ class ModelCheckpoint(Checkpoint):
             leading '.', or an empty template.
         monitor: Metric (a key of ``trainer.callback_metrics``) that ranks the checkpoints; None keeps the newest.
         verbose: Report each decision.
-        save_last: Also write ``last.ckpt`` at every save point.
+        save_last: Also write ``last.ckpt`` (the current state) at every save point. ``"link"``: when a checkpoint of
+            the current step was just written, ``last.ckpt`` is a relative symbolic link to it instead of a second
+            copy (else a regular file, as with True); the link is switched, in one rename, before any older checkpoint
+            is removed, so it never dangles. Where links cannot be made (some file systems, Windows without the
+            privilege) regular files are written, with a warning. Local folders only (ValueError at ``setup`` for an
+            fsspec URL).
         save_top_k: How many checkpoints to keep: ``-1`` all, ``0`` none, ``k`` the best ``k``.
+        save_on_exception: When ``fit`` fails with an exception (KeyboardInterrupt included) after an optimizer step
+            that no checkpoint holds yet, save one more checkpoint, named like the others by ``filename`` but under a
+            new name (``-vN``) if that name is taken, so it never replaces a kept checkpoint; ``last.ckpt`` follows
+            it when ``save_last`` is set. Not during the sanity check or ``fast_dev_run``, nor with non-finite
+            parameters (unless ``save_on_nonfinite``). A save that fails itself only warns: the original exception
+            is what ``fit`` raises. Single-process runs only: with several processes one rank cannot know whether
+            the others failed too, and a save needs them all, so it would hang; there the setting is ignored with a
+            warning at ``setup``.
         save_weights_only: Write only the module weights.
         mode: "min" or "max": whether a lower or higher ``monitor`` value is better. A non-finite value always
             ranks worst and is never the best.
         auto_insert_metric_name: Write ``{epoch}`` as ``epoch=3`` rather than ``3``.
         every_n_train_steps: Save after every ``n`` optimizer steps (0 or None: not by steps).
-        every_n_epochs: Save every ``n`` epochs (the default, 1, unless ``every_n_train_steps`` is set).
+        train_time_interval: Save at the end of the first training batch after at least this much wall time (a
+            ``datetime.timedelta``) has passed since training started or since the last save by time. Global rank 0's
+            clock decides and every rank gets its decision (one broadcast per batch with several processes).
+        every_n_epochs: Save every ``n`` epochs (the default, 1, unless ``every_n_train_steps`` or
+            ``train_time_interval`` is set). The three triggers are mutually exclusive.
         save_on_train_epoch_end: Save at the end of the training epoch rather than after validation. By default the
             callback saves after validation when validation runs during ``fit``.
-        enable_version_counter: Append ``-v1``, ``-v2``... rather than overwrite a file this run did not write.
+        enable_version_counter: When a name is taken (by a file this run did not write, or by a checkpoint this run
+            still keeps, e.g. a second top-k save within an epoch named ``{epoch}``), append ``-v1``, ``-v2``... rather
+            than overwrite it. False: overwrite.
         save_on_nonfinite: Save even when the module's parameters are not all finite. By default (False) such a
             save point writes nothing, so no NaN/inf checkpoint replaces or evicts a good one (best, top-k,
             ``last.ckpt``); a warning names the checkpoints kept. All processes take the same decision.
@@ -104,12 +112,14 @@ class ModelCheckpoint(Checkpoint):
         filename: str | None = None,
         monitor: str | None = None,
         verbose: bool = False,
-        save_last: bool | None = None,
+        save_last: bool | str | None = None,
         save_top_k: int = 1,
+        save_on_exception: bool = False,
         save_weights_only: bool = False,
         mode: str = "min",
         auto_insert_metric_name: bool = True,
         every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
         every_n_epochs: int | None = None,
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
@@ -117,23 +127,26 @@ class ModelCheckpoint(Checkpoint):
     ) -> None:
         super().__init__()
         check_arguments(dirpath, filename, monitor, save_top_k, mode, every_n_train_steps, every_n_epochs)
+        check_time_interval(train_time_interval, every_n_train_steps, every_n_epochs)
         check_flags(
             verbose=verbose, save_weights_only=save_weights_only, auto_insert_metric_name=auto_insert_metric_name,
             enable_version_counter=enable_version_counter, save_on_nonfinite=save_on_nonfinite, save_last=save_last,
-            save_on_train_epoch_end=save_on_train_epoch_end,
+            save_on_train_epoch_end=save_on_train_epoch_end, save_on_exception=save_on_exception,
         )
 
         self.monitor = monitor
         self.verbose = verbose
         self.save_last = save_last
         self.save_top_k = save_top_k
+        self.save_on_exception = save_on_exception
         self.save_weights_only = save_weights_only
         self.mode = mode
         self.auto_insert_metric_name = auto_insert_metric_name
         self.enable_version_counter = enable_version_counter
         self.save_on_nonfinite = save_on_nonfinite
         self._save_on_train_epoch_end = save_on_train_epoch_end
-        if every_n_train_steps is None and every_n_epochs is None:
+        self._train_time_interval = train_time_interval
+        if every_n_train_steps is None and every_n_epochs is None and train_time_interval is None:
             self._every_n_train_steps, self._every_n_epochs = 0, 1
         else:
             self._every_n_train_steps, self._every_n_epochs = every_n_train_steps or 0, every_n_epochs or 0
@@ -158,6 +171,14 @@ class ModelCheckpoint(Checkpoint):
         self._pending_state: dict[str, Any] | None = None
         # (global step, decision) of the last finiteness check, so that one save point checks once.
         self._finite_at: tuple[int, bool] | None = None
+        # The newest checkpoint written other than last.ckpt, and its global step: what ``save_last="link"`` points to.
+        self._last_checkpoint_saved = ""
+        self._last_checkpoint_step = -1
+        # Symbolic links this callback made (``save_last="link"``): the only links it ever removes.
+        self._links: set[str] = set()
+        self._links_unsupported = False  # the file system refused a link once: save_last="link" writes files from then on
+        self._last_time_checked: float | None = None  # monotonic clock at the start of training / the last save by time
+        self._sanity_checking = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -167,7 +188,7 @@ class ModelCheckpoint(Checkpoint):
             mode=self.mode,
             every_n_train_steps=self._every_n_train_steps,
             every_n_epochs=self._every_n_epochs,
-            train_time_interval=None,
+            train_time_interval=self._train_time_interval,
         )
 
     @property
@@ -180,21 +201,45 @@ class ModelCheckpoint(Checkpoint):
         """Save every this many epochs (0: not by epochs)."""
         return self._every_n_epochs
 
+    @property
+    def train_time_interval(self) -> timedelta | None:
+        """Save after at least this much wall time (None: not by time)."""
+        return self._train_time_interval
+
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Trainer, module: TrainingModule, stage: str) -> None:
         dirpath = self._resolve_dirpath(trainer)
         dirpath = trainer.strategy.broadcast(dirpath)
         self.dirpath = dirpath
+        self._sanity_checking = False
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
+        if self.save_last == "link" and is_url(dirpath):
+            raise ValueError(f"ModelCheckpoint(save_last='link') makes a symbolic link, which needs a local folder; dirpath={dirpath!r} is a URL. Use save_last=True there.")
+        if stage == "fit" and self.save_on_exception and trainer.world_size > 1:
+            rank_zero_warn(
+                f"ModelCheckpoint(save_on_exception=True) is ignored with {trainer.world_size} processes: a rank that"
+                " fails cannot know whether the others failed too, and a checkpoint needs every rank (it would hang)."
+                " Save periodically instead (every_n_train_steps=, train_time_interval=)."
+            )
         if stage == "fit" and trainer.is_global_zero:
             self._warn_if_dir_not_empty(dirpath)
+
+    def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        self._last_time_checked = time.monotonic()
+
+    def on_sanity_check_start(self, trainer: Trainer, module: TrainingModule) -> None:
+        self._sanity_checking = True
+
+    def on_sanity_check_end(self, trainer: Trainer, module: TrainingModule) -> None:
+        self._sanity_checking = False
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._should_skip_saving_checkpoint(trainer):
             return
-        if self._every_n_train_steps < 1 or trainer.global_step % self._every_n_train_steps != 0:
+        by_steps = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
+        if not (self._time_to_save(trainer) or by_steps):
             return
         self._save_at_this_point(trainer)
 
@@ -257,6 +302,8 @@ class ModelCheckpoint(Checkpoint):
         best_k, entries, dropped = restored_entries(state, self.dirpath or "")
         self.best_k_models = {path: self._finite_or_worst(score) for path, score in best_k.items()}
         self.last_model_path = entries["last_model_path"]
+        if self.save_last == "link" and self.last_model_path and is_link(self.last_model_path):
+            self._links.add(self.last_model_path)  # the previous run's last.ckpt link, inside dirpath: ours to replace
         self.current_score = entries["current_score"]
         if self.best_k_models:
             # Recomputed from the entries kept rather than trusted: a dropped k-th entry would be looked up.
@@ -294,11 +341,6 @@ class ModelCheckpoint(Checkpoint):
         name += self.FILE_EXTENSION
         return os.path.join(self.dirpath, name) if self.dirpath else name
 
-    def file_exists(self, filepath: str, trainer: Trainer) -> bool:
-        """Whether ``filepath`` exists, as seen by rank 0 (so every rank takes the same decision)."""
-        found = exists(filepath) if trainer.is_global_zero else False
-        return bool(trainer.strategy.broadcast(found))
-
     # ------------------------------------------------------------------ decisions
     def check_monitor_top_k(self, trainer: Trainer, current: Tensor | None = None) -> bool:
         """Whether a checkpoint with monitored value ``current`` belongs in the top ``k``."""
@@ -314,7 +356,7 @@ class ModelCheckpoint(Checkpoint):
     def _should_skip_saving_checkpoint(self, trainer: Trainer) -> bool:
         return (
             bool(trainer.fast_dev_run)
-            or _stage_name(trainer) != "fit"
+            or stage_name(trainer) != "fit"
             or bool(trainer.sanity_checking)
             or self._last_global_step_saved == trainer.global_step
         )
@@ -396,6 +438,7 @@ class ModelCheckpoint(Checkpoint):
         filepath = self._filepath_for(candidates, trainer, reusable=self.best_model_path)
         previous, self.best_model_path = self.best_model_path, filepath
         self._save_checkpoint(trainer, filepath)
+        self._relink_before_removal(trainer, candidates)
         if self.save_top_k == 1 and previous and previous != filepath:
             self._remove_checkpoint(trainer, previous)
 
@@ -419,6 +462,7 @@ class ModelCheckpoint(Checkpoint):
                 f" {filepath!r} as top {k}"
             )
         self._save_checkpoint(trainer, filepath)
+        self._relink_before_removal(trainer, candidates)
         if to_delete and to_delete != filepath:
             self._remove_checkpoint(trainer, to_delete)
 
@@ -437,75 +481,6 @@ class ModelCheckpoint(Checkpoint):
         else:
             self.best_model_path, self.best_model_score = "", None
 
-    def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
-        if not self.save_last:
-            return
-        filepath = self._filepath_for(candidates, trainer, reusable=self.last_model_path, template=self.CHECKPOINT_NAME_LAST)
-        previous, self.last_model_path = self.last_model_path, filepath
-        self._save_checkpoint(trainer, filepath)
-        if previous and previous != filepath and previous not in self.best_k_models and previous != self.best_model_path:
-            self._remove_checkpoint(trainer, previous)
-
-    def _filepath_for(self, candidates: dict[str, Any], trainer: Trainer, reusable: str | None, template: str | None = None) -> str:
-        """The path for this save: rank 0 decides (claiming a new name exclusively) and every rank gets its answer."""
-        filepath = self._claim_name(candidates, reusable, template) if trainer.is_global_zero else None
-        return trainer.strategy.broadcast(filepath)
-
-    def _claim_name(self, candidates: dict[str, Any], reusable: str | None, template: str | None) -> str:
-        """The first of NAME, NAME-v1, NAME-v2... that this run owns or could create (rank 0 only)."""
-        filepath = self.format_checkpoint_name(candidates, template)
-        if not self.enable_version_counter:
-            return filepath
-        version = self.STARTING_VERSION
-        # A placeholder made by an exclusive create reserves a new name: another run saving the same name at the
-        # same moment gets the next version rather than overwriting this run's file (check-then-write would not).
-        while filepath != reusable and not self._owns(filepath) and not claim(filepath):
-            filepath = self.format_checkpoint_name(candidates, template, ver=version)
-            version += 1
-        if filepath != reusable and not self._owns(filepath):
-            self._claimed.add(filepath)
-        return filepath
-
-    def _owns(self, filepath: str) -> bool:
-        return filepath in self._written or filepath in self.best_k_models or filepath == self.last_model_path
-
-    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
-        try:
-            trainer.save_checkpoint(filepath, weights_only=self.save_weights_only)
-        except BaseException:
-            if filepath in self._claimed:
-                release(filepath)
-            raise
-        finally:
-            self._claimed.discard(filepath)
-        self._last_global_step_saved = trainer.global_step
-        self._written.add(filepath)
-        for logger in trainer.loggers or []:
-            logger.after_save_checkpoint(self)
-
-    def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
-        """Remove ``filepath`` if it is a checkpoint inside ``dirpath``; never anything else."""
-        target = checkpoint_in_folder(filepath, self.dirpath) if self.dirpath else None
-        # Rank 0 decides for all (one broadcast on every rank, whatever each rank's file system says).
-        refusal = self._removal_refusal(trainer, filepath, target) if trainer.is_global_zero else None
-        refusal = trainer.strategy.broadcast(refusal)
-        if refusal is None:
-            trainer.strategy.remove_checkpoint(target if target is not None else filepath)
-        elif refusal:
-            rank_zero_warn(
-                f"ModelCheckpoint: not removing {filepath!r}: {refusal}. Only '*{FILE_EXTENSION}' files and checkpoint"
-                " directories written by phalanx directly inside dirpath are ever removed."
-            )
-        self._written.discard(filepath)
-
-    def _removal_refusal(self, trainer: Trainer, filepath: str, target: str | None) -> str | None:
-        """Why rank 0 keeps ``filepath``: None to remove it, "" to keep it silently, else the reason."""
-        if target is None:
-            return f"it is not a '*{FILE_EXTENSION}' entry directly inside dirpath {self.dirpath!r}"
-        if same_location(getattr(trainer, "ckpt_path", None), target):
-            return ""  # never delete the checkpoint this run resumed from
-        return removal_refusal(target, may_be_pending=filepath in self._written)
-
     # ------------------------------------------------------------------ helpers
     def _worst_score(self, dtype: torch.dtype | None = None) -> Tensor:
         return torch.tensor(math.inf if self.mode == "min" else -math.inf, dtype=dtype)
@@ -517,29 +492,6 @@ class ModelCheckpoint(Checkpoint):
     @staticmethod
     def _score_text(score: Tensor | None) -> str:
         return "none" if score is None else f"{score.item():.5f}"
-
-    @staticmethod
-    def _normalize_dir(dirpath: str | os.PathLike) -> str:
-        path = os.fspath(dirpath)
-        if is_url(path):
-            return path.rstrip("/")
-        return os.path.realpath(os.path.expanduser(path))
-
-    def _resolve_dirpath(self, trainer: Trainer) -> str:
-        if self.dirpath is not None:
-            return self.dirpath
-        base = None
-        if trainer.loggers:
-            base = trainer.log_dir
-        if base is None:
-            base = trainer.default_root_dir
-        return self._normalize_dir(os.path.join(os.fspath(base), "checkpoints"))
-
-    def _warn_if_dir_not_empty(self, dirpath: str) -> None:
-        if self.save_top_k == 0 or is_url(dirpath):
-            return
-        if os.path.isdir(dirpath) and any(name.endswith(self.FILE_EXTENSION) for name in os.listdir(dirpath)):
-            rank_zero_warn(f"Checkpoint directory {dirpath} exists and is not empty.")
 
     def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
         """Write ``best_k_models`` (path: score) as YAML, to ``dirpath/best_k_models.yaml`` by default."""

@@ -44,6 +44,7 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.torch_io import is_url
 from phalanx.plugins.precision.deepspeed import DEEPSPEED_PRECISIONS, DeepSpeedPrecision
 from phalanx.plugins.precision.precision import Precision
+from phalanx.strategies.deepspeed_activation import activation_settings, configure_activation_checkpointing, merge_activation_section
 from phalanx.strategies.deepspeed_checkpoint import (
     OPTIMIZER_MARKER,
     STATE_FILE,
@@ -187,6 +188,10 @@ class DeepSpeedStrategy(ParallelStrategy):
             process (``stage3_param_persistence_threshold``).
         loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale: float16 loss scaling
             (``loss_scale=0`` scales dynamically).
+        partition_activations, cpu_checkpointing, contiguous_memory_optimization, synchronize_checkpoint_boundary:
+            DeepSpeed activation checkpointing (the config's ``activation_checkpointing`` section, handed to
+            ``deepspeed.checkpointing.configure``); they apply where the model calls
+            ``deepspeed.checkpointing.checkpoint``. See :mod:`phalanx.strategies.deepspeed_activation`.
         config: a full DeepSpeed config (dict, or path of a JSON file; default: the file named by
             ``PHALANX_DEEPSPEED_CONFIG_PATH``). It replaces the one built from the arguments above; the Trainer
             still fills in batch size, gradient accumulation, clipping and precision where the config leaves them out.
@@ -243,6 +248,10 @@ class DeepSpeedStrategy(ParallelStrategy):
         loss_scale_window: int = 1000,
         hysteresis: int = 2,
         min_loss_scale: int = 1,
+        partition_activations: bool = False,
+        cpu_checkpointing: bool = False,
+        contiguous_memory_optimization: bool = False,
+        synchronize_checkpoint_boundary: bool = False,
         exclude_frozen_parameters: bool = False,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -289,6 +298,11 @@ class DeepSpeedStrategy(ParallelStrategy):
         self._zero_allow_untested_optimizer = zero_allow_untested_optimizer
         self._logging_batch_size_per_gpu = logging_batch_size_per_gpu
         self._user_config = _load_config(config)
+        self._activation = activation_settings(
+            partition_activations=partition_activations, cpu_checkpointing=cpu_checkpointing,
+            contiguous_memory_optimization=contiguous_memory_optimization, synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
+        )  # fmt: skip
+        merge_activation_section(self._user_config if self._user_config is not None else {}, self._activation)  # refuse conflicts now
         self._logging_level = logging_level
         self._exclude_frozen_parameters = exclude_frozen_parameters
         if not isinstance(allow_unsafe_checkpoint_load, bool):
@@ -354,7 +368,9 @@ class DeepSpeedStrategy(ParallelStrategy):
                 "device": settings["offload_params_device"], "nvme_path": settings["nvme_path"], "buffer_count": settings["params_buffer_count"],
                 "buffer_size": settings["params_buffer_size"], "max_in_cpu": settings["max_in_cpu"], "pin_memory": settings["pin_memory"],
             }  # fmt: skip
-        return {"zero_optimization": zero, "zero_allow_untested_optimizer": self._zero_allow_untested_optimizer}
+        generated = {"zero_optimization": zero, "zero_allow_untested_optimizer": self._zero_allow_untested_optimizer}
+        merge_activation_section(generated, self._activation)
+        return generated
 
     def _precision_config(self) -> dict[str, Any]:
         sections = self.precision_plugin.deepspeed_config()
@@ -365,6 +381,7 @@ class DeepSpeedStrategy(ParallelStrategy):
     def _build_config(self, trainer: Any, fitting: bool) -> dict[str, Any]:
         """The config handed to DeepSpeed: the given (or generated) one, completed from the Trainer and precision."""
         config = copy.deepcopy(self._user_config) if self._user_config is not None else self._generated_config()
+        merge_activation_section(config, self._activation)
         config.setdefault("zero_allow_untested_optimizer", self._zero_allow_untested_optimizer)
         accumulate = int(getattr(trainer, "accumulate_grad_batches", 1))
         given = config.get("gradient_accumulation_steps")
@@ -458,6 +475,7 @@ class DeepSpeedStrategy(ParallelStrategy):
         self.precision_plugin.engine_gradient_clipping = float(config.get("gradient_clipping") or 0.0)
         if fitting:
             self._initialize_training_engine(config)
+            configure_activation_checkpointing(_import_deepspeed(), config)
         else:
             self._initialize_evaluation(config)
         self.setup_precision_plugin()

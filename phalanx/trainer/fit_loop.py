@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from phalanx.trainer.data import empty_data_reason, iterate_from
+from phalanx.trainer.fit_data import reload_train_data_if_due
 from phalanx.trainer.nonfinite import NonFiniteLossCheck, SkippedBatch
 from phalanx.trainer.state import RunningStage
 from phalanx.utilities.exceptions import CheckpointError
@@ -120,6 +121,7 @@ class FitLoop:
 
     def _run_epoch(self, restored: dict[str, Any] | None) -> None:
         trainer = self.trainer
+        reload_train_data_if_due(trainer)
         strategy = trainer.strategy
         hooks = trainer._hooks
         dataloader = trainer._train_dataloader
@@ -192,7 +194,7 @@ class FitLoop:
             self.phase = _BATCH_END
             for hook in batch_end_hooks:
                 hook(output, batch, batch_idx)
-            if self.total_batches % log_every == 0:
+            if log_every and self.total_batches % log_every == 0:  # 0: barebones, no step logging
                 if loggers:
                     trainer._log_step_metrics()
                 self.nonfinite.report()

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.accelerators.mps import MPSAccelerator
 from phalanx.accelerators.registry import ACCELERATOR_REGISTRY
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
@@ -139,6 +139,7 @@ def resolve_strategy(
 
     if isinstance(strategy, Strategy):
         built = _complete_strategy_instance(strategy, accelerator, precision_name, precision_plugin, checkpoint_io)
+        refuse_parallel_on_mps(type(built), built.accelerator, f"a {type(built).__name__} instance")
         if isinstance(built, ParallelStrategy):
             assert built.accelerator is not None
             _configure_parallel(built, built.parallel_devices or built.accelerator.get_parallel_devices(devices), num_nodes, sync_batchnorm, given)
@@ -162,6 +163,7 @@ def resolve_strategy(
         raise ValueError(f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a Strategy instance.")
 
     strategy_class = STRATEGY_REGISTRY.get_class(name)
+    refuse_parallel_on_mps(strategy_class, accelerator_instance, repr(strategy))
     make_plugin = getattr(strategy_class, "precision_plugin_for", None) or precision_plugin_for
     plugin = precision_plugin if precision_plugin is not None else make_plugin(precision_name, accelerator_instance)
     if name == "single_device" or strategy_class is SingleDeviceStrategy:
@@ -181,6 +183,20 @@ def resolve_strategy(
     elif process_count > 1:
         raise ValueError(f"strategy={strategy!r} is not a parallel strategy, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count} processes.")
     return built
+
+
+def refuse_parallel_on_mps(strategy_class: type, accelerator: Accelerator | None, shown_strategy: str) -> None:
+    """Refuse, before anything is built, a multi-process strategy (DDP, FSDP, DeepSpeed, ...) on Apple's MPS.
+
+    MPS is one device without a collective-communication backend, so these strategies cannot run there (Lightning
+    refuses them too).
+    """
+    if isinstance(accelerator, MPSAccelerator) and issubclass(strategy_class, ParallelStrategy):
+        raise ValueError(
+            f"strategy={shown_strategy} runs several processes that communicate, which the MPS accelerator (one Apple"
+            " GPU, no collective backend) does not support. Train on MPS with strategy='auto' (or 'single_device'),"
+            " or keep this strategy and pass accelerator='cpu'."
+        )
 
 
 def _configure_parallel(strategy: ParallelStrategy, parallel_devices: list[torch.device], num_nodes: int, sync_batchnorm: bool, given: _Plugins) -> None:
@@ -241,4 +257,4 @@ def _has_root_device(strategy: Strategy) -> bool:
     return True
 
 
-__all__ = ["PRECISIONS", "normalize_precision", "precision_plugin_for", "resolve_accelerator", "resolve_strategy"]
+__all__ = ["PRECISIONS", "normalize_precision", "precision_plugin_for", "refuse_parallel_on_mps", "resolve_accelerator", "resolve_strategy"]

@@ -18,9 +18,12 @@ from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.strategies.strategy import Strategy
 from phalanx.trainer.arguments import NONFINITE_LOSS_MODES, check_bool, check_choice, check_int, check_number, parse_max_time, reject_class, resolve_root_dir, shown
+from phalanx.trainer.barebones import BarebonesResults, check_barebones
 from phalanx.trainer.checkpoint import CheckpointConnector
-from phalanx.trainer.data import DataSource, empty_data_reason, limited_batches, validate_limit
+from phalanx.trainer.data import DataSource, limited_batches, validate_limit
+from phalanx.trainer.device_properties import DeviceProperties
 from phalanx.trainer.evaluation_loop import run_evaluation, run_prediction, split_by_dataloader
+from phalanx.trainer.fit_data import prepare_fit_data, reload_val_data_if_due
 from phalanx.trainer.fit_loop import FitLoop
 from phalanx.trainer.hooks import HookTable
 from phalanx.trainer.logged_results import LoggedResults
@@ -33,11 +36,13 @@ from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn, set_glob
 from phalanx.utilities.seed import worker_init_fn
 
 
-class Trainer:
+class Trainer(DeviceProperties):
     """Trains, evaluates and predicts with a TrainingModule; ``strategy=`` decides how the work is distributed.
 
     The arguments mean what they mean in Lightning's Trainer; each is checked here, and a bad value raises a
-    TypeError or ValueError naming the argument, the value and the valid choices. Beyond Lightning:
+    TypeError or ValueError naming the argument, the value and the valid choices (``logger=None`` is the default
+    logger, as in Lightning; ``overfit_batches`` and ``reload_dataloaders_every_n_epochs``: see
+    :mod:`phalanx.trainer.fit_data`; ``barebones``: see :mod:`phalanx.trainer.barebones`). Beyond Lightning:
 
     Args:
         preemption: True (default) saves a checkpoint and stops on SIGTERM/SIGUSR1-like signals (see
@@ -74,7 +79,7 @@ class Trainer:
         precision: Any = "32-true",
         plugins: Any = None,
         callbacks: Callback | list[Callback] | None = None,
-        logger: Any = True,
+        logger: Any = None,
         max_epochs: int | None = None,
         min_epochs: int | None = None,
         max_steps: int = -1,
@@ -83,6 +88,7 @@ class Trainer:
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
+        overfit_batches: int | float = 0.0,
         val_check_interval: int | float | None = None,
         check_val_every_n_epoch: int | None = 1,
         num_sanity_val_steps: int | None = None,
@@ -100,16 +106,25 @@ class Trainer:
         use_distributed_sampler: bool = True,
         benchmark: bool | None = None,
         inference_mode: bool = True,
+        barebones: bool = False,
+        reload_dataloaders_every_n_epochs: int = 0,
         preemption: Preemption | bool = True,
         detect_anomaly: bool = False,
         nonfinite_loss: str = "warn",
     ) -> None:
-        for name, flag in (("sync_batchnorm", sync_batchnorm), ("use_distributed_sampler", use_distributed_sampler), ("inference_mode", inference_mode), ("detect_anomaly", detect_anomaly)):
+        for name, flag in (("sync_batchnorm", sync_batchnorm), ("use_distributed_sampler", use_distributed_sampler), ("inference_mode", inference_mode), ("detect_anomaly", detect_anomaly), ("barebones", barebones)):
             check_bool(name, flag)
         for name, flag in (("enable_progress_bar", enable_progress_bar), ("enable_checkpointing", enable_checkpointing), ("enable_model_summary", enable_model_summary), ("benchmark", benchmark)):
             check_bool(name, flag, allow_none=True)
         check_choice("deterministic", deterministic, (None, True, False, "warn"))
         check_choice("nonfinite_loss", nonfinite_loss, NONFINITE_LOSS_MODES)
+        self.barebones = barebones
+        if barebones:
+            check_barebones(
+                callbacks, enable_checkpointing=enable_checkpointing, logger=logger, log_every_n_steps=log_every_n_steps, enable_progress_bar=enable_progress_bar,
+                enable_model_summary=enable_model_summary, num_sanity_val_steps=num_sanity_val_steps, fast_dev_run=fast_dev_run, detect_anomaly=detect_anomaly,
+            )  # fmt: skip
+            logger, enable_checkpointing, enable_progress_bar, enable_model_summary, num_sanity_val_steps = False, False, False, False, 0
         self.detect_anomaly = detect_anomaly
         self.nonfinite_loss = nonfinite_loss
         self.default_root_dir = resolve_root_dir(default_root_dir)
@@ -136,6 +151,8 @@ class Trainer:
         check_int("check_val_every_n_epoch", check_val_every_n_epoch, 1, allow_none=True)
         check_int("num_sanity_val_steps", num_sanity_val_steps, -1, allow_none=True)
         check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
+        check_int("reload_dataloaders_every_n_epochs", reload_dataloaders_every_n_epochs, 0)
+        self.reload_dataloaders_every_n_epochs = reload_dataloaders_every_n_epochs
         self._max_time = parse_max_time(max_time)
         if max_epochs is None:
             max_epochs = 1000 if max_steps == -1 and self._max_time is None else -1
@@ -145,7 +162,8 @@ class Trainer:
         self.accumulate_grad_batches = accumulate_grad_batches
         self.check_val_every_n_epoch = check_val_every_n_epoch
         self.num_sanity_val_steps = 2 if num_sanity_val_steps is None else num_sanity_val_steps
-        self.log_every_n_steps = 50 if log_every_n_steps is None else log_every_n_steps
+        # barebones: 0, never log steps (only barebones sets 0; an argument of 0 is refused above)
+        self.log_every_n_steps = 0 if barebones else 50 if log_every_n_steps is None else log_every_n_steps
         self.limit_train_batches = validate_limit("limit_train_batches", 1.0 if limit_train_batches is None else limit_train_batches)
         self.limit_val_batches = validate_limit("limit_val_batches", 1.0 if limit_val_batches is None else limit_val_batches)
         self.limit_test_batches = validate_limit("limit_test_batches", 1.0 if limit_test_batches is None else limit_test_batches)
@@ -166,6 +184,9 @@ class Trainer:
             self.max_steps, self.max_epochs, self.num_sanity_val_steps = fast_dev_batches, 1, 0
             self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
             self._max_time = None
+        self.overfit_batches = validate_limit("overfit_batches", overfit_batches)
+        if self.overfit_batches:  # wins over limit_*_batches and fast_dev_run for training and validation, as in Lightning
+            self.limit_train_batches = self.limit_val_batches = self.overfit_batches
         reject_class("preemption", preemption, Preemption, "True or False")
         if preemption is True:
             preemption = Preemption()
@@ -207,14 +228,16 @@ class Trainer:
         self.ckpt_path: str | None = None
         self._hooks = HookTable()
         self._results: LoggedResults | None = None
-        self._train_results = LoggedResults(self.strategy)
-        self._eval_results = LoggedResults(self.strategy)
+        results = BarebonesResults if barebones else LoggedResults
+        self._train_results = results(self.strategy)
+        self._eval_results = results(self.strategy)
         self._callback_metrics: dict[str, Tensor] = {}
         self._logged_metrics: dict[str, Tensor] = {}
         self._progress_bar_metrics: dict[str, Tensor] = {}
         self._pending_step_log: dict[str, Tensor] = {}
         self._manual_optimizers: list[ManualOptimizer] = []
         self._train_dataloader: Any = None
+        self._train_data_epoch = self._val_data_epoch = 0  # the epochs the fit's dataloaders were last built in
         self._val_dataloaders: list[Any] = []
         self._val_limits: list[int | float] = []
         self.num_training_batches: int | float = 0
@@ -236,9 +259,9 @@ class Trainer:
     def _build_loggers(self, logger: Any) -> list[Any]:
         from phalanx.loggers import CSVLogger, Logger
 
-        if logger is True:
+        if logger is True or logger is None:
             return [CSVLogger(save_dir=self.default_root_dir, name="logs")]
-        if logger is False or logger is None:
+        if logger is False:
             return []
         listed = isinstance(logger, (list, tuple))
         items = list(logger) if listed else [logger]
@@ -656,43 +679,7 @@ class Trainer:
         self._epoch_scheduler_configs = [c for c in configs if c.interval == "epoch"]
 
     def _prepare_fit_data(self, source: DataSource) -> None:
-        module = self.strategy.module
-        train = source.get("train")
-        if not train:
-            raise ValueError("fit() needs training data: pass train_dataloaders=, a datamodule with train_dataloader(), or define train_dataloader() on the TrainingModule.")
-        if len(train) != 1:
-            raise ValueError(f"fit() takes one training dataloader, got {len(train)}; combine the datasets into one DataLoader.")
-        self._train_dataloader = self._prepare_dataloader(train[0], training=True)
-        self.num_training_batches = limited_batches(self._train_dataloader, self.limit_train_batches, "limit_train_batches")
-        if self.num_training_batches == 0:
-            reason = empty_data_reason(self._train_dataloader, self.limit_train_batches)
-            rank_zero_warn(f"The training data gives no batch ({reason}): fit returns without training.")
-        has_validation_step = type(module).validation_step is not TrainingModule.validation_step
-        val = source.get("validate") if has_validation_step and self.limit_val_batches != 0 else []
-        self._val_dataloaders = [self._prepare_dataloader(loader, training=False) for loader in val]
-        self._val_limits = [limited_batches(loader, self.limit_val_batches, "limit_val_batches") for loader in self._val_dataloaders]
-        self.num_val_batches = list(self._val_limits)
-        self.validation_enabled = bool(self._val_dataloaders) and any(limit > 0 for limit in self._val_limits)
-        if source.defines("validate") and not has_validation_step:
-            rank_zero_warn("Validation data was given but the TrainingModule has no validation_step: validation is skipped.")
-        self._val_every_batches = None
-        self._val_across_epochs = False
-        if self.validation_enabled:
-            interval = self.val_check_interval
-            if isinstance(interval, float):
-                if interval < 1.0:
-                    if math.isinf(self.num_training_batches):
-                        raise ValueError(f"val_check_interval={interval} is a fraction of an epoch, but the training dataloader has no length; pass an int number of batches.")
-                    self._val_every_batches = max(1, int(self.num_training_batches * interval))
-            else:
-                self._val_every_batches = interval
-                if self.check_val_every_n_epoch is None:
-                    self._val_across_epochs = True
-                elif interval > self.num_training_batches:
-                    raise ValueError(
-                        f"val_check_interval={interval} is more than the {self.num_training_batches} training batches of an epoch;"
-                        " lower it, or pass check_val_every_n_epoch=None to count batches across epochs."
-                    )
+        prepare_fit_data(self, source)
 
     def _prepare_dataloader(self, dataloader: Any, training: bool) -> Any:
         """Shard the data across processes (when the strategy splits data), seed workers, let the strategy wrap it."""
@@ -750,6 +737,7 @@ class Trainer:
         self.state.stage = None
 
     def _run_validation_during_fit(self) -> None:
+        reload_val_data_if_due(self)
         self.state.stage = RunningStage.VALIDATING
         self._results = self._eval_results
         run_evaluation(self, "validation", self._val_dataloaders, self._val_limits, self._eval_results)

@@ -92,7 +92,7 @@ def test_format_error_at_save_names_the_template(tmp_path):
         ({"mode": None}, ValueError, "mode"),
         ({"verbose": "yes"}, TypeError, "verbose"),
         ({"save_weights_only": 1}, TypeError, "save_weights_only"),
-        ({"save_last": "link"}, TypeError, "save_last"),
+        ({"save_last": "symlink"}, TypeError, "save_last"),
         ({"save_last": 1}, TypeError, "save_last"),
         ({"save_on_train_epoch_end": "x"}, TypeError, "save_on_train_epoch_end"),
         ({"enable_version_counter": None}, TypeError, "enable_version_counter"),

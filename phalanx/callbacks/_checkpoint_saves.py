@@ -1,0 +1,242 @@
+"""ModelCheckpoint's file operations: claiming names, writing, ``last.ckpt`` (a copy or a link), removing, and the
+saves on a timer and on an exception.
+
+A part of :class:`~phalanx.callbacks.model_checkpoint.ModelCheckpoint`, kept in its own module for size: the mixin
+uses the attributes ``ModelCheckpoint.__init__`` sets. Every file-system decision is taken on global rank 0 and
+broadcast, so that all ranks take the same path (and the collective calls stay paired).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from phalanx.callbacks._checkpoint_files import (
+    FILE_EXTENSION,
+    checkpoint_in_folder,
+    claim,
+    exists,
+    is_link,
+    is_url,
+    points_to,
+    publish_link,
+    release,
+    removal_refusal,
+    remove_link,
+    same_location,
+)
+from phalanx.utilities.exceptions import CheckpointError
+from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+if TYPE_CHECKING:
+    from phalanx.module import TrainingModule
+    from phalanx.trainer.trainer import Trainer
+
+
+def stage_name(trainer: Any) -> str:
+    """``trainer.state.fn`` as a plain string (it may be an enum whose value is the string)."""
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return str(getattr(fn, "value", fn))
+
+
+class CheckpointSaves:
+    """Naming, writing, linking and removing checkpoint files, for ModelCheckpoint (see the module docstring)."""
+
+    FILE_EXTENSION = FILE_EXTENSION
+    dirpath: str | None
+    save_last: bool | str | None
+    last_model_path: str
+    best_model_path: str
+    _written: set[str]  # files this run wrote
+    _claimed: set[str]  # names reserved on rank 0 and not yet written
+    _links: set[str]  # symbolic links this run made (save_last="link"): the only links ever removed
+
+    # ------------------------------------------------------------------ timer and exception
+    def _time_to_save(self, trainer: Trainer) -> bool:
+        """Whether ``train_time_interval`` has passed (rank 0's clock, so that every rank agrees)."""
+        interval = self._train_time_interval
+        if interval is None or self._last_time_checked is None:
+            return False
+        now = time.monotonic()
+        due = bool(trainer.strategy.broadcast(now - self._last_time_checked >= interval.total_seconds()))
+        if due:
+            self._last_time_checked = now
+        return due
+
+    def on_exception(self, trainer: Trainer, module: TrainingModule, exception: BaseException) -> None:
+        """With ``save_on_exception``, keep the state a failed ``fit`` reached (see the class docstring)."""
+        if not self._should_save_on_exception(trainer):
+            return
+        try:
+            self._save_exception_checkpoint(trainer, exception)
+        except Exception as error:  # the original exception is the one to report: never replace it with this one
+            rank_zero_warn(f"ModelCheckpoint(save_on_exception=True) could not save after {type(exception).__name__}: {type(error).__name__}: {error}")
+
+    def _should_save_on_exception(self, trainer: Trainer) -> bool:
+        return (
+            self.save_on_exception
+            and stage_name(trainer) == "fit"
+            and not trainer.fast_dev_run
+            and not self._sanity_checking
+            and self.dirpath is not None
+            and trainer.world_size == 1
+            and getattr(trainer.strategy, "module", None) is not None
+            and self._last_global_step_saved != trainer.global_step
+        )
+
+    def _save_exception_checkpoint(self, trainer: Trainer, exception: BaseException) -> None:
+        if not self._parameters_finite(trainer):
+            self._warn_nonfinite(trainer)
+            return
+        candidates = self._monitor_candidates(trainer)
+        # Always a name nobody holds: the state at a failure must not replace a checkpoint kept for its score.
+        filepath = self._filepath_for(candidates, trainer, reusable=None, force_version=True)
+        self._save_checkpoint(trainer, filepath)
+        self._save_last_checkpoint(trainer, candidates)
+        rank_zero_info(f"ModelCheckpoint: {type(exception).__name__} during fit; saved {filepath}")
+
+    # ------------------------------------------------------------------ last.ckpt
+    def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
+        if not self.save_last:
+            return
+        filepath = self._filepath_for(candidates, trainer, reusable=self.last_model_path, template=self.CHECKPOINT_NAME_LAST)
+        previous, self.last_model_path = self.last_model_path, filepath
+        if not (self._links_last(trainer) and self._link(trainer, self._last_checkpoint_saved, filepath)):
+            self._save_checkpoint(trainer, filepath)
+        if previous and previous != filepath and previous not in self.best_k_models and previous != self.best_model_path:
+            self._remove_checkpoint(trainer, previous)
+
+    def _links_last(self, trainer: Trainer) -> bool:
+        """Whether last.ckpt can be a link now: a checkpoint other than last holds the current step."""
+        return (
+            self.save_last == "link"
+            and not self._links_unsupported
+            and bool(self._last_checkpoint_saved)
+            and self._last_checkpoint_step == trainer.global_step
+        )
+
+    def _relink_before_removal(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
+        # save_last="link": last.ckpt moves to the file just written before an older checkpoint it may name is removed.
+        if self.last_model_path and self._links_last(trainer):
+            self._save_last_checkpoint(trainer, candidates)
+
+    def _link(self, trainer: Trainer, target: str, filepath: str) -> bool:
+        """Make ``filepath`` (last.ckpt) a link to ``target`` on rank 0; False (all ranks) where links cannot be made."""
+        outcome: str | None = None
+        if trainer.is_global_zero:
+            try:
+                outcome = "linked" if points_to(filepath, target) or publish_link(target, filepath) else "unsupported"
+            except Exception as error:  # reported on every rank below, rather than leaving them waiting
+                outcome = f"{type(error).__name__}: {error}"
+        outcome = trainer.strategy.broadcast(outcome)
+        if outcome == "unsupported":  # the name stays claimed: the regular save that follows replaces the placeholder
+            self._links_unsupported = True
+            rank_zero_warn(f"ModelCheckpoint(save_last='link'): this file system cannot make symbolic links; writing {filepath} as a regular checkpoint instead.")
+            return False
+        if outcome != "linked":
+            if filepath in self._claimed:
+                release(filepath)
+                self._claimed.discard(filepath)
+            raise CheckpointError(f"ModelCheckpoint(save_last='link') could not point {filepath} at {target}: {outcome}")
+        self._claimed.discard(filepath)
+        self._written.add(filepath)
+        self._links.add(filepath)
+        return True
+
+    # ------------------------------------------------------------------ names, writes, removals
+    def _filepath_for(self, candidates: dict[str, Any], trainer: Trainer, reusable: str | None, template: str | None = None, force_version: bool = False) -> str:
+        """The path for this save: rank 0 decides (claiming a new name exclusively) and every rank gets its answer."""
+        filepath = self._claim_name(candidates, reusable, template, force_version) if trainer.is_global_zero else None
+        return trainer.strategy.broadcast(filepath)
+
+    def _claim_name(self, candidates: dict[str, Any], reusable: str | None, template: str | None, force_version: bool = False) -> str:
+        """``reusable`` if that is the name, else the first of NAME, NAME-v1, NAME-v2... that is free (rank 0 only).
+
+        ``force_version``: version even when ``enable_version_counter`` is False.
+        """
+        filepath = self.format_checkpoint_name(candidates, template)
+        if not self.enable_version_counter and not force_version:
+            return filepath
+        version = self.STARTING_VERSION
+        # A placeholder made by an exclusive create reserves a new name: another run saving the same name at the
+        # same moment gets the next version rather than overwriting this run's file (check-then-write would not).
+        # A name this run still keeps (another top-k entry, best, last) is taken like any other, as in Lightning.
+        while filepath != reusable and not claim(filepath):
+            filepath = self.format_checkpoint_name(candidates, template, ver=version)
+            version += 1
+        if filepath != reusable:
+            self._claimed.add(filepath)
+        return filepath
+
+    def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        """Remove ``filepath`` if it is a checkpoint inside ``dirpath``; never anything else."""
+        target = checkpoint_in_folder(filepath, self.dirpath) if self.dirpath else None
+        # Rank 0 decides for all (one broadcast on every rank, whatever each rank's file system says).
+        decision = (self._removal_refusal(trainer, filepath, target), target is not None and is_link(target)) if trainer.is_global_zero else None
+        refusal, link = trainer.strategy.broadcast(decision)
+        if refusal is None and link:
+            if trainer.is_global_zero:
+                remove_link(target)  # the link only: a strategy's removal would follow it
+            self._links.discard(filepath)
+        elif refusal is None:
+            trainer.strategy.remove_checkpoint(target if target is not None else filepath)
+        elif refusal:
+            rank_zero_warn(
+                f"ModelCheckpoint: not removing {filepath!r}: {refusal}. Only '*{FILE_EXTENSION}' files and checkpoint"
+                " directories written by phalanx directly inside dirpath are ever removed."
+            )
+        self._written.discard(filepath)
+
+    def _removal_refusal(self, trainer: Trainer, filepath: str, target: str | None) -> str | None:
+        """Why rank 0 keeps ``filepath``: None to remove it, "" to keep it silently, else the reason."""
+        if target is None:
+            return f"it is not a '*{FILE_EXTENSION}' entry directly inside dirpath {self.dirpath!r}"
+        if same_location(getattr(trainer, "ckpt_path", None), target):
+            return ""  # never delete the checkpoint this run resumed from
+        return removal_refusal(target, may_be_pending=filepath in self._written, own_link=filepath in self._links)
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        try:
+            trainer.save_checkpoint(filepath, weights_only=self.save_weights_only)
+        except BaseException:
+            if filepath in self._claimed:
+                release(filepath)
+            raise
+        finally:
+            self._claimed.discard(filepath)
+        self._last_global_step_saved = trainer.global_step
+        self._written.add(filepath)
+        self._links.discard(filepath)
+        if filepath != self.last_model_path:
+            self._last_checkpoint_saved, self._last_checkpoint_step = filepath, trainer.global_step
+        for logger in trainer.loggers or []:
+            logger.after_save_checkpoint(self)
+
+    def file_exists(self, filepath: str, trainer: Trainer) -> bool:
+        """Whether ``filepath`` exists, as seen by rank 0 (so every rank takes the same decision)."""
+        found = exists(filepath) if trainer.is_global_zero else False
+        return bool(trainer.strategy.broadcast(found))
+
+    @staticmethod
+    def _normalize_dir(dirpath: str | os.PathLike) -> str:
+        path = os.fspath(dirpath)
+        if is_url(path):
+            return path.rstrip("/")
+        return os.path.realpath(os.path.expanduser(path))
+
+    def _resolve_dirpath(self, trainer: Trainer) -> str:
+        if self.dirpath is not None:
+            return self.dirpath
+        base = None
+        if trainer.loggers:
+            base = trainer.log_dir
+        if base is None:
+            base = trainer.default_root_dir
+        return self._normalize_dir(os.path.join(os.fspath(base), "checkpoints"))
+
+    def _warn_if_dir_not_empty(self, dirpath: str) -> None:
+        if self.save_top_k == 0 or is_url(dirpath):
+            return
+        if os.path.isdir(dirpath) and any(name.endswith(self.FILE_EXTENSION) for name in os.listdir(dirpath)):
+            rank_zero_warn(f"Checkpoint directory {dirpath} exists and is not empty.")

@@ -1,0 +1,40 @@
+"""The Trainer's properties about where it runs, read from its strategy (Lightning's ``Trainer`` has them too)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phalanx.accelerators.accelerator import Accelerator
+    from phalanx.plugins.precision.precision import Precision
+    from phalanx.strategies.strategy import Strategy
+
+
+class DeviceProperties:
+    """``accelerator``, ``precision_plugin``, ``device_ids`` and ``num_devices`` of the Trainer's strategy."""
+
+    strategy: Strategy
+
+    @property
+    def accelerator(self) -> Accelerator | None:
+        """The Accelerator instance the strategy runs on."""
+        return self.strategy.accelerator
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The strategy's precision plugin."""
+        return self.strategy.precision_plugin
+
+    @property
+    def device_ids(self) -> list[int]:
+        """The indices of the devices this node's processes use (their position in the list for CPU devices)."""
+        devices = getattr(self.strategy, "parallel_devices", None) or [self.strategy.root_device]
+        return [position if device.index is None else device.index for position, device in enumerate(devices)]
+
+    @property
+    def num_devices(self) -> int:
+        """The number of devices per node (one process each)."""
+        return len(self.device_ids)
+
+
+__all__ = ["DeviceProperties"]

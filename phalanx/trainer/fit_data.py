@@ -1,0 +1,140 @@
+"""The data of a ``fit``: the training and validation dataloaders, when validation runs, ``overfit_batches`` and
+``reload_dataloaders_every_n_epochs``.
+
+- ``overfit_batches`` (> 0) trains on that many batches (an int) or that fraction (a float) of the training data and
+  validates on as many batches of the validation data, drawn in order every epoch: a DataLoader that shuffles (or
+  samples otherwise) is rebuilt with a ``SequentialSampler``, with a warning, as Lightning does.
+- ``reload_dataloaders_every_n_epochs=n`` (> 0) asks the data's source again (``train_dataloader()`` of the
+  DataModule or TrainingModule) at the start of every epoch ``e`` with ``e - (epoch last built) >= n``, and the
+  validation data likewise when validation runs in such an epoch. Dataloaders passed to ``fit`` directly are their
+  own source: they are prepared again, not rebuilt.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
+
+from phalanx.trainer.data import DataSource, empty_data_reason, limited_batches
+from phalanx.utilities.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    from phalanx.trainer.trainer import Trainer
+
+
+def prepare_fit_data(trainer: Trainer, source: DataSource) -> None:
+    """Build the training and validation dataloaders of a ``fit`` and decide when validation runs."""
+    prepare_train_data(trainer, source)
+    prepare_val_data(trainer, source, first=True)
+    schedule_validation(trainer)
+
+
+def prepare_train_data(trainer: Trainer, source: DataSource) -> None:
+    """Build the training dataloader from ``source`` (calling ``train_dataloader()`` if that is where it comes from)."""
+    train = source.get("train")
+    if not train:
+        raise ValueError("fit() needs training data: pass train_dataloaders=, a datamodule with train_dataloader(), or define train_dataloader() on the TrainingModule.")
+    if len(train) != 1:
+        raise ValueError(f"fit() takes one training dataloader, got {len(train)}; combine the datasets into one DataLoader.")
+    loader = overfit_loader(train[0], "training", trainer.overfit_batches)
+    trainer._train_dataloader = trainer._prepare_dataloader(loader, training=True)
+    trainer.num_training_batches = limited_batches(trainer._train_dataloader, trainer.limit_train_batches, "limit_train_batches")
+    trainer._train_data_epoch = trainer.current_epoch
+    if trainer.num_training_batches == 0:
+        reason = empty_data_reason(trainer._train_dataloader, trainer.limit_train_batches)
+        rank_zero_warn(f"The training data gives no batch ({reason}): fit returns without training.")
+
+
+def prepare_val_data(trainer: Trainer, source: DataSource, first: bool = False) -> None:
+    """Build the validation dataloaders of a ``fit`` (none when the module has no ``validation_step``)."""
+    from phalanx.module import TrainingModule
+
+    module = trainer.strategy.module
+    has_validation_step = type(module).validation_step is not TrainingModule.validation_step
+    val = source.get("validate") if has_validation_step and trainer.limit_val_batches != 0 else []
+    val = [overfit_loader(loader, "validation", trainer.overfit_batches) for loader in val]
+    trainer._val_dataloaders = [trainer._prepare_dataloader(loader, training=False) for loader in val]
+    trainer._val_limits = [limited_batches(loader, trainer.limit_val_batches, "limit_val_batches") for loader in trainer._val_dataloaders]
+    trainer.num_val_batches = list(trainer._val_limits)
+    trainer.validation_enabled = bool(trainer._val_dataloaders) and any(limit > 0 for limit in trainer._val_limits)
+    trainer._val_data_epoch = trainer.current_epoch
+    if first and source.defines("validate") and not has_validation_step:
+        rank_zero_warn("Validation data was given but the TrainingModule has no validation_step: validation is skipped.")
+
+
+def schedule_validation(trainer: Trainer) -> None:
+    """Every how many training batches validation runs (``val_check_interval``), from the epoch's batch count."""
+    trainer._val_every_batches = None
+    trainer._val_across_epochs = False
+    if not trainer.validation_enabled:
+        return
+    interval = trainer.val_check_interval
+    if isinstance(interval, float):
+        if interval < 1.0:
+            if math.isinf(trainer.num_training_batches):
+                raise ValueError(f"val_check_interval={interval} is a fraction of an epoch, but the training dataloader has no length; pass an int number of batches.")
+            trainer._val_every_batches = max(1, int(trainer.num_training_batches * interval))
+        return
+    trainer._val_every_batches = interval
+    if trainer.check_val_every_n_epoch is None:
+        trainer._val_across_epochs = True
+    elif interval > trainer.num_training_batches:
+        raise ValueError(
+            f"val_check_interval={interval} is more than the {trainer.num_training_batches} training batches of an epoch;"
+            " lower it, or pass check_val_every_n_epoch=None to count batches across epochs."
+        )
+
+
+def _reload_due(trainer: Trainer, built_at: int) -> bool:
+    every = trainer.reload_dataloaders_every_n_epochs
+    return bool(every) and trainer.current_epoch - built_at >= every
+
+
+def reload_train_data_if_due(trainer: Trainer) -> None:
+    """At an epoch's start: build the training data anew when ``reload_dataloaders_every_n_epochs`` says so."""
+    if _reload_due(trainer, trainer._train_data_epoch):
+        prepare_train_data(trainer, trainer._data_source)
+        schedule_validation(trainer)  # the number of batches per epoch may have changed
+
+
+def reload_val_data_if_due(trainer: Trainer) -> None:
+    """Before validation during ``fit``: build the validation data anew when ``reload_dataloaders_every_n_epochs`` says so."""
+    if _reload_due(trainer, trainer._val_data_epoch):
+        prepare_val_data(trainer, trainer._data_source)
+
+
+# ---------------------------------------------------------------------------- overfit_batches
+def overfit_loader(loader: Any, stage: str, overfit_batches: int | float) -> Any:
+    """``loader`` drawing its samples in order when ``overfit_batches`` is on, so every epoch sees the same batches.
+
+    Anything that is not a DataLoader over a map-style dataset has no sampler to replace and is returned as is; a
+    custom ``batch_sampler`` cannot be made sequential and raises a ValueError.
+    """
+    if not overfit_batches or not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        raise ValueError(
+            f"overfit_batches={overfit_batches!r} trains on the same batches every epoch, but the {stage} DataLoader uses"
+            f" a custom batch_sampler ({type(batch_sampler).__name__}), which phalanx cannot make sequential. Pass a"
+            " DataLoader with batch_size= (and shuffle=False), or overfit_batches=0."
+        )
+    sampler = loader.sampler if batch_sampler is None else batch_sampler.sampler
+    if type(sampler) is SequentialSampler or (isinstance(sampler, DistributedSampler) and not sampler.shuffle):
+        return loader
+    from phalanx.trainer.distributed_data import with_sampler
+
+    rank_zero_warn(
+        f"overfit_batches={overfit_batches!r}: the {stage} DataLoader draws samples with {type(sampler).__name__};"
+        " it is rebuilt to draw them in order, so that every epoch uses the same batches."
+    )
+    if isinstance(sampler, DistributedSampler):  # the user's own sharding stays: only its shuffle goes
+        ordered: Any = DistributedSampler(loader.dataset, num_replicas=sampler.num_replicas, rank=sampler.rank, shuffle=False, drop_last=sampler.drop_last)
+    else:
+        ordered = SequentialSampler(loader.dataset)
+    return with_sampler(loader, ordered)
+
+
+__all__ = ["overfit_loader", "prepare_fit_data", "prepare_train_data", "prepare_val_data", "reload_train_data_if_due", "reload_val_data_if_due", "schedule_validation"]
