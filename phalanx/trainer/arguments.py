@@ -130,3 +130,22 @@ def _check_directory_possible(path: Path, given: str) -> None:
 
 
 __all__ = ["NONFINITE_LOSS_MODES", "check_bool", "check_choice", "check_int", "check_number", "parse_max_time", "reject_class", "resolve_root_dir", "shown"]
+
+
+# Lightning Trainer arguments phalanx takes but has no integration for: accepted as None (their default), otherwise
+# refused at construction with what to do instead.
+_NOT_INTEGRATED = {
+    "profiler": "phalanx has no profiler integration; wrap trainer.fit(...) in torch.profiler.profile(...) or start one in a Callback",
+    "model_registry": "phalanx has no model registry integration; upload the checkpoint files ModelCheckpoint writes yourself",
+}
+
+
+def refuse_not_integrated(**arguments: Any) -> None:
+    """Raise for a Lightning argument phalanx accepts only as None (``profiler``, ``model_registry``)."""
+    for name, value in arguments.items():
+        if value is not None:
+            raise ValueError(f"{name}={shown(value)} is not supported: {_NOT_INTEGRATED[name]}. Pass {name}=None (the default).")
+
+
+# Lightning Trainer attributes spelled differently here: reading one raises an AttributeError saying what to use.
+RENAMED_TRAINER_ATTRIBUTES = {"lightning_module": "trainer.module"}

@@ -54,6 +54,7 @@ class FitLoop:
         self._last_loss: Tensor | None = None
         self._accumulated = 0  # backward passes since the last optimizer step
         self._skip_window = False  # a non-finite loss was seen in this accumulation window ('skip'): no step at its end
+        self._warned_early_stop = False
         self.nonfinite = NonFiniteLossCheck(trainer, 0)
 
     # ------------------------------------------------------------------ checkpoint state
@@ -115,9 +116,7 @@ class FitLoop:
             return True
         if trainer.max_epochs is not None and trainer.max_epochs != -1 and self.current_epoch >= trainer.max_epochs:
             return True
-        if trainer.should_stop and self.current_epoch >= trainer.min_epochs:
-            return True
-        return False
+        return self._stop_allowed()
 
     def _run_epoch(self, restored: dict[str, Any] | None) -> None:
         trainer = self.trainer
@@ -278,7 +277,22 @@ class FitLoop:
             return True
         if deadline is not None and time.monotonic() >= deadline:
             return True
-        return trainer.should_stop and self.current_epoch >= trainer.min_epochs
+        return self._stop_allowed()
+
+    def _stop_allowed(self) -> bool:
+        """Whether ``trainer.should_stop`` may end training: not before ``min_epochs`` and ``min_steps`` are reached."""
+        trainer = self.trainer
+        if not trainer.should_stop:
+            return False
+        if self.current_epoch >= trainer.min_epochs and self.global_step >= trainer.min_steps:
+            return True
+        if not self._warned_early_stop:
+            self._warned_early_stop = True
+            rank_zero_warn(
+                f"trainer.should_stop was set at epoch {self.current_epoch}, step {self.global_step}, but training continues"
+                f" until min_epochs={trainer.min_epochs} and min_steps={trainer.min_steps} are reached."
+            )
+        return False
 
     def _validate(self) -> None:
         trainer = self.trainer

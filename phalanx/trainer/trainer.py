@@ -17,7 +17,7 @@ from phalanx.callbacks.callback import Callback
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.strategies.strategy import Strategy
-from phalanx.trainer.arguments import NONFINITE_LOSS_MODES, check_bool, check_choice, check_int, check_number, parse_max_time, reject_class, resolve_root_dir, shown
+from phalanx.trainer.arguments import NONFINITE_LOSS_MODES, RENAMED_TRAINER_ATTRIBUTES, check_bool, check_choice, check_int, check_number, parse_max_time, refuse_not_integrated, reject_class, resolve_root_dir, shown
 from phalanx.trainer.barebones import BarebonesResults, check_barebones
 from phalanx.trainer.checkpoint import CheckpointConnector
 from phalanx.trainer.data import DataSource, limited_batches, validate_limit
@@ -83,6 +83,7 @@ class Trainer(DeviceProperties):
         max_epochs: int | None = None,
         min_epochs: int | None = None,
         max_steps: int = -1,
+        min_steps: int | None = None,
         max_time: str | timedelta | dict[str, int] | None = None,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
@@ -111,7 +112,10 @@ class Trainer(DeviceProperties):
         preemption: Preemption | bool = True,
         detect_anomaly: bool = False,
         nonfinite_loss: str = "warn",
+        profiler: Any = None,
+        model_registry: str | None = None,
     ) -> None:
+        refuse_not_integrated(profiler=profiler, model_registry=model_registry)
         for name, flag in (("sync_batchnorm", sync_batchnorm), ("use_distributed_sampler", use_distributed_sampler), ("inference_mode", inference_mode), ("detect_anomaly", detect_anomaly), ("barebones", barebones)):
             check_bool(name, flag)
         for name, flag in (("enable_progress_bar", enable_progress_bar), ("enable_checkpointing", enable_checkpointing), ("enable_model_summary", enable_model_summary), ("benchmark", benchmark)):
@@ -145,6 +149,9 @@ class Trainer(DeviceProperties):
         check_int("max_steps", max_steps, -1)
         check_int("max_epochs", max_epochs, -1, allow_none=True)
         check_int("min_epochs", min_epochs, 0, allow_none=True)
+        check_int("min_steps", min_steps, 0, allow_none=True)
+        if min_steps is not None and max_steps != -1 and min_steps > max_steps:
+            raise ValueError(f"min_steps={min_steps} is more than max_steps={max_steps}; lower min_steps or raise max_steps.")
         if min_epochs is not None and max_epochs is not None and max_epochs != -1 and min_epochs > max_epochs:
             raise ValueError(f"min_epochs={min_epochs} is more than max_epochs={max_epochs}; lower min_epochs or raise max_epochs.")
         check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
@@ -158,6 +165,7 @@ class Trainer(DeviceProperties):
             max_epochs = 1000 if max_steps == -1 and self._max_time is None else -1
         self.max_epochs: int = max_epochs
         self.min_epochs: int = min_epochs or 0
+        self.min_steps: int = min_steps or 0
         self.max_steps: int = max_steps
         self.accumulate_grad_batches = accumulate_grad_batches
         self.check_val_every_n_epoch = check_val_every_n_epoch
@@ -343,6 +351,12 @@ class Trainer(DeviceProperties):
         checkpoint = self._checkpoint_connector.dump(weights_only=weights_only)
         self.strategy.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         self.strategy.barrier("Trainer.save_checkpoint")
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only when normal lookup fails: name the phalanx spelling of a Lightning attribute.
+        instead = RENAMED_TRAINER_ATTRIBUTES.get(name)
+        hint = f"; Lightning's trainer.{name} is {instead} in phalanx" if instead else ""
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}{hint}")
 
     # ------------------------------------------------------------------ properties
     @property
