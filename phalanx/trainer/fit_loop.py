@@ -400,21 +400,37 @@ class FitLoop:
     def _call_step_hook(self, closure: Any, batch_idx: int) -> None:
         """The module's ``optimizer_step`` override, given the handle whose ``step(closure)`` runs the strategy's step."""
         runs = 0
+        result: Tensor | None = None
 
         def optimizer_closure() -> Tensor | None:
-            nonlocal runs
+            nonlocal runs, result
             runs += 1
-            return closure()
+            result = closure()
+            return result
 
-        self._step_hook(self.current_epoch, batch_idx, self._step_handle, optimizer_closure)
+        def closure_already_run() -> Tensor | None:
+            # ``optimizer_closure(); optimizer.step()``: the step sees the loss computed (the precision plugin needs it).
+            if not runs:
+                raise self._closure_not_run(batch_idx)
+            return result
+
+        handle = self._step_handle
+        handle._closure_if_none = closure_already_run
+        try:
+            self._step_hook(self.current_epoch, batch_idx, handle, optimizer_closure)
+        finally:
+            handle._closure_if_none = None
         if not runs:
-            # Without the closure, training_step and backward never ran: the batch would be silently skipped.
-            raise MisconfigurationError(
-                f"{type(self.trainer.strategy.module).__name__}.optimizer_step did not run the optimizer_closure it was"
-                f" given (epoch {self.current_epoch}, batch_idx {batch_idx}), so training_step and backward never ran."
-                " Call optimizer.step(closure=optimizer_closure), or optimizer_closure() alone to skip the update; if your"
-                " optimizer's step() ignores its closure, call optimizer_closure() before it."
-            )
+            raise self._closure_not_run(batch_idx)
+
+    def _closure_not_run(self, batch_idx: int) -> MisconfigurationError:
+        # Without the closure, training_step and backward never run: the batch would be silently skipped.
+        return MisconfigurationError(
+            f"{type(self.trainer.strategy.module).__name__}.optimizer_step did not run the optimizer_closure it was"
+            f" given (epoch {self.current_epoch}, batch_idx {batch_idx}), so training_step and backward never ran."
+            " Call optimizer.step(closure=optimizer_closure), or optimizer_closure() alone to skip the update; if your"
+            " optimizer's step() ignores its closure, call optimizer_closure() before it."
+        )
 
     def _manual_batch(self, batch: Any, batch_idx: int) -> Any:
         module = self.trainer.strategy.module

@@ -147,16 +147,38 @@ def _hook_like_names(obj: object, base: type) -> set[str]:
     return {name for name in names if name.startswith("on_")}
 
 
+# Lightning 1.x hooks removed in Lightning 2, which migrating code may still define.
+REMOVED_LIGHTNING_HOOKS = {
+    "on_epoch_start": "on_train_epoch_start, on_validation_epoch_start or on_test_epoch_start",
+    "on_epoch_end": "on_train_epoch_end, on_validation_epoch_end or on_test_epoch_end",
+    "on_batch_start": "on_train_batch_start",
+    "on_batch_end": "on_train_batch_end",
+    "on_pretrain_routine_start": "on_fit_start",
+    "on_pretrain_routine_end": "on_fit_start",
+    "on_keyboard_interrupt": "on_exception (a Callback hook)",
+    "on_configure_sharded_model": "configure_model",
+    "on_before_accelerator_backend_setup": "setup",
+}
+# Lightning 2 hooks phalanx does not call, with what to use instead.
+UNCALLED_LIGHTNING_HOOKS = {"on_before_optimizer_setup": "configure_model or setup, which run before configure_optimizers"}
+
+
 def _unknown_hook_message(obj: object, base: type, name: str) -> str:
     kind = base.__name__
     message = f"{type(obj).__name__}.{name} looks like a hook, but phalanx never calls a {kind} method of that name"
     elsewhere = [other.__name__ for other, names in KNOWN_HOOKS.items() if other is not base and name in names]
-    close = difflib.get_close_matches(name, sorted(KNOWN_HOOKS[base]), n=1)
-    if elsewhere:
-        message += f" (it is a {' and '.join(elsewhere)} hook)"
+    close = difflib.get_close_matches(name, sorted(KNOWN_HOOKS[base]), n=1, cutoff=0.8)  # typos, not any on_ name
+    if name in REMOVED_LIGHTNING_HOOKS:
+        message += f": Lightning 2 removed it; use {REMOVED_LIGHTNING_HOOKS[name]}."
+    elif name in UNCALLED_LIGHTNING_HOOKS:
+        message += f": phalanx does not call this Lightning hook; use {UNCALLED_LIGHTNING_HOOKS[name]}."
+    elif elsewhere:
+        message += f": it is a {' and '.join(elsewhere)} hook, not called on a {kind}."
     elif close:
-        message += f"; did you mean {close[0]}?"
-    return message + ". Rename it to a hook's name, or to a name not starting with 'on_' if it is not meant as one."
+        message += f": did you mean {close[0]}?"
+    else:
+        message += "."
+    return message + " If it is not meant as a hook, give it a name that does not start with 'on_' to silence this warning."
 
 
 def _data_hook(name: str, module: TrainingModule, datamodule: DataModule | None) -> Callable[..., Any] | None:

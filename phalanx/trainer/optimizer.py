@@ -24,14 +24,18 @@ class ManualOptimizer:
     def __init__(self, optimizer: Optimizer, trainer: Trainer | None) -> None:
         self.optimizer = optimizer
         self._trainer = trainer
+        # Inside the optimizer_step hook: what step() without a closure runs (the loss of the closure already run).
+        self._closure_if_none: Callable[[], Any] | None = None
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Run the optimizer step (closure, loss scaling, clipping, hooks); in manual optimization advance ``global_step``."""
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError("This optimizer handle is a copy (pickled or deep-copied) and is detached from the Trainer; call self.optimizers() in the TrainingModule for a handle that steps.")
+        if closure is None:
+            closure = self.__dict__.get("_closure_if_none") or _no_closure
         module = trainer.strategy.module
-        result = trainer.strategy.optimizer_step(self.optimizer, closure if closure is not None else _no_closure, module, **kwargs)
+        result = trainer.strategy.optimizer_step(self.optimizer, closure, module, **kwargs)
         if module is None or not module.automatic_optimization:
             trainer.fit_loop.global_step += 1
         return result
@@ -54,7 +58,7 @@ class ManualOptimizer:
 
     def __getstate__(self) -> dict[str, Any]:
         # The wrapped optimizer travels; the Trainer (threads, files, the process group) does not.
-        return {"optimizer": self.optimizer, "_trainer": None}
+        return {"optimizer": self.optimizer, "_trainer": None, "_closure_if_none": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

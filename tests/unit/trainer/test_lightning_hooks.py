@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import phalanx
+from phalanx.plugins.precision import MixedPrecision
 from phalanx.utilities.exceptions import MisconfigurationError
 
 
@@ -144,6 +145,28 @@ class ClosureWithoutUpdate(Regressor):
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
         optimizer_closure()  # training_step and backward, no update (Lightning's documented way to skip a step)
+
+
+class ClosureThenStep(Regressor):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer_closure()
+        optimizer.step()  # no closure: the step uses the loss and gradients of the closure run above
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed with a GradScaler"])
+def test_running_the_closure_then_stepping_without_it_trains_as_the_default(tmp_path, precision):
+    phalanx.seed_everything(3)
+    model, plain = ClosureThenStep(), Regressor()
+    plain.load_state_dict(model.state_dict())
+    before = parameters_of(model)
+    for trained, root in ((model, "a"), (plain, "b")):
+        if precision.startswith("16-mixed"):  # the scaler skips a step whose closure gave no loss: here it has one
+            options = {"plugins": [MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))]}
+        else:
+            options = {"precision": precision}
+        _trainer(tmp_path / root, gradient_clip_val=0.05, **options).fit(trained, _train_loader())
+    assert same_parameters(parameters_of(model), parameters_of(plain))
+    assert not same_parameters(parameters_of(model), before)
 
 
 def test_running_the_closure_without_stepping_trains_nothing_but_counts_the_step(tmp_path):
