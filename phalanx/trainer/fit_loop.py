@@ -382,10 +382,11 @@ class FitLoop:
         trainer = self.trainer
         strategy = trainer.strategy
         optimizer = trainer._optimizer
-        if self._step_hook is None:
+        step_hook = self._step_hook
+        if step_hook is None:
             strategy.optimizer_step(optimizer, closure, strategy.module)
         else:
-            self._call_step_hook(closure, batch_idx)
+            self._call_step_hook(step_hook, closure, batch_idx)
         for hook in self._before_zero_grad_hooks:
             hook(optimizer)
         if self._zero_grad_hook is None:
@@ -397,7 +398,7 @@ class FitLoop:
         if trainer._step_scheduler_configs:
             trainer._step_schedulers("step")
 
-    def _call_step_hook(self, closure: Any, batch_idx: int) -> None:
+    def _call_step_hook(self, step_hook: Callable[..., Any], closure: Any, batch_idx: int) -> None:
         """The module's ``optimizer_step`` override, given the handle whose ``step(closure)`` runs the strategy's step."""
         runs = 0
         result: Tensor | None = None
@@ -417,7 +418,7 @@ class FitLoop:
         handle = self._step_handle
         handle._closure_if_none = closure_already_run
         try:
-            self._step_hook(self.current_epoch, batch_idx, handle, optimizer_closure)
+            step_hook(self.current_epoch, batch_idx, handle, optimizer_closure)
         finally:
             handle._closure_if_none = None
         if not runs:

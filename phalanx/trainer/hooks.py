@@ -87,7 +87,7 @@ class HookTable:
         for name in MODULE_ONLY_HOOKS:
             table[name] = [_with_fx_name(module, name)] if _overrides(module, TrainingModule, name) else []
         self._table = {name: tuple(entries) for name, entries in table.items()}
-        self.move_batch = _batch_mover(trainer.strategy, module, trainer.datamodule)
+        self.move_batch = _batch_mover(trainer.strategy, module, trainer.datamodule, self._warn_once)
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_step_hooks(module)
         for obj in (module, trainer.datamodule, *callbacks):
@@ -181,19 +181,22 @@ def _unknown_hook_message(obj: object, base: type, name: str) -> str:
     return message + " If it is not meant as a hook, give it a name that does not start with 'on_' to silence this warning."
 
 
-def _data_hook(name: str, module: TrainingModule, datamodule: DataModule | None) -> Callable[..., Any] | None:
+_Warn = Callable[[object, str, str], None]
+
+
+def _data_hook(name: str, module: TrainingModule, datamodule: DataModule | None, warn: _Warn) -> Callable[..., Any] | None:
     """The override of a batch transfer hook to call: the DataModule's, else the module's, else None."""
     in_module = _overrides(module, TrainingModule, name)
     if datamodule is not None and _overrides(datamodule, DataModule, name):
         if in_module:
-            rank_zero_warn(f"{type(module).__name__} and {type(datamodule).__name__} both override {name}: the DataModule's is used, as in Lightning.")
+            warn(datamodule, name, f"{type(module).__name__} and {type(datamodule).__name__} both override {name}: the DataModule's is used, as in Lightning.")
         return getattr(datamodule, name)
     return getattr(module, name) if in_module else None
 
 
-def _batch_mover(strategy: Strategy, module: TrainingModule, datamodule: DataModule | None) -> Callable[..., Any]:
+def _batch_mover(strategy: Strategy, module: TrainingModule, datamodule: DataModule | None, warn: _Warn) -> Callable[..., Any]:
     """``move(batch, dataloader_idx=0)``: the strategy's own move unless a batch transfer hook is overridden."""
-    before, transfer, after = (_data_hook(name, module, datamodule) for name in BATCH_TRANSFER_HOOKS)
+    before, transfer, after = (_data_hook(name, module, datamodule, warn) for name in BATCH_TRANSFER_HOOKS)
     if before is None and transfer is None and after is None:
         return strategy.batch_to_device  # nothing overridden: no extra call per batch
 

@@ -79,6 +79,19 @@ def test_a_warm_up_in_optimizer_step_is_applied_on_each_stepping_batch(tmp_path,
     assert not same_parameters(parameters_of(model), parameters_of(plain))  # the warm-up changed the updates
 
 
+class LogsWarmUp(WarmUp):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        self.log("scale", min(1.0, (self.trainer.global_step + 1) / self.warmup))  # per step by default, as in Lightning
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+
+def test_self_log_in_optimizer_step_records_the_step_value(tmp_path):
+    model = LogsWarmUp(warmup=8)
+    trainer = _trainer(tmp_path, max_steps=3)
+    trainer.fit(model, _train_loader())
+    assert trainer.callback_metrics["scale"].item() == pytest.approx(3 / 8)  # the last step's, not the epoch's mean
+
+
 class Recorder(Regressor):
     """Records, in order, the hooks around an optimizer step."""
 
@@ -324,9 +337,12 @@ class TransferData(phalanx.DataModule):
 
 def test_a_datamodules_transfer_hook_wins_over_the_modules_with_a_warning(tmp_path):
     model = Tagged(("on_after_batch_transfer", "on_before_batch_transfer"))
-    with pytest.warns(UserWarning, match="Tagged and TransferData both override on_after_batch_transfer: the DataModule's is used"):
-        _trainer(tmp_path, max_steps=1).fit(model, datamodule=TransferData())
-    assert model.seen == [("train", ("before0", "datamodule"))]  # the module's on_before still runs: only it defines it
+    trainer, data = _trainer(tmp_path, max_steps=1), TransferData()
+    with pytest.warns(UserWarning, match="Tagged and TransferData both override on_after_batch_transfer: the DataModule's is used") as caught:
+        trainer.fit(model, datamodule=data)
+        trainer.predict(model, DataLoader(regression_data(8), batch_size=8))  # no DataModule: the module's hooks
+    assert model.seen == [("train", ("before0", "datamodule")), ("predict", ("before0", "after"))]  # the module's on_before runs: only it defines it
+    assert sum("both override" in str(w.message) for w in caught) == 1
 
 
 # ---------------------------------------------------------------------------- model mode hooks
