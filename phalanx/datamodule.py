@@ -6,9 +6,12 @@ import argparse
 import inspect
 from functools import partial
 from collections.abc import Mapping
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from phalanx.utilities.hparams import AttributeDict, init_arguments_of_frame
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DataModule:
@@ -33,6 +36,20 @@ class DataModule:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the state returned by ``state_dict``."""
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch before it is moved to the device; overrides the module's hook of the same name."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move a batch to ``device``; overrides the module's hook of the same name."""
+        from phalanx.utilities.apply import move_to_device  # this module stays importable without torch
+
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch once it is on the device; overrides the module's hook of the same name."""
+        return batch
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add to ``checkpoint`` before it is written."""

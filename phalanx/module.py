@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.apply import apply_to_tensors, move_to_device
 from phalanx.utilities.hparams import AttributeDict, init_arguments_of_frame
 from phalanx.utilities.rank_zero import rank_zero_warn
 
@@ -30,6 +31,7 @@ class TrainingModule(nn.Module):
         self._hparams: AttributeDict = AttributeDict()
         self._hparams_for_checkpoint: dict[str, Any] = {}
         self.automatic_optimization: bool = True
+        self._param_requires_grad_state: dict[nn.Parameter, bool] = {}
 
     # ------------------------------------------------------------------ steps (override)
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -182,6 +184,59 @@ class TrainingModule(nn.Module):
 
     def on_before_zero_grad(self, optimizer: Optimizer) -> None:
         """Called after the optimizer step, before gradients are cleared."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable[[], Any] | None = None) -> None:
+        """Step ``optimizer`` (runs ``optimizer_closure``: training_step and backward); override e.g. for LR warm-up."""
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Optimizer) -> None:
+        """Clear the gradients after each optimizer step."""
+        optimizer.zero_grad()
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch before it is moved to the device (e.g. CPU augmentations); return the batch."""
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move the tensors of a batch (in lists, tuples, dicts, namedtuples) to ``device``; override for other types."""
+        return move_to_device(batch, device)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Change a batch after it is on the device (e.g. GPU augmentations); return the batch."""
+        return batch
+
+    def on_validation_model_zero_grad(self) -> None:
+        """Release gradients before validation during fit (called at the end of an accumulation window)."""
+        self.zero_grad(set_to_none=True)
+
+    def on_validation_model_eval(self) -> None:
+        """Put the model in eval mode when validation starts."""
+        self._model_to_switch().eval()
+
+    def on_validation_model_train(self) -> None:
+        """Put the model back in train mode when validation ends (by default each submodule's mode is restored)."""
+        self._model_to_switch().train()
+
+    def on_test_model_eval(self) -> None:
+        """Put the model in eval mode when testing starts."""
+        self._model_to_switch().eval()
+
+    def on_test_model_train(self) -> None:
+        """Put the model back in train mode when testing ends (by default each submodule's mode is restored)."""
+        self._model_to_switch().train()
+
+    def on_predict_model_eval(self) -> None:
+        """Put the model in eval mode when predicting starts."""
+        self._model_to_switch().eval()
+
+    def on_predict_model_train(self) -> None:
+        """Put the model back in train mode when predicting ends (by default each submodule's mode is restored)."""
+        self._model_to_switch().train()
+
+    def _model_to_switch(self) -> nn.Module:
+        # The strategy's model (possibly a wrapper around this module), as Lightning's defaults switch trainer.model.
+        model = self._trainer.model if self._trainer is not None else None
+        return model if model is not None else self
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add to or change ``checkpoint`` before it is written (store only tensors and plain values)."""
@@ -353,6 +408,51 @@ class TrainingModule(nn.Module):
             raise RuntimeError("manual_backward is for manual optimization: set self.automatic_optimization = False.")
         self.trainer._manual_backward(loss, *args, **kwargs)
 
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        """Let only ``optimizer``'s parameters require gradients (those of the Trainer's other optimizers stop)."""
+        state: dict[nn.Parameter, bool] = {}
+        for other in self.trainer.optimizers:
+            for parameter in _parameters_of(other):
+                if parameter not in state:
+                    state[parameter] = parameter.requires_grad
+                    parameter.requires_grad = False
+        for parameter in _parameters_of(optimizer):
+            # A parameter frozen before stays frozen: only what was switched off above is switched back on.
+            parameter.requires_grad = state.get(parameter, parameter.requires_grad)
+        self._param_requires_grad_state = state
+
+    def untoggle_optimizer(self, optimizer: Any) -> None:
+        """Give the other optimizers' parameters back the ``requires_grad`` they had before ``toggle_optimizer``."""
+        state = self._param_requires_grad_state
+        for other in self.trainer.optimizers:
+            if other is optimizer or other is getattr(optimizer, "optimizer", None):
+                continue  # the toggled one (or the handle from self.optimizers() wrapping it)
+            for parameter in _parameters_of(other):
+                if parameter in state:
+                    parameter.requires_grad = state[parameter]
+        self._param_requires_grad_state = {}
+
+    @contextmanager
+    def toggled_optimizer(self, optimizer: Any) -> Iterator[None]:
+        """``toggle_optimizer`` for the ``with`` block, ``untoggle_optimizer`` after it (even if it raises)."""
+        self.toggle_optimizer(optimizer)
+        try:
+            yield
+        finally:
+            self.untoggle_optimizer(optimizer)
+
+    def freeze(self) -> None:
+        """Stop every parameter from requiring gradients and switch to eval mode (e.g. for inference)."""
+        for parameter in self.parameters():
+            parameter.requires_grad = False
+        self.eval()
+
+    def unfreeze(self) -> None:
+        """Let every parameter require gradients again and switch to train mode."""
+        for parameter in self.parameters():
+            parameter.requires_grad = True
+        self.train()
+
     def clip_gradients(self, optimizer: Optimizer, gradient_clip_val: float | int | None = None, gradient_clip_algorithm: str | None = None) -> None:
         """Clip the gradients of ``optimizer``'s parameters by norm (default) or by value."""
         if gradient_clip_val is None or gradient_clip_val == 0:
@@ -395,3 +495,8 @@ class TrainingModule(nn.Module):
         if map_location is not None:
             module.to(map_location if not callable(map_location) else "cpu")
         return module
+
+
+def _parameters_of(optimizer: Any) -> Iterator[nn.Parameter]:
+    for group in optimizer.param_groups:
+        yield from group["params"]

@@ -15,17 +15,35 @@ if TYPE_CHECKING:
 
 
 @contextmanager
-def evaluation_mode(model: nn.Module, inference_mode: bool) -> Iterator[None]:
-    """Put every submodule in eval mode without gradients, then restore each submodule's own mode."""
+def evaluation_mode(trainer: Trainer, stage: str) -> Iterator[None]:
+    """Without gradients, put the model in eval mode, then restore each submodule's own mode.
+
+    ``on_{stage}_model_eval`` and ``on_{stage}_model_train`` replace the switch and the restore when overridden.
+    """
+    model = trainer.strategy.model
+    hooks = trainer._hooks
     modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    grad_context = torch.inference_mode() if inference_mode else torch.no_grad()
-    try:
-        with grad_context:
+    with torch.inference_mode() if trainer.inference_mode else torch.no_grad():
+        to_eval = hooks[f"on_{stage}_model_eval"]
+        try:
+            if to_eval:
+                to_eval[0]()
+            else:
+                model.eval()
             yield
-    finally:
-        for module, training in modes:
-            module.training = training
+        except BaseException:
+            _restore_modes(modes)
+            raise
+        to_train = hooks[f"on_{stage}_model_train"]
+        if to_train:
+            to_train[0]()
+        else:
+            _restore_modes(modes)
+
+
+def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    for module, training in modes:
+        module.training = training
 
 
 def _step_kwargs(multiple: bool, dataloader_idx: int) -> dict[str, int]:
@@ -45,7 +63,8 @@ def run_evaluation(trainer: Trainer, stage: str, dataloaders: list[Any], limits:
     results.multiple_dataloaders = multiple
     batch_start = hooks[f"on_{stage}_batch_start"]
     batch_end = hooks[f"on_{stage}_batch_end"]
-    with evaluation_mode(strategy.model, trainer.inference_mode):
+    move_batch = hooks.move_batch
+    with evaluation_mode(trainer, stage):
         getattr(strategy, f"on_{stage}_start")()
         hooks.call(f"on_{stage}_start")
         hooks.call(f"on_{stage}_epoch_start")
@@ -56,7 +75,7 @@ def run_evaluation(trainer: Trainer, stage: str, dataloaders: list[Any], limits:
             for batch_idx, batch in enumerate(dataloader):
                 if batch_idx >= limit:
                     break
-                batch = strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
+                batch = move_batch(batch, dataloader_idx=dataloader_idx)
                 results.new_batch(batch, dataloader_idx)
                 for hook in batch_start:
                     hook(batch, batch_idx, dataloader_idx)
@@ -98,7 +117,8 @@ def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | 
     multiple = len(dataloaders) > 1
     distributed = strategy.world_size > 1 and strategy.distributed_sampler_kwargs is not None
     all_outputs: list[list[Any]] = []
-    with evaluation_mode(strategy.model, trainer.inference_mode):
+    move_batch = hooks.move_batch
+    with evaluation_mode(trainer, "predict"):
         strategy.on_predict_start()
         hooks.call("on_predict_start")
         hooks.call("on_predict_epoch_start")
@@ -108,7 +128,7 @@ def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | 
             for batch_idx, batch in enumerate(dataloader):
                 if batch_idx >= limit:
                     break
-                batch = strategy.batch_to_device(batch, dataloader_idx=dataloader_idx)
+                batch = move_batch(batch, dataloader_idx=dataloader_idx)
                 hooks.call("on_predict_batch_start", batch, batch_idx, dataloader_idx)
                 module.__dict__["_current_fx"] = "predict_step"
                 output = strategy.predict_step(batch, batch_idx, **extra)

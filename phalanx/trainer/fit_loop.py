@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor
 
@@ -12,7 +12,7 @@ from phalanx.trainer.data import empty_data_reason, iterate_from
 from phalanx.trainer.fit_data import reload_train_data_if_due
 from phalanx.trainer.nonfinite import NonFiniteLossCheck, SkippedBatch
 from phalanx.trainer.state import RunningStage
-from phalanx.utilities.exceptions import CheckpointError
+from phalanx.utilities.exceptions import CheckpointError, MisconfigurationError
 from phalanx.utilities.rank_zero import rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states, restore_rng_states
 
@@ -56,6 +56,11 @@ class FitLoop:
         self._skip_window = False  # a non-finite loss was seen in this accumulation window ('skip'): no step at its end
         self._warned_early_stop = False
         self.nonfinite = NonFiniteLossCheck(trainer, 0)
+        # The module's overridden hooks, set by run(); None means the loop does the default itself.
+        self._step_hook: Callable[..., Any] | None = None
+        self._zero_grad_hook: Callable[..., Any] | None = None
+        self._step_handle: Any = None
+        self._release_grads: Callable[[], Any] | None = None
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -89,6 +94,7 @@ class FitLoop:
         self._before_backward_hooks = hooks["on_before_backward"]
         self._after_backward_hooks = hooks["on_after_backward"]
         self._before_zero_grad_hooks = hooks["on_before_zero_grad"]
+        self._prepare_module_hooks()
         restored, self._restored = self._restored, None
         self.nonfinite = NonFiniteLossCheck(trainer, self.global_step)
         if trainer.num_training_batches == 0:
@@ -107,6 +113,18 @@ class FitLoop:
             self._run_epoch(restored)
             restored = None
         self.nonfinite.report()
+
+    def _prepare_module_hooks(self) -> None:
+        # Overridden module hooks only (None otherwise): the step pays nothing for the hooks a module leaves alone.
+        hooks = self.trainer._hooks
+        self._step_hook = next(iter(hooks["optimizer_step"]), None)
+        self._zero_grad_hook = next(iter(hooks["optimizer_zero_grad"]), None)
+        self._step_handle = next(iter(self.trainer._manual_optimizers), None)
+        self._release_grads = next(iter(hooks["on_validation_model_zero_grad"]), None)
+        module = self.trainer.strategy.module
+        if self._release_grads is None and self._zero_grad_hook is not None and module is not None:
+            # The loop's own zero_grad(set_to_none=True) is what makes the default redundant; here it was replaced.
+            self._release_grads = module.on_validation_model_zero_grad
 
     def _done(self) -> bool:
         trainer = self.trainer
@@ -167,6 +185,7 @@ class FitLoop:
         loggers = trainer.loggers
         log_every = trainer.log_every_n_steps
         run_batch = self._automatic_batch if automatic else self._manual_batch
+        move_batch = hooks.move_batch
         exhausted = False
         skipped_by_hook = False
         stop = False
@@ -180,7 +199,7 @@ class FitLoop:
                 exhausted = True
                 break
             batch_idx = self.batches_done
-            batch = strategy.batch_to_device(batch)
+            batch = move_batch(batch)
             results.new_batch(batch)
             if batch_start_hooks and any([hook(batch, batch_idx) == -1 for hook in batch_start_hooks]):
                 exhausted = skipped_by_hook = True
@@ -218,7 +237,7 @@ class FitLoop:
         self.phase = _VALIDATED
         trainer._publish_epoch_metrics(trainer._train_results)
         if trainer._epoch_end_validation_due(self):
-            self._validate()
+            self._validate(window_done=True)
         self._finish_epoch()
 
     def _epoch_cannot_train(self, skipped_by_hook: bool) -> bool:
@@ -260,7 +279,8 @@ class FitLoop:
         # From here a checkpoint (e.g. one saved when this validation ends) resumes at the next batch.
         self.phase = _IN_BATCHES
         if due:
-            self._validate()
+            accumulate = trainer.accumulate_grad_batches
+            self._validate(window_done=accumulate == 1 or self.batches_done % accumulate == 0 or self.batches_done >= self.num_batches)
         if trainer.preemption is not None and trainer._preemption_requested(self.total_batches):
             trainer._stop_now = True
             return True
@@ -294,9 +314,12 @@ class FitLoop:
             )
         return False
 
-    def _validate(self) -> None:
+    def _validate(self, window_done: bool) -> None:
         trainer = self.trainer
         self._last_validated_at = self.total_batches
+        if self._release_grads is not None and window_done:
+            # As in Lightning: never in the middle of an accumulation window, whose gradients are still needed.
+            self._release_grads()
         trainer._run_validation_during_fit()
         trainer.state.stage = RunningStage.TRAINING
 
@@ -356,7 +379,7 @@ class FitLoop:
             loss, outputs[0] = self._forward_backward(batch, batch_idx)
             return loss
 
-        self._optimizer_step(closure)
+        self._optimizer_step(closure, batch_idx)
         return outputs[0]
 
     def _drop_window(self, ends_window: bool) -> None:
@@ -369,20 +392,62 @@ class FitLoop:
     def _flush_accumulated(self) -> None:
         # An iterable without a length ended inside an accumulation window: step on what was accumulated.
         last_loss = self._last_loss
-        self._optimizer_step(lambda: last_loss)
+        self._optimizer_step(lambda: last_loss, self.batches_done - 1)
 
-    def _optimizer_step(self, closure: Any) -> None:
+    def _optimizer_step(self, closure: Any, batch_idx: int) -> None:
         trainer = self.trainer
         strategy = trainer.strategy
         optimizer = trainer._optimizer
-        strategy.optimizer_step(optimizer, closure, strategy.module)
+        step_hook = self._step_hook
+        if step_hook is None:
+            strategy.optimizer_step(optimizer, closure, strategy.module)
+        else:
+            self._call_step_hook(step_hook, closure, batch_idx)
         for hook in self._before_zero_grad_hooks:
             hook(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        if self._zero_grad_hook is None:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            self._zero_grad_hook(self.current_epoch, batch_idx, optimizer)
         self._accumulated = 0
         self.global_step += 1
         if trainer._step_scheduler_configs:
             trainer._step_schedulers("step")
+
+    def _call_step_hook(self, step_hook: Callable[..., Any], closure: Any, batch_idx: int) -> None:
+        """The module's ``optimizer_step`` override, given the handle whose ``step(closure)`` runs the strategy's step."""
+        runs = 0
+        result: Tensor | None = None
+
+        def optimizer_closure() -> Tensor | None:
+            nonlocal runs, result
+            runs += 1
+            result = closure()
+            return result
+
+        def closure_already_run() -> Tensor | None:
+            # ``optimizer_closure(); optimizer.step()``: the step sees the loss computed (the precision plugin needs it).
+            if not runs:
+                raise self._closure_not_run(batch_idx)
+            return result
+
+        handle = self._step_handle
+        handle._closure_if_none = closure_already_run
+        try:
+            step_hook(self.current_epoch, batch_idx, handle, optimizer_closure)
+        finally:
+            handle._closure_if_none = None
+        if not runs:
+            raise self._closure_not_run(batch_idx)
+
+    def _closure_not_run(self, batch_idx: int) -> MisconfigurationError:
+        # Without the closure, training_step and backward never run: the batch would be silently skipped.
+        return MisconfigurationError(
+            f"{type(self.trainer.strategy.module).__name__}.optimizer_step did not run the optimizer_closure it was"
+            f" given (epoch {self.current_epoch}, batch_idx {batch_idx}), so training_step and backward never ran."
+            " Call optimizer.step(closure=optimizer_closure), or optimizer_closure() alone to skip the update; if your"
+            " optimizer's step() ignores its closure, call optimizer_closure() before it."
+        )
 
     def _manual_batch(self, batch: Any, batch_idx: int) -> Any:
         module = self.trainer.strategy.module

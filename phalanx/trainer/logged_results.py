@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 _REDUCTIONS = ("mean", "sum", "max", "min")
 # Hooks in which self.log aggregates per step unless told otherwise; everything else aggregates per epoch.
-_STEP_HOOKS = frozenset({"training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad"})
+_STEP_HOOKS = frozenset({"training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", "optimizer_step", "optimizer_zero_grad"})
 
 
 class _LoggedMetric:
