@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
@@ -16,6 +18,7 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.forward_redirection import redirect_forward
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.utilities import distributed
+
 _UNUSED_PARAMETERS_HINT = (
     "DistributedDataParallel found parameters that received no gradient in this step (some layers were not used to"
     " compute the loss). Either use every parameter in training_step, or pass find_unused_parameters=True (e.g."
@@ -141,6 +144,17 @@ class DDPStrategy(ParallelStrategy):
         if isinstance(model, DistributedDataParallel) and not self._module.automatic_optimization and torch.is_grad_enabled() and model.require_backward_grad_sync:
             model.require_forward_param_sync = True
             model.reducer.prepare_for_backward([closure_loss] if model.find_unused_parameters else [])
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The whole state of every optimizer; a ZeroRedundancyOptimizer's shards are first gathered on rank 0.
+
+        Every rank must call this (the gathering is a collective); ranks other than 0 then return an empty dict.
+        """
+        zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+        if zero is None or not isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+            return super().optimizer_state(optimizer)
+        distributed.run_collective("ZeroRedundancyOptimizer.consolidate_state_dict", self.global_rank, self._timeout, lambda: optimizer.consolidate_state_dict(to=0))
+        return optimizer.state_dict() if self.is_global_zero else {}
 
     def on_exception(self, exception: BaseException) -> None:
         """Stop the processes this one started; explain DDP's unused-parameter error; stay quiet about a peer's failure."""

@@ -7,8 +7,9 @@ constructed, so ``import phalanx`` stays cheap.
 from __future__ import annotations
 
 import inspect
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -18,33 +19,17 @@ from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.fsdp import FSDPPrecision
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies.dtensor_state import has_meta_tensors
+from phalanx.strategies import fsdp_seed_arguments as seed
+from phalanx.strategies.dtensor_state import has_meta_tensors, is_dtensor
+from phalanx.strategies.fsdp_seed_arguments import HYBRID_STRATEGIES, KEEP_GATHERED_AFTER_FORWARD, ModulePolicy
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
 from phalanx.utilities import distributed
+from phalanx.utilities.init import empty_init_context
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
-#: Which submodules a policy selects: a collection of layer classes, or a predicate on the module.
-ModulePolicy = Union[Iterable[type], Callable[[nn.Module], bool]]
 # fully_shard arguments the strategy sets itself from its own options.
 _OWN_ARGUMENTS = {"module", "mesh", "mp_policy", "offload_policy"}
-
-
-def module_selector(policy: ModulePolicy | None, argument: str) -> Callable[[nn.Module], bool] | None:
-    """A predicate from a policy: a set/list/tuple of nn.Module classes, or a callable ``module -> bool``."""
-    if policy is None:
-        return None
-    if isinstance(policy, (set, frozenset, list, tuple)):
-        classes = tuple(policy)
-        if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            raise TypeError(f"{argument} must be a set of nn.Module subclasses or a callable(module) -> bool, got {policy!r}.")
-        return lambda module: isinstance(module, classes)
-    if isinstance(policy, type) and issubclass(policy, nn.Module):
-        return lambda module: isinstance(module, policy)
-    if callable(policy):
-        return policy
-    raise TypeError(f"{argument} must be a set of nn.Module subclasses or a callable(module) -> bool, got {type(policy).__name__}.")
 
 
 def checkpoint_activations(module: nn.Module) -> None:
@@ -90,50 +75,68 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
-        cpu_offload: bool | Any = False,
+        cpu_offload: bool | Any | None = None,
         mixed_precision: Any | None = None,
         auto_wrap_policy: ModulePolicy | None = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
         activation_checkpointing_policy: ModulePolicy | None = None,
-        sharding_strategy: str = "FULL_SHARD",
+        sharding_strategy: str | Any = "FULL_SHARD",
         state_dict_type: str = "full",
-        device_mesh: tuple[int, int] | Any | None = None,
+        device_mesh: tuple[int, ...] | Any | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
         )  # fmt: skip
-        if not isinstance(sharding_strategy, str) or sharding_strategy.upper() not in SHARDING_STRATEGIES:
-            raise ValueError(f"sharding_strategy={sharding_strategy!r} is not valid; choose one of {list(SHARDING_STRATEGIES)}.")
-        self.sharding_strategy = sharding_strategy.upper()
+        # The seed's FSDP1 forms (CPUOffload, MixedPrecision, ShardingStrategy, wrap policies, ...) are translated here.
+        self.sharding_strategy = seed.sharding_strategy_name(sharding_strategy)
         self._state_dict_type = check_state_dict_type(state_dict_type)
-        if not isinstance(cpu_offload, bool) and type(cpu_offload).__name__ != "CPUOffloadPolicy":
-            raise TypeError(f"cpu_offload must be a bool or a torch.distributed.fsdp.CPUOffloadPolicy, got {type(cpu_offload).__name__}.")
-        self.cpu_offload = cpu_offload
-        if mixed_precision is not None and type(mixed_precision).__name__ != "MixedPrecisionPolicy":
-            raise TypeError(f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy, got {type(mixed_precision).__name__}.")
-        self.mixed_precision = mixed_precision
-        self._wrap_selector = module_selector(auto_wrap_policy, "auto_wrap_policy")
-        self._checkpoint_selector = module_selector(activation_checkpointing_policy, "activation_checkpointing_policy")
-        if device_mesh is not None and self.sharding_strategy != "HYBRID_SHARD":
-            raise ValueError(f"device_mesh is for sharding_strategy='HYBRID_SHARD' (replicas x shard size); got sharding_strategy={self.sharding_strategy!r}.")
-        if isinstance(device_mesh, tuple) and (len(device_mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in device_mesh)):
-            raise ValueError(f"device_mesh={device_mesh!r} must be a pair (replicas, shard size) of positive ints, or a 2-D DeviceMesh.")
-        self._device_mesh_spec = device_mesh
-        self._check_fully_shard_kwargs(kwargs)
-        self._fully_shard_kwargs = kwargs
+        self.cpu_offload = seed.cpu_offload_setting(cpu_offload)
+        self.mixed_precision = seed.mixed_precision_policy(mixed_precision)
+        self._wrap_picker = seed.module_picker(auto_wrap_policy, "auto_wrap_policy")
+        checkpointing = seed.checkpointing_policy(activation_checkpointing, activation_checkpointing_policy)
+        self._checkpoint_picker = seed.module_picker(checkpointing, "activation_checkpointing_policy")
+        self._fully_shard_kwargs, self._process_group = seed.seed_keyword_arguments(kwargs, self._fully_shard_names())
+        seed.check_process_group(self._process_group, hybrid=self.sharding_strategy in HYBRID_STRATEGIES)
+        self._device_mesh_spec = self._check_device_mesh(device_mesh)
         self.device_mesh: Any = None
         self._sharded_by_strategy: nn.Module | None = None
+        self._marked_for_sharding: list[nn.Module] = []
+
+    @property
+    def reshard_after_forward(self) -> bool | int:
+        """Whether gathered parameters are freed after each layer's forward (ZeRO-3) or kept until backward (ZeRO-2)."""
+        return self._fully_shard_kwargs.get("reshard_after_forward", self.sharding_strategy not in KEEP_GATHERED_AFTER_FORWARD)
 
     @staticmethod
-    def _check_fully_shard_kwargs(kwargs: dict[str, Any]) -> None:
+    def _fully_shard_names() -> set[str]:
         from torch.distributed.fsdp import fully_shard
 
         # fully_shard is wrapped by a decorator; its signature is that of the undecorated function.
-        valid = set(inspect.signature(inspect.unwrap(fully_shard)).parameters) - _OWN_ARGUMENTS
-        unknown = sorted(set(kwargs) - valid)
-        if unknown:
-            raise TypeError(f"FSDPStrategy got unexpected keyword argument(s) {unknown}; extra keyword arguments go to fully_shard, which accepts {sorted(valid)}.")
+        return set(inspect.signature(inspect.unwrap(fully_shard)).parameters) - _OWN_ARGUMENTS
+
+    def _check_device_mesh(self, device_mesh: Any) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        hybrid = self.sharding_strategy in HYBRID_STRATEGIES
+        dims = 2 if hybrid else 1
+        if device_mesh is None:
+            return None
+        if self._process_group is not None:
+            raise ValueError("FSDPStrategy(process_group=..., device_mesh=...): pass only one of them; both say which processes shard the model.")
+        if isinstance(device_mesh, DeviceMesh):
+            if device_mesh.ndim != dims:
+                raise ValueError(f"device_mesh has {device_mesh.ndim} dimension(s), but sharding_strategy={self.sharding_strategy!r} needs a {dims}-D mesh{' (replicate, shard)' if hybrid else ''}.")
+            return device_mesh
+        if not isinstance(device_mesh, tuple):
+            raise TypeError(f"device_mesh must be a tuple (replicas, shard size) for hybrid sharding, (processes,) otherwise, or a torch DeviceMesh; got {type(device_mesh).__name__}.")
+        if not hybrid and len(device_mesh) == 2:
+            raise ValueError(f"device_mesh is for sharding_strategy='HYBRID_SHARD' (replicas x shard size); got sharding_strategy={self.sharding_strategy!r}.")
+        if len(device_mesh) != dims or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in device_mesh):
+            expected = "a pair (replicas, shard size) of positive ints" if hybrid else "(processes,), one positive int"
+            raise ValueError(f"device_mesh={device_mesh!r} must be {expected}, or a {dims}-D DeviceMesh.")
+        return device_mesh
 
     # ------------------------------------------------------------------ precision
     @classmethod
@@ -161,60 +164,134 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     def _build_mesh(self) -> Any:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        device_type = self.root_device.type
-        world = self.world_size
-        if isinstance(self._device_mesh_spec, DeviceMesh):
-            return self._device_mesh_spec
-        if self.sharding_strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-            return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-        if self.sharding_strategy == "NO_SHARD":
-            shape = (world, 1)
+        device_type, world = self.root_device.type, self.world_size
+        hybrid = self.sharding_strategy in HYBRID_STRATEGIES
+        if self._process_group is not None:
+            mesh = seed.mesh_from_process_group(self._process_group, hybrid, device_type, self.all_gather_object)
+        elif isinstance(self._device_mesh_spec, DeviceMesh):
+            mesh = self._device_mesh_spec
         else:
-            shape = self._device_mesh_spec or (self.num_nodes, self.num_processes)
-        if shape[0] * shape[1] != world:
-            raise ValueError(f"HYBRID_SHARD device_mesh={shape} has {shape[0] * shape[1]} processes, but the job has {world}; pass device_mesh=(replicas, shard_size) with replicas * shard_size == {world}.")
-        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+            if hybrid:
+                shape = self._device_mesh_spec or (self.num_nodes, self.num_processes)
+            else:
+                shape = (world, 1) if self.sharding_strategy == "NO_SHARD" else (world,)
+                if self._device_mesh_spec is not None and self._device_mesh_spec[0] != world:
+                    raise ValueError(f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, but the job has {world}.")
+            if hybrid and shape[0] * shape[1] != world:
+                raise ValueError(f"{self.sharding_strategy} device_mesh={shape} has {shape[0] * shape[1]} processes, but the job has {world}; pass device_mesh=(replicas, shard_size) with replicas * shard_size == {world}.")
+            return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else ("shard",))
+        if self.sharding_strategy == "NO_SHARD":
+            # Replicated everywhere: a (processes x 1) mesh, on which fully_shard only all-reduces gradients.
+            mesh = DeviceMesh(device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard"))
+        return mesh
 
-    # ------------------------------------------------------------------ sharding
+    # ------------------------------------------------------------------ creating and sharding the module
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """``empty_init=True``: on the meta device; otherwise in host memory, where ``setup`` shards it onto the devices."""
+        if empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        # Not on the root device: a model created whole on one GPU is what sharding exists to avoid.
+        with ExitStack() as stack:
+            stack.enter_context(empty_init_context(False))
+            stack.enter_context(self.precision_plugin.tensor_init_context())
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Around configure_model: ``torch.distributed.fsdp.wrap.wrap(layer)`` marks a layer as its own shard group, as in FSDP1."""
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        with enable_wrap(wrapper_cls=self._mark_for_sharding):
+            yield
+
+    def _mark_for_sharding(self, module: nn.Module, **fsdp1_arguments: Any) -> nn.Module:
+        # FSDP1 would wrap the layer now; FSDP2 shards it in setup, with the strategy's settings, before the root.
+        if fsdp1_arguments:
+            seed.warn_once("wrap arguments", f"wrap(module, {', '.join(fsdp1_arguments)}=...): FSDP2 shards the layer with the strategy's own settings; these arguments are not applied.")
+        self._marked_for_sharding.append(module)
+        return module
+
+    def model_to_device(self) -> None:
+        """Move what ``fully_shard`` left in place (parameters it ignores) to the device; shards are already there."""
+        assert self._module is not None
+        device = self.root_device
+        with torch.no_grad():
+            for module in self._module.modules():
+                for table in (module._parameters, module._buffers):
+                    for name, tensor in table.items():
+                        if tensor is None or is_dtensor(tensor) or tensor.is_meta or tensor.device == device:
+                            continue
+                        if isinstance(tensor, nn.Parameter):
+                            tensor.data = tensor.data.to(device)  # the same Parameter: tied weights stay tied
+                        else:
+                            table[name] = tensor.to(device)
+
     def setup(self, trainer: Any) -> None:
-        """Shard the module (unless the user already did in configure_model), materialise meta tensors, create optimizers."""
+        """Shard the module in host memory (unless configure_model did), materialise meta tensors, create optimizers.
+
+        Nothing is moved whole to the device first: ``fully_shard`` moves each group's tensors as it shards them.
+        """
         assert self.accelerator is not None and self._module is not None
         self.accelerator.setup(trainer)
-        module = self.precision_plugin.convert_module(self._module)
-        self._module = module
+        module = self._module
         if not is_sharded(module):
-            if not has_meta_tensors(module):
-                self.model_to_device()
-                self._broadcast_from_rank_zero(module)
+            if trainer.state.fn == "fit" and self._layer_sync is not None:
+                # Before sharding, so that the synchronised layers' parameters are sharded like any other.
+                module = self._layer_sync.apply(module)
+            module = self.precision_plugin.convert_module(module)
+            self._module = module
+            self._broadcast_from_rank_zero(module)
             self._apply_activation_checkpointing(module)
             self._shard(module)
             self._sharded_by_strategy = module
-        elif module is not self._sharded_by_strategy and (self._wrap_selector is not None or self._checkpoint_selector is not None):
-            rank_zero_warn("The module was already sharded with fully_shard in configure_model: auto_wrap_policy and activation_checkpointing_policy are ignored.")
+        else:
+            self._check_presharded(module)
+            self._module = module = self.precision_plugin.convert_module(module)
         if has_meta_tensors(module):
             self._materialize(module)
+        self.model_to_device()
         self._model = module
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    def _check_presharded(self, module: nn.Module) -> None:
+        if module is self._sharded_by_strategy:
+            return
+        if self._wrap_picker is not None or self._checkpoint_picker is not None:
+            rank_zero_warn("The module was already sharded with fully_shard in configure_model: auto_wrap_policy and activation_checkpointing_policy are ignored.")
+        if self._layer_sync is not None:
+            rank_zero_warn("The module was already sharded with fully_shard in configure_model: sync_batchnorm is not applied (convert its BatchNorm layers with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fully_shard).")
+
     def _broadcast_from_rank_zero(self, module: nn.Module) -> None:
         # fully_shard keeps each rank's own slice: ranks that initialised differently would assemble a mixed model.
-        if self.world_size > 1:
-            for tensor in module.state_dict().values():
-                distributed.run_collective("broadcast(weights)", self.global_rank, self._timeout, lambda t=tensor: torch.distributed.broadcast(t, src=0))
+        # Tensors on the meta device are initialised alike on every rank later (see _materialize).
+        if self.world_size == 1:
+            return
+        device = self.root_device
+        for tensor in module.state_dict().values():
+            if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+                continue
+            # One tensor at a time through the device when the backend needs it there (NCCL), never the whole model.
+            staged = tensor if tensor.device == device else tensor.to(device)
+            distributed.run_collective("broadcast(weights)", self.global_rank, self._timeout, lambda t=staged: torch.distributed.broadcast(t, src=0))
+            if staged is not tensor:
+                tensor.copy_(staged)
 
     def _apply_activation_checkpointing(self, module: nn.Module) -> None:
-        if self._checkpoint_selector is None:
+        if self._checkpoint_picker is None:
             return
-        selected = [sub for sub in module.modules() if sub is not module and self._checkpoint_selector(sub)]
+        selected = self._checkpoint_picker(module)
         if not selected:
             rank_zero_warn("activation_checkpointing_policy selected no submodule: nothing is recomputed.")
         for sub in selected:
             checkpoint_activations(sub)
 
     def _fully_shard_arguments(self) -> dict[str, Any]:
-        arguments: dict[str, Any] = {"mesh": self.device_mesh, "reshard_after_forward": self.sharding_strategy != "SHARD_GRAD_OP"}
+        arguments: dict[str, Any] = {"mesh": self.device_mesh, "reshard_after_forward": self.reshard_after_forward}
         policy = self.mixed_precision
         if policy is None and isinstance(self.precision_plugin, FSDPPrecision):
             policy = self.precision_plugin.mixed_precision_policy()
@@ -231,19 +308,35 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         return arguments
 
     def _shard(self, module: nn.Module) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         arguments = self._fully_shard_arguments()
-        if self._wrap_selector is not None:
-            # Innermost first: a layer is sharded before the blocks that contain it.
-            for sub in reversed(list(module.modules())):
-                if sub is not module and self._wrap_selector(sub) and not is_sharded(sub):
-                    fully_shard(sub, **arguments)
+        chosen = self._wrap_picker(module) if self._wrap_picker is not None else []
+        marked = {id(sub) for sub in self._marked_for_sharding}
+        chosen += [sub for sub in reversed(list(module.modules())) if id(sub) in marked and sub is not module]
+        # Innermost first: a layer is sharded before the blocks that contain it.
+        depth = {id(sub): len(name.split(".")) for name, sub in module.named_modules() if name}
+        for sub in sorted(chosen, key=lambda sub: -depth[id(sub)]):
+            if not isinstance(sub, FSDPModule):
+                fully_shard(sub, **arguments)
         fully_shard(module, **arguments)
+        self._marked_for_sharding = []
+
+    def teardown(self) -> None:
+        """Release the environment and plugins; the sharded module stays on its devices, as in the seed.
+
+        Its SyncBatchNorm layers stay too: swapping modules under fully_shard's hooks would break it for later calls.
+        """
+        layer_sync = self._layer_sync
+        if self._module is not None and is_sharded(self._module):
+            self._layer_sync = None
+        try:
+            super().teardown()
+        finally:
+            self._layer_sync = layer_sync
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         """Register 'fsdp' and 'fsdp_cpu_offload'."""
         registry.register("fsdp", cls, description="Fully sharded data parallel (FSDP2), ZeRO-3 style.")
         registry.register("fsdp_cpu_offload", cls, description="Fully sharded data parallel with parameters and optimizer state offloaded to the CPU.", cpu_offload=True)
-

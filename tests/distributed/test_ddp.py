@@ -191,10 +191,36 @@ def test_two_nodes_on_one_machine(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def options(tmp_path_factory):
+def options_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp_options")
     assert_ok(run_script("ddp_options.py", str(out)))
-    return _ranks(out, 2)
+    return out, _ranks(out, 2)
+
+
+@pytest.fixture(scope="module")
+def options(options_job):
+    return options_job[1]
+
+
+def test_a_zero_redundancy_optimizer_checkpoint_holds_the_whole_state_of_plain_adam(options_job):
+    out, (rank0, rank1) = options_job
+    flat = lambda tensors: [value for tensor in tensors for value in tensor]  # noqa: E731
+    assert rank0["zero"] == rank1["zero"]
+    assert flat(rank0["zero"]) == pytest.approx(flat(rank0["adam"]), abs=1e-6)  # ZeRO trained like plain Adam
+    zero = torch.load(out / "zero.ckpt", weights_only=True)["optimizer_states"][0]
+    adam = torch.load(out / "adam.ckpt", weights_only=True)["optimizer_states"][0]
+    assert zero["param_groups"][0]["params"] == adam["param_groups"][0]["params"] == [0, 1, 2, 3]
+    assert zero["state"].keys() == adam["state"].keys() == {0, 1, 2, 3}  # both ranks' shards, consolidated
+    for index, entries in adam["state"].items():
+        assert entries.keys() == zero["state"][index].keys()
+        for name, value in entries.items():
+            torch.testing.assert_close(zero["state"][index][name], value, rtol=1e-5, atol=1e-7)
+    # ... and it is the state of an ordinary optimizer: one process loads it into plain Adam
+    from ddp_common import Net
+
+    resumed = torch.optim.Adam(Net().parameters(), lr=0.01)
+    resumed.load_state_dict(zero)
+    assert resumed.state_dict()["state"][0]["exp_avg"].shape == (16, 4)
 
 
 def test_manual_optimization_and_static_graph_match_automatic_ddp(options):

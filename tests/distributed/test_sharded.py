@@ -14,6 +14,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import phalanx  # noqa: E402
 from phalanx.cli import main as phalanx_cli  # noqa: E402
+from phalanx.strategies.dtensor_state import is_dtensor  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -77,6 +78,20 @@ def test_loss_curves_match_one_process_for_20_steps(job, single_run, name):
 def test_sharding_options_end_with_the_weights_of_ddp(job, name):
     job_dir, _ = job
     _assert_same_weights(_weights(job_dir, name), _weights(job_dir, "ddp"), **TOLERANCE)
+
+
+@pytest.mark.parametrize("name", ["fsdp_seed_arguments", "fsdp_hybrid_process_groups", "fsdp_hybrid_zero2"])
+def test_the_seeds_fsdp1_arguments_train_like_ddp(job, name):
+    job_dir, results = job
+    assert results[name]["global_step"] == 20
+    _assert_same_weights(_weights(job_dir, name), _weights(job_dir, "ddp"), **TOLERANCE)
+
+
+def test_fsdp1_process_groups_and_device_mesh_tuples_become_the_mesh(job):
+    _, results = job
+    assert results["fsdp_hybrid_process_groups"]["mesh"] == [1, 2]  # (shard over both, each rank its own replica group)
+    assert results["fsdp_hybrid_zero2"]["mesh"] == [2, 1]
+    assert results["fsdp_seed_arguments"]["block_calls"] == [40, 40]  # checkpointed blocks (transformer policy) ran twice
 
 
 def test_a_module_sharded_in_configure_model_is_not_wrapped_again(job):
@@ -181,6 +196,25 @@ def test_one_process_resumes_from_a_two_process_sharded_checkpoint(job, single_r
     module = MLP()
     trainer = quiet(max_steps=20)
     trainer.fit(module, loader(1), ckpt_path=str(job_dir / "fsdp_sharded_ckpt" / "step=10.ckpt"))
+    assert trainer.global_step == 20 and len(module.losses) == 10
+    _assert_same_weights(module.state_dict(), single_weights, **TOLERANCE)
+
+
+def test_a_full_checkpoint_holds_the_whole_optimizer_state_and_one_process_resumes_from_it(job, single_run):
+    from sharded_common import MLP, loader, quiet
+
+    job_dir, _ = job
+    _, single_weights = single_run
+    path = job_dir / "fsdp_full_ckpt" / "step=10.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    shapes = [value.shape for value in checkpoint["state_dict"].values()]
+    state = checkpoint["optimizer_states"][0]["state"]
+    assert [(state[i]["exp_avg"].shape, state[i]["exp_avg_sq"].shape) for i in range(len(shapes))] == [(s, s) for s in shapes]
+    assert not any(is_dtensor(value) for entries in state.values() for value in entries.values())
+    phalanx.seed_everything(7)
+    module = MLP()
+    trainer = quiet(max_steps=20)
+    trainer.fit(module, loader(1), ckpt_path=str(path))
     assert trainer.global_step == 20 and len(module.losses) == 10
     _assert_same_weights(module.state_dict(), single_weights, **TOLERANCE)
 

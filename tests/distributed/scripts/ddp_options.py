@@ -4,6 +4,7 @@ Usage: python ddp_options.py OUT_DIR [unused]
 """
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ from ddp_common import IndexedRegression, Net, write_json
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader
 
 import phalanx
@@ -36,6 +38,19 @@ class Manual(Net):
         optimizer.zero_grad()
         self.manual_backward(loss)
         optimizer.step()
+
+
+class AdamNet(Net):
+    """Adam, plain or split across the ranks by ZeroRedundancyOptimizer (the same updates either way)."""
+
+    def __init__(self, zero=False):
+        super().__init__()
+        self.zero = zero
+
+    def configure_optimizers(self):
+        if self.zero:
+            return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
+        return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
 class Unused(Net):
@@ -72,6 +87,9 @@ def main() -> None:
     state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=2)
     averaged_trainer, results["averaging"] = fit(fresh(), DDPStrategy(ddp_comm_state=state, ddp_comm_hook=post_localSGD_hook, model_averaging_period=2), steps=8)
     results["averaging_optimizer"] = type(averaged_trainer.optimizers[0]).__name__
+    for name, zero in (("adam", False), ("zero", True)):
+        zero_trainer, results[name] = fit(fresh(partial(AdamNet, zero=zero)), "ddp")
+        zero_trainer.save_checkpoint(out / f"{name}.ckpt")  # every rank takes part: ZeRO gathers its shards on rank 0
     write_json(out, f"rank{rank}.json", results)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,26 @@ if __name__ == "__main__":
     fit("ddp_accumulate", "ddp", accumulate_grad_batches=2, steps=STEPS // 2)
     fit("fsdp_clip", "fsdp", gradient_clip_val=0.05)
     fit("ddp_clip", "ddp", gradient_clip_val=0.05)
+
+    # ------------------------------------------------------------- the seed's (Lightning's) FSDP1 arguments
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, transformer_auto_wrap_policy
+
+    Block = type(MLP().blocks[0])
+    everyone = torch.distributed.new_group([0, 1])  # every rank creates every group, in the same order
+    alone = [torch.distributed.new_group([0]), torch.distributed.new_group([1])]
+    seed_strategy = FSDPStrategy(
+        sharding_strategy=ShardingStrategy.FULL_SHARD, process_group=everyone, cpu_offload=CPUOffload(offload_params=False),
+        auto_wrap_policy=ModuleWrapPolicy({Block}), activation_checkpointing_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        use_orig_params=True, limit_all_gathers=True, sync_module_states=True,
+    )  # fmt: skip
+    module, _ = fit("fsdp_seed_arguments", seed_strategy)
+    results["fsdp_seed_arguments"]["block_calls"] = [block.calls for block in module.blocks]
+    hybrid = FSDPStrategy(sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(everyone, alone[torch.distributed.get_rank()]))
+    _, trainer = fit("fsdp_hybrid_process_groups", hybrid)
+    results["fsdp_hybrid_process_groups"]["mesh"] = list(trainer.strategy.device_mesh.shape)
+    _, trainer = fit("fsdp_hybrid_zero2", FSDPStrategy(sharding_strategy="_HYBRID_SHARD_ZERO2", device_mesh=(2, 1)))
+    results["fsdp_hybrid_zero2"]["mesh"] = list(trainer.strategy.device_mesh.shape)
 
     # ------------------------------------------------------------- a module that shards itself in configure_model is kept as it is
     class SelfSharded(MLP):

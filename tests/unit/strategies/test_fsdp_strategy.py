@@ -9,7 +9,8 @@ from torch import nn
 import phalanx
 from phalanx.plugins.precision import FSDPPrecision, MixedPrecision, Precision
 from phalanx.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelParallelStrategy
-from phalanx.strategies.fsdp import checkpoint_activations, module_selector
+from phalanx.strategies.fsdp import checkpoint_activations
+from phalanx.strategies.fsdp_seed_arguments import module_picker
 
 
 def test_registry_names_and_trainer_resolution():
@@ -60,12 +61,13 @@ def test_bad_options_are_refused_with_the_valid_choices(kwargs, error, match):
         FSDPStrategy(**kwargs)
 
 
-def test_module_selectors():
-    by_class = module_selector({nn.Linear}, "auto_wrap_policy")
-    assert by_class(nn.Linear(1, 1)) and not by_class(nn.ReLU())
-    by_callable = module_selector(lambda m: sum(p.numel() for p in m.parameters(recurse=False)) > 10, "auto_wrap_policy")
-    assert by_callable(nn.Linear(4, 4)) and not by_callable(nn.Linear(2, 2))
-    assert module_selector(None, "auto_wrap_policy") is None
+def test_module_pickers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(2, 2)))
+    by_class = module_picker({nn.Linear}, "auto_wrap_policy")
+    assert by_class(model) == [model[2][0], model[0]]  # innermost (last registered) first, the root excluded
+    by_callable = module_picker(lambda m: sum(p.numel() for p in m.parameters(recurse=False)) > 10, "auto_wrap_policy")
+    assert by_callable(model) == [model[0]]
+    assert module_picker(None, "auto_wrap_policy") is None
 
 
 def test_activation_checkpointing_recomputes_forward_in_backward_and_keeps_names():
