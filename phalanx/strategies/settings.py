@@ -1,0 +1,50 @@
+"""RunSettings: everything a strategy learns about the run it serves, given by whoever drives it (the Trainer or your loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import nn
+from torch.optim import Optimizer
+
+STAGES = ("fit", "validate", "test", "predict")
+
+#: Builds the optimizers and LR scheduler configurations for the set-up module (after any wrapping or sharding).
+OptimizerFactory = Callable[[nn.Module], tuple[list[Optimizer], list[Any]]]
+#: Called with each optimizer once its gradients are final and before it steps (hooks, gradient clipping).
+BeforeOptimizerStep = Callable[[Optimizer], None]
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a strategy needs to know about a run; strategies never read the object that drives them."""
+
+    #: 'fit' wraps the module for training and builds optimizers; the other stages only place it for evaluation.
+    stage: str = "fit"
+    #: Micro-batches per optimizer step (strategies that accumulate themselves, like DeepSpeed, read it).
+    accumulate_grad_batches: int = 1
+    #: Gradient clipping that a strategy applying it itself (DeepSpeed) must configure; None: no clipping.
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    #: Samples per batch of the training data on one process, when known (DeepSpeed's micro-batch size).
+    train_batch_size: int | None = None
+    #: How the optimizers are made once the module is set up; None: no optimizers (evaluation, or set up later).
+    configure_optimizers: OptimizerFactory | None = None
+    #: What runs between the backward pass and the optimizer step (on_before_optimizer_step hooks, clipping).
+    before_optimizer_step: BeforeOptimizerStep | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"RunSettings(stage={self.stage!r}) is not valid; choose one of {list(STAGES)}.")
+        if isinstance(self.accumulate_grad_batches, bool) or not isinstance(self.accumulate_grad_batches, int) or self.accumulate_grad_batches < 1:
+            raise ValueError(f"RunSettings(accumulate_grad_batches={self.accumulate_grad_batches!r}) must be an int >= 1.")
+        if self.gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(f"RunSettings(gradient_clip_algorithm={self.gradient_clip_algorithm!r}) is not valid; choose 'norm' or 'value'.")
+        if self.train_batch_size is not None and (isinstance(self.train_batch_size, bool) or not isinstance(self.train_batch_size, int) or self.train_batch_size < 1):
+            raise ValueError(f"RunSettings(train_batch_size={self.train_batch_size!r}) must be a positive int or None.")
+
+    @property
+    def fitting(self) -> bool:
+        """Whether the module is set up for training."""
+        return self.stage == "fit"
