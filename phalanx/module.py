@@ -460,8 +460,16 @@ class TrainingModule(nn.Module):
         algorithm = gradient_clip_algorithm or "norm"
         if algorithm not in ("norm", "value"):
             raise ValueError(f"gradient_clip_algorithm={algorithm!r} is not valid; choose 'norm' or 'value'.")
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        self.trainer.strategy.precision_plugin.clip_gradients(optimizer, gradient_clip_val, algorithm)
+        strategy = self.__dict__.get("_strategy")
+        if strategy is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.clip_gradients needs the strategy that runs this module (its precision decides how to"
+                " clip): call it while Trainer.fit runs, or after strategy.connect(module) in your own loop."
+            )
+        if algorithm == "norm":
+            strategy.clip_gradients(self, optimizer, max_norm=gradient_clip_val)
+        else:
+            strategy.clip_gradients(self, optimizer, clip_val=gradient_clip_val)
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod

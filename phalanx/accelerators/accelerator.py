@@ -16,8 +16,8 @@ class Accelerator(ABC):
     def setup_device(self, device: torch.device) -> None:
         """Prepare ``device`` for use by this process (e.g. make it the current CUDA device)."""
 
-    def setup(self, trainer: Any) -> None:
-        """Called once the Trainer is attached, before the model is moved."""
+    def setup(self) -> None:
+        """Called at the start of ``Strategy.setup``, before the model is moved (nothing to do by default)."""
 
     def teardown(self) -> None:
         """Release what ``setup_device`` acquired."""

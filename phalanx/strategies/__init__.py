@@ -6,7 +6,8 @@ from phalanx.strategies.fsdp import FSDPStrategy
 from phalanx.strategies.model_parallel import ModelParallelStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
+from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 
-__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy", "ParallelStrategy", "STRATEGY_REGISTRY", "SingleDeviceStrategy", "Strategy"]
+__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy", "ParallelStrategy", "RunSettings", "STRATEGY_REGISTRY", "SingleDeviceStrategy", "Strategy"]

@@ -17,6 +17,7 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.forward_redirection import redirect_forward
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
+from phalanx.strategies.settings import RunSettings
 from phalanx.utilities import distributed
 
 _UNUSED_PARAMETERS_HINT = (
@@ -63,26 +64,31 @@ class DDPStrategy(ParallelStrategy):
         self._ddp_kwargs = kwargs
 
     # ------------------------------------------------------------------ wrapping
-    def setup(self, trainer: Any) -> None:
-        """Move, convert and (when fitting) wrap the module in DistributedDataParallel."""
-        assert self.accelerator is not None and self._module is not None
-        self.accelerator.setup(trainer)
-        fitting = trainer.state.fn == "fit"
+    def setup(self, settings: RunSettings) -> None:
+        """Move, convert and (when fitting) wrap the module with ``configure_ddp``, then create the optimizers."""
+        self._begin_setup(settings)
+        assert self._module is not None
+        fitting = settings.fitting
         if fitting and self._layer_sync is not None:
             self._module = self._layer_sync.apply(self._module)
         self._module = self.precision_plugin.convert_module(self._module)
         self._model = self._module
         self.model_to_device()
         if fitting:
-            self._model = self._wrap(self._module)
-            self._register_comm_hook()
-            self.setup_optimizers(trainer)
+            self.configure_ddp()
+            self.setup_optimizers(settings)
             self._enable_model_averaging()
         else:
             # Evaluation runs unwrapped; every rank starts from rank 0's weights.
             for tensor in self._module.state_dict().values():
                 distributed.run_collective("broadcast(weights)", self.global_rank, self._timeout, lambda t=tensor: torch.distributed.broadcast(t, src=0))
         self.setup_precision_plugin()
+
+    def configure_ddp(self) -> None:
+        """Wrap ``self.module`` in DistributedDataParallel as ``self.model`` and register the comm hook (override to customise)."""
+        assert self._module is not None
+        self._model = self._wrap(self._module)
+        self._register_comm_hook()
 
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
@@ -120,7 +126,7 @@ class DDPStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Through DDP's forward; in manual optimization the reducer is prepared by ``pre_backward`` instead."""
         model, module = self._model, self._module
-        if not isinstance(model, DistributedDataParallel) or module.automatic_optimization:
+        if not isinstance(model, DistributedDataParallel) or getattr(module, "automatic_optimization", True):
             return super().training_step(*args, **kwargs)
         with self.naming_collectives("forward"), self.precision_plugin.train_step_context():
             # manual_backward runs inside training_step, i.e. inside DDP's forward: keep DDP from preparing the
@@ -141,7 +147,8 @@ class DDPStrategy(ParallelStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         """In manual optimization, prepare DDP's reducer for the backward the user triggers."""
         model = self._model
-        if isinstance(model, DistributedDataParallel) and not self._module.automatic_optimization and torch.is_grad_enabled() and model.require_backward_grad_sync:
+        manual = not getattr(self._module, "automatic_optimization", True)  # a plain nn.Module (your own loop) runs DDP's forward
+        if isinstance(model, DistributedDataParallel) and manual and torch.is_grad_enabled() and model.require_backward_grad_sync:
             model.require_forward_param_sync = True
             model.reducer.prepare_for_backward([closure_loss] if model.find_unused_parameters else [])
 

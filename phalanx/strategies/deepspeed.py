@@ -8,7 +8,8 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
 
 - ``handles_gradient_accumulation`` is True: the loop steps every batch and the engine accumulates. The strategy tells
   the engine where each accumulation window ends (the same windows as DDP: every ``accumulate_grad_batches`` batches
-  and at the end of an epoch), so gradients match a DDP run. ``global_step`` counts batches, as in Lightning; schedulers
+  and at the end of an epoch: the loop runs the other batches inside ``block_backward_sync``), so gradients match a
+  DDP run. ``global_step`` counts batches, as in Lightning; schedulers
   with ``interval='step'`` step once per optimizer update.
 - backward and the optimizer step go through the engine (``engine.backward``, ``engine.step``), via
   ``DeepSpeedPrecision``; the optimizer handle's ``zero_grad`` does nothing because the engine zeroes gradients itself
@@ -17,7 +18,8 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
   Trainer's state goes beside them, and ``.complete`` is written last. Resuming lets the engine read its files
   (``restore_checkpoint_after_setup``); the LR schedulers are restored by the Trainer from the saved state.
 - under ZeRO-3 every forward pass gathers parameters collectively: evaluation data is padded
-  (``strategy.pads_evaluation``), the batch counts are checked at the start of each evaluation,
+  (``strategy.pads_evaluation``), the driver checks the batch counts at the start of each evaluation
+  (``strategy.requires_equal_batches``),
   and evaluation steps run under ``no_grad`` instead of inference mode (parameters gathered in inference mode could
   not be used by training afterwards).
 """
@@ -39,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.optimization import LRSchedulerConfig
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.torch_io import is_url
@@ -56,13 +59,11 @@ from phalanx.strategies.deepspeed_checkpoint import (
 )
 from phalanx.strategies.deepspeed_files import check_tag_files, refuse_unsafe_engine_reads, safe_engine_reads, tag_directory
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
+from phalanx.strategies.settings import RunSettings
 from phalanx.utilities import distributed
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.init import empty_init_context
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
-
-if TYPE_CHECKING:
-    from phalanx.trainer.optimization import LRSchedulerConfig
 
 #: Environment variable naming a DeepSpeed JSON config, used when ``config`` is not given.
 CONFIG_ENV_VAR = "PHALANX_DEEPSPEED_CONFIG_PATH"
@@ -312,6 +313,7 @@ class DeepSpeedStrategy(ParallelStrategy):
         self._engine_trains = False  # whether the engine has an optimizer (created by fit)
         self._config: dict[str, Any] | None = None
         self._accumulation = 1
+        self._window_open = False  # inside block_backward_sync: this batch does not end an accumulation window
         self._updated_last_step = True
         self._optimizer_restored = False
         self._zero_init_active = False
@@ -378,12 +380,12 @@ class DeepSpeedStrategy(ParallelStrategy):
             sections["fp16"].update(self._loss_scaling)
         return sections
 
-    def _build_config(self, trainer: Any, fitting: bool) -> dict[str, Any]:
-        """The config handed to DeepSpeed: the given (or generated) one, completed from the Trainer and precision."""
+    def _build_config(self, settings: RunSettings) -> dict[str, Any]:
+        """The config handed to DeepSpeed: the given (or generated) one, completed from the run's settings and precision."""
         config = copy.deepcopy(self._user_config) if self._user_config is not None else self._generated_config()
         merge_activation_section(config, self._activation)
         config.setdefault("zero_allow_untested_optimizer", self._zero_allow_untested_optimizer)
-        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1))
+        accumulate = settings.accumulate_grad_batches
         given = config.get("gradient_accumulation_steps")
         if given is not None and given != accumulate:
             raise ValueError(
@@ -391,9 +393,9 @@ class DeepSpeedStrategy(ParallelStrategy):
                 " set it once, with Trainer(accumulate_grad_batches=...)."
             )
         config["gradient_accumulation_steps"] = accumulate
-        clip_val = getattr(trainer, "gradient_clip_val", None)
+        clip_val = settings.gradient_clip_val
         if clip_val:
-            if getattr(trainer, "gradient_clip_algorithm", "norm") != "norm":
+            if settings.gradient_clip_algorithm != "norm":
                 raise ValueError("DeepSpeed clips gradients by norm only: use gradient_clip_algorithm='norm' (or leave it unset) with gradient_clip_val.")
             if config.get("gradient_clipping") not in (None, clip_val):
                 raise ValueError(f"The DeepSpeed config sets gradient_clipping={config['gradient_clipping']!r} but the Trainer has gradient_clip_val={clip_val}; set it in one place.")
@@ -401,7 +403,7 @@ class DeepSpeedStrategy(ParallelStrategy):
         # DeepSpeed clips to 1.0 unless told otherwise; phalanx clips only when asked.
         config.setdefault("gradient_clipping", 0.0)
         if "train_micro_batch_size_per_gpu" not in config and "train_batch_size" not in config:
-            config["train_micro_batch_size_per_gpu"] = self._micro_batch_size(trainer) if fitting else 1
+            config["train_micro_batch_size_per_gpu"] = self._micro_batch_size(settings) if settings.fitting else 1
         wanted = self._precision_config()
         precision = self.precision_plugin.precision
         for key in ("fp16", "bf16"):
@@ -414,16 +416,16 @@ class DeepSpeedStrategy(ParallelStrategy):
                 config[key] = wanted[key]
         return config
 
-    def _micro_batch_size(self, trainer: Any) -> int:
+    @property
+    def needs_train_batch_size(self) -> bool:
+        """True unless ``logging_batch_size_per_gpu`` was given: DeepSpeed's config wants the per-process batch size."""
+        return self._logging_batch_size_per_gpu == "auto"
+
+    def _micro_batch_size(self, settings: RunSettings) -> int:
         if isinstance(self._logging_batch_size_per_gpu, int):
             return self._logging_batch_size_per_gpu
-        source = getattr(trainer, "_data_source", None)
-        loaders = source.get("train") if source is not None else []
-        if loaders:
-            loader = loaders[0]
-            batch_size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-            if isinstance(batch_size, int) and batch_size > 0:
-                return batch_size
+        if settings.train_batch_size is not None:
+            return settings.train_batch_size
         rank_zero_info("DeepSpeed: the training dataloader's batch size is unknown; DeepSpeed's throughput logs assume 1 (set DeepSpeedStrategy(logging_batch_size_per_gpu=...)).")
         return 1
 
@@ -458,11 +460,11 @@ class DeepSpeedStrategy(ParallelStrategy):
         return argparse.Namespace(device_rank=index if index is not None else self.local_rank)
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, trainer: Any) -> None:
+    def setup(self, settings: RunSettings) -> None:
         """Convert the module and build the engine: with the optimizer when fitting, parameter gathering only for ZeRO-3 evaluation."""
-        assert self.accelerator is not None and self._module is not None
-        self.accelerator.setup(trainer)
-        fitting = trainer.state.fn == "fit"
+        self._begin_setup(settings)
+        assert self._module is not None
+        fitting = settings.fitting
         self._release_engine()
         if fitting and self._layer_sync is not None:
             self._module = self._layer_sync.apply(self._module)
@@ -470,19 +472,17 @@ class DeepSpeedStrategy(ParallelStrategy):
         self._model = self._module
         if not _partitioned_parameters(self._module):
             self.model_to_device()
-        config = self._config = self._build_config(trainer, fitting)
+        config = self._config = self._build_config(settings)
         self._accumulation = int(config["gradient_accumulation_steps"])
         self.precision_plugin.engine_gradient_clipping = float(config.get("gradient_clipping") or 0.0)
         if fitting:
-            self._initialize_training_engine(config)
+            self._initialize_training_engine(config, settings)
             configure_activation_checkpointing(_import_deepspeed(), config)
         else:
             self._initialize_evaluation(config)
         self.setup_precision_plugin()
 
-    def _initialize_training_engine(self, config: dict[str, Any]) -> None:
-        from phalanx.trainer.optimization import LRSchedulerConfig, init_optimizers_and_schedulers
-
+    def _initialize_training_engine(self, config: dict[str, Any], settings: RunSettings) -> None:
         module = self._module
         assert module is not None
         if _overrides(module, "backward") and not self._warned_backward_hook:
@@ -493,8 +493,10 @@ class DeepSpeedStrategy(ParallelStrategy):
             if _overrides(module, "configure_optimizers"):
                 rank_zero_info("DeepSpeed: the optimizer (and scheduler) of the DeepSpeed config are used; configure_optimizers is not called.")
             self.lr_scheduler_configs = []
+        elif settings.configure_optimizers is None:
+            raise ValueError("DeepSpeedStrategy.setup(RunSettings(stage='fit')) needs configure_optimizers= in the settings, or an 'optimizer' section in the DeepSpeed config.")
         else:
-            optimizers, self.lr_scheduler_configs = init_optimizers_and_schedulers(module)
+            optimizers, self.lr_scheduler_configs = settings.configure_optimizers(module)
             if len(optimizers) != 1:
                 raise ValueError(
                     f"DeepSpeed drives exactly one optimizer, but configure_optimizers returned {len(optimizers)}."
@@ -578,73 +580,37 @@ class DeepSpeedStrategy(ParallelStrategy):
         return closure_loss
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any) -> Any:
-        """Mark whether this batch ends an accumulation window, then run the closure and ``engine.step()``."""
+        """Tell the engine whether this batch ends an accumulation window, then run the closure and ``engine.step()``.
+
+        A step inside ``block_backward_sync`` does not end the window: the engine accumulates and does not update.
+        """
         engine = self._require_training_engine()
-        module = self._module
-        if module is not None and module.automatic_optimization:
-            boundary = self._at_accumulation_boundary()
-            engine.set_gradient_accumulation_boundary(boundary)
-        else:
-            boundary = True
+        boundary = not self._window_open
+        # Every step: once set, the engine keeps the flag instead of counting micro-steps against its config.
+        engine.set_gradient_accumulation_boundary(boundary)
         with self.naming_collectives("optimizer_step"):
-            result = self.precision_plugin.optimizer_step(optimizer, model=engine, closure=closure, **kwargs)
+            result = self.precision_plugin.optimizer_step(optimizer, model=engine, closure=closure, before_step=self._before_optimizer_step(), **kwargs)
         self._updated_last_step = boundary
         return result
 
-    def _at_accumulation_boundary(self) -> bool:
-        """The windows DDP uses: every ``accumulate_grad_batches`` batches, and the last batch of an epoch."""
-        if self._accumulation == 1:
-            return True
-        trainer = getattr(self._module, "_trainer", None)
-        loop = getattr(trainer, "fit_loop", None)
-        if loop is None:
-            return True
-        done = loop.batches_done + 1
-        return done % self._accumulation == 0 or done == loop.num_batches
-
-    def block_backward_sync(self) -> AbstractContextManager:
-        """Nothing to block: the engine accumulates gradients itself (``handles_gradient_accumulation``)."""
-        return nullcontext()
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """The steps inside do not end an accumulation window: the engine keeps accumulating (and does not reduce yet)."""
+        previous, self._window_open = self._window_open, True
+        try:
+            yield
+        finally:
+            self._window_open = previous
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """A placeholder: DeepSpeed writes each rank's optimizer partition into the checkpoint directory itself."""
         return dict(OPTIMIZER_MARKER)
 
     # ------------------------------------------------------------------ evaluation under ZeRO-3
-    def on_validation_start(self) -> None:
-        """Under ZeRO-3, check that every rank runs as many validation batches (each forward gathers parameters)."""
-        trainer = getattr(self._module, "_trainer", None)
-        if trainer is not None:
-            self._check_equal_batches(trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches, "validation")
-
-    def on_test_start(self) -> None:
-        """Under ZeRO-3, check that every rank runs as many test batches."""
-        trainer = getattr(self._module, "_trainer", None)
-        if trainer is not None:
-            self._check_equal_batches(trainer.num_test_batches, "test")
-
-    def on_predict_start(self) -> None:
-        """Under ZeRO-3, check that every rank runs as many predict batches."""
-        trainer = getattr(self._module, "_trainer", None)
-        if trainer is not None:
-            self._check_equal_batches(trainer.num_predict_batches, "predict")
-
-    def _check_equal_batches(self, counts: list[int | float], stage: str) -> None:
-        if self.world_size == 1 or self._module is None or not _partitioned_parameters(self._module):
-            return
-        mine = [float(count) for count in counts]
-        everyone = self.all_gather_object(mine)
-        if any(other != everyone[0] for other in everyone):
-            per_rank = ", ".join(f"rank {rank}: {[int(c) if math.isfinite(c) else 'unknown' for c in row]}" for rank, row in enumerate(everyone))
-            raise ValueError(
-                f"ZeRO stage 3 gathers parameters with collective operations in every forward pass, so every process must run the"
-                f" same number of {stage} batches; they differ ({per_rank}). phalanx pads the evaluation data of a torch"
-                " DataLoader for this; a dataloader it does not shard (use_distributed_sampler=False, a custom batch sampler,"
-                " an iterable) must yield as many batches on every process (or limit them with"
-                f" limit_{'val' if stage == 'validation' else stage}_batches=...)."
-            )
-        if any(math.isinf(count) for count in mine):
-            rank_zero_warn(f"ZeRO stage 3: the {stage} dataloader has no length, so phalanx cannot check that every process runs as many batches; if one runs fewer, the others wait for it until the timeout.")
+    @property
+    def requires_equal_batches(self) -> bool:
+        """Under ZeRO-3 with partitioned parameters on several processes: each forward pass gathers them collectively."""
+        return self.world_size > 1 and self._module is not None and bool(_partitioned_parameters(self._module))
 
     # ------------------------------------------------------------------ creating the model
     def _zero_init(self) -> AbstractContextManager:

@@ -23,6 +23,7 @@ from phalanx.strategies import fsdp_seed_arguments as seed
 from phalanx.strategies.dtensor_state import has_meta_tensors, is_dtensor
 from phalanx.strategies.fsdp_seed_arguments import HYBRID_STRATEGIES, KEEP_GATHERED_AFTER_FORWARD, ModulePolicy
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
+from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
 from phalanx.utilities import distributed
 from phalanx.utilities.init import empty_init_context
@@ -229,16 +230,16 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
                         else:
                             table[name] = tensor.to(device)
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, settings: RunSettings) -> None:
         """Shard the module in host memory (unless configure_model did), materialise meta tensors, create optimizers.
 
         Nothing is moved whole to the device first: ``fully_shard`` moves each group's tensors as it shards them.
         """
-        assert self.accelerator is not None and self._module is not None
-        self.accelerator.setup(trainer)
+        self._begin_setup(settings)
         module = self._module
+        assert module is not None
         if not is_sharded(module):
-            if trainer.state.fn == "fit" and self._layer_sync is not None:
+            if settings.fitting and self._layer_sync is not None:
                 # Before sharding, so that the synchronised layers' parameters are sharded like any other.
                 module = self._layer_sync.apply(module)
             module = self.precision_plugin.convert_module(module)
@@ -254,8 +255,9 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
             self._materialize(module)
         self.model_to_device()
         self._model = module
-        if trainer.state.fn == "fit":
-            self.setup_optimizers(trainer)
+        if settings.fitting:
+            # After sharding: the optimizers must hold the sharded parameters.
+            self.setup_optimizers(settings)
         self.setup_precision_plugin()
 
     def _check_presharded(self, module: nn.Module) -> None:

@@ -14,6 +14,7 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.dtensor_state import has_dtensors, has_meta_tensors
 from phalanx.strategies.fsdp import is_sharded
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
+from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
 
 MESH_DIMENSIONS = ("data_parallel", "tensor_parallel")
@@ -111,11 +112,11 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             )
         super().connect(model)
 
-    def setup(self, trainer: Any) -> None:
+    def setup(self, settings: RunSettings) -> None:
         """Check that configure_model parallelised the module, materialise meta tensors, create optimizers."""
-        assert self.accelerator is not None and self._module is not None
+        self._begin_setup(settings)
         module = self._module
-        self.accelerator.setup(trainer)
+        assert module is not None
         module = self.precision_plugin.convert_module(module)
         self._module = module
         dp, _ = self.mesh_shape()
@@ -131,8 +132,8 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         else:
             self.model_to_device()
         self._model = module
-        if trainer.state.fn == "fit":
-            self.setup_optimizers(trainer)
+        if settings.fitting:
+            self.setup_optimizers(settings)
         self.setup_precision_plugin()
 
     @classmethod

@@ -1,4 +1,9 @@
-"""The Strategy: how a TrainingModule is placed, wrapped, stepped and checkpointed."""
+"""The Strategy: how a module is placed, wrapped, stepped and checkpointed.
+
+A strategy never sees the object that drives it (the Trainer, or your own loop): it receives the module in
+``connect``, the run's settings in ``setup`` (a :class:`~phalanx.strategies.settings.RunSettings`), and everything
+else as explicit arguments of its methods.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +16,17 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.optimization import LRSchedulerConfig
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.forward_redirection import redirect_forward
+from phalanx.strategies.settings import RunSettings
 from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.init import empty_init_context
 
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
-    from phalanx.trainer.optimization import LRSchedulerConfig
 
 _T = TypeVar("_T")
 
@@ -44,6 +50,7 @@ class Strategy(ABC):
         self._module: TrainingModule | None = None
         self._model: nn.Module | None = None
         self._launcher: Any = None
+        self._run_settings: RunSettings | None = None
         self.optimizers: list[Optimizer] = []
         self.lr_scheduler_configs: list[LRSchedulerConfig] = []
 
@@ -90,7 +97,7 @@ class Strategy(ABC):
     def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> Precision:
         """The precision plugin this strategy needs for the precision name ``precision`` on ``accelerator``."""
         # Strategies that own the precision machinery (FSDP's mixed-precision policy, DeepSpeed) override this.
-        from phalanx.trainer.setup import precision_plugin_for
+        from phalanx.plugins.precision.selection import precision_plugin_for
 
         return precision_plugin_for(precision, accelerator)
 
@@ -102,7 +109,7 @@ class Strategy(ABC):
     # ------------------------------------------------------------------ the model
     @property
     def module(self) -> TrainingModule | None:
-        """The user's TrainingModule, unwrapped."""
+        """The user's module (a TrainingModule under the Trainer, any nn.Module in your own loop), unwrapped."""
         return self._module
 
     @property
@@ -114,10 +121,20 @@ class Strategy(ABC):
     def model(self, model: nn.Module | None) -> None:
         self._model = model
 
-    def connect(self, model: TrainingModule) -> None:
-        """Take ownership of the user's module."""
-        self._module = model
+    def connect(self, model: nn.Module) -> None:
+        """Take ownership of the user's module (a TrainingModule learns its strategy, for ``clip_gradients``)."""
+        self._module = model  # type: ignore[assignment]
         self._model = model
+        from phalanx.module import TrainingModule
+
+        if isinstance(model, TrainingModule):
+            # A plain attribute: not a submodule, not in the state dict (nn.Module.__setattr__ is bypassed).
+            model.__dict__["_strategy"] = self
+
+    @property
+    def run_settings(self) -> RunSettings | None:
+        """The settings of the last ``setup`` (None before it)."""
+        return self._run_settings
 
     # ------------------------------------------------------------------ abstract contract
     @property
@@ -200,24 +217,38 @@ class Strategy(ABC):
         assert self.accelerator is not None, "the Trainer attaches an accelerator before setup"
         self.accelerator.setup_device(self.root_device)
 
-    def setup(self, trainer: Any) -> None:
-        """Move the module to its device, apply the precision and create the optimizers when fitting."""
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        assert self._module is not None, "connect() a module before setup()"
+    def setup(self, settings: RunSettings) -> None:
+        """Move the module to its device, apply the precision, and create the optimizers when ``settings.fitting``."""
+        self._begin_setup(settings)
+        assert self._module is not None
         self._module = self.precision_plugin.convert_module(self._module)
         self._model = self._module
         self.model_to_device()
-        if trainer.state.fn == "fit":
-            self.setup_optimizers(trainer)
+        if settings.fitting:
+            self.setup_optimizers(settings)
         self.setup_precision_plugin()
 
-    def setup_optimizers(self, trainer: Any) -> None:
-        """Create the optimizers and LR schedulers from ``configure_optimizers``."""
-        from phalanx.trainer.optimization import init_optimizers_and_schedulers
+    def _begin_setup(self, settings: RunSettings) -> None:
+        """What every ``setup`` does first: check its arguments, keep the settings, let the accelerator prepare."""
+        if not isinstance(settings, RunSettings):
+            raise TypeError(
+                f"{type(self).__name__}.setup(settings) takes a phalanx.strategies.RunSettings, got {type(settings).__name__}."
+                " Strategies no longer receive the Trainer: read the run's settings from this argument."
+            )
+        if self.accelerator is None:
+            raise RuntimeError(f"{type(self).__name__} has no accelerator: give it one (accelerator=...) before setup().")
+        if self._module is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() needs a module: call connect(module) first.")
+        self._run_settings = settings
+        self.accelerator.setup()
 
+    def setup_optimizers(self, settings: RunSettings) -> None:
+        """Create the optimizers and LR scheduler configs with ``settings.configure_optimizers`` (nothing without one)."""
+        factory = settings.configure_optimizers
+        if factory is None:
+            return
         assert self._module is not None
-        self.optimizers, self.lr_scheduler_configs = init_optimizers_and_schedulers(self._module)
+        self.optimizers, self.lr_scheduler_configs = factory(self._module)
 
     def setup_precision_plugin(self) -> None:
         """Let the precision plugin wrap the model, optimizers and schedulers."""
@@ -287,16 +318,35 @@ class Strategy(ABC):
         """Called after backward."""
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any) -> Any:
-        """Step ``optimizer`` through the precision plugin (which runs ``closure`` first)."""
+        """Step ``optimizer`` through the precision plugin, which runs ``closure``, then ``before_optimizer_step``."""
         with self.naming_collectives("optimizer_step"):
-            return self.precision_plugin.optimizer_step(optimizer, model=model if model is not None else self._module, closure=closure, **kwargs)
+            return self.precision_plugin.optimizer_step(
+                optimizer, model=model if model is not None else self._module, closure=closure, before_step=self._before_optimizer_step(), **kwargs
+            )
+
+    def _before_optimizer_step(self) -> Callable[[Optimizer], None] | None:
+        settings = self._run_settings
+        return settings.before_optimizer_step if settings is not None else None
+
+    def clip_gradients(self, module: nn.Module | None, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None) -> Tensor | None:
+        """Clip ``optimizer``'s gradients to total norm ``max_norm`` (returns the norm) or to ``clip_val`` by value."""
+        if (max_norm is None) == (clip_val is None):
+            raise ValueError(f"clip_gradients takes exactly one of max_norm= (clip by total norm) or clip_val= (clip by value); got max_norm={max_norm!r}, clip_val={clip_val!r}.")
+        name, value = ("max_norm", max_norm) if max_norm is not None else ("clip_val", clip_val)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"clip_gradients({name}={value!r}) must be a number.")
+        if value < 0:
+            raise ValueError(f"clip_gradients({name}={value!r}) must be >= 0 (0 does not clip).")
+        # Handles (the Trainer's ManualOptimizer, ...) expose the optimizer they wrap as `.optimizer`.
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        return self.precision_plugin.clip_gradients(optimizer, value, "norm" if name == "max_norm" else "value")
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Return ``optimizer``'s state for a checkpoint (sharded strategies consolidate it first)."""
         return optimizer.state_dict()
 
     def block_backward_sync(self) -> AbstractContextManager:
-        """Context in which backward skips gradient synchronisation (while accumulating); nothing to skip here."""
+        """Context for the batches that do not end an accumulation window: backward skips gradient sync (none here)."""
         return nullcontext()
 
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -367,7 +417,17 @@ class Strategy(ABC):
 
     @property
     def handles_gradient_accumulation(self) -> bool:
-        """Whether the strategy accumulates gradients itself (the loops then step every batch)."""
+        """Whether the strategy accumulates gradients itself (the loops then step every batch, see ``block_backward_sync``)."""
+        return False
+
+    @property
+    def needs_train_batch_size(self) -> bool:
+        """Whether ``setup`` wants ``RunSettings.train_batch_size`` (the driver then reads it from the training data)."""
+        return False
+
+    @property
+    def requires_equal_batches(self) -> bool:
+        """Whether every process must run as many evaluation batches (each forward pass runs collectives); the driver checks."""
         return False
 
     # ------------------------------------------------------------------ hooks

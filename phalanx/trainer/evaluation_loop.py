@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -9,8 +10,10 @@ import torch
 from torch import nn
 
 from phalanx.trainer.logged_results import LoggedResults
+from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
+    from phalanx.strategies.strategy import Strategy
     from phalanx.trainer.trainer import Trainer
 
 
@@ -46,6 +49,32 @@ def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
         module.training = training
 
 
+def check_equal_batches(strategy: Strategy, counts: list[int | float], stage: str) -> None:
+    """When the strategy ``requires_equal_batches``, refuse to start an evaluation in which the processes' batch counts differ.
+
+    Each forward pass then runs collectives (ZeRO-3 gathers parameters): a process with fewer batches would leave the
+    others waiting until the timeout.
+    """
+    if not strategy.requires_equal_batches:
+        return
+    mine = [float(count) for count in counts]
+    everyone = strategy.all_gather_object(mine)
+    if any(other != everyone[0] for other in everyone):
+        per_rank = ", ".join(f"rank {rank}: {[int(c) if math.isfinite(c) else 'unknown' for c in row]}" for rank, row in enumerate(everyone))
+        raise ValueError(
+            f"{type(strategy).__name__} runs collective operations in every forward pass (ZeRO stage 3 gathers parameters), so"
+            f" every process must run the same number of {stage} batches; they differ ({per_rank}). phalanx pads the evaluation"
+            " data of a torch DataLoader for this; a dataloader it does not shard (use_distributed_sampler=False, a custom batch"
+            " sampler, an iterable) must yield as many batches on every process (or limit them with"
+            f" limit_{'val' if stage == 'validation' else stage}_batches=...)."
+        )
+    if any(math.isinf(count) for count in mine):
+        rank_zero_warn(
+            f"{type(strategy).__name__}: the {stage} dataloader has no length, so phalanx cannot check that every process runs as"
+            " many batches; if one runs fewer, the others wait for it until the timeout."
+        )
+
+
 def _step_kwargs(multiple: bool, dataloader_idx: int) -> dict[str, int]:
     return {"dataloader_idx": dataloader_idx} if multiple else {}
 
@@ -65,6 +94,7 @@ def run_evaluation(trainer: Trainer, stage: str, dataloaders: list[Any], limits:
     batch_end = hooks[f"on_{stage}_batch_end"]
     move_batch = hooks.move_batch
     with evaluation_mode(trainer, stage):
+        check_equal_batches(strategy, limits, stage)
         getattr(strategy, f"on_{stage}_start")()
         hooks.call(f"on_{stage}_start")
         hooks.call(f"on_{stage}_epoch_start")
@@ -119,6 +149,7 @@ def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | 
     all_outputs: list[list[Any]] = []
     move_batch = hooks.move_batch
     with evaluation_mode(trainer, "predict"):
+        check_equal_batches(strategy, limits, "predict")
         strategy.on_predict_start()
         hooks.call("on_predict_start")
         hooks.call("on_predict_epoch_start")

@@ -361,18 +361,29 @@ class FitLoop:
             self._drop_window(ends_window=self._ends_window())
             return skipped.output
 
-    def _ends_window(self) -> bool:
-        trainer = self.trainer
-        accumulate = trainer.accumulate_grad_batches
-        if accumulate == 1 or trainer.strategy.handles_gradient_accumulation:
+    def _closes_window(self) -> bool:
+        """Whether this batch is the last of its accumulation window (every ``accumulate_grad_batches``, and the epoch's last)."""
+        accumulate = self.trainer.accumulate_grad_batches
+        if accumulate == 1:
             return True
         done = self.batches_done + 1
         return done % accumulate == 0 or done == self.num_batches
 
+    def _ends_window(self) -> bool:
+        """Whether the optimizer steps after this batch (every batch with a strategy that accumulates itself)."""
+        return self._closes_window() or self.trainer.strategy.handles_gradient_accumulation
+
     def _forward_backward_step(self, batch: Any, batch_idx: int) -> Any:
-        if not self._ends_window():
-            with self.trainer.strategy.block_backward_sync():
-                return self._forward_backward(batch, batch_idx)[1]
+        if not self._closes_window():
+            strategy = self.trainer.strategy
+            with strategy.block_backward_sync():
+                if not strategy.handles_gradient_accumulation:
+                    return self._forward_backward(batch, batch_idx)[1]
+                # The strategy (DeepSpeed) steps every batch and learns from this context that the window goes on.
+                return self._step_on(batch, batch_idx)
+        return self._step_on(batch, batch_idx)
+
+    def _step_on(self, batch: Any, batch_idx: int) -> Any:
         outputs: list[Any] = [None]
 
         def closure() -> Tensor | None:

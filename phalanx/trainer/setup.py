@@ -13,10 +13,8 @@ from phalanx.accelerators.registry import ACCELERATOR_REGISTRY
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
-from phalanx.plugins.precision.amp import MixedPrecision
-from phalanx.plugins.precision.double import DoublePrecision
-from phalanx.plugins.precision.half import HalfPrecision
 from phalanx.plugins.precision.precision import Precision
+from phalanx.plugins.precision.selection import precision_plugin_for
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
@@ -74,24 +72,6 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
         hint = " (torch.cuda.is_available() is False)" if name == "cuda" else ""
         raise ValueError(f"accelerator={accelerator!r} was requested but is not available on this machine{hint}. Available accelerators: {usable}.")
     return ACCELERATOR_REGISTRY.get(name)
-
-
-def precision_plugin_for(precision: str, accelerator: Accelerator) -> Precision:
-    """Return the precision plugin for ``precision`` on ``accelerator``, refusing what the device cannot run."""
-    device_type = getattr(accelerator, "name", "") or "cpu"
-    if precision == "16-mixed" and device_type == "cpu":
-        rank_zero_warn("precision='16-mixed' is not supported on the CPU: using 'bf16-mixed' (bfloat16 autocast) instead.")
-        precision = "bf16-mixed"
-    supported = type(accelerator).supported_precisions()
-    if precision not in supported:
-        raise ValueError(f"precision={precision!r} cannot run on the {device_type} accelerator here. Supported: {list(supported)}.")
-    if precision == "32-true":
-        return Precision()
-    if precision == "64-true":
-        return DoublePrecision()
-    if precision in ("16-true", "bf16-true"):
-        return HalfPrecision(precision)
-    return MixedPrecision(precision, device=device_type)
 
 
 class _Plugins:

@@ -16,6 +16,7 @@ from phalanx.accelerators.accelerator import Accelerator
 from phalanx.callbacks.callback import Callback
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
+from phalanx.strategies.migration import refuse_trainer_launcher, refuse_trainer_parameters
 from phalanx.strategies.strategy import Strategy
 from phalanx.trainer.arguments import NONFINITE_LOSS_MODES, RENAMED_TRAINER_ATTRIBUTES, check_bool, check_choice, check_int, check_number, parse_max_time, refuse_not_integrated, reject_class, resolve_root_dir, shown
 from phalanx.trainer.barebones import BarebonesResults, check_barebones
@@ -30,7 +31,9 @@ from phalanx.trainer.logged_results import LoggedResults
 from phalanx.trainer.nonfinite import check_nonfinite_mode
 from phalanx.trainer.optimizer import ManualOptimizer
 from phalanx.trainer.preemption import PREEMPTED_EXIT_CODE, Preemption
+from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.setup import resolve_strategy
+from phalanx.trainer.spawn_state import TrainerWorkerState
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerState, TrainerStatus
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn, set_global_rank
 from phalanx.utilities.seed import worker_init_fn
@@ -136,6 +139,7 @@ class Trainer(DeviceProperties):
             accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes,
             precision=precision, plugins=plugins, sync_batchnorm=sync_batchnorm,
         )  # fmt: skip
+        refuse_trainer_parameters(self.strategy)  # written for the old contract, it would fail only once fit starts
         self.precision = self.strategy.precision_plugin.precision
 
         if isinstance(fast_dev_run, bool):
@@ -530,10 +534,15 @@ class Trainer(DeviceProperties):
         self._stop_now = False
         try:
             launcher = self.strategy.launcher
+            worker_state = None
+            if launcher is not None:
+                refuse_trainer_launcher(launcher)
+                # The module the user passed (first argument of each run) lives in this process: spawned workers update it.
+                worker_state = TrainerWorkerState(self, next((arg for arg in args if isinstance(arg, torch.nn.Module)), None))
             if self.detect_anomaly:
                 args = (run, *args)
                 run = self._run_detecting_anomalies
-            result = launcher.launch(run, *args, trainer=self) if launcher is not None else run(*args)
+            result = launcher.launch(run, *args, worker_state=worker_state) if launcher is not None else run(*args)
         except BaseException as exception:
             interrupted = isinstance(exception, KeyboardInterrupt)
             self.state.status = TrainerStatus.INTERRUPTED if interrupted else TrainerStatus.FAILED
@@ -597,7 +606,7 @@ class Trainer(DeviceProperties):
                 connector.check_model_state(checkpoint)
             else:
                 connector.restore_model(checkpoint)
-        strategy.setup(self)
+        strategy.setup(run_settings(self, source))
         if path is not None and strategy.restore_checkpoint_after_setup:
             # Read once the model is sharded (and its optimizers exist), so that each rank reads only its shards.
             checkpoint = connector.load(path, fitting=fitting)

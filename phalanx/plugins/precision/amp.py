@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
-from phalanx.plugins.precision.precision import Precision
+from phalanx.plugins.precision.precision import BeforeStep, Precision
 
 
 class MixedPrecision(Precision):
@@ -39,17 +39,19 @@ class MixedPrecision(Precision):
             return self.scaler.scale(tensor)
         return tensor
 
-    def optimizer_step(self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Without a scaler, as the base; with one, run the closure, unscale, then ``scaler.step``."""
+    def optimizer_step(
+        self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], *, before_step: BeforeStep | None = None, **kwargs: Any
+    ) -> Any:
+        """Without a scaler, as the base; with one, run the closure, unscale, ``before_step``, then ``scaler.step``."""
         if self.scaler is None:
-            return super().optimizer_step(optimizer, model, closure, **kwargs)
+            return super().optimizer_step(optimizer, model, closure, before_step=before_step, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise TypeError("LBFGS needs its closure re-evaluated, which a GradScaler cannot do: use '32-true' or 'bf16-mixed'.")
         closure_result = closure()
         skipped = closure_result is None and getattr(model, "automatic_optimization", True)
         if not skipped:
             self.unscale_gradients(optimizer)  # before the hooks and clipping in _after_closure see the gradients
-        self._after_closure(model, optimizer)
+        self._after_closure(optimizer, before_step)
         if skipped:
             # training_step returned None: there are no gradients to step on. Clipping in the hooks may still have
             # unscaled this optimizer; without update() the scaler would refuse to unscale it next step.

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.plugins.precision.half import cast_floating, default_dtype
-from phalanx.plugins.precision.precision import Precision
+from phalanx.plugins.precision.precision import BeforeStep, Precision
 
 DEEPSPEED_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 _DTYPES = {"32": torch.float32, "16": torch.float16, "bf16": torch.bfloat16}
@@ -77,8 +77,8 @@ class DeepSpeedPrecision(Precision):
             raise RuntimeError("DeepSpeedPrecision.backward needs the DeepSpeed engine; it is created by DeepSpeedStrategy.setup() when fitting.")
         backward(tensor, *args, **kwargs)
 
-    def optimizer_step(self, optimizer: Any, model: nn.Module | None, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Run the closure (forward and backward), the before-step hooks, then ``engine.step()``."""
+    def optimizer_step(self, optimizer: Any, model: nn.Module | None, closure: Callable[[], Any], *, before_step: BeforeStep | None = None, **kwargs: Any) -> Any:
+        """Run the closure (forward and backward), ``before_step`` (hooks, clipping checks), then ``engine.step()``."""
         if model is None or not hasattr(model, "is_gradient_accumulation_boundary"):
             raise RuntimeError("DeepSpeedPrecision.optimizer_step needs the DeepSpeed engine as `model`.")
         module = getattr(model, "module", None)
@@ -88,7 +88,7 @@ class DeepSpeedPrecision(Precision):
                 "training_step returned None, which skips the batch; DeepSpeed cannot skip a step of its engine"
                 " (its gradient accumulation and loss scaling count every batch). Return the loss for every batch."
             )
-        self._after_closure(module, optimizer)
+        self._after_closure(optimizer, before_step)
         model.step(**kwargs)
         return result
 

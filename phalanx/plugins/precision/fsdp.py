@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from phalanx.plugins.precision.amp import MixedPrecision
 from phalanx.plugins.precision.half import HalfPrecision
-from phalanx.plugins.precision.precision import Precision
+from phalanx.plugins.precision.precision import BeforeStep, Precision
 
 FSDP_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
@@ -70,9 +70,11 @@ class FSDPPrecision(Precision):
         """Scale the loss under a GradScaler."""
         return self._inner.pre_backward(tensor, module)
 
-    def optimizer_step(self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], *, before_step: BeforeStep | None = None, **kwargs: Any
+    ) -> Any:
         """Step through the plain plugin (unscaling first under a GradScaler)."""
-        return self._inner.optimizer_step(optimizer, model, closure, **kwargs)
+        return self._inner.optimizer_step(optimizer, model, closure, before_step=before_step, **kwargs)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Unscale gradients under a GradScaler."""

@@ -11,6 +11,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 _NULL = nullcontext()
+#: What runs once the gradients are final, before the update (the strategy passes ``RunSettings.before_optimizer_step``).
+BeforeStep = Callable[[Optimizer], None]
 _CLOSURE_ONCE: dict[type, bool] = {}
 
 
@@ -96,29 +98,30 @@ class Precision:
         """Called after ``backward``."""
         return tensor
 
-    def optimizer_step(self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Step ``optimizer``; ``closure`` computes the loss and gradients and is passed on so LBFGS-like optimizers work."""
+    def optimizer_step(
+        self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], *, before_step: BeforeStep | None = None, **kwargs: Any
+    ) -> Any:
+        """Step ``optimizer``: ``closure`` (loss and gradients, passed on so LBFGS-like optimizers work), ``before_step``, the update."""
         if evaluates_closure_once(optimizer):
             # Same result as optimizer.step(closure=...) for these optimizers, without its per-step overhead.
             result = closure()
-            self._after_closure(model, optimizer)
+            self._after_closure(optimizer, before_step)
             optimizer.step(**kwargs)
             return result
-        return optimizer.step(closure=self._wrap_closure(model, optimizer, closure), **kwargs)
+        return optimizer.step(closure=self._wrap_closure(optimizer, closure, before_step), **kwargs)
 
-    def _wrap_closure(self, model: nn.Module | None, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+    def _wrap_closure(self, optimizer: Optimizer, closure: Callable[[], Any], before_step: BeforeStep | None) -> Callable[[], Any]:
         def closure_then_prepare_step() -> Any:
             result = closure()
-            self._after_closure(model, optimizer)
+            self._after_closure(optimizer, before_step)
             return result
 
         return closure_then_prepare_step
 
-    def _after_closure(self, model: nn.Module | None, optimizer: Optimizer) -> None:
-        # Gradients are final here: run on_before_optimizer_step hooks and clipping through the attached Trainer.
-        trainer = getattr(model, "_trainer", None)
-        if trainer is not None:
-            trainer._before_optimizer_step(optimizer)
+    def _after_closure(self, optimizer: Optimizer, before_step: BeforeStep | None) -> None:
+        # Gradients are final here: the driver's before-step callback (on_before_optimizer_step hooks, clipping).
+        if before_step is not None:
+            before_step(optimizer)
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Bring gradients back to their true scale (no-op without loss scaling)."""

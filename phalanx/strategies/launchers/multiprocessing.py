@@ -12,16 +12,17 @@ from typing import Any, Callable
 
 import torch
 
-from phalanx.strategies.launchers.launcher import Launcher
+from phalanx.strategies.launchers.launcher import Launcher, WorkerState
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
 
 class MultiProcessingLauncher(Launcher):
-    """The main process starts N workers, waits for them, then takes over rank 0's trained state.
+    """The main process starts N workers, waits for them, then takes over rank 0's result and state.
 
-    After ``fit`` the user's objects in the main process hold what rank 0 ended with: the module's weights, the
-    progress counters, the callback metrics and the callbacks' state (best model path, ...).
+    Each worker runs ``function`` with its own copy of the launcher's strategy (the same object that ``function``
+    and ``worker_state`` reach in that worker). What rank 0 ended with comes back through ``worker_state``: under
+    the Trainer, the module's weights, the progress counters, the callback metrics and the callbacks' state.
     """
 
     def __init__(self, strategy: Any, start_method: str = "spawn") -> None:
@@ -37,8 +38,8 @@ class MultiProcessingLauncher(Launcher):
         """Fork works from a notebook; spawn needs importable code."""
         return self._start_method == "fork"
 
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        """Run ``function`` in ``num_processes`` new processes and return rank 0's result."""
+    def launch(self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any) -> Any:
+        """Run ``function`` in ``num_processes`` new processes, restore rank 0's ``worker_state`` here, return its result."""
         # A spawned worker re-imports the main script while `_inheriting` is set: an unguarded fit() lands here.
         bootstrapping = getattr(multiprocessing.current_process(), "_inheriting", False)
         if (bootstrapping or multiprocessing.parent_process() is not None) and self._start_method != "fork":
@@ -65,7 +66,8 @@ class MultiProcessingLauncher(Launcher):
         try:
             torch.multiprocessing.start_processes(
                 _run_rank,
-                args=(trainer, function, args, kwargs, results_path, self._start_method, _global_settings()),
+                # One pickle for all of them: in a worker, the strategy is the one `function` and `worker_state` use.
+                args=(self._strategy, function, args, kwargs, results_path, self._start_method, _global_settings(), worker_state),
                 nprocs=self._strategy.num_processes,
                 start_method=self._start_method,
                 join=True,
@@ -73,10 +75,8 @@ class MultiProcessingLauncher(Launcher):
             worker_output = _read_results(results_path)
         finally:
             shutil.rmtree(private, ignore_errors=True)
-        if trainer is not None:
-            # The module the user passed (first argument of fit/validate/...) lives in this process: update it.
-            module = next((arg for arg in args if isinstance(arg, torch.nn.Module)), None)
-            _take_over(trainer, module, worker_output)
+        if worker_state is not None:
+            worker_state.restore(worker_output["state"])
         return worker_output["result"]
 
     def kill(self, signum: int = signal.SIGKILL) -> None:
@@ -103,7 +103,10 @@ def _apply_global_settings(settings: dict[str, Any]) -> None:
     torch.set_float32_matmul_precision(settings["float32_matmul_precision"])
 
 
-def _run_rank(local_rank: int, trainer: Any, function: Callable[..., Any], args: tuple, kwargs: dict, results_path: str, start_method: str, settings: dict[str, Any]) -> None:
+def _run_rank(
+    local_rank: int, strategy: Any, function: Callable[..., Any], args: tuple, kwargs: dict, results_path: str, start_method: str,
+    settings: dict[str, Any], worker_state: WorkerState | None,
+) -> None:
     os.environ["LOCAL_RANK"] = str(local_rank)
     _apply_global_settings(settings)
     if start_method == "fork":
@@ -117,13 +120,13 @@ def _run_rank(local_rank: int, trainer: Any, function: Callable[..., Any], args:
         from phalanx.utilities.seed import seed_everything
 
         seed_everything(int(seed), workers=os.environ.get("PHALANX_SEED_WORKERS") == "1")
-    strategy = trainer.strategy
     strategy._launched_local_rank = local_rank
     _own_module_tensors(args)
     result = function(*args, **kwargs)
     if strategy.global_rank == 0:
+        payload = {"result": _cpu(result), "state": _cpu(worker_state.collect()) if worker_state is not None else None}
         with open(results_path, "wb") as results:
-            results.write(_to_bytes(_collect(trainer, result)))
+            results.write(_to_bytes(payload))
 
 
 def _own_module_tensors(args: tuple) -> None:
@@ -166,37 +169,3 @@ def _cpu(state: Any) -> Any:
     from phalanx.utilities.apply import apply_to_tensors
 
     return apply_to_tensors(state, lambda t: t.detach().cpu())
-
-
-def _collect(trainer: Any, result: Any) -> dict[str, Any]:
-    module = trainer.strategy.module
-    return {
-        "result": _cpu(result),
-        "state_dict": _cpu(module.state_dict()) if module is not None else None,
-        "fit_loop": _cpu(trainer.fit_loop.state_dict()),
-        "callback_metrics": _cpu(dict(trainer.callback_metrics)),
-        "logged_metrics": _cpu(dict(trainer.logged_metrics)),
-        "callbacks": [_cpu(callback.state_dict()) for callback in trainer.callbacks],
-        "status": str(trainer.state.status),
-        "preempted": trainer.preempted,
-    }
-
-
-def _take_over(trainer: Any, module: torch.nn.Module | None, output: dict[str, Any]) -> None:
-    if module is not None and output["state_dict"] is not None:
-        state = output["state_dict"]
-        if set(state) - set(module.state_dict()) and callable(getattr(module, "configure_model", None)):
-            # Layers made in configure_model exist only in the workers, which ran it: make them here too.
-            with torch.no_grad():
-                module.configure_model()
-        module.load_state_dict(state)
-    loop = trainer.fit_loop
-    state = output["fit_loop"]
-    loop.current_epoch, loop.global_step = state["epoch"], state["global_step"]
-    loop.batches_done, loop.total_batches, loop.phase = state["batches_done"], state["total_batches"], state["phase"]
-    trainer._callback_metrics = output["callback_metrics"]
-    trainer.preempted = output["preempted"]
-    trainer._logged_metrics = output["logged_metrics"]
-    for callback, callback_state in zip(trainer.callbacks, output["callbacks"]):
-        if callback_state:
-            callback.load_state_dict(callback_state)

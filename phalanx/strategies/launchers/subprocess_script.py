@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable
 
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
-from phalanx.strategies.launchers.launcher import Launcher
+from phalanx.strategies.launchers.launcher import Launcher, WorkerState
 
 _PARENT_PID = "PHALANX_LAUNCHER_PID"
 _POLL_SECONDS = 0.2
@@ -56,8 +56,8 @@ class SubprocessScriptLauncher(Launcher):
         """A notebook has no script to re-run."""
         return False
 
-    def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        """Start the children (once), then run ``function`` in this process."""
+    def launch(self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any) -> Any:
+        """Start the children (once), then run ``function`` in this process (which keeps its state: nothing to carry back)."""
         if not self.cluster_environment.creates_processes_externally and not self.procs:
             self._start_children()
         return function(*args, **kwargs)

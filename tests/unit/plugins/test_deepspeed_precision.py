@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -84,15 +83,15 @@ def test_backward_and_step_go_through_the_engine():
         plugin.optimizer_step(optimizer, module, closure)
 
 
-def test_before_step_hooks_see_the_trainer():
+def test_the_before_step_callback_runs_before_the_engine_steps():
     plugin = DeepSpeedPrecision()
     module = nn.Linear(2, 1)
     module.automatic_optimization = True
+    engine = FakeEngine(module)
     seen = []
-    module._trainer = SimpleNamespace(_before_optimizer_step=seen.append)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    plugin.optimizer_step(optimizer, FakeEngine(module), lambda: torch.ones(()))
-    assert seen == [optimizer]
+    plugin.optimizer_step(optimizer, engine, lambda: torch.ones(()), before_step=lambda opt: seen.append((opt, list(engine.calls))))
+    assert seen == [(optimizer, [])] and engine.calls == ["step"]
 
 
 def test_clipping_is_the_engines_and_other_requests_are_refused():

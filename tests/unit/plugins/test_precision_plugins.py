@@ -11,8 +11,8 @@ from torch import nn
 from phalanx.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
 
-class _RecordingTrainer:
-    """Stands in for the Trainer: records ``_before_optimizer_step`` calls and what the gradients looked like."""
+class _RecordingBeforeStep:
+    """The ``before_step`` callback a strategy passes on: records its calls and what the gradients looked like."""
 
     def __init__(self, events: list, model: nn.Module, clip: tuple | None = None, plugin: Precision | None = None) -> None:
         self.events = events
@@ -21,7 +21,7 @@ class _RecordingTrainer:
         self.plugin = plugin
         self.grads_seen: list[torch.Tensor] = []
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
         self.events.append("before_optimizer_step")
         if self.clip is not None:
             self.plugin.clip_gradients(optimizer, *self.clip)
@@ -218,12 +218,12 @@ def test_clipping_inside_the_before_optimizer_step_hook_sees_and_clips_unscaled_
     plugin = _scaled_plugin(init_scale=1024.0)
     model = _model()
     events: list = []
-    model._trainer = _RecordingTrainer(events, model, clip=(1.0, "norm"), plugin=plugin)
+    before_step = _RecordingBeforeStep(events, model, clip=(1.0, "norm"), plugin=plugin)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     before = model.weight.detach().clone()
     for _ in range(3):  # several steps: the "already unscaled" bookkeeping must reset after each update()
         before = model.weight.detach().clone()
-        plugin.optimizer_step(optimizer, model, _backward_closure(plugin, model, optimizer, torch.ones(1, 4)))
+        plugin.optimizer_step(optimizer, model, _backward_closure(plugin, model, optimizer, torch.ones(1, 4)), before_step=before_step)
         torch.testing.assert_close(model.weight.detach(), before - 0.5, rtol=1e-4, atol=1e-4)
     assert events == ["before_optimizer_step"] * 3
 
@@ -233,7 +233,7 @@ def test_closure_returning_none_skips_the_step_in_automatic_mode_and_the_next_st
     model = _model()
     model.automatic_optimization = True
     events: list = []
-    model._trainer = _RecordingTrainer(events, model, clip=(1.0, "value"), plugin=plugin)
+    before_step = _RecordingBeforeStep(events, model, clip=(1.0, "value"), plugin=plugin)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     before = model.weight.detach().clone()
 
@@ -241,11 +241,11 @@ def test_closure_returning_none_skips_the_step_in_automatic_mode_and_the_next_st
         _backward_closure(plugin, model, optimizer, torch.ones(1, 4))()
         return None
 
-    assert plugin.optimizer_step(optimizer, model, closure_with_backward_but_returning_none) is None
+    assert plugin.optimizer_step(optimizer, model, closure_with_backward_but_returning_none, before_step=before_step) is None
     torch.testing.assert_close(model.weight.detach(), before)  # no step
     assert events == ["before_optimizer_step"]  # hooks still ran
     # The hook clipped (and so unscaled) during the skipped step: the next step must still be able to unscale.
-    plugin.optimizer_step(optimizer, model, _backward_closure(plugin, model, optimizer, torch.ones(1, 4)))
+    plugin.optimizer_step(optimizer, model, _backward_closure(plugin, model, optimizer, torch.ones(1, 4)), before_step=before_step)
     torch.testing.assert_close(model.weight.detach(), before - 1.0)
 
 
@@ -329,7 +329,7 @@ def test_optimizer_step_passes_the_closure_to_lbfgs() -> None:
 def test_optimizer_step_calls_before_optimizer_step_after_the_closure() -> None:
     model = _model()
     events: list = []
-    model._trainer = _RecordingTrainer(events, model)
+    before_step = _RecordingBeforeStep(events, model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
     def closure() -> torch.Tensor:
@@ -339,9 +339,9 @@ def test_optimizer_step_calls_before_optimizer_step_after_the_closure() -> None:
         loss.backward()
         return loss
 
-    result = Precision().optimizer_step(optimizer, model, closure)
+    result = Precision().optimizer_step(optimizer, model, closure, before_step=before_step)
     assert events == ["closure", "before_optimizer_step"]
-    torch.testing.assert_close(model._trainer.grads_seen[0], torch.ones(1, 4))  # gradients were final in the hook
+    torch.testing.assert_close(before_step.grads_seen[0], torch.ones(1, 4))  # gradients were final in the hook
     assert isinstance(result, torch.Tensor)
 
 
@@ -355,7 +355,7 @@ def test_optimizer_step_gives_the_closure_to_optimizers_from_other_packages() ->
 
     model = _model()
     events: list = []
-    model._trainer = _RecordingTrainer(events, model)
+    before_step = _RecordingBeforeStep(events, model)
     optimizer = TwoPassSGD(model.parameters(), lr=1.0)
     before = model.weight.detach().clone()
 
@@ -366,12 +366,12 @@ def test_optimizer_step_gives_the_closure_to_optimizers_from_other_packages() ->
         loss.backward()
         return loss
 
-    Precision().optimizer_step(optimizer, model, closure)
+    Precision().optimizer_step(optimizer, model, closure, before_step=before_step)
     assert events == ["closure", "before_optimizer_step"] * 2
     torch.testing.assert_close(model.weight.detach(), before - 1.0)
 
 
-def test_optimizer_step_without_trainer_and_with_bf16_mixed_works() -> None:
+def test_optimizer_step_without_a_before_step_callback_and_with_bf16_mixed_works() -> None:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     before = model.weight.detach().clone()

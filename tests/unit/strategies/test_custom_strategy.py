@@ -11,7 +11,7 @@ from torch import nn
 
 from phalanx.accelerators import CPUAccelerator
 from phalanx.plugins import DoublePrecision, Precision
-from phalanx.strategies import SingleDeviceStrategy, Strategy
+from phalanx.strategies import RunSettings, SingleDeviceStrategy, Strategy
 from phalanx.strategies.forward_redirection import redirect_forward
 
 
@@ -71,8 +71,8 @@ class MinimalStrategy(Strategy):
 class WrappingStrategy(SingleDeviceStrategy):
     """Wraps the module like DDP does, to check that steps go through the wrapper's forward."""
 
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
+    def setup(self, settings: RunSettings) -> None:
+        super().setup(settings)
         self.model = CallCounter(self.module)
 
 

@@ -10,10 +10,9 @@ import pytest
 
 import phalanx
 import phalanx.strategies.deepspeed as deepspeed_module
-from phalanx.strategies import DeepSpeedStrategy
+from phalanx.strategies import DeepSpeedStrategy, RunSettings
 from phalanx.strategies.deepspeed import CONFIG_ENV_VAR
 from phalanx.strategies.deepspeed_activation import configure_activation_checkpointing
-from phalanx.trainer.data import DataSource
 
 
 @pytest.fixture(autouse=True)
@@ -22,8 +21,7 @@ def _deepspeed_installed(monkeypatch):
     monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
 
 
-def _trainer() -> Any:
-    return SimpleNamespace(accumulate_grad_batches=1, gradient_clip_val=None, gradient_clip_algorithm="norm", _data_source=DataSource(phalanx.TrainingModule(), None))
+FIT = RunSettings(stage="fit", configure_optimizers=lambda module: ([], []))
 
 
 GENERATED = [
@@ -39,7 +37,7 @@ GENERATED = [
 @pytest.mark.parametrize(("arguments", "section"), GENERATED)
 def test_arguments_make_the_config_section(arguments, section):
     strategy = DeepSpeedStrategy(**arguments)
-    for config in (strategy.config, strategy._build_config(_trainer(), fitting=True)):
+    for config in (strategy.config, strategy._build_config(FIT)):
         assert config.get("activation_checkpointing") == section
         assert config["zero_optimization"]["stage"] == 2  # the rest of the generated config is unchanged
 
@@ -63,7 +61,7 @@ def test_an_explicit_config_keeps_its_values_and_gains_the_arguments(arguments, 
     config = {"zero_optimization": {"stage": 1}}
     if given is not None:
         config["activation_checkpointing"] = dict(given)
-    built = DeepSpeedStrategy(config=config, **arguments)._build_config(_trainer(), fitting=True)
+    built = DeepSpeedStrategy(config=config, **arguments)._build_config(FIT)
     assert built["activation_checkpointing"] == expected and built["zero_optimization"] == {"stage": 1}
     assert config.get("activation_checkpointing") == given  # the caller's dict is not changed
 
@@ -113,12 +111,10 @@ def test_configure_is_called_when_the_training_engine_is_built(monkeypatch):
     strategy = DeepSpeedStrategy(partition_activations=True)
     calls = []
     monkeypatch.setattr(deepspeed_module, "_import_deepspeed", lambda: deepspeed)
-    monkeypatch.setattr(strategy, "_initialize_training_engine", lambda config: calls.append("engine"))
+    monkeypatch.setattr(strategy, "_initialize_training_engine", lambda config, settings: calls.append("engine"))
     monkeypatch.setattr(strategy, "setup_precision_plugin", lambda: None)
     monkeypatch.setattr(strategy, "model_to_device", lambda: None)
-    strategy.accelerator = SimpleNamespace(setup=lambda trainer: None)
+    strategy.accelerator = SimpleNamespace(setup=lambda: None)
     strategy._module = phalanx.TrainingModule()
-    trainer = _trainer()
-    trainer.state = SimpleNamespace(fn="fit")
-    strategy.setup(trainer)
+    strategy.setup(FIT)
     assert calls == ["engine"] and deepspeed.checkpointing.calls[0]["partition_activations"] is True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -14,10 +14,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
 import phalanx.strategies.deepspeed as deepspeed_module
+from phalanx.optimization import init_optimizers_and_schedulers
 from phalanx.plugins.precision import DeepSpeedPrecision, HalfPrecision, MixedPrecision
-from phalanx.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy
+from phalanx.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, RunSettings
 from phalanx.strategies.deepspeed import CONFIG_ENV_VAR, DeepSpeedOptimizerHandle
 from phalanx.trainer.data import DataSource
+from phalanx.trainer.evaluation_loop import check_equal_batches
+from phalanx.trainer.run_settings import train_batch_size
 
 NAMES = {
     "deepspeed": {},
@@ -37,9 +40,8 @@ def _deepspeed_installed(monkeypatch):
     monkeypatch.delenv(CONFIG_ENV_VAR, raising=False)
 
 
-def _trainer(accumulate=1, clip=None, algorithm="norm", train=None):
-    module = phalanx.TrainingModule()
-    return SimpleNamespace(accumulate_grad_batches=accumulate, gradient_clip_val=clip, gradient_clip_algorithm=algorithm, _data_source=DataSource(module, None, train=train))
+def _settings(accumulate=1, clip=None, algorithm="norm", batch_size=None, stage="fit"):
+    return RunSettings(stage=stage, accumulate_grad_batches=accumulate, gradient_clip_val=clip, gradient_clip_algorithm=algorithm, train_batch_size=batch_size)
 
 
 # ---------------------------------------------------------------------------- selection
@@ -126,32 +128,34 @@ def test_generated_config_follows_the_options():
     assert "offload_optimizer" not in DeepSpeedStrategy(stage=2).config["zero_optimization"]
 
 
-def test_config_takes_batch_size_accumulation_clipping_and_precision_from_the_trainer():
+def test_config_takes_batch_size_accumulation_clipping_and_precision_from_the_run_settings():
     loader = DataLoader(TensorDataset(torch.zeros(40, 2)), batch_size=5)
     strategy = DeepSpeedStrategy(stage=2, precision_plugin=DeepSpeedPrecision("bf16-mixed"))
-    config = strategy._build_config(_trainer(accumulate=4, clip=0.25, train=loader), fitting=True)
+    assert strategy.needs_train_batch_size and not DeepSpeedStrategy(logging_batch_size_per_gpu=3).needs_train_batch_size
+    batch_size = train_batch_size(DataSource(phalanx.TrainingModule(), None, train=loader))  # what the Trainer passes
+    config = strategy._build_config(_settings(accumulate=4, clip=0.25, batch_size=batch_size))
     assert config["train_micro_batch_size_per_gpu"] == 5
     assert config["gradient_accumulation_steps"] == 4 and config["gradient_clipping"] == 0.25
     assert config["bf16"] == {"enabled": True} and "fp16" not in config
-    plain = DeepSpeedStrategy(stage=1, logging_batch_size_per_gpu=3)._build_config(_trainer(), fitting=True)
+    plain = DeepSpeedStrategy(stage=1, logging_batch_size_per_gpu=3)._build_config(_settings(batch_size=7))
     assert plain["train_micro_batch_size_per_gpu"] == 3
     assert plain["gradient_clipping"] == 0.0  # DeepSpeed's own default (1.0) would clip without being asked
-    fp16 = DeepSpeedStrategy(loss_scale=128.0, precision_plugin=DeepSpeedPrecision("16-mixed"))._build_config(_trainer(), fitting=False)
+    fp16 = DeepSpeedStrategy(loss_scale=128.0, precision_plugin=DeepSpeedPrecision("16-mixed"))._build_config(_settings(stage="validate"))
     assert fp16["fp16"]["enabled"] is True and fp16["fp16"]["loss_scale"] == 128.0 and fp16["fp16"]["initial_scale_power"] == 16
     assert fp16["train_micro_batch_size_per_gpu"] == 1  # evaluation does not look at the training data
 
 
 def test_config_conflicts_with_the_trainer_are_refused():
     with pytest.raises(ValueError, match="clips gradients by norm only"):
-        DeepSpeedStrategy()._build_config(_trainer(clip=1.0, algorithm="value"), fitting=False)
+        DeepSpeedStrategy()._build_config(_settings(clip=1.0, algorithm="value", stage="test"))
     with pytest.raises(ValueError, match="gradient_accumulation_steps=8 but the Trainer has accumulate_grad_batches=2"):
-        DeepSpeedStrategy(config={"gradient_accumulation_steps": 8})._build_config(_trainer(accumulate=2), fitting=False)
+        DeepSpeedStrategy(config={"gradient_accumulation_steps": 8})._build_config(_settings(accumulate=2, stage="test"))
     with pytest.raises(ValueError, match="gradient_clipping=2.0 but the Trainer has gradient_clip_val=1.0"):
-        DeepSpeedStrategy(config={"gradient_clipping": 2.0})._build_config(_trainer(clip=1.0), fitting=False)
+        DeepSpeedStrategy(config={"gradient_clipping": 2.0})._build_config(_settings(clip=1.0, stage="test"))
     with pytest.raises(ValueError, match=r"enables 'fp16' but the precision is '32-true'"):
-        DeepSpeedStrategy(config={"fp16": {"enabled": True}})._build_config(_trainer(), fitting=False)
+        DeepSpeedStrategy(config={"fp16": {"enabled": True}})._build_config(_settings(stage="test"))
     with pytest.raises(ValueError, match=r"disables 'bf16' but the precision is 'bf16-true'"):
-        DeepSpeedStrategy(config={"bf16": {"enabled": False}}, precision_plugin=DeepSpeedPrecision("bf16-true"))._build_config(_trainer(), fitting=False)
+        DeepSpeedStrategy(config={"bf16": {"enabled": False}}, precision_plugin=DeepSpeedPrecision("bf16-true"))._build_config(_settings(stage="test"))
 
 
 def test_a_full_config_from_a_dict_a_file_or_the_environment_replaces_the_generated_one(tmp_path, monkeypatch):
@@ -159,7 +163,7 @@ def test_a_full_config_from_a_dict_a_file_or_the_environment_replaces_the_genera
     from_dict = DeepSpeedStrategy(stage=1, config=given)
     given["zero_optimization"]["stage"] = 0  # the strategy keeps its own copy
     assert from_dict.zero_stage == 3
-    config = from_dict._build_config(_trainer(), fitting=True)
+    config = from_dict._build_config(_settings())
     assert config["zero_optimization"] == {"stage": 3, "stage3_max_live_parameters": 10}
     assert config["train_micro_batch_size_per_gpu"] == 2 and config["gradient_clipping"] == 0.5 and config["gradient_accumulation_steps"] == 1
     path = tmp_path / "ds.json"
@@ -203,18 +207,41 @@ def test_optimizer_handle_leaves_gradients_to_the_engine():
         handle.step()
 
 
-def test_accumulation_windows_are_those_of_ddp():
+class _BoundaryEngine:
+    """Records the accumulation boundary the strategy sets before each engine step."""
+
+    def __init__(self) -> None:
+        self.boundaries: list[bool] = []
+        self.flag: bool | None = None  # what the engine would use: the last flag set
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return True
+
+    def set_gradient_accumulation_boundary(self, flag: bool) -> None:
+        self.flag = flag
+
+    def step(self) -> None:
+        self.boundaries.append(self.flag)
+
+
+@pytest.mark.parametrize(
+    ("accumulate", "blocked", "expected"),
+    [
+        (3, [True, True, False, True, True, False, False], [False, False, True, False, False, True, True]),  # the loop's windows
+        (1, [False, False], [True, True]),
+        (1, [True, False], [False, True]),  # the flag set inside the context does not stay after it
+    ],
+)
+def test_steps_inside_block_backward_sync_do_not_end_the_accumulation_window(accumulate, blocked, expected):
     strategy = DeepSpeedStrategy()
-    module = phalanx.TrainingModule()
-    loop = SimpleNamespace(batches_done=0, num_batches=7)
-    module._trainer = SimpleNamespace(fit_loop=loop)
-    strategy._module = module
-    strategy._accumulation = 3
-    boundaries = []
-    for done in range(7):
-        loop.batches_done = done
-        boundaries.append(strategy._at_accumulation_boundary())
-    assert boundaries == [False, False, True, False, False, True, True]  # every 3 batches, and the epoch's last
+    engine = _BoundaryEngine()
+    strategy._engine, strategy._engine_trains, strategy._module = engine, True, nn.Linear(1, 1)
+    strategy._accumulation = accumulate
+    for inside in blocked:
+        with strategy.block_backward_sync() if inside else nullcontext():
+            strategy.optimizer_step(object(), lambda: torch.ones(()))
+    assert engine.boundaries == expected
+    assert strategy._window_open is False  # the context is left closed, also after it ends
 
 
 def test_zero3_refuses_evaluation_that_would_leave_a_rank_waiting(monkeypatch):
@@ -224,11 +251,13 @@ def test_zero3_refuses_evaluation_that_would_leave_a_rank_waiting(monkeypatch):
     strategy._module = module
     monkeypatch.setattr(DeepSpeedStrategy, "world_size", property(lambda self: 2))
     strategy.all_gather_object = lambda mine: [mine, [4.0]]
-    strategy._check_equal_batches([4], "validation")  # equal: fine
+    assert strategy.requires_equal_batches
+    check_equal_batches(strategy, [4], "validation")  # equal: fine
     with pytest.raises(ValueError, match=r"same number of validation batches; they differ \(rank 0: \[5\], rank 1: \[4\]\).*limit_val_batches"):
-        strategy._check_equal_batches([5], "validation")
+        check_equal_batches(strategy, [5], "validation")
     del module.weight.ds_id
-    strategy._check_equal_batches([5], "validation")  # nothing partitioned: no collective in the forward pass
+    assert not strategy.requires_equal_batches
+    check_equal_batches(strategy, [5], "validation")  # nothing partitioned: no collective in the forward pass
 
 
 def test_checkpoints_need_the_training_engine(tmp_path):
@@ -256,9 +285,12 @@ class _TwoOptimizers(phalanx.TrainingModule):
 def test_optimizer_configurations_deepspeed_cannot_drive_are_refused(monkeypatch):
     monkeypatch.setattr(deepspeed_module, "_import_deepspeed", lambda: pytest.fail("refused before DeepSpeed is needed"))
     strategy = DeepSpeedStrategy()
+    settings = RunSettings(configure_optimizers=init_optimizers_and_schedulers)
     strategy._module = _TwoOptimizers()
     with pytest.raises(ValueError, match="DeepSpeed drives exactly one optimizer, but configure_optimizers returned 2"):
-        strategy._initialize_training_engine({"zero_optimization": {"stage": 2}})
+        strategy._initialize_training_engine({"zero_optimization": {"stage": 2}}, settings)
     strategy._module = _TwoOptimizers(schedule=True)
     with pytest.raises(ValueError, match="Both configure_optimizers and the DeepSpeed config define an LR scheduler"):
-        strategy._initialize_training_engine({"scheduler": {"type": "WarmupLR"}})
+        strategy._initialize_training_engine({"scheduler": {"type": "WarmupLR"}}, settings)
+    with pytest.raises(ValueError, match=r"needs configure_optimizers= in the settings, or an 'optimizer' section in the DeepSpeed config"):
+        strategy._initialize_training_engine({}, RunSettings())

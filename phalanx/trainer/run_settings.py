@@ -1,0 +1,41 @@
+"""The one place where the Trainer tells its strategy about a run: the RunSettings it passes to ``Strategy.setup``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from phalanx.optimization import init_optimizers_and_schedulers
+from phalanx.strategies.settings import RunSettings
+from phalanx.trainer.state import TrainerFn
+
+if TYPE_CHECKING:
+    from phalanx.trainer.data import DataSource
+    from phalanx.trainer.trainer import Trainer
+
+
+def run_settings(trainer: Trainer, source: DataSource) -> RunSettings:
+    """The settings of the run ``trainer`` is starting (its function, accumulation, clipping, optimizers, hooks)."""
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    return RunSettings(
+        stage=str(trainer.state.fn),
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        gradient_clip_val=trainer.gradient_clip_val,
+        gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+        # Building the training dataloader may be costly (or counted by the user): only for strategies that ask.
+        train_batch_size=train_batch_size(source) if fitting and trainer.strategy.needs_train_batch_size else None,
+        configure_optimizers=init_optimizers_and_schedulers if fitting else None,
+        before_optimizer_step=trainer._before_optimizer_step,
+    )
+
+
+def train_batch_size(source: DataSource) -> int | None:
+    """The batch size of the first training dataloader, when it says (``batch_size`` or its batch sampler's)."""
+    loaders = source.get("train")
+    if not loaders:
+        return None
+    loader: Any = loaders[0]
+    batch_size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0 else None
+
+
+__all__ = ["run_settings", "train_batch_size"]

@@ -1,0 +1,61 @@
+"""What the Trainer carries back from the worker of global rank 0 when its strategy's launcher started new processes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from phalanx.trainer.trainer import Trainer
+
+
+class TrainerWorkerState:
+    """The Trainer's ``WorkerState``: after a spawned or forked run, the main process holds what rank 0 ended with.
+
+    That is the module's weights, the progress counters, the callback metrics, the logged metrics and the callbacks'
+    state (best model path, ...), as if the run had happened in this process.
+    """
+
+    def __init__(self, trainer: Trainer, module: torch.nn.Module | None) -> None:
+        self._trainer = trainer
+        # The module the user passed lives in the main process; in a worker this is that worker's copy.
+        self._module = module
+
+    def collect(self) -> dict[str, Any]:
+        """In the worker of global rank 0: the state of its Trainer and module."""
+        trainer = self._trainer
+        module = trainer.strategy.module
+        return {
+            "state_dict": module.state_dict() if module is not None else None,
+            "fit_loop": trainer.fit_loop.state_dict(),
+            "callback_metrics": dict(trainer.callback_metrics),
+            "logged_metrics": dict(trainer.logged_metrics),
+            "callbacks": [callback.state_dict() for callback in trainer.callbacks],
+            "status": str(trainer.state.status),
+            "preempted": trainer.preempted,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """In the main process: load rank 0's weights into the user's module and its progress into this Trainer."""
+        module, trainer = self._module, self._trainer
+        if module is not None and state["state_dict"] is not None:
+            weights = state["state_dict"]
+            if set(weights) - set(module.state_dict()) and callable(getattr(module, "configure_model", None)):
+                # Layers made in configure_model exist only in the workers, which ran it: make them here too.
+                with torch.no_grad():
+                    module.configure_model()
+            module.load_state_dict(weights)
+        loop = trainer.fit_loop
+        progress = state["fit_loop"]
+        loop.current_epoch, loop.global_step = progress["epoch"], progress["global_step"]
+        loop.batches_done, loop.total_batches, loop.phase = progress["batches_done"], progress["total_batches"], progress["phase"]
+        trainer._callback_metrics = state["callback_metrics"]
+        trainer.preempted = state["preempted"]
+        trainer._logged_metrics = state["logged_metrics"]
+        for callback, callback_state in zip(trainer.callbacks, state["callbacks"]):
+            if callback_state:
+                callback.load_state_dict(callback_state)
+
+
+__all__ = ["TrainerWorkerState"]
