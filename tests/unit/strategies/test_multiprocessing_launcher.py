@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 import torch
 
+from phalanx.strategies.launchers import WorkerState
 from phalanx.strategies.launchers import multiprocessing as launcher_module
 from phalanx.strategies.launchers.multiprocessing import MultiProcessingLauncher, _read_results, _to_bytes
 
 
 def _strategy() -> Any:
-    return SimpleNamespace(cluster_environment=SimpleNamespace(main_address="127.0.0.1", main_port=29500), num_processes=2)
+    return SimpleNamespace(cluster_environment=SimpleNamespace(main_address="127.0.0.1", main_port=29500), num_processes=2, global_rank=0)
 
 
 def test_results_travel_through_a_private_directory_that_is_removed_afterwards(monkeypatch, tmp_path):
@@ -43,3 +44,40 @@ def test_a_results_file_owned_by_another_user_is_not_unpickled(tmp_path):
     os.chown(path, 12345, -1)
     with pytest.raises(RuntimeError, match="belongs to user id 12345, not to this process's user: refusing to unpickle it"):
         _read_results(str(path))
+
+
+class _RecordingState:
+    """A driver's WorkerState: what the worker of rank 0 collects, and what the main process restores."""
+
+    def __init__(self) -> None:
+        self.restored: list[dict] = []
+
+    def collect(self) -> dict:
+        return {"steps": 3, "weights": torch.ones(2, requires_grad=True)}
+
+    def restore(self, state: dict) -> None:
+        self.restored.append(state)
+
+
+def test_rank_zero_runs_with_the_launchers_strategy_and_its_worker_state_comes_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher_module.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("PHALANX_GLOBAL_SEED", raising=False)
+    strategy = _strategy()
+    seen: dict[str, Any] = {}
+
+    def start_processes(function, args, nprocs, start_method, join):  # rank 0 only, in this process
+        function(0, *args)
+
+    def work(value: int, *, scale: int) -> int:
+        seen["launched_rank"] = strategy._launched_local_rank  # the strategy the launcher holds is the worker's
+        return value * scale
+
+    monkeypatch.setattr(launcher_module.torch.multiprocessing, "start_processes", start_processes)
+    state = _RecordingState()
+    assert isinstance(state, WorkerState)
+    assert MultiProcessingLauncher(strategy, start_method="spawn").launch(work, 7, worker_state=state, scale=3) == 21
+    assert seen["launched_rank"] == 0
+    (restored,) = state.restored
+    assert restored["steps"] == 3 and torch.equal(restored["weights"], torch.ones(2)) and not restored["weights"].requires_grad
+    assert MultiProcessingLauncher(strategy, start_method="spawn").launch(work, 2, scale=2) == 4  # no state: nothing restored
+    assert len(state.restored) == 1
