@@ -6,11 +6,11 @@ registry can list the DeepSpeed names on machines without it.
 
 How DeepSpeed's differences reach the loops (which never look at the strategy's type):
 
-- ``handles_gradient_accumulation`` is True: the loop steps every batch and the engine accumulates. The strategy tells
-  the engine where each accumulation window ends (the same windows as DDP: every ``accumulate_grad_batches`` batches
-  and at the end of an epoch: the loop runs the other batches inside ``block_backward_sync``), so gradients match a
-  DDP run. ``global_step`` counts batches, as in Lightning; schedulers
-  with ``interval='step'`` step once per optimizer update.
+- ``handles_gradient_accumulation`` is True: the loop steps every batch and the engine accumulates. The loop runs the
+  batches that do not end an accumulation window inside ``block_backward_sync`` (the same windows as DDP: every
+  ``accumulate_grad_batches`` batches and at the end of an epoch), and the strategy tells the engine, so gradients
+  match a DDP run. ``global_step`` counts batches, as in Lightning; schedulers with ``interval='step'`` step once per
+  optimizer update.
 - backward and the optimizer step go through the engine (``engine.backward``, ``engine.step``), via
   ``DeepSpeedPrecision``; the optimizer handle's ``zero_grad`` does nothing because the engine zeroes gradients itself
   after each update.
@@ -19,54 +19,41 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
   (``restore_checkpoint_after_setup``); the LR schedulers are restored by the Trainer from the saved state.
 - under ZeRO-3 every forward pass gathers parameters collectively: evaluation data is padded
   (``strategy.pads_evaluation``), the driver checks the batch counts at the start of each evaluation
-  (``strategy.requires_equal_batches``),
-  and evaluation steps run under ``no_grad`` instead of inference mode (parameters gathered in inference mode could
-  not be used by training afterwards).
+  (``strategy.requires_equal_batches``), and evaluation steps run under ``no_grad`` instead of inference mode
+  (parameters gathered in inference mode could not be used by training afterwards).
+
+The config is built in :mod:`~phalanx.strategies.deepspeed_config`, the engine in
+:mod:`~phalanx.strategies.deepspeed_engine`, checkpoints are read and written by
+:mod:`~phalanx.strategies.deepspeed_state`.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import logging
-import math
 import os
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
 from phalanx.accelerators.accelerator import Accelerator
-from phalanx.optimization import LRSchedulerConfig
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
-from phalanx.plugins.io.torch_io import is_url
 from phalanx.plugins.precision.deepspeed import DEEPSPEED_PRECISIONS, DeepSpeedPrecision
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.deepspeed_activation import activation_settings, configure_activation_checkpointing, merge_activation_section
-from phalanx.strategies.deepspeed_checkpoint import (
-    OPTIMIZER_MARKER,
-    STATE_FILE,
-    TAG,
-    is_deepspeed_checkpoint,
-    is_optimizer_marker,
-    load_deepspeed_checkpoint_as_full,
-    read_trainer_state,
-)
-from phalanx.strategies.deepspeed_files import check_tag_files, refuse_unsafe_engine_reads, safe_engine_reads, tag_directory
+from phalanx.strategies.deepspeed_checkpoint import OPTIMIZER_MARKER
+from phalanx.strategies.deepspeed_config import CONFIG_ENV_VAR, complete_config, generated_config, load_config, micro_batch_size, partitioning_config
+from phalanx.strategies.deepspeed_engine import DeepSpeedEngineMixin, DeepSpeedOptimizerHandle, memory_footprint, partitioned_parameters
+from phalanx.strategies.deepspeed_state import DeepSpeedCheckpointMixin
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
-from phalanx.utilities import distributed
-from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.init import empty_init_context
-from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-#: Environment variable naming a DeepSpeed JSON config, used when ``config`` is not given.
-CONFIG_ENV_VAR = "PHALANX_DEEPSPEED_CONFIG_PATH"
 INSTALL_HINT = "pip install 'phalanx[deepspeed]'"
 _OFFLOAD_DEVICES = ("cpu", "nvme")
 _REMOTE_DEVICES = (None, "cpu", "nvme")
@@ -88,91 +75,7 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-def _load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any] | None:
-    """The user's DeepSpeed config: a dict, a JSON file, or the file named by PHALANX_DEEPSPEED_CONFIG_PATH."""
-    source = "config"
-    if config is None:
-        config = os.environ.get(CONFIG_ENV_VAR) or None
-        source = CONFIG_ENV_VAR
-        if config is None:
-            return None
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    if not isinstance(config, (str, os.PathLike)):
-        raise TypeError(f"config must be a dict or the path of a DeepSpeed JSON file, got {type(config).__name__}.")
-    path = Path(config)
-    if not path.is_file():
-        raise FileNotFoundError(f"The DeepSpeed config file given by {source} does not exist: {str(path)!r}.")
-    try:
-        loaded = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"The DeepSpeed config file {str(path)!r} (from {source}) is not valid JSON: {error}") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(f"The DeepSpeed config file {str(path)!r} must hold a JSON object, not a {type(loaded).__name__}.")
-    return loaded
-
-
-def _overrides(module: nn.Module, name: str) -> bool:
-    from phalanx.module import TrainingModule
-
-    return getattr(type(module), name, None) is not getattr(TrainingModule, name, None)
-
-
-class DeepSpeedOptimizerHandle:
-    """What ``strategy.optimizers`` holds: the engine's optimizer, whose gradients only the engine may clear.
-
-    ``zero_grad`` does nothing (the engine zeroes gradients after each update, and between the batches of an
-    accumulation window they must survive); ``step`` is the engine's, called by the strategy. Everything else
-    (``param_groups``, ``state_dict``, ...) is the engine optimizer's.
-    """
-
-    def __init__(self, optimizer: Any) -> None:
-        self.optimizer = optimizer
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The parameter groups (learning rates) of the optimizer DeepSpeed steps."""
-        return self.optimizer.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: DeepSpeed zeroes gradients itself after each optimizer update."""
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Refused: the DeepSpeed engine steps (``engine.step()``), through ``Trainer`` / ``strategy.optimizer_step``."""
-        raise RuntimeError("Under DeepSpeed the engine steps the optimizer; in manual optimization call step() on the optimizer from self.optimizers().")
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["optimizer"], name)
-
-    def __repr__(self) -> str:
-        return f"DeepSpeedOptimizerHandle({type(self.optimizer).__name__})"
-
-
-class _SchedulerProxy:
-    """A scheduler seen by the loops; ``step`` is decided by ``should_step`` (None: DeepSpeed steps it itself)."""
-
-    def __init__(self, scheduler: Any, should_step: Callable[[], bool] | None) -> None:
-        self.scheduler = scheduler
-        self._should_step = should_step
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        """Step once per optimizer update (never for a scheduler from the DeepSpeed config: the engine steps it)."""
-        if self._should_step is not None and self._should_step():
-            self.scheduler.step(*args, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The scheduler's state."""
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the scheduler's state."""
-        self.scheduler.load_state_dict(state_dict)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["scheduler"], name)
-
-
-class DeepSpeedStrategy(ParallelStrategy):
+class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, ParallelStrategy):
     """ZeRO data parallelism through DeepSpeed: stage 1 partitions optimizer states, 2 also gradients, 3 also parameters.
 
     Args:
@@ -298,7 +201,7 @@ class DeepSpeedStrategy(ParallelStrategy):
         self._loss_scaling = {"loss_scale": loss_scale, "initial_scale_power": initial_scale_power, "loss_scale_window": loss_scale_window, "hysteresis": hysteresis, "min_loss_scale": min_loss_scale}
         self._zero_allow_untested_optimizer = zero_allow_untested_optimizer
         self._logging_batch_size_per_gpu = logging_batch_size_per_gpu
-        self._user_config = _load_config(config)
+        self._user_config = load_config(config)
         self._activation = activation_settings(
             partition_activations=partition_activations, cpu_checkpointing=cpu_checkpointing,
             contiguous_memory_optimization=contiguous_memory_optimization, synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
@@ -352,27 +255,10 @@ class DeepSpeedStrategy(ParallelStrategy):
         return self._engine
 
     def _generated_config(self) -> dict[str, Any]:
-        settings = self._zero_settings
-        zero: dict[str, Any] = {"stage": self._stage}
-        if self._stage > 0:
-            for key in ("contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size"):
-                zero[key] = settings[key]
-        if self._stage == 3:
-            zero["sub_group_size"] = settings["sub_group_size"]
-            zero["stage3_param_persistence_threshold"] = settings["param_persistence_threshold"]
-        if self.offload_optimizer:
-            zero["offload_optimizer"] = {
-                "device": settings["offload_optimizer_device"], "nvme_path": settings["nvme_path"],
-                "buffer_count": settings["optimizer_buffer_count"], "pin_memory": settings["pin_memory"],
-            }  # fmt: skip
-        if self.offload_parameters:
-            zero["offload_param"] = {
-                "device": settings["offload_params_device"], "nvme_path": settings["nvme_path"], "buffer_count": settings["params_buffer_count"],
-                "buffer_size": settings["params_buffer_size"], "max_in_cpu": settings["max_in_cpu"], "pin_memory": settings["pin_memory"],
-            }  # fmt: skip
-        generated = {"zero_optimization": zero, "zero_allow_untested_optimizer": self._zero_allow_untested_optimizer}
-        merge_activation_section(generated, self._activation)
-        return generated
+        return generated_config(
+            self._stage, self._zero_settings, offload_optimizer=self.offload_optimizer, offload_parameters=self.offload_parameters,
+            allow_untested_optimizer=self._zero_allow_untested_optimizer, activation=self._activation,
+        )  # fmt: skip
 
     def _precision_config(self) -> dict[str, Any]:
         sections = self.precision_plugin.deepspeed_config()
@@ -385,49 +271,15 @@ class DeepSpeedStrategy(ParallelStrategy):
         config = copy.deepcopy(self._user_config) if self._user_config is not None else self._generated_config()
         merge_activation_section(config, self._activation)
         config.setdefault("zero_allow_untested_optimizer", self._zero_allow_untested_optimizer)
-        accumulate = settings.accumulate_grad_batches
-        given = config.get("gradient_accumulation_steps")
-        if given is not None and given != accumulate:
-            raise ValueError(
-                f"The DeepSpeed config sets gradient_accumulation_steps={given!r} but the Trainer has accumulate_grad_batches={accumulate};"
-                " set it once, with Trainer(accumulate_grad_batches=...)."
-            )
-        config["gradient_accumulation_steps"] = accumulate
-        clip_val = settings.gradient_clip_val
-        if clip_val:
-            if settings.gradient_clip_algorithm != "norm":
-                raise ValueError("DeepSpeed clips gradients by norm only: use gradient_clip_algorithm='norm' (or leave it unset) with gradient_clip_val.")
-            if config.get("gradient_clipping") not in (None, clip_val):
-                raise ValueError(f"The DeepSpeed config sets gradient_clipping={config['gradient_clipping']!r} but the Trainer has gradient_clip_val={clip_val}; set it in one place.")
-            config["gradient_clipping"] = float(clip_val)
-        # DeepSpeed clips to 1.0 unless told otherwise; phalanx clips only when asked.
-        config.setdefault("gradient_clipping", 0.0)
-        if "train_micro_batch_size_per_gpu" not in config and "train_batch_size" not in config:
-            config["train_micro_batch_size_per_gpu"] = self._micro_batch_size(settings) if settings.fitting else 1
-        wanted = self._precision_config()
-        precision = self.precision_plugin.precision
-        for key in ("fp16", "bf16"):
-            if key in config:
-                enabled = bool((config[key] or {}).get("enabled", False))
-                if enabled != (key in wanted):
-                    state = "enables" if enabled else "disables"
-                    raise ValueError(f"The DeepSpeed config {state} '{key}' but the precision is {precision!r}; remove '{key}' from the config and choose the precision with Trainer(precision=...).")
-            elif key in wanted:
-                config[key] = wanted[key]
-        return config
+        return complete_config(
+            config, settings, micro_batch_size=lambda: micro_batch_size(self._logging_batch_size_per_gpu, settings),
+            precision_sections=self._precision_config(), precision=self.precision_plugin.precision,
+        )  # fmt: skip
 
     @property
     def needs_train_batch_size(self) -> bool:
         """True unless ``logging_batch_size_per_gpu`` was given: DeepSpeed's config wants the per-process batch size."""
         return self._logging_batch_size_per_gpu == "auto"
-
-    def _micro_batch_size(self, settings: RunSettings) -> int:
-        if isinstance(self._logging_batch_size_per_gpu, int):
-            return self._logging_batch_size_per_gpu
-        if settings.train_batch_size is not None:
-            return settings.train_batch_size
-        rank_zero_info("DeepSpeed: the training dataloader's batch size is unknown; DeepSpeed's throughput logs assume 1 (set DeepSpeedStrategy(logging_batch_size_per_gpu=...)).")
-        return 1
 
     # ------------------------------------------------------------------ processes
     @property
@@ -449,15 +301,9 @@ class DeepSpeedStrategy(ParallelStrategy):
         os.environ["LOCAL_RANK"] = str(self.local_rank)
         os.environ["RANK"] = str(self.global_rank)
         os.environ["WORLD_SIZE"] = str(self.world_size)
-        deepspeed = _import_deepspeed()
+        deepspeed = self._deepspeed()
         deepspeed.utils.logging.logger.setLevel(self._logging_level)
         deepspeed.init_distributed(dist_backend=self.process_group_backend, dist_init_required=False)
-
-    def _device_args(self) -> Any:
-        import argparse  # DeepSpeed reads the device index from an argparse namespace
-
-        index = self.root_device.index if self.root_device.type != "cpu" else None
-        return argparse.Namespace(device_rank=index if index is not None else self.local_rank)
 
     # ------------------------------------------------------------------ set-up
     def setup(self, settings: RunSettings) -> None:
@@ -470,88 +316,21 @@ class DeepSpeedStrategy(ParallelStrategy):
             self._module = self._layer_sync.apply(self._module)
         self._module = self.precision_plugin.convert_module(self._module)
         self._model = self._module
-        if not _partitioned_parameters(self._module):
+        if not partitioned_parameters(self._module):
             self.model_to_device()
         config = self._config = self._build_config(settings)
         self._accumulation = int(config["gradient_accumulation_steps"])
         self.precision_plugin.engine_gradient_clipping = float(config.get("gradient_clipping") or 0.0)
         if fitting:
             self._initialize_training_engine(config, settings)
-            configure_activation_checkpointing(_import_deepspeed(), config)
+            configure_activation_checkpointing(self._deepspeed(), config)
         else:
             self._initialize_evaluation(config)
         self.setup_precision_plugin()
 
-    def _initialize_training_engine(self, config: dict[str, Any], settings: RunSettings) -> None:
-        module = self._module
-        assert module is not None
-        if _overrides(module, "backward") and not self._warned_backward_hook:
-            self._warned_backward_hook = True
-            rank_zero_warn(f"{type(module).__name__}.backward is overridden, but under DeepSpeed the engine runs backward (engine.backward(loss)); the override is not called.")
-        optimizer = None
-        if "optimizer" in config:
-            if _overrides(module, "configure_optimizers"):
-                rank_zero_info("DeepSpeed: the optimizer (and scheduler) of the DeepSpeed config are used; configure_optimizers is not called.")
-            self.lr_scheduler_configs = []
-        elif settings.configure_optimizers is None:
-            raise ValueError("DeepSpeedStrategy.setup(RunSettings(stage='fit')) needs configure_optimizers= in the settings, or an 'optimizer' section in the DeepSpeed config.")
-        else:
-            optimizers, self.lr_scheduler_configs = settings.configure_optimizers(module)
-            if len(optimizers) != 1:
-                raise ValueError(
-                    f"DeepSpeed drives exactly one optimizer, but configure_optimizers returned {len(optimizers)}."
-                    " Return one optimizer (put several parameter groups in it), or name the optimizer in the DeepSpeed config."
-                )
-            optimizer = optimizers[0]
-            if "scheduler" in config and self.lr_scheduler_configs:
-                raise ValueError("Both configure_optimizers and the DeepSpeed config define an LR scheduler; keep one of them.")
-        parameters = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
-        deepspeed = _import_deepspeed()
-        engine, ds_optimizer, _, ds_scheduler = deepspeed.initialize(
-            args=self._device_args(), model=module, optimizer=optimizer, model_parameters=parameters, config=config, dist_init_required=False,
-        )  # fmt: skip
-        self._engine = engine
-        self._engine_trains = True
-        self._model = engine
-        self._optimizer_restored = False
-        self._updated_last_step = True
-        self.optimizers = [DeepSpeedOptimizerHandle(ds_optimizer)]
-        if ds_scheduler is not None:
-            # A scheduler from the DeepSpeed config: the engine steps it at each update; the loops only see it.
-            self.lr_scheduler_configs = [LRSchedulerConfig(_SchedulerProxy(ds_scheduler, None), interval="step")]
-        elif self._accumulation > 1:
-            for scheduler_config in self.lr_scheduler_configs:
-                if scheduler_config.interval == "step":
-                    scheduler_config.scheduler = _SchedulerProxy(scheduler_config.scheduler, lambda: self._updated_last_step)
-
-    def _initialize_evaluation(self, config: dict[str, Any]) -> None:
-        self.optimizers = []
-        self.lr_scheduler_configs = []
-        module = self._module
-        assert module is not None
-        if self.zero_stage == 3:
-            # Without an optimizer, ZeRO-3's engine only installs the hooks that gather each layer's parameters.
-            deepspeed = _import_deepspeed()
-            inference_config = {key: config[key] for key in ("zero_optimization", "fp16", "bf16", "zero_allow_untested_optimizer") if key in config}
-            inference_config["train_micro_batch_size_per_gpu"] = 1
-            self._engine, *_ = deepspeed.initialize(args=self._device_args(), model=module, config=inference_config, model_parameters=[], dist_init_required=False)
-            self._engine_trains = False
-            self._model = self._engine
-            return
-        # Stages 0-2 evaluate the plain module; every rank starts from rank 0's weights.
-        for tensor in module.state_dict().values():
-            distributed.run_collective("broadcast(weights)", self.global_rank, self._timeout, lambda t=tensor: torch.distributed.broadcast(t, src=0))
-
-    def _release_engine(self) -> None:
-        engine, self._engine = self._engine, None
-        self._engine_trains = False
-        if engine is not None:
-            engine.destroy()  # removes ZeRO-3's module hooks before another engine installs its own
-
-    def _require_training_engine(self) -> Any:
-        if self._engine is None or not self._engine_trains:
-            raise RuntimeError("The DeepSpeed engine with its optimizer exists during and after fit; call this while fitting (or after fit).")
-        return self._engine
+    def _deepspeed(self) -> Any:
+        """The deepspeed package (imported on first use; the install hint if it is missing)."""
+        return _import_deepspeed()
 
     # ------------------------------------------------------------------ steps
     def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
@@ -559,7 +338,7 @@ class DeepSpeedStrategy(ParallelStrategy):
             return super()._run_step(method, context, *args, **kwargs)
         # Evaluation calls the module itself (ZeRO-3's hooks live on its submodules and still gather parameters).
         with ExitStack() as stack:
-            if torch.is_inference_mode_enabled() and self._module is not None and _partitioned_parameters(self._module):
+            if torch.is_inference_mode_enabled() and self._module is not None and partitioned_parameters(self._module):
                 # ZeRO-3 keeps some gathered parameters between steps: made in inference mode they could never be
                 # used by training again, so evaluation runs under no_grad instead.
                 stack.enter_context(torch.inference_mode(False))
@@ -610,18 +389,17 @@ class DeepSpeedStrategy(ParallelStrategy):
     @property
     def requires_equal_batches(self) -> bool:
         """Under ZeRO-3 with partitioned parameters on several processes: each forward pass gathers them collectively."""
-        return self.world_size > 1 and self._module is not None and bool(_partitioned_parameters(self._module))
+        return self.world_size > 1 and self._module is not None and bool(partitioned_parameters(self._module))
 
     # ------------------------------------------------------------------ creating the model
     def _zero_init(self) -> AbstractContextManager:
         """ZeRO-3: ``deepspeed.zero.Init``, which partitions each parameter as soon as it is created."""
         if self.zero_stage != 3 or self._zero_init_active:
             return nullcontext()
-        deepspeed = _import_deepspeed()
-        config = {key: value for key, value in self.config.items() if key in ("zero_optimization", "fp16", "bf16", "zero_allow_untested_optimizer")}
+        deepspeed = self._deepspeed()
+        config = partitioning_config(self.config)
         for key, value in self._precision_config().items():
             config.setdefault(key, value)
-        config["train_micro_batch_size_per_gpu"] = 1  # DeepSpeed validates it; creation does not use it
         return self._flag_zero_init(deepspeed.zero.Init(remote_device=self.remote_device, pin_memory=self._zero_settings["pin_memory"], config_dict_or_path=config))
 
     @contextmanager
@@ -648,115 +426,6 @@ class DeepSpeedStrategy(ParallelStrategy):
         """Under ZeRO-3, ``configure_model`` creates parameters already partitioned across the processes."""
         return self._zero_init()
 
-    # ------------------------------------------------------------------ module state
-    def module_state_dict(self) -> dict[str, Any]:
-        """The module's full state dict on every rank (ZeRO-3 gathers the partitioned parameters for it)."""
-        module = self._module
-        assert module is not None
-        partitioned = _partitioned_parameters(module)
-        if not partitioned:
-            return module.state_dict()
-        deepspeed = _import_deepspeed()
-        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
-            return {name: value.detach().clone() for name, value in module.state_dict().items()}
-
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        """Fitting from a DeepSpeed directory: the engine loads weights and optimizer partitions. Otherwise: full weights."""
-        meta = checkpoint.get("deepspeed")
-        fitting = self._engine is not None and self._engine_trains
-        if fitting:
-            if not isinstance(meta, dict) or "directory" not in meta:
-                raise CheckpointError(
-                    "Resuming DeepSpeed training needs a checkpoint directory written by DeepSpeedStrategy; this checkpoint is"
-                    " an ordinary file. To start DeepSpeed training from its weights, load them into the module before fit"
-                    " (TrainingModule.load_from_checkpoint) and call fit without ckpt_path."
-                )
-            self._load_engine_checkpoint(meta, strict)
-            return
-        if isinstance(meta, dict) and "directory" in meta:
-            weights = load_deepspeed_checkpoint_as_full(meta["directory"])["state_dict"]
-        else:
-            weights = checkpoint["state_dict"]
-        self._load_full_weights(weights, strict)
-
-    def _load_engine_checkpoint(self, meta: dict[str, Any], strict: bool) -> None:
-        engine = self._require_training_engine()
-        saved_world_size = meta.get("world_size")
-        if saved_world_size is not None and saved_world_size != self.world_size:
-            raise CheckpointError(
-                f"{meta['directory']} was written by {saved_world_size} processes, and DeepSpeed resumes ZeRO checkpoints only with"
-                f" the same number (now {self.world_size}). Consolidate it (phalanx checkpoint consolidate) to get its weights."
-            )
-        saved_stage = meta.get("zero_stage")
-        if saved_stage is not None and saved_stage != self.zero_stage:
-            raise CheckpointError(f"{meta['directory']} was written with ZeRO stage {saved_stage}; resume it with the same stage (now {self.zero_stage}).")
-        # The tag comes from the checkpoint (its state file, else 'latest'): a plain name inside it, every file
-        # DeepSpeed needs present. DeepSpeed is given the checked tag, so it never reads 'latest' itself.
-        directory = Path(meta["directory"])
-        tag, folder = tag_directory(directory, meta.get("tag"))
-        check_tag_files(folder, world_size=saved_world_size, zero_stage=saved_stage)
-        reads: AbstractContextManager = nullcontext()
-        if not self._allow_unsafe_checkpoint_load:
-            refuse_unsafe_engine_reads(engine, directory)
-            reads = safe_engine_reads(engine, directory, folder)
-        with reads:
-            load_path, _ = engine.load_checkpoint(str(directory), tag=tag, load_module_strict=strict, load_optimizer_states=True, load_lr_scheduler_states=False)
-        if load_path is None:
-            raise CheckpointError(f"DeepSpeed found no checkpoint in {directory} (tag {tag!r}).")
-        self._optimizer_restored = True
-
-    def _load_full_weights(self, weights: dict[str, Any], strict: bool) -> None:
-        module = self._module
-        assert module is not None
-        partitioned = _partitioned_parameters(module)
-        if not partitioned:
-            module.load_state_dict(weights, strict=strict)
-            return
-        deepspeed = _import_deepspeed()
-        # Every rank reads the same weights; rank 0's copy is what GatheredParameters partitions again on exit.
-        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
-            module.load_state_dict(weights, strict=strict)
-
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Nothing left to read: the engine restored its optimizer partitions with the weights (``load_model_state_dict``)."""
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ValueError(f"The checkpoint holds {len(states)} optimizer state(s) but DeepSpeed drives {len(self.optimizers)}; resume with the same optimizer configuration.")
-        if not all(is_optimizer_marker(state) for state in states) or not self._optimizer_restored:
-            raise CheckpointError("DeepSpeed resumes its optimizer only from a DeepSpeed checkpoint directory written by DeepSpeedStrategy.")
-
-    # ------------------------------------------------------------------ checkpoint directories
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank writes its partitions into a hidden directory; rank 0 adds the Trainer's state and ``.complete``, then renames it into place."""
-        from phalanx.plugins.io.directory import publish_directory, staging_directory
-        from phalanx.plugins.io.torch_io import TorchCheckpointIO
-
-        engine = self._require_training_engine()
-        if storage_options is not None or is_url(filepath):
-            raise ValueError(f"DeepSpeed writes checkpoints to a local (or shared) file system path; {str(filepath)!r} with storage_options={storage_options!r} is not one.")
-        target = Path(filepath).absolute()
-        staging = staging_directory(target, is_global_zero=self.is_global_zero, broadcast=self.broadcast)
-        engine.save_checkpoint(str(staging), tag=TAG, client_state={}, exclude_frozen_parameters=self._exclude_frozen_parameters)
-        if self.is_global_zero:
-            state = {key: value for key, value in checkpoint.items() if key != "state_dict"}
-            state["deepspeed"] = {"tag": TAG, "zero_stage": self.zero_stage, "world_size": self.world_size, "precision": self.precision_plugin.precision}
-            TorchCheckpointIO().save_checkpoint(state, staging / STATE_FILE)
-        self.barrier("DeepSpeedStrategy.save_checkpoint")
-        if self.is_global_zero:
-            publish_directory(staging, target)
-        self.barrier("DeepSpeedStrategy.save_checkpoint(renamed)")
-
-    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
-        """A DeepSpeed directory: the Trainer's state (its weights stay in DeepSpeed's files, see ``load_model_state_dict``)."""
-        if isinstance(checkpoint_path, (str, os.PathLike)) and not is_url(checkpoint_path) and is_deepspeed_checkpoint(checkpoint_path):
-            state = read_trainer_state(checkpoint_path)
-            meta = dict(state.get("deepspeed") or {})
-            meta["directory"] = str(Path(checkpoint_path).absolute())
-            state["deepspeed"] = meta
-            state.setdefault("state_dict", {})  # DeepSpeed's files hold the weights
-            return state
-        return super().load_checkpoint(checkpoint_path)
-
     # ------------------------------------------------------------------ what the loops consult
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -776,30 +445,8 @@ class DeepSpeedStrategy(ParallelStrategy):
         the engine keeps for the optimizer when they are separate from the module's parameters (ZeRO stages 1-3, half
         precision) - what the ZeRO paper calls optimizer states (K x parameters / processes, K = 12 for Adam).
         """
-        module = self._module
-        assert module is not None
-        # A ZeRO-3 parameter holds its shard (ds_tensor) and, while gathered or when small enough to stay
-        # gathered (stage3_param_persistence_threshold), the whole tensor as well.
-        parameters = sum(_bytes(p.ds_tensor) if hasattr(p, "ds_tensor") else 0 for p in module.parameters())
-        parameters += sum(_bytes(p.data) for p in module.parameters())
-        engine = self._engine
-        states = masters = 0
-        if engine is not None and engine.optimizer is not None and self._engine_trains:
-            optimizer = engine.optimizer
-            base = getattr(optimizer, "optimizer", optimizer)
-            seen: set[int] = set()
-            for state in base.state.values():
-                for value in state.values():
-                    if isinstance(value, Tensor) and id(value) not in seen:
-                        seen.add(id(value))
-                        states += _bytes(value)
-            # DeepSpeed's float32 master partitions (stages 1-2, stage 3, bf16 without ZeRO), when it keeps them.
-            for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition"):
-                flats = getattr(optimizer, name, None)
-                if isinstance(flats, list) and flats and all(isinstance(t, Tensor) for t in flats):
-                    masters = sum(_bytes(t) for t in flats)
-                    break
-        return {"parameters": parameters, "optimizer_states": states + masters, "master_weights": masters}
+        assert self._module is not None
+        return memory_footprint(self._module, self._engine, self._engine_trains)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -821,14 +468,6 @@ class DeepSpeedStrategy(ParallelStrategy):
 def _import_deepspeed_spec_or_raise() -> None:
     if not deepspeed_available():
         _import_deepspeed()  # raises the install hint
-
-
-def _partitioned_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return [p for p in module.parameters() if hasattr(p, "ds_id")]
-
-
-def _bytes(tensor: Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 __all__ = ["CONFIG_ENV_VAR", "DeepSpeedOptimizerHandle", "DeepSpeedStrategy", "deepspeed_available"]

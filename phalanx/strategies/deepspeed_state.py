@@ -1,0 +1,146 @@
+"""DeepSpeedStrategy's checkpoints: full weights gathered from ZeRO-3 partitions, and the checkpoint directories in
+which every rank writes its own partitions (see :mod:`phalanx.strategies.deepspeed_checkpoint` for the format)."""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+from phalanx.plugins.io.torch_io import is_url
+from phalanx.strategies.deepspeed_checkpoint import (
+    STATE_FILE,
+    TAG,
+    is_deepspeed_checkpoint,
+    is_optimizer_marker,
+    load_deepspeed_checkpoint_as_full,
+    read_trainer_state,
+)
+from phalanx.strategies.deepspeed_engine import partitioned_parameters
+from phalanx.strategies.deepspeed_files import check_tag_files, refuse_unsafe_engine_reads, safe_engine_reads, tag_directory
+from phalanx.utilities.exceptions import CheckpointError
+
+
+class DeepSpeedCheckpointMixin:
+    """The checkpoint methods of ``DeepSpeedStrategy`` (which provides the engine, the ranks and ``_deepspeed()``)."""
+
+    _module: Any
+    _engine: Any
+    _engine_trains: bool
+    _optimizer_restored: bool
+    _allow_unsafe_checkpoint_load: bool
+    _exclude_frozen_parameters: bool
+    optimizers: list[Any]
+
+    # ------------------------------------------------------------------ module state
+    def module_state_dict(self) -> dict[str, Any]:
+        """The module's full state dict on every rank (ZeRO-3 gathers the partitioned parameters for it)."""
+        module = self._module
+        assert module is not None
+        partitioned = partitioned_parameters(module)
+        if not partitioned:
+            return module.state_dict()
+        deepspeed = self._deepspeed()
+        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+            return {name: value.detach().clone() for name, value in module.state_dict().items()}
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Fitting from a DeepSpeed directory: the engine loads weights and optimizer partitions. Otherwise: full weights."""
+        meta = checkpoint.get("deepspeed")
+        fitting = self._engine is not None and self._engine_trains
+        if fitting:
+            if not isinstance(meta, dict) or "directory" not in meta:
+                raise CheckpointError(
+                    "Resuming DeepSpeed training needs a checkpoint directory written by DeepSpeedStrategy; this checkpoint is"
+                    " an ordinary file. To start DeepSpeed training from its weights, load them into the module before fit"
+                    " (TrainingModule.load_from_checkpoint) and call fit without ckpt_path."
+                )
+            self._load_engine_checkpoint(meta, strict)
+            return
+        if isinstance(meta, dict) and "directory" in meta:
+            weights = load_deepspeed_checkpoint_as_full(meta["directory"])["state_dict"]
+        else:
+            weights = checkpoint["state_dict"]
+        self._load_full_weights(weights, strict)
+
+    def _load_engine_checkpoint(self, meta: dict[str, Any], strict: bool) -> None:
+        engine = self._require_training_engine()
+        saved_world_size = meta.get("world_size")
+        if saved_world_size is not None and saved_world_size != self.world_size:
+            raise CheckpointError(
+                f"{meta['directory']} was written by {saved_world_size} processes, and DeepSpeed resumes ZeRO checkpoints only with"
+                f" the same number (now {self.world_size}). Consolidate it (phalanx checkpoint consolidate) to get its weights."
+            )
+        saved_stage = meta.get("zero_stage")
+        if saved_stage is not None and saved_stage != self.zero_stage:
+            raise CheckpointError(f"{meta['directory']} was written with ZeRO stage {saved_stage}; resume it with the same stage (now {self.zero_stage}).")
+        # The tag comes from the checkpoint (its state file, else 'latest'): a plain name inside it, every file
+        # DeepSpeed needs present. DeepSpeed is given the checked tag, so it never reads 'latest' itself.
+        directory = Path(meta["directory"])
+        tag, folder = tag_directory(directory, meta.get("tag"))
+        check_tag_files(folder, world_size=saved_world_size, zero_stage=saved_stage)
+        reads: AbstractContextManager = nullcontext()
+        if not self._allow_unsafe_checkpoint_load:
+            refuse_unsafe_engine_reads(engine, directory)
+            reads = safe_engine_reads(engine, directory, folder)
+        with reads:
+            load_path, _ = engine.load_checkpoint(str(directory), tag=tag, load_module_strict=strict, load_optimizer_states=True, load_lr_scheduler_states=False)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed found no checkpoint in {directory} (tag {tag!r}).")
+        self._optimizer_restored = True
+
+    def _load_full_weights(self, weights: dict[str, Any], strict: bool) -> None:
+        module = self._module
+        assert module is not None
+        partitioned = partitioned_parameters(module)
+        if not partitioned:
+            module.load_state_dict(weights, strict=strict)
+            return
+        deepspeed = self._deepspeed()
+        # Every rank reads the same weights; rank 0's copy is what GatheredParameters partitions again on exit.
+        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0):
+            module.load_state_dict(weights, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Nothing left to read: the engine restored its optimizer partitions with the weights (``load_model_state_dict``)."""
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"The checkpoint holds {len(states)} optimizer state(s) but DeepSpeed drives {len(self.optimizers)}; resume with the same optimizer configuration.")
+        if not all(is_optimizer_marker(state) for state in states) or not self._optimizer_restored:
+            raise CheckpointError("DeepSpeed resumes its optimizer only from a DeepSpeed checkpoint directory written by DeepSpeedStrategy.")
+
+    # ------------------------------------------------------------------ checkpoint directories
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes its partitions into a hidden directory; rank 0 adds the Trainer's state and ``.complete``, then renames it into place."""
+        from phalanx.plugins.io.directory import publish_directory, staging_directory
+        from phalanx.plugins.io.torch_io import TorchCheckpointIO
+
+        engine = self._require_training_engine()
+        if storage_options is not None or is_url(filepath):
+            raise ValueError(f"DeepSpeed writes checkpoints to a local (or shared) file system path; {str(filepath)!r} with storage_options={storage_options!r} is not one.")
+        target = Path(filepath).absolute()
+        staging = staging_directory(target, is_global_zero=self.is_global_zero, broadcast=self.broadcast)
+        engine.save_checkpoint(str(staging), tag=TAG, client_state={}, exclude_frozen_parameters=self._exclude_frozen_parameters)
+        if self.is_global_zero:
+            state = {key: value for key, value in checkpoint.items() if key != "state_dict"}
+            state["deepspeed"] = {"tag": TAG, "zero_stage": self.zero_stage, "world_size": self.world_size, "precision": self.precision_plugin.precision}
+            TorchCheckpointIO().save_checkpoint(state, staging / STATE_FILE)
+        self.barrier("DeepSpeedStrategy.save_checkpoint")
+        if self.is_global_zero:
+            publish_directory(staging, target)
+        self.barrier("DeepSpeedStrategy.save_checkpoint(renamed)")
+
+    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+        """A DeepSpeed directory: the Trainer's state (its weights stay in DeepSpeed's files, see ``load_model_state_dict``)."""
+        if isinstance(checkpoint_path, (str, os.PathLike)) and not is_url(checkpoint_path) and is_deepspeed_checkpoint(checkpoint_path):
+            state = read_trainer_state(checkpoint_path)
+            meta = dict(state.get("deepspeed") or {})
+            meta["directory"] = str(Path(checkpoint_path).absolute())
+            state["deepspeed"] = meta
+            state.setdefault("state_dict", {})  # DeepSpeed's files hold the weights
+            return state
+        return super().load_checkpoint(checkpoint_path)
+
+
+__all__ = ["DeepSpeedCheckpointMixin"]
