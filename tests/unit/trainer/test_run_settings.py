@@ -147,3 +147,48 @@ def test_a_strategy_written_for_the_old_contract_is_refused_at_construction(make
 def test_an_accelerator_written_for_the_old_contract_is_refused_at_construction() -> None:
     with pytest.raises(TypeError, match=r"OldAccelerator.setup takes a `trainer` argument"):
         phalanx.Trainer(accelerator=OldAccelerator(), logger=False)
+
+
+
+LIFECYCLE = (
+    "connect", "setup_environment", "setup", "teardown", "on_train_start", "on_train_end", "on_train_batch_start", "training_step",
+    "backward", "optimizer_step", "on_validation_start", "on_validation_end", "validation_step", "block_backward_sync", "batch_to_device",
+)  # fmt: skip
+
+
+class LifecycleStrategy(SingleDeviceStrategy):
+    """Records every contract method the Trainer calls, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(device="cpu")
+        self.calls: list[str] = []
+
+
+def _recording(name: str) -> Any:
+    def method(self: LifecycleStrategy, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(name)
+        return getattr(super(LifecycleStrategy, self), name)(*args, **kwargs)
+
+    return method
+
+
+for _name in LIFECYCLE:
+    setattr(LifecycleStrategy, _name, _recording(_name))
+
+
+def _fit_calls(accumulate: int) -> list[str]:
+    strategy = LifecycleStrategy()
+    trainer = quiet_trainer(strategy=strategy, max_steps=2, accumulate_grad_batches=accumulate, limit_val_batches=1, val_check_interval=2 * accumulate, num_sanity_val_steps=0)
+    trainer.fit(Regressor(), *loaders(n=64, batch_size=8))
+    return strategy.calls
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_trainer_calls_the_strategy_contract_in_order(accumulate: int) -> None:
+    move = ["batch_to_device", "on_train_batch_start"]
+    step = [*move, "optimizer_step", "training_step", "backward"]  # the closure runs inside optimizer_step
+    window = [*move, "block_backward_sync", "training_step", "backward"] * (accumulate - 1)
+    validation = ["on_validation_start", "batch_to_device", "validation_step", "on_validation_end"]
+    assert _fit_calls(accumulate) == [
+        "connect", "setup_environment", "setup", "on_train_start", *window, *step, *window, *step, *validation, "on_train_end", "teardown",
+    ]  # fmt: skip
