@@ -152,3 +152,8 @@ def test_a_misspelt_ddp_option_is_refused_at_construction(kwargs, message):
 def test_every_distributed_data_parallel_option_is_accepted():
     options = {"find_unused_parameters": True, "static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 10, "broadcast_buffers": False}
     assert DDPStrategy(**options)._ddp_kwargs == options
+
+
+def test_device_arguments_left_at_none_are_dropped():
+    # jsonargparse fills in every DistributedDataParallel parameter it finds behind **kwargs, with its default.
+    assert DDPStrategy(device_ids=None, output_device=None, dim=0)._ddp_kwargs == {"dim": 0}
