@@ -68,7 +68,11 @@ def check_reduce(strategy: Strategy, *, rank: int | None = None, world_size: int
 
 
 def check_all_gather(strategy: Strategy, *, rank: int | None = None, world_size: int | None = None) -> None:
-    """``all_gather`` stacks every rank's tensor in rank order (unchanged on one process), differentiably with sync_grads."""
+    """``all_gather`` stacks every rank's tensor in rank order, differentiably with ``sync_grads=True``.
+
+    On one process the tensor may also come back unchanged (SingleDeviceStrategy does that; a process group of one,
+    as DDP on one device, stacks it, as Lightning's strategies do).
+    """
     rank, world = _ranks(strategy, rank, world_size)
     matrix = torch.tensor([[float(rank), rank + 0.5, -float(rank)]])
     gathered, gather_error = _attempt(lambda: strategy.all_gather(matrix.clone()))
@@ -82,17 +86,21 @@ def check_all_gather(strategy: Strategy, *, rank: int | None = None, world_size:
     gradient, gradient_error = _attempt(differentiable)
     objects, objects_error = _attempt(lambda: strategy.all_gather_object({"rank": rank}))
     problems = []
-    expected_matrix = torch.stack([torch.tensor([[float(r), r + 0.5, -float(r)]]) for r in range(world)]) if world > 1 else matrix
-    expected_scalar = torch.arange(world, dtype=torch.float32) if world > 1 else torch.tensor(float(rank))
+    expected_matrix = torch.stack([torch.tensor([[float(r), r + 0.5, -float(r)]]) for r in range(world)])
+    expected_scalar = torch.arange(world, dtype=torch.float32)
     for call, result, error, expected in (
         ("all_gather(tensor of shape (1, 3))", gathered, gather_error, expected_matrix),
         ("all_gather(scalar tensor)", scalar, scalar_error, expected_scalar),
     ):
         if error is not None:
             problems.append(_raised(call, error))
-        elif not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(expected.shape):
+            continue
+        if world == 1 and isinstance(result, torch.Tensor) and result.shape == expected.shape[1:]:
+            result = result.unsqueeze(0)  # one process: unchanged (no process group) or stacked (a group of one) both conform
+        if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(expected.shape):
             shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-            problems.append(f"{call} on rank {rank} returned shape {shape}; expected {tuple(expected.shape)} ({'one entry per rank, in rank order' if world > 1 else 'unchanged on one process'}).")
+            wanted = f"{tuple(expected.shape)}, one entry per rank in rank order" + (f", or {tuple(expected.shape[1:])} unchanged" if world == 1 else "")
+            problems.append(f"{call} on rank {rank} returned shape {shape}; expected {wanted}.")
         elif not torch.equal(result.detach().cpu(), expected):
             problems.append(f"{call} on rank {rank} returned {result.tolist()}; expected {expected.tolist()} (rank r's tensor at index r).")
     if gradient_error is not None:

@@ -116,8 +116,9 @@ class RankResults:
             progress.write(what + "\n")
 
     def record(self, check: str, status: str, message: str = "") -> None:
-        """Store the outcome of ``check`` on this rank."""
+        """Store the outcome of ``check`` on this rank (on disk at once: a later check may never return)."""
         self.checks[check] = {"status": status, "message": message}
+        self.write()
 
     def write(self) -> None:
         """Write everything found so far (called once the worker ends, whatever happened)."""

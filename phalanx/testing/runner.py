@@ -107,33 +107,42 @@ def _launch(spec: WorkerSpec, start_method: str, timeout: float) -> dict[int, st
     workers = [context.Process(target=worker_main, args=(rank, spec), name=f"phalanx-conformance-rank{rank}") for rank in range(spec.processes)]
     for worker in workers:
         worker.start()
-    deadline = time.monotonic() + timeout
+    failed_peer: int | None = None
     reasons: dict[int, str] = {}
     try:
-        deadline = _wait(workers, deadline, spec)
+        failed_peer = _wait(workers, time.monotonic() + timeout, spec)
     finally:
         for rank, worker in enumerate(workers):
+            step = None
             if worker.is_alive():
-                worker.terminate()
-                worker.join(5)
-                if worker.is_alive():
-                    worker.kill()
-                    worker.join(5)
+                _stop(worker)
                 step = last_started(Path(spec.directory), rank) or "start-up"
-                reasons[rank] = f"stopped while running {step!r} (a peer failed, or it waited past the {timeout:g} s timeout; a collective that not every rank joined waits forever)"
+                why = f"rank {failed_peer} ended with an error {PEER_GRACE_S:g} s earlier" if failed_peer is not None else f"the run reached its {timeout:g} s timeout"
+                reasons[rank] = f"stopped while running {step!r}: {why} (a collective that not every rank joins waits forever)"
             elif worker.exitcode not in (0, None):
                 step = last_started(Path(spec.directory), rank) or "start-up"
                 reasons[rank] = f"the process died with exit code {worker.exitcode} while running {step!r}"
     return reasons
 
 
-def _wait(workers: list[Any], deadline: float, spec: WorkerSpec) -> float:
+def _wait(workers: list[Any], deadline: float, spec: WorkerSpec) -> int | None:
+    """Wait until every worker ended or ``deadline``; returns the rank that ended with an error first, if one did."""
+    failed: int | None = None
     while any(worker.is_alive() for worker in workers) and time.monotonic() < deadline:
-        workers[0].join(0.2) if workers[0].is_alive() else time.sleep(0.2)
-        ended_badly = any(not worker.is_alive() and (worker.exitcode != 0 or _reported_fatal(spec, rank)) for rank, worker in enumerate(workers))
-        if ended_badly:
-            deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
-    return deadline
+        time.sleep(0.1)
+        if failed is None:
+            failed = next((rank for rank, worker in enumerate(workers) if not worker.is_alive() and (worker.exitcode != 0 or _reported_fatal(spec, rank))), None)
+            if failed is not None:
+                deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
+    return failed
+
+
+def _stop(worker: Any) -> None:
+    worker.terminate()
+    worker.join(5)
+    if worker.is_alive():
+        worker.kill()
+        worker.join(5)
 
 
 def _reported_fatal(spec: WorkerSpec, rank: int) -> bool:

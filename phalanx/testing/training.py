@@ -40,6 +40,8 @@ class FitRun:
 
     def raise_if_failed(self, what: str) -> None:
         """Re-raise the fit's error as an AssertionError that says which fit failed and how."""
+        if isinstance(self.error, SystemExit):
+            raise AssertionError(f"{what} ended this rank with SystemExit({self.error.code}): the strategy stopped it because another rank failed (see that rank's error).")
         if self.error is not None:
             raise AssertionError(f"{what} raised {type(self.error).__name__}: {self.error}\n{self.error_text}")
 

@@ -15,6 +15,10 @@ _LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RAN
 _CLUSTER_PREFIXES = ("SLURM_", "LSB_", "JSM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "TORCHELASTIC_")
 
 
+class _Stopped(Exception):
+    """This rank stops early for a reason its message explains (no traceback needed)."""
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every rank needs (pickled to spawned processes, so ``make_strategy`` must be picklable)."""
@@ -35,6 +39,8 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
         _run_checks(rank, spec, results)
     except KeyboardInterrupt:
         results.fatal = "interrupted"
+    except _Stopped as stopped:
+        results.fatal = str(stopped)
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises
         results.fatal = f"{type(error).__name__}: {error}\n" + "".join(traceback.format_exception(error)[-6:])
     finally:
@@ -85,7 +91,7 @@ def _run_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
             _judge(results, check, judge)
     if first.error is not None:
         # The other ranks may be waiting in a collective this one left: no further collective may start here.
-        raise RuntimeError(f"Trainer.fit raised {type(first.error).__name__} on rank {rank}; the remaining checks did not run.\n{first.error_text}")
+        raise _Stopped(f"Trainer.fit raised {type(first.error).__name__} on rank {rank}; the remaining checks did not run.")
     if "teardown" in checks:
         _judge(results, "teardown", lambda: judge_teardown(first, rank=rank, processes=processes, after_fit_checkpoint=directory / "after_fit.ckpt"))
     for check, collective_check in COLLECTIVE_CHECKS.items():

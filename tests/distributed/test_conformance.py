@@ -45,18 +45,21 @@ def _deepspeed_available() -> bool:
 
 
 # ---------------------------------------------------------------------------- every built-in strategy passes
+# (make_strategy, processes, the checks that have nothing to verify there and are skipped)
 BUILT_IN = [
     pytest.param(SingleDeviceStrategy, 1, {"no_sync"}, id="single_device-1"),
+    pytest.param(DDPStrategy, 1, {"no_sync"}, id="ddp-1"),
     pytest.param(DDPStrategy, 2, set(), id="ddp-2"),
     pytest.param(FSDPStrategy, 2, set(), id="fsdp-2"),
+    pytest.param(partial(FSDPStrategy, state_dict_type="sharded"), 2, set(), id="fsdp_sharded_checkpoints-2"),
     pytest.param(ModelParallelStrategy, 2, {"no_sync"}, id="model_parallel-2"),  # tensor parallel: both ranks read the same data
-    pytest.param(partial(_deepspeed, 2), 2, {"no_sync"}, id="deepspeed_stage_2-2"),  # accumulates gradients itself
+    *[pytest.param(partial(_deepspeed, stage), 2, {"no_sync"}, id=f"deepspeed_stage_{stage}-2") for stage in (1, 2, 3)],  # accumulates itself
 ]
 
 
 @pytest.mark.parametrize(("make_strategy", "processes", "not_applicable"), BUILT_IN)
 def test_built_in_strategy_passes_every_check(make_strategy, processes, not_applicable, monkeypatch):
-    if isinstance(make_strategy, partial):
+    if getattr(make_strategy, "func", None) is _deepspeed:
         if not _deepspeed_available():
             pytest.skip("deepspeed is not installed")
         monkeypatch.setenv("DS_ACCELERATOR", "cpu")
@@ -153,10 +156,27 @@ class HangingBarrier(DDPStrategy):
 
 def test_a_rank_stuck_in_a_collective_is_stopped_at_the_timeout_and_reported(tmp_path):
     start = time.monotonic()
-    report = run_conformance(HangingBarrier, processes=2, start_method=FORK, checks=["barrier", "broadcast"], timeout=25, workdir=tmp_path)
-    assert time.monotonic() - start < 60
-    assert [result.name for result in report.failures] == ["barrier", "broadcast"]
-    assert "did not finish: stopped while running 'barrier'" in report["barrier"].message
-    assert "25 s timeout" in report["barrier"].message
+    report = run_conformance(HangingBarrier, processes=2, start_method=FORK, checks=["barrier", "broadcast"], timeout=15, workdir=tmp_path)
+    assert time.monotonic() - start < 40
+    assert report["broadcast"].passed  # ran before the barrier: its result was kept
+    assert [result.name for result in report.failures] == ["barrier"]
+    assert "did not finish: stopped while running 'barrier': the run reached its 15 s timeout" in report["barrier"].message
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("phalanx-conformance")]
-    assert os.listdir(tmp_path), "the run's files stay in the given workdir"
+    assert sorted(path.name for path in next(tmp_path.iterdir()).iterdir() if path.suffix == ".json") == ["rank0.json", "rank1.json"]
+
+
+class RaisesOnRankOne(DDPStrategy):
+    def on_train_start(self) -> None:
+        if self.global_rank == 1:
+            raise RuntimeError("on_train_start failed on rank 1")
+
+
+def test_a_rank_whose_fit_raises_is_reported_with_its_error_and_nothing_waits_for_it():
+    start = time.monotonic()
+    report = run_conformance(RaisesOnRankOne, processes=2, start_method=FORK, checks=["lifecycle", "reduce"], timeout=120)
+    assert time.monotonic() - start < 60
+    assert [result.name for result in report.failures] == ["lifecycle", "reduce"]
+    lifecycle, reduce = report["lifecycle"].message, report["reduce"].message
+    assert "on rank 1:\n  Trainer.fit raised RuntimeError: on_train_start failed on rank 1" in lifecycle
+    assert "on rank 0: Trainer.fit ended this rank with SystemExit(1): the strategy stopped it because another rank failed" in lifecycle
+    assert "on rank 1: did not finish: Trainer.fit raised RuntimeError on rank 1; the remaining checks did not run." in reduce
