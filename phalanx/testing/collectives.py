@@ -42,15 +42,24 @@ def _fail(problems: list[str]) -> None:
 
 
 def check_reduce(strategy: Strategy, *, rank: int | None = None, world_size: int | None = None) -> None:
-    """``reduce`` of a rank-dependent tensor gives the mean (the default), sum, max and min over ranks; unknown ops raise."""
+    """``reduce`` of rank-dependent tensors gives their mean (the default), sum, max and min; unknown ops raise."""
     rank, world = _ranks(strategy, rank, world_size)
     # Rank r holds [r + 1, -2 (r + 1)]: every op gives a different answer, and a sum differs from a mean when world > 1.
     columns = torch.tensor([[r + 1.0, -2.0 * (r + 1)] for r in range(world)])
-    expected = {"mean": columns.mean(0), "sum": columns.sum(0), "max": columns.max(0).values, "min": columns.min(0).values}
+    expected = {
+        "mean": columns.mean(0),
+        "sum": columns.sum(0),
+        "max": columns.max(0).values,
+        "min": columns.min(0).values,
+    }
     local = columns[rank] if rank < world else torch.zeros(2)
-    calls: list[tuple[str, str, Callable[[], Any]]] = [("mean", "reduce(tensor)", lambda: strategy.reduce(local.clone()))]
+    calls: list[tuple[str, str, Callable[[], Any]]] = [
+        ("mean", "reduce(tensor)", lambda: strategy.reduce(local.clone()))
+    ]
     for op in ("mean", "sum", "max", "min"):
-        calls.append((op, f"reduce(tensor, reduce_op={op!r})", lambda op=op: strategy.reduce(local.clone(), reduce_op=op)))
+        calls.append(
+            (op, f"reduce(tensor, reduce_op={op!r})", lambda op=op: strategy.reduce(local.clone(), reduce_op=op))
+        )
     outcomes = [(op, call, *_attempt(run)) for op, call, run in calls]
     _, unknown_error = _attempt(lambda: strategy.reduce(local.clone(), reduce_op="median"))
     problems = []
@@ -58,12 +67,20 @@ def check_reduce(strategy: Strategy, *, rank: int | None = None, world_size: int
         if error is not None:
             problems.append(_raised(call, error))
         elif not isinstance(result, torch.Tensor) or result.shape != expected[op].shape:
-            problems.append(f"{call} on rank {rank} returned {result!r}; expected a tensor of shape {tuple(expected[op].shape)}.")
+            problems.append(
+                f"{call} on rank {rank} returned {result!r}; expected a tensor of shape {tuple(expected[op].shape)}."
+            )
         elif not torch.allclose(result.detach().float().cpu(), expected[op], rtol=1e-6, atol=1e-6):
-            problems.append(f"{call} on rank {rank} with {local.tolist()} returned {result.tolist()}; expected the {op} over {world} rank(s): {expected[op].tolist()}.")
+            problems.append(
+                f"{call} on rank {rank} with {local.tolist()} returned {result.tolist()}; expected the {op} over"
+                f" {world} rank(s): {expected[op].tolist()}."
+            )
     if not isinstance(unknown_error, (ValueError, TypeError)):
         seen = "returned without an error" if unknown_error is None else f"raised {type(unknown_error).__name__}"
-        problems.append(f"reduce(tensor, reduce_op='median') {seen}; an unknown reduce_op must raise ValueError naming the valid ones.")
+        problems.append(
+            f"reduce(tensor, reduce_op='median') {seen}; an unknown reduce_op must raise ValueError"
+            " naming the valid ones."
+        )
     _fail(problems)
 
 
@@ -96,21 +113,32 @@ def check_all_gather(strategy: Strategy, *, rank: int | None = None, world_size:
             problems.append(_raised(call, error))
             continue
         if world == 1 and isinstance(result, torch.Tensor) and result.shape == expected.shape[1:]:
-            result = result.unsqueeze(0)  # one process: unchanged (no process group) or stacked (a group of one) both conform
+            # One process: unchanged (no process group) and stacked (a group of one) both conform.
+            result = result.unsqueeze(0)
         if not isinstance(result, torch.Tensor) or tuple(result.shape) != tuple(expected.shape):
             shape = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-            wanted = f"{tuple(expected.shape)}, one entry per rank in rank order" + (f", or {tuple(expected.shape[1:])} unchanged" if world == 1 else "")
+            wanted = f"{tuple(expected.shape)}, one entry per rank in rank order" + (
+                f", or {tuple(expected.shape[1:])} unchanged" if world == 1 else ""
+            )
             problems.append(f"{call} on rank {rank} returned shape {shape}; expected {wanted}.")
         elif not torch.equal(result.detach().cpu(), expected):
-            problems.append(f"{call} on rank {rank} returned {result.tolist()}; expected {expected.tolist()} (rank r's tensor at index r).")
+            problems.append(
+                f"{call} on rank {rank} returned {result.tolist()}; expected {expected.tolist()}"
+                " (rank r's tensor at index r)."
+            )
     if gradient_error is not None:
         problems.append(_raised("all_gather(tensor, sync_grads=True).sum().backward()", gradient_error))
     elif gradient is None or not torch.equal(gradient.cpu(), torch.tensor([float(world)])):
-        problems.append(f"all_gather(tensor, sync_grads=True).sum().backward() gave the input the gradient {gradient!r} on rank {rank}; expected {float(world)} (each rank's sum uses it once).")
+        problems.append(
+            f"all_gather(tensor, sync_grads=True).sum().backward() gave the input the gradient {gradient!r} on rank"
+            f" {rank}; expected {float(world)} (each rank's sum uses it once)."
+        )
     if objects_error is not None:
         problems.append(_raised("all_gather_object(obj)", objects_error))
     elif objects != [{"rank": r} for r in range(world)]:
-        problems.append(f"all_gather_object({{'rank': {rank}}}) returned {objects!r}; expected one object per rank, in rank order.")
+        problems.append(
+            f"all_gather_object({{'rank': {rank}}}) returned {objects!r}; expected one object per rank, in rank order."
+        )
     _fail(problems)
 
 
@@ -129,20 +157,29 @@ def check_broadcast(strategy: Strategy, *, rank: int | None = None, world_size: 
         if error is not None:
             problems.append(_raised(f"broadcast(obj, src={src})", error))
         elif result != _payload(src):
-            problems.append(f"broadcast(obj, src={src}) on rank {rank} returned {result!r}; expected rank {src}'s object {_payload(src)!r}.")
+            problems.append(
+                f"broadcast(obj, src={src}) on rank {rank} returned {result!r};"
+                f" expected rank {src}'s object {_payload(src)!r}."
+            )
     if default_error is not None:
         problems.append(_raised("broadcast(obj)", default_error))
     elif default != _payload(0):
-        problems.append(f"broadcast(obj) on rank {rank} returned {default!r}; the default src=0 must send rank 0's object {_payload(0)!r}.")
+        problems.append(
+            f"broadcast(obj) on rank {rank} returned {default!r};"
+            f" the default src=0 must send rank 0's object {_payload(0)!r}."
+        )
     if tensor_error is not None:
         problems.append(_raised(f"broadcast(tensor, src={world - 1})", tensor_error))
     elif not isinstance(tensor, torch.Tensor) or not torch.equal(tensor.cpu(), torch.tensor([float(world - 1), 7.0])):
-        problems.append(f"broadcast(tensor, src={world - 1}) on rank {rank} returned {tensor!r}; expected rank {world - 1}'s tensor [{float(world - 1)}, 7.0].")
+        problems.append(
+            f"broadcast(tensor, src={world - 1}) on rank {rank} returned {tensor!r}; expected rank {world - 1}'s"
+            f" tensor [{float(world - 1)}, 7.0]."
+        )
     _fail(problems)
 
 
 def check_barrier(strategy: Strategy, *, rank: int | None = None, world_size: int | None = None) -> None:
-    """``barrier`` holds every rank until the last one arrives: the last rank sleeps first, the others must wait for it."""
+    """``barrier`` holds every rank until the last arrives: the last rank sleeps first, the others must wait for it."""
     rank, world = _ranks(strategy, rank, world_size)
     if world == 1:
         _, error = _attempt(lambda: strategy.barrier("conformance"))
@@ -158,8 +195,9 @@ def check_barrier(strategy: Strategy, *, rank: int | None = None, world_size: in
         raise AssertionError(_raised("barrier('conformance')", error))
     if rank != world - 1 and waited < BARRIER_MIN_WAIT_S:
         raise AssertionError(
-            f"barrier() on rank {rank} returned after {waited:.3f} s although rank {world - 1} slept {BARRIER_SLEEP_S} s before"
-            f" calling it; a barrier must not return before every rank has reached it (expected >= {BARRIER_MIN_WAIT_S} s)."
+            f"barrier() on rank {rank} returned after {waited:.3f} s although rank {world - 1} slept"
+            f" {BARRIER_SLEEP_S} s before calling it; a barrier must not return before every rank has reached it"
+            f" (expected >= {BARRIER_MIN_WAIT_S} s)."
         )
 
 
@@ -171,7 +209,9 @@ def _synchronise(strategy: Strategy) -> None:
         strategy.reduce(torch.zeros(1), reduce_op="sum")
 
 
-def check_reduce_boolean_decision(strategy: Strategy, *, rank: int | None = None, world_size: int | None = None) -> None:
+def check_reduce_boolean_decision(
+    strategy: Strategy, *, rank: int | None = None, world_size: int | None = None
+) -> None:
     """``reduce_boolean_decision`` is True when every rank (``all=True``) or any rank (``all=False``) decided True."""
     rank, world = _ranks(strategy, rank, world_size)
     cases = [
@@ -183,7 +223,9 @@ def check_reduce_boolean_decision(strategy: Strategy, *, rank: int | None = None
     outcomes = []
     for description, decide in cases:
         for every in (True, False):
-            result, error = _attempt(lambda decide=decide, every=every: strategy.reduce_boolean_decision(decide(rank), all=every))
+            result, error = _attempt(
+                lambda decide=decide, every=every: strategy.reduce_boolean_decision(decide(rank), all=every)
+            )
             expected = (all if every else any)(decide(r) for r in range(world))
             outcomes.append((description, every, result, error, expected))
     problems = []
@@ -207,4 +249,12 @@ COLLECTIVE_CHECKS: dict[str, Callable[..., None]] = {
     "reduce_boolean_decision": check_reduce_boolean_decision,
 }
 
-__all__ = ["COLLECTIVE_CHECKS", "NotApplicable", "check_all_gather", "check_barrier", "check_broadcast", "check_reduce", "check_reduce_boolean_decision"]
+__all__ = [
+    "COLLECTIVE_CHECKS",
+    "NotApplicable",
+    "check_all_gather",
+    "check_barrier",
+    "check_broadcast",
+    "check_reduce",
+    "check_reduce_boolean_decision",
+]

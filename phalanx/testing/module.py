@@ -14,8 +14,26 @@ FEATURES, HIDDEN = 4, 8
 SAMPLES_PER_REPLICA, BATCH_SIZE = 8, 2  # four batches per data-parallel rank and epoch
 
 #: Module hooks the kit expects once per run, and once per batch, during a fit (besides ``training_step``).
-RUN_HOOKS = ("setup", "configure_model", "configure_optimizers", "on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_epoch_end", "on_train_end", "on_fit_end", "teardown")
-BATCH_HOOKS = ("on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end")
+RUN_HOOKS = (
+    "setup",
+    "configure_model",
+    "configure_optimizers",
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+    "teardown",
+)
+BATCH_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+)
 
 
 def conformance_data(replicas: int) -> DataLoader:
@@ -27,7 +45,7 @@ def conformance_data(replicas: int) -> DataLoader:
 
 
 def probe_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch that only ranks given the same ``seed`` share (the no-sync check feeds each data-parallel rank its own)."""
+    """A batch only ranks given the same ``seed`` share (the no-sync check gives each data-parallel rank its own)."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(BATCH_SIZE, FEATURES, generator=generator)
     return x, torch.randn(BATCH_SIZE, 1, generator=generator)

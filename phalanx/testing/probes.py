@@ -39,9 +39,13 @@ class MethodRecorder:
 
 
 def record_plugin_teardowns(strategy: Strategy) -> list[str]:
-    """Record the ``teardown`` of the strategy's accelerator, precision plugin, checkpoint IO and cluster environment."""
+    """Record ``teardown`` of the strategy's accelerator, precision plugin, checkpoint IO and cluster environment."""
     calls: list[str] = []
-    parts = {"accelerator": strategy.accelerator, "precision_plugin": strategy.precision_plugin, "checkpoint_io": strategy.checkpoint_io}
+    parts = {
+        "accelerator": strategy.accelerator,
+        "precision_plugin": strategy.precision_plugin,
+        "checkpoint_io": strategy.checkpoint_io,
+    }
     environment = getattr(strategy, "cluster_environment", None)
     if environment is not None:
         parts["cluster_environment"] = environment
@@ -66,7 +70,7 @@ def local_copy(value: Any) -> Any:
 
 
 def snapshot(strategy: Strategy, *, optimizers: bool) -> dict[str, Any]:
-    """This rank's view of the weights (``module_state_dict``) and, when asked, of each optimizer (``optimizer_state``)."""
+    """This rank's view of the weights (``module_state_dict``) and, if asked, the optimizers (``optimizer_state``)."""
     state: dict[str, Any] = {"weights": local_copy(strategy.module_state_dict())}
     if optimizers:
         state["optimizers"] = [local_copy(strategy.optimizer_state(optimizer)) for optimizer in strategy.optimizers]
@@ -74,7 +78,7 @@ def snapshot(strategy: Strategy, *, optimizers: bool) -> dict[str, Any]:
 
 
 def differences(expected: Any, actual: Any, *, atol: float = 0.0, path: str = "", limit: int = 5) -> list[str]:
-    """Where ``actual`` differs from ``expected`` (at most ``limit`` places); tensors equal exactly unless ``atol`` > 0."""
+    """Where ``actual`` differs from ``expected`` (``limit`` places at most); tensors equal exactly unless ``atol``."""
     found: list[str] = []
     _compare(expected, actual, atol, path or "state", found, limit)
     return found
@@ -87,7 +91,10 @@ def _compare(expected: Any, actual: Any, atol: float, path: str, found: list[str
         if not (isinstance(expected, torch.Tensor) and isinstance(actual, torch.Tensor)):
             found.append(f"{path}: {type(expected).__name__} became {type(actual).__name__}")
         elif expected.shape != actual.shape or expected.dtype != actual.dtype:
-            found.append(f"{path}: shape/dtype {tuple(expected.shape)}/{expected.dtype} became {tuple(actual.shape)}/{actual.dtype}")
+            found.append(
+                f"{path}: shape/dtype {tuple(expected.shape)}/{expected.dtype} became"
+                f" {tuple(actual.shape)}/{actual.dtype}"
+            )
         elif not _tensors_match(expected, actual, atol):
             gap = (expected.double() - actual.double()).abs().max().item() if expected.is_floating_point() else "n/a"
             found.append(f"{path}: values differ (largest difference {gap}{', allowed ' + str(atol) if atol else ''})")
@@ -101,7 +108,7 @@ def _compare(expected: Any, actual: Any, atol: float, path: str, found: list[str
         if len(expected) != len(actual):
             found.append(f"{path}: {len(expected)} entries became {len(actual)}")
             return
-        for index, (left, right) in enumerate(zip(expected, actual)):
+        for index, (left, right) in enumerate(zip(expected, actual, strict=True)):
             _compare(left, right, atol, f"{path}[{index}]", found, limit)
     elif isinstance(expected, float) and isinstance(actual, float) and math.isnan(expected) and math.isnan(actual):
         return
@@ -125,8 +132,17 @@ class ProbeCallback(Callback):
     """Observes a fit from inside: ranks at train start, a snapshot and ``trainer.save_checkpoint`` at ``save_at``,
     the state a resumed run starts from, the final weights, and (optionally) the no-sync probe at train end."""
 
-    def __init__(self, *, save_at: int | None = None, checkpoint: Path | None = None, capture_start: bool = False, no_sync: bool = False, recorder: MethodRecorder | None = None) -> None:
-        self.save_at, self.checkpoint, self.capture_start, self.probe_no_sync = save_at, checkpoint, capture_start, no_sync
+    def __init__(
+        self,
+        *,
+        save_at: int | None = None,
+        checkpoint: Path | None = None,
+        capture_start: bool = False,
+        no_sync: bool = False,
+        recorder: MethodRecorder | None = None,
+    ) -> None:
+        self.save_at, self.checkpoint = save_at, checkpoint
+        self.capture_start, self.probe_no_sync = capture_start, no_sync
         self.recorder = recorder
         self.ranks: dict[str, Any] | None = None
         self.saved: dict[str, Any] | None = None
@@ -136,7 +152,12 @@ class ProbeCallback(Callback):
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         strategy = trainer.strategy
-        self.ranks = {"world_size": strategy.world_size, "global_rank": strategy.global_rank, "is_global_zero": strategy.is_global_zero, "optimizers": len(strategy.optimizers)}
+        self.ranks = {
+            "world_size": strategy.world_size,
+            "global_rank": strategy.global_rank,
+            "is_global_zero": strategy.is_global_zero,
+            "optimizers": len(strategy.optimizers),
+        }
         if self.capture_start:
             self.started = snapshot(strategy, optimizers=True)
 
@@ -175,12 +196,20 @@ def observe_no_sync(strategy: Strategy, module: ConformanceModule) -> dict[str, 
     if world == 1:
         raise NotApplicable("one process: there is no gradient synchronisation to skip")
     if strategy.handles_gradient_accumulation:
-        raise NotApplicable(f"{type(strategy).__name__} accumulates gradients itself (handles_gradient_accumulation), so the loops never enter block_backward_sync()")
+        raise NotApplicable(
+            f"{type(strategy).__name__} accumulates gradients itself (handles_gradient_accumulation), so the loops"
+            " never enter block_backward_sync()"
+        )
     if replicas < 2:
-        raise NotApplicable(f"the ranks of {type(strategy).__name__} all read the same data (distributed_sampler_kwargs: {sampler or None}), so there are no per-rank gradients to keep apart")
+        raise NotApplicable(
+            f"the ranks of {type(strategy).__name__} all read the same data (distributed_sampler_kwargs:"
+            f" {sampler or None}), so there are no per-rank gradients to keep apart"
+        )
     replica = int(sampler["rank"])
     reference = make_net()
-    reference.load_state_dict({name: _full(parameter.detach()).cpu() for name, parameter in module.net.named_parameters()})
+    reference.load_state_dict(
+        {name: _full(parameter.detach()).cpu() for name, parameter in module.net.named_parameters()}
+    )
     first, second = probe_batch(100 + replica), probe_batch(200 + replica)
     optimizer = strategy.optimizers[0]
     optimizer.zero_grad(set_to_none=True)
@@ -190,7 +219,13 @@ def observe_no_sync(strategy: Strategy, module: ConformanceModule) -> dict[str, 
     strategy.backward(strategy.training_step(strategy.batch_to_device(second), 1), optimizer)
     outside = _gradients(module)
     optimizer.zero_grad(set_to_none=True)
-    seen = {"replica": replica, "inside": inside, "outside": outside, "local_first": _reference_gradients(reference, first), "local_second": _reference_gradients(reference, second)}
+    seen = {
+        "replica": replica,
+        "inside": inside,
+        "outside": outside,
+        "local_first": _reference_gradients(reference, first),
+        "local_second": _reference_gradients(reference, second),
+    }
     return {"rank": strategy.global_rank, "ranks": gather_objects(strategy, seen)}
 
 
@@ -200,7 +235,10 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _gradients(module: ConformanceModule) -> dict[str, torch.Tensor | None]:
-    return {name: None if p.grad is None else _full(p.grad).detach().cpu().clone() for name, p in module.net.named_parameters()}
+    return {
+        name: None if p.grad is None else _full(p.grad).detach().cpu().clone()
+        for name, p in module.net.named_parameters()
+    }
 
 
 def _reference_gradients(net: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:

@@ -61,25 +61,32 @@ class ConformanceReport:
 
     def __getitem__(self, check: str) -> CheckResult:
         if check not in self.results:
-            raise KeyError(f"No result for check {check!r}; this run has {list(self.results)} (all checks: {list(CHECKS)}).")
+            raise KeyError(
+                f"No result for check {check!r}; this run has {list(self.results)} (all checks: {list(CHECKS)})."
+            )
         return self.results[check]
 
     def assert_passed(self, check: str | None = None) -> None:
-        """Raise StrategyConformanceError if ``check`` (every check when None) failed; a skipped check skips under pytest."""
+        """Raise StrategyConformanceError if ``check`` (any, when None) failed; a skipped check skips under pytest."""
         if check is None:
             if self.failures:
                 raise StrategyConformanceError(self.describe_failures())
             return
         result = self[check]
         if result.failed:
-            raise StrategyConformanceError(f"{self.strategy} on {self._processes_text()}: check {check!r} failed:\n{_indent(result.message)}")
+            raise StrategyConformanceError(
+                f"{self.strategy} on {self._processes_text()}: check {check!r} failed:\n{_indent(result.message)}"
+            )
         if result.status == SKIPPED and "pytest" in sys.modules:
             sys.modules["pytest"].skip(f"{check}: {result.message}")
 
     def describe_failures(self) -> str:
         """A message naming the strategy, the process count and each failed check with what it saw."""
         failures = self.failures
-        lines = [f"{self.strategy} failed {len(failures)} of {len(self.results)} conformance checks on {self._processes_text()}:"]
+        lines = [
+            f"{self.strategy} failed {len(failures)} of {len(self.results)} conformance checks"
+            f" on {self._processes_text()}:"
+        ]
         lines += [f"  - {result.name}:\n{_indent(result.message, 6)}" for result in failures]
         return "\n".join(lines)
 
@@ -145,8 +152,10 @@ def read_rank(directory: Path, rank: int) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
-def merge(strategy: str, processes: int, checks: tuple[str, ...], ranks: list[dict[str, Any] | None], stopped: dict[int, str]) -> ConformanceReport:
-    """Combine per-rank results: a check fails if it failed (or never finished) on any rank, is skipped if skipped everywhere."""
+def merge(
+    strategy: str, processes: int, checks: tuple[str, ...], ranks: list[dict[str, Any] | None], stopped: dict[int, str]
+) -> ConformanceReport:
+    """Combine the ranks' results: a check fails if it failed (or never finished) on any rank."""
     report = ConformanceReport(strategy, processes)
     for check in checks:
         failures: dict[str, list[int]] = {}
@@ -174,7 +183,11 @@ def _on_ranks(ranks: list[int], processes: int, text: str) -> str:
     """``text`` under a header naming the ranks that saw it (no header on one process)."""
     if processes == 1:
         return text
-    where = "on every rank" if len(ranks) == processes else f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    where = (
+        "on every rank"
+        if len(ranks) == processes
+        else f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    )
     if "\n" not in text:
         return f"{where}: {text}"
     return f"{where}:\n{_indent(text, 2)}"

@@ -31,7 +31,7 @@ def run_conformance(
     start_method: str = "spawn",
     resume_atol: float = 0.0,
 ) -> ConformanceReport:
-    """Run the conformance checks on ``processes`` CPU processes (gloo) and return the report; raises only for bad arguments.
+    """Run the conformance checks on ``processes`` CPU processes (gloo); return the report (raise for bad arguments).
 
     ``make_strategy`` builds the strategy in each process (a Strategy subclass, or a module-level function or
     ``functools.partial``: spawned processes receive it pickled). ``checks`` selects a subset of ``CHECKS``.
@@ -56,15 +56,20 @@ def run_conformance(
 
 
 def check_strategy(make_strategy: Callable[[], Any], **options: Any) -> ConformanceReport:
-    """Run the conformance checks (options as ``run_conformance``); raise StrategyConformanceError listing every failure."""
+    """Run the conformance checks (options of ``run_conformance``); raise StrategyConformanceError listing failures."""
     report = run_conformance(make_strategy, **options)
     report.assert_passed()
     return report
 
 
-def _check_arguments(make_strategy: Any, processes: Any, checks: Any, timeout: Any, start_method: Any, resume_atol: Any) -> tuple[str, ...]:
+def _check_arguments(
+    make_strategy: Any, processes: Any, checks: Any, timeout: Any, start_method: Any, resume_atol: Any
+) -> tuple[str, ...]:
     if not callable(make_strategy):
-        raise TypeError(f"make_strategy must be a Strategy subclass or a function returning a Strategy instance, got {type(make_strategy).__name__}.")
+        raise TypeError(
+            "make_strategy must be a Strategy subclass or a function returning a Strategy instance, got"
+            f" {type(make_strategy).__name__}."
+        )
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes={processes!r} must be an int >= 1 (the kit runs 1 or more CPU processes).")
     if isinstance(checks, str):
@@ -76,7 +81,10 @@ def _check_arguments(make_strategy: Any, processes: Any, checks: Any, timeout: A
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
     if start_method not in START_METHODS or start_method not in multiprocessing.get_all_start_methods():
-        raise ValueError(f"start_method={start_method!r} is not valid here; choose one of {[m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]}.")
+        raise ValueError(
+            f"start_method={start_method!r} is not valid here; choose one of"
+            f" {[m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]}."
+        )
     if isinstance(resume_atol, bool) or not isinstance(resume_atol, (int, float)) or resume_atol < 0:
         raise ValueError(f"resume_atol={resume_atol!r} must be a number >= 0.")
     if start_method != "fork":
@@ -84,8 +92,9 @@ def _check_arguments(make_strategy: Any, processes: Any, checks: Any, timeout: A
             pickle.dumps(make_strategy)
         except Exception as error:  # noqa: BLE001 - any pickling failure means the same thing here
             raise TypeError(
-                f"make_strategy ({make_strategy!r}) cannot be pickled ({error}); with start_method={start_method!r} each process"
-                " receives it pickled: pass the Strategy class, a module-level function or a functools.partial."
+                f"make_strategy ({make_strategy!r}) cannot be pickled ({error}); with start_method={start_method!r}"
+                " each process receives it pickled: pass the Strategy class, a module-level function or a"
+                " functools.partial."
             ) from None
     return tuple(check for check in CHECKS if check in selected)
 
@@ -104,7 +113,10 @@ def _strategy_name(make_strategy: Any) -> str:
 def _launch(spec: WorkerSpec, start_method: str, timeout: float) -> dict[int, str]:
     """Start every rank and wait; returns, per rank that had to be stopped or died, why."""
     context = multiprocessing.get_context(start_method)
-    workers = [context.Process(target=worker_main, args=(rank, spec), name=f"phalanx-conformance-rank{rank}") for rank in range(spec.processes)]
+    workers = [
+        context.Process(target=worker_main, args=(rank, spec), name=f"phalanx-conformance-rank{rank}")
+        for rank in range(spec.processes)
+    ]
     for worker in workers:
         worker.start()
     failed_peer: int | None = None
@@ -117,8 +129,14 @@ def _launch(spec: WorkerSpec, start_method: str, timeout: float) -> dict[int, st
             if worker.is_alive():
                 _stop(worker)
                 step = last_started(Path(spec.directory), rank) or "start-up"
-                why = f"rank {failed_peer} ended with an error {PEER_GRACE_S:g} s earlier" if failed_peer is not None else f"the run reached its {timeout:g} s timeout"
-                reasons[rank] = f"stopped while running {step!r}: {why} (a collective that not every rank joins waits forever)"
+                why = (
+                    f"rank {failed_peer} ended with an error {PEER_GRACE_S:g} s earlier"
+                    if failed_peer is not None
+                    else f"the run reached its {timeout:g} s timeout"
+                )
+                reasons[rank] = (
+                    f"stopped while running {step!r}: {why} (a collective that not every rank joins waits forever)"
+                )
             elif worker.exitcode not in (0, None):
                 step = last_started(Path(spec.directory), rank) or "start-up"
                 reasons[rank] = f"the process died with exit code {worker.exitcode} while running {step!r}"
@@ -131,7 +149,14 @@ def _wait(workers: list[Any], deadline: float, spec: WorkerSpec) -> int | None:
     while any(worker.is_alive() for worker in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
         if failed is None:
-            failed = next((rank for rank, worker in enumerate(workers) if not worker.is_alive() and (worker.exitcode != 0 or _reported_fatal(spec, rank))), None)
+            failed = next(
+                (
+                    rank
+                    for rank, worker in enumerate(workers)
+                    if not worker.is_alive() and (worker.exitcode != 0 or _reported_fatal(spec, rank))
+                ),
+                None,
+            )
             if failed is not None:
                 deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
     return failed

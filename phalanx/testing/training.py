@@ -1,4 +1,4 @@
-"""The checks that drive a strategy through ``Trainer.fit``: lifecycle order, module hooks, no-sync, teardown, resume."""
+"""The checks that drive a strategy through ``Trainer.fit``: lifecycle order, hooks, no-sync, teardown, resume."""
 
 from __future__ import annotations
 
@@ -17,9 +17,28 @@ from phalanx.testing.report import NotApplicable
 STEPS, SAVE_AT = 4, 2  # every fit trains four batches; the first saves a checkpoint after the second
 
 #: The Strategy methods whose order the lifecycle check records (on return), and the order the Trainer promises.
-LIFECYCLE_METHODS = ("connect", "setup_environment", "setup", "on_train_start", "on_train_batch_start", "training_step", "backward", "optimizer_step", "on_train_end", "teardown")
+LIFECYCLE_METHODS = (
+    "connect",
+    "setup_environment",
+    "setup",
+    "on_train_start",
+    "on_train_batch_start",
+    "training_step",
+    "backward",
+    "optimizer_step",
+    "on_train_end",
+    "teardown",
+)
 BATCH_CYCLE = ("on_train_batch_start", "training_step", "backward", "optimizer_step")
-EXPECTED_LIFECYCLE = ("connect", "setup_environment", "setup", "on_train_start", *BATCH_CYCLE * STEPS, "on_train_end", "teardown")
+EXPECTED_LIFECYCLE = (
+    "connect",
+    "setup_environment",
+    "setup",
+    "on_train_start",
+    *BATCH_CYCLE * STEPS,
+    "on_train_end",
+    "teardown",
+)
 _RUN_START, _RUN_END = RUN_HOOKS[:6], RUN_HOOKS[6:]
 EXPECTED_HOOKS = (*_RUN_START, *(BATCH_HOOKS[0], "training_step", *BATCH_HOOKS[1:]) * STEPS, *_RUN_END)
 PLUGIN_TEARDOWNS = ("accelerator.teardown", "precision_plugin.teardown", "checkpoint_io.teardown")
@@ -41,29 +60,46 @@ class FitRun:
     def raise_if_failed(self, what: str) -> None:
         """Re-raise the fit's error as an AssertionError that says which fit failed and how."""
         if isinstance(self.error, SystemExit):
-            raise AssertionError(f"{what} ended this rank with SystemExit({self.error.code}): the strategy stopped it because another rank failed (see that rank's error).")
+            raise AssertionError(
+                f"{what} ended this rank with SystemExit({self.error.code}): the strategy stopped it because another"
+                " rank failed (see that rank's error)."
+            )
         if self.error is not None:
             raise AssertionError(f"{what} raised {type(self.error).__name__}: {self.error}\n{self.error_text}")
 
 
-def run_fit(make_strategy: Callable[[], Strategy], processes: int, *, seed: int, record: bool = False, ckpt_path: Path | None = None, **probes: Any) -> FitRun:
+def run_fit(
+    make_strategy: Callable[[], Strategy],
+    processes: int,
+    *,
+    seed: int,
+    record: bool = False,
+    ckpt_path: Path | None = None,
+    **probes: Any,
+) -> FitRun:
     """Fit the conformance module for four steps on ``make_strategy()``; ``probes`` configure the ProbeCallback."""
     from phalanx.trainer.trainer import Trainer
 
     strategy = make_strategy()
     if not isinstance(strategy, Strategy):
-        raise TypeError(f"make_strategy returned {type(strategy).__name__}; it must return a phalanx.strategies.Strategy instance.")
+        raise TypeError(
+            f"make_strategy returned {type(strategy).__name__}; it must return a phalanx.strategies.Strategy instance."
+        )
     lifecycle = MethodRecorder(strategy, LIFECYCLE_METHODS) if record else None
     callback = ProbeCallback(recorder=lifecycle, **probes)
     options: dict[str, Any] = {"accelerator": "cpu"} if strategy.accelerator is None else {}
-    trainer = Trainer(
-        strategy=strategy, devices=processes, max_steps=STEPS, callbacks=[callback], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **options,
-    )  # fmt: skip
+    quiet = {
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    trainer = Trainer(strategy=strategy, devices=processes, max_steps=STEPS, callbacks=[callback], **quiet, **options)
     if strategy.launcher is not None:
         raise ValueError(
-            f"{type(strategy).__name__} would start processes itself ({type(strategy.launcher).__name__}); the conformance kit starts"
-            " them and runs each rank as a launched process. Build the strategy as a script launch would (start_method='popen')."
+            f"{type(strategy).__name__} would start processes itself ({type(strategy.launcher).__name__}); the"
+            " conformance kit starts them and runs each rank as a launched process. Build the strategy as a"
+            " script launch would (start_method='popen')."
         )
     teardowns = record_plugin_teardowns(strategy) if record else []
     torch.manual_seed(seed)
@@ -88,9 +124,15 @@ def judge_lifecycle(run: FitRun, *, rank: int, processes: int) -> None:
     expected = {"world_size": processes, "global_rank": rank, "is_global_zero": rank == 0}
     for name, value in expected.items():
         if seen.get(name) != value:
-            problems.append(f"strategy.{name} was {seen.get(name)!r} on rank {rank} after setup; expected {value!r} ({processes} processes).")
+            problems.append(
+                f"strategy.{name} was {seen.get(name)!r} on rank {rank} after setup; expected {value!r}"
+                f" ({processes} processes)."
+            )
     if seen.get("optimizers") != 1:
-        problems.append(f"strategy.optimizers held {seen.get('optimizers')} optimizer(s) after setup; configure_optimizers returned one.")
+        problems.append(
+            f"strategy.optimizers held {seen.get('optimizers')} optimizer(s) after setup;"
+            " configure_optimizers returned one."
+        )
     if problems:
         raise AssertionError("\n".join(problems))
 
@@ -106,10 +148,17 @@ def judge_hooks(run: FitRun) -> None:
 def _sequence_problems(what: str, expected: tuple[str, ...], seen: list[str]) -> list[str]:
     if tuple(seen) == expected:
         return []
-    index = next((i for i, (want, got) in enumerate(zip(expected, seen)) if want != got), min(len(expected), len(seen)))
+    index = next(
+        (i for i, (want, got) in enumerate(zip(expected, seen, strict=False)) if want != got),
+        min(len(expected), len(seen)),
+    )
     want = expected[index] if index < len(expected) else "nothing more"
     got = seen[index] if index < len(seen) else "nothing more"
-    return [f"{what}: call #{index} was {got!r}, expected {want!r}.\n  expected: {_compact(expected)}\n  seen:     {_compact(seen)}"]
+    return [
+        f"{what}: call #{index} was {got!r}, expected {want!r}.\n"
+        f"  expected: {_compact(expected)}\n"
+        f"  seen:     {_compact(seen)}"
+    ]
 
 
 def _compact(names: Any) -> str:
@@ -140,7 +189,10 @@ def judge_no_sync(run: FitRun, *, rank: int) -> None:
     if isinstance(observed, NotApplicable):
         raise observed
     if isinstance(observed, BaseException):
-        raise AssertionError(f"the no-sync probe (backward inside and after block_backward_sync()) raised {type(observed).__name__}: {observed}")
+        raise AssertionError(
+            "the no-sync probe (backward inside and after block_backward_sync()) raised"
+            f" {type(observed).__name__}: {observed}"
+        )
     if observed is None:
         raise AssertionError("the no-sync probe did not run (on_train_end was not reached).")
     ranks = observed["ranks"]
@@ -160,15 +212,24 @@ def judge_no_sync(run: FitRun, *, rank: int) -> None:
             wrong_outside.append(name)
     problems = []
     if synchronised:
-        problems.append(f"inside block_backward_sync() the gradients of {synchronised} on rank {rank} were the mean over the data-parallel ranks: the gradient synchronisation was not skipped.")
+        problems.append(
+            f"inside block_backward_sync() the gradients of {synchronised} on rank {rank} were the mean over the"
+            " data-parallel ranks: the gradient synchronisation was not skipped."
+        )
     if wrong_inside:
-        problems.append(f"inside block_backward_sync() the gradients of {wrong_inside} on rank {rank} are neither this rank's own gradients nor deferred (None).")
+        problems.append(
+            f"inside block_backward_sync() the gradients of {wrong_inside} on rank {rank} are neither this rank's own"
+            " gradients nor deferred (None)."
+        )
     if missing:
-        problems.append(f"after a backward outside block_backward_sync() the gradients of {missing} on rank {rank} are None.")
+        problems.append(
+            f"after a backward outside block_backward_sync() the gradients of {missing} on rank {rank} are None."
+        )
     if wrong_outside:
         problems.append(
-            f"after a backward outside block_backward_sync() the gradients of {wrong_outside} on rank {rank} are not the mean over the"
-            " data-parallel ranks of both backward passes (the one inside the context was lost or synchronised twice)."
+            f"after a backward outside block_backward_sync() the gradients of {wrong_outside} on rank {rank} are"
+            " not the mean over the data-parallel ranks of both backward passes (the one inside the context was"
+            " lost or synchronised twice)."
         )
     if problems:
         raise AssertionError("\n".join(problems))
@@ -190,17 +251,33 @@ def judge_teardown(run: FitRun, *, rank: int, processes: int, after_fit_checkpoi
     """After fit, the strategy released its wrapper and plugins, kept the process group, and can still save."""
     run.raise_if_failed("Trainer.fit")
     strategy = run.strategy
-    problems = [f"Strategy.teardown() did not call {name}() (teardown must release the parts setup prepared)." for name in PLUGIN_TEARDOWNS if name not in run.teardowns]
-    if getattr(strategy, "cluster_environment", None) is not None and "cluster_environment.teardown" not in run.teardowns:
+    problems = [
+        f"Strategy.teardown() did not call {name}() (teardown must release the parts setup prepared)."
+        for name in PLUGIN_TEARDOWNS
+        if name not in run.teardowns
+    ]
+    if (
+        getattr(strategy, "cluster_environment", None) is not None
+        and "cluster_environment.teardown" not in run.teardowns
+    ):
         problems.append("Strategy.teardown() did not call cluster_environment.teardown().")
     if strategy.model is not strategy.module:
-        problems.append(f"after teardown strategy.model is still a {type(strategy.model).__name__}: teardown must release the wrapper (strategy.model is strategy.module).")
+        problems.append(
+            f"after teardown strategy.model is still a {type(strategy.model).__name__}: teardown must release the"
+            " wrapper (strategy.model is strategy.module)."
+        )
     if processes > 1 and not torch.distributed.is_initialized():
-        problems.append("teardown destroyed the process group; it must stay for later calls (validate, save_checkpoint, collectives) until the process exits.")
+        problems.append(
+            "teardown destroyed the process group; it must stay for later calls (validate, save_checkpoint,"
+            " collectives) until the process exits."
+        )
     try:
         run.trainer.save_checkpoint(after_fit_checkpoint)
     except Exception as error:  # noqa: BLE001 - the finding
-        problems.append(f"trainer.save_checkpoint() after fit raised {type(error).__name__}: {error} (the module and optimizers must stay usable after teardown).")
+        problems.append(
+            f"trainer.save_checkpoint() after fit raised {type(error).__name__}: {error} (the module and optimizers"
+            " must stay usable after teardown)."
+        )
     else:
         if rank == 0 and not after_fit_checkpoint.exists():
             problems.append(f"trainer.save_checkpoint({str(after_fit_checkpoint)!r}) after fit wrote nothing there.")
@@ -221,9 +298,17 @@ def judge_checkpoint(first: FitRun, resumed: FitRun, *, atol: float) -> None:
     for part, label in (("weights", "module_state_dict()"), ("optimizers", "optimizer_state()")):
         found = differences(saved[part], started[part], path=label)
         if found:
-            problems.append(f"after loading the checkpoint, {label} differs from the state saved at step {SAVE_AT}:\n    " + "\n    ".join(found))
-    found = differences(first.callback.final["weights"], resumed.callback.final["weights"], atol=atol, path="module_state_dict()")
+            problems.append(
+                f"after loading the checkpoint, {label} differs from the state saved at step {SAVE_AT}:\n    "
+                + "\n    ".join(found)
+            )
+    found = differences(
+        first.callback.final["weights"], resumed.callback.final["weights"], atol=atol, path="module_state_dict()"
+    )
     if found:
-        problems.append(f"the resumed fit ended at step {STEPS} with other weights than the uninterrupted fit:\n    " + "\n    ".join(found))
+        problems.append(
+            f"the resumed fit ended at step {STEPS} with other weights than the uninterrupted fit:\n    "
+            + "\n    ".join(found)
+        )
     if problems:
         raise AssertionError("\n".join(problems))

@@ -11,7 +11,16 @@ from typing import Any, Callable
 from phalanx.testing.report import FAILED, PASSED, SKIPPED, NotApplicable, RankResults
 
 # Variables through which a cluster or launcher would tell this process its rank: the kit assigns ranks itself.
-_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LAUNCH_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 _CLUSTER_PREFIXES = ("SLURM_", "LSB_", "JSM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "TORCHELASTIC_")
 
 
@@ -52,7 +61,9 @@ def _isolate_environment(rank: int, spec: WorkerSpec) -> None:
         if name in _LAUNCH_VARIABLES or name.startswith(_CLUSTER_PREFIXES):
             del os.environ[name]
     # As a script launch would set them: the strategy's DefaultEnvironment sees an externally started rank.
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec.port), "LOCAL_RANK": str(rank), "NODE_RANK": "0"})
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(spec.port), "LOCAL_RANK": str(rank), "NODE_RANK": "0"}
+    )
     import torch
 
     torch.set_num_threads(1)  # the ranks share the machine's cores; more threads each only oversubscribe them
@@ -67,20 +78,38 @@ def _judge(results: RankResults, check: str, judge: Callable[[], None]) -> None:
     except AssertionError as error:
         results.record(check, FAILED, str(error) or "assertion failed")
     except Exception as error:  # noqa: BLE001 - a check that crashes fails, with what it raised
-        results.record(check, FAILED, f"raised {type(error).__name__}: {error}\n" + "".join(traceback.format_exception(error)[-4:]))
+        results.record(
+            check, FAILED, f"raised {type(error).__name__}: {error}\n" + "".join(traceback.format_exception(error)[-4:])
+        )
     else:
         results.record(check, PASSED)
 
 
 def _run_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
     from phalanx.testing.collectives import COLLECTIVE_CHECKS
-    from phalanx.testing.training import SAVE_AT, judge_checkpoint, judge_hooks, judge_lifecycle, judge_no_sync, judge_teardown, run_fit
+    from phalanx.testing.training import (
+        SAVE_AT,
+        judge_checkpoint,
+        judge_hooks,
+        judge_lifecycle,
+        judge_no_sync,
+        judge_teardown,
+        run_fit,
+    )
 
     checks, processes, directory = spec.checks, spec.processes, Path(spec.directory)
     saved = directory / "mid.ckpt"
     resume = "checkpoint" in checks
     results.started("fit")
-    first = run_fit(spec.make_strategy, processes, seed=0, record=True, save_at=SAVE_AT if resume else None, checkpoint=saved, no_sync="no_sync" in checks)
+    first = run_fit(
+        spec.make_strategy,
+        processes,
+        seed=0,
+        record=True,
+        save_at=SAVE_AT if resume else None,
+        checkpoint=saved,
+        no_sync="no_sync" in checks,
+    )
     judges: dict[str, Callable[[], None]] = {
         "lifecycle": lambda: judge_lifecycle(first, rank=rank, processes=processes),
         "hooks": lambda: judge_hooks(first),
@@ -91,12 +120,26 @@ def _run_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
             _judge(results, check, judge)
     if first.error is not None:
         # The other ranks may be waiting in a collective this one left: no further collective may start here.
-        raise _Stopped(f"Trainer.fit raised {type(first.error).__name__} on rank {rank}; the remaining checks did not run.")
+        raise _Stopped(
+            f"Trainer.fit raised {type(first.error).__name__} on rank {rank}; the remaining checks did not run."
+        )
     if "teardown" in checks:
-        _judge(results, "teardown", lambda: judge_teardown(first, rank=rank, processes=processes, after_fit_checkpoint=directory / "after_fit.ckpt"))
+        _judge(
+            results,
+            "teardown",
+            lambda: judge_teardown(
+                first, rank=rank, processes=processes, after_fit_checkpoint=directory / "after_fit.ckpt"
+            ),
+        )
     for check, collective_check in COLLECTIVE_CHECKS.items():
         if check in checks:
-            _judge(results, check, lambda collective_check=collective_check: collective_check(first.strategy, rank=rank, world_size=processes))
+            _judge(
+                results,
+                check,
+                lambda collective_check=collective_check: collective_check(
+                    first.strategy, rank=rank, world_size=processes
+                ),
+            )
     if resume:
         results.started("resumed fit")
         resumed = run_fit(spec.make_strategy, processes, seed=1, ckpt_path=saved, capture_start=True)

@@ -12,13 +12,19 @@ import torch
 
 from phalanx.strategies import SingleDeviceStrategy
 from phalanx.testing import CHECKS, CheckResult, ConformanceReport, StrategyConformanceError, run_conformance
-from phalanx.testing.collectives import check_all_gather, check_barrier, check_broadcast, check_reduce, check_reduce_boolean_decision
+from phalanx.testing.collectives import (
+    check_all_gather,
+    check_barrier,
+    check_broadcast,
+    check_reduce,
+    check_reduce_boolean_decision,
+)
 from phalanx.testing.probes import differences, local_copy
 from phalanx.testing.report import merge
 from phalanx.testing.training import EXPECTED_HOOKS, EXPECTED_LIFECYCLE, _compact, _sequence_problems
 
 
-# ---------------------------------------------------------------------------- arguments are checked before any process starts
+# ------------------------------------------------------------------ arguments are checked before anything starts
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
@@ -31,7 +37,11 @@ from phalanx.testing.training import EXPECTED_HOOKS, EXPECTED_LIFECYCLE, _compac
         ({"timeout": 0}, ValueError, r"timeout=0 must be a positive number"),
         ({"start_method": "thread"}, ValueError, r"start_method='thread' is not valid here; choose one of \['spawn'"),
         ({"resume_atol": -1.0}, ValueError, r"resume_atol=-1.0 must be a number >= 0"),
-        ({"workdir": "/nonexistent/phalanx-kit"}, ValueError, r"workdir='/nonexistent/phalanx-kit' is not an existing directory"),
+        (
+            {"workdir": "/nonexistent/phalanx-kit"},
+            ValueError,
+            r"workdir='/nonexistent/phalanx-kit' is not an existing directory",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_by_name(options: dict[str, Any], error: type, match: str) -> None:
@@ -39,7 +49,9 @@ def test_bad_arguments_are_refused_by_name(options: dict[str, Any], error: type,
         run_conformance(SingleDeviceStrategy, **options)
 
 
-@pytest.mark.parametrize(("make_strategy", "match"), [(42, "got int"), (lambda: SingleDeviceStrategy(), "cannot be pickled")])
+@pytest.mark.parametrize(
+    ("make_strategy", "match"), [(42, "got int"), (lambda: SingleDeviceStrategy(), "cannot be pickled")]
+)
 def test_make_strategy_must_be_callable_and_picklable_for_spawn(make_strategy: Any, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         run_conformance(make_strategy)
@@ -47,31 +59,65 @@ def test_make_strategy_must_be_callable_and_picklable_for_spawn(make_strategy: A
 
 # ---------------------------------------------------------------------------- merging the ranks' results
 def _rank(**checks: tuple[str, str]) -> dict[str, Any]:
-    return {"checks": {name: {"status": status, "message": message} for name, (status, message) in checks.items()}, "fatal": None}
+    return {
+        "checks": {name: {"status": status, "message": message} for name, (status, message) in checks.items()},
+        "fatal": None,
+    }
 
 
 @pytest.mark.parametrize(
     ("ranks", "stopped", "status", "message"),
     [
         ([_rank(reduce=("passed", "")), _rank(reduce=("passed", ""))], {}, "passed", ""),
-        ([_rank(reduce=("skipped", "one process")), _rank(reduce=("skipped", "one process"))], {}, "skipped", "one process"),
+        (
+            [_rank(reduce=("skipped", "one process")), _rank(reduce=("skipped", "one process"))],
+            {},
+            "skipped",
+            "one process",
+        ),
         ([_rank(reduce=("skipped", "why")), _rank(reduce=("passed", ""))], {}, "passed", ""),
         ([_rank(reduce=("failed", "sum")), _rank(reduce=("failed", "sum"))], {}, "failed", "on every rank: sum"),
         ([_rank(reduce=("passed", "")), _rank(reduce=("failed", "a\nb"))], {}, "failed", "on rank 1:\n  a\n  b"),
-        ([_rank(reduce=("passed", "")), None], {1: "stopped while running 'reduce'"}, "failed", "on rank 1: did not finish: stopped while running 'reduce'"),
-        ([_rank(), {"checks": {}, "fatal": "boom"}], {}, "failed", "on rank 0: did not finish: the worker ended without reporting it\non rank 1: did not finish: boom"),
+        (
+            [_rank(reduce=("passed", "")), None],
+            {1: "stopped while running 'reduce'"},
+            "failed",
+            "on rank 1: did not finish: stopped while running 'reduce'",
+        ),
+        (
+            [_rank(), {"checks": {}, "fatal": "boom"}],
+            {},
+            "failed",
+            "on rank 0: did not finish: the worker ended without reporting it\non rank 1: did not finish: boom",
+        ),
     ],
 )
-def test_a_check_fails_if_any_rank_failed_or_never_finished_it(ranks: list, stopped: dict, status: str, message: str) -> None:
+def test_a_check_fails_if_any_rank_failed_or_never_finished_it(
+    ranks: list, stopped: dict, status: str, message: str
+) -> None:
     report = merge("MyStrategy", 2, ("reduce",), ranks, stopped)
     assert report["reduce"] == CheckResult("reduce", status, message)
 
 
 def test_one_process_reports_carry_no_rank_header_and_failures_name_every_check() -> None:
-    report = merge("MyStrategy", 1, ("lifecycle", "reduce", "barrier"), [_rank(lifecycle=("failed", "order"), reduce=("passed", ""), barrier=("failed", "no wait"))], {})
+    report = merge(
+        "MyStrategy",
+        1,
+        ("lifecycle", "reduce", "barrier"),
+        [_rank(lifecycle=("failed", "order"), reduce=("passed", ""), barrier=("failed", "no wait"))],
+        {},
+    )
     assert [result.name for result in report.failures] == ["lifecycle", "barrier"]
     text = report.describe_failures()
-    assert text == "MyStrategy failed 2 of 3 conformance checks on 1 process:\n  - lifecycle:\n      order\n  - barrier:\n      no wait"
+    assert text == "\n".join(
+        [
+            "MyStrategy failed 2 of 3 conformance checks on 1 process:",
+            "  - lifecycle:",
+            "      order",
+            "  - barrier:",
+            "      no wait",
+        ]
+    )
     with pytest.raises(StrategyConformanceError, match="check 'barrier' failed:\n    no wait"):
         report.assert_passed("barrier")
     report.assert_passed("reduce")
@@ -106,7 +152,12 @@ def test_sequence_problems_point_at_the_first_divergence_and_fold_repeated_cycle
         ({"w": torch.ones(2)}, {"w": torch.ones(2)}, 0.0, []),
         ({"w": torch.ones(2)}, {"w": torch.ones(2) + 1e-7}, 0.0, ["state['w']: values differ (largest difference"]),
         ({"w": torch.ones(2)}, {"w": torch.ones(2) + 1e-7}, 1e-6, []),
-        ({"w": torch.ones(2)}, {"w": torch.ones(3)}, 0.0, ["state['w']: shape/dtype (2,)/torch.float32 became (3,)/torch.float32"]),
+        (
+            {"w": torch.ones(2)},
+            {"w": torch.ones(3)},
+            0.0,
+            ["state['w']: shape/dtype (2,)/torch.float32 became (3,)/torch.float32"],
+        ),
         ({"w": torch.ones(2)}, {"v": torch.ones(2)}, 0.0, ["state: keys ['w'] became ['v']"]),
         ({"g": [{"lr": 0.1, "betas": (0.9, 0.99)}]}, {"g": [{"lr": 0.1, "betas": [0.9, 0.99]}]}, 0.0, []),
         ({"g": [{"lr": 0.1}]}, {"g": [{"lr": 0.2}]}, 0.0, ["state['g'][0]['lr']: 0.1 became 0.2"]),
@@ -114,9 +165,13 @@ def test_sequence_problems_point_at_the_first_divergence_and_fold_repeated_cycle
         ({"t": torch.ones(1)}, {"t": 1.0}, 0.0, ["state['t']: Tensor became float"]),
     ],
 )
-def test_differences_compare_nested_state_exactly_unless_a_tolerance_is_given(expected: Any, actual: Any, atol: float, found: list[str]) -> None:
+def test_differences_compare_nested_state_exactly_unless_a_tolerance_is_given(
+    expected: Any, actual: Any, atol: float, found: list[str]
+) -> None:
     seen = differences(expected, actual, atol=atol)
-    assert len(seen) == len(found) and all(text.startswith(prefix) for text, prefix in zip(seen, found)), seen
+    assert len(seen) == len(found) and all(
+        text.startswith(prefix) for text, prefix in zip(seen, found, strict=False)
+    ), seen
 
 
 def test_local_copy_detaches_and_copies_tensors_in_nested_state() -> None:
@@ -162,22 +217,48 @@ class _Inverting(SingleDeviceStrategy):
 @pytest.mark.parametrize(
     ("check", "broken", "match"),
     [
-        (check_reduce, _Doubling, r"reduce\(tensor\) on rank 0 with \[1.0, -2.0\] returned \[2.0, -4.0\]; expected the mean over 1 rank"),
-        (check_reduce, _NoOpValidation, r"reduce_op='median'\) returned without an error; an unknown reduce_op must raise ValueError"),
-        (check_all_gather, _Detaching, r"all_gather\(tensor, sync_grads=True\).sum\(\).backward\(\) raised RuntimeError"),
-        (check_broadcast, _Copying, r"broadcast\(obj, src=0\) on rank 0 returned \{'something': 'else'\}; expected rank 0's object"),
+        (
+            check_reduce,
+            _Doubling,
+            r"reduce\(tensor\) on rank 0 with \[1.0, -2.0\] returned \[2.0, -4.0\]; expected the mean over 1 rank",
+        ),
+        (
+            check_reduce,
+            _NoOpValidation,
+            r"reduce_op='median'\) returned without an error; an unknown reduce_op must raise ValueError",
+        ),
+        (
+            check_all_gather,
+            _Detaching,
+            r"all_gather\(tensor, sync_grads=True\).sum\(\).backward\(\) raised RuntimeError",
+        ),
+        (
+            check_broadcast,
+            _Copying,
+            r"broadcast\(obj, src=0\) on rank 0 returned \{'something': 'else'\}; expected rank 0's object",
+        ),
         (check_barrier, _Raising, r"barrier\('conformance'\) raised RuntimeError: no barrier here"),
-        (check_reduce_boolean_decision, _Inverting, r"all=True\) when only rank 0 decides True returned False on rank 0; expected True"),
+        (
+            check_reduce_boolean_decision,
+            _Inverting,
+            r"all=True\) when only rank 0 decides True returned False on rank 0; expected True",
+        ),
     ],
 )
-def test_each_collective_check_passes_a_correct_strategy_and_names_what_a_broken_one_did(check: Any, broken: type, match: str) -> None:
+def test_each_collective_check_passes_a_correct_strategy_and_names_what_a_broken_one_did(
+    check: Any, broken: type, match: str
+) -> None:
     check(SingleDeviceStrategy())
     with pytest.raises(AssertionError, match=match):
         check(broken())
 
 
 def test_all_checks_are_listed_in_the_order_they_run() -> None:
-    assert CHECKS[:4] == ("lifecycle", "hooks", "no_sync", "teardown") and CHECKS[-1] == "checkpoint" and len(set(CHECKS)) == 10
+    assert (
+        CHECKS[:4] == ("lifecycle", "hooks", "no_sync", "teardown")
+        and CHECKS[-1] == "checkpoint"
+        and len(set(CHECKS)) == 10
+    )
 
 
 def test_import_phalanx_does_not_load_the_kit_and_the_kit_loads_torch_only_when_it_runs() -> None:
