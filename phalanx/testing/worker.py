@@ -86,61 +86,45 @@ def _judge(results: RankResults, check: str, judge: Callable[[], None]) -> None:
 
 
 def _run_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
+    from phalanx.testing import training
     from phalanx.testing.collectives import COLLECTIVE_CHECKS
-    from phalanx.testing.training import (
-        SAVE_AT,
-        judge_checkpoint,
-        judge_hooks,
-        judge_lifecycle,
-        judge_no_sync,
-        judge_teardown,
-        run_fit,
-    )
 
     checks, processes, directory = spec.checks, spec.processes, Path(spec.directory)
-    saved = directory / "mid.ckpt"
     resume = "checkpoint" in checks
     results.started("fit")
-    first = run_fit(
-        spec.make_strategy,
-        processes,
-        seed=0,
-        record=True,
-        save_at=SAVE_AT if resume else None,
-        checkpoint=saved,
-        no_sync="no_sync" in checks,
-    )
+    first = training.run_fit(
+        spec.make_strategy, processes, seed=0, record=True, save_at=training.SAVE_AT if resume else None,
+        checkpoint=directory / "mid.ckpt", no_sync="no_sync" in checks,
+    )  # fmt: skip
     judges: dict[str, Callable[[], None]] = {
-        "lifecycle": lambda: judge_lifecycle(first, rank=rank, processes=processes),
-        "hooks": lambda: judge_hooks(first),
-        "no_sync": lambda: judge_no_sync(first, rank=rank),
+        "lifecycle": lambda: training.judge_lifecycle(first, rank=rank, processes=processes),
+        "hooks": lambda: training.judge_hooks(first),
+        "no_sync": lambda: training.judge_no_sync(first, rank=rank),
     }
-    for check, judge in judges.items():
-        if check in checks:
-            _judge(results, check, judge)
+    _judge_selected(results, checks, judges)
     if first.error is not None:
         # The other ranks may be waiting in a collective this one left: no further collective may start here.
         raise _Stopped(
             f"Trainer.fit raised {type(first.error).__name__} on rank {rank}; the remaining checks did not run."
         )
-    if "teardown" in checks:
-        _judge(
-            results,
-            "teardown",
-            lambda: judge_teardown(
-                first, rank=rank, processes=processes, after_fit_checkpoint=directory / "after_fit.ckpt"
-            ),
+    after_fit = directory / "after_fit.ckpt"
+    judges = {
+        "teardown": lambda: training.judge_teardown(
+            first, rank=rank, processes=processes, after_fit_checkpoint=after_fit
         )
-    for check, collective_check in COLLECTIVE_CHECKS.items():
-        if check in checks:
-            _judge(
-                results,
-                check,
-                lambda collective_check=collective_check: collective_check(
-                    first.strategy, rank=rank, world_size=processes
-                ),
-            )
+    }
+    for name, check in COLLECTIVE_CHECKS.items():
+        judges[name] = lambda check=check: check(first.strategy, rank=rank, world_size=processes)
+    _judge_selected(results, checks, judges)
     if resume:
         results.started("resumed fit")
-        resumed = run_fit(spec.make_strategy, processes, seed=1, ckpt_path=saved, capture_start=True)
-        _judge(results, "checkpoint", lambda: judge_checkpoint(first, resumed, atol=spec.resume_atol))
+        resumed = training.run_fit(
+            spec.make_strategy, processes, seed=1, ckpt_path=directory / "mid.ckpt", capture_start=True
+        )
+        _judge(results, "checkpoint", lambda: training.judge_checkpoint(first, resumed, atol=spec.resume_atol))
+
+
+def _judge_selected(results: RankResults, checks: tuple[str, ...], judges: dict[str, Callable[[], None]]) -> None:
+    for check, judge in judges.items():
+        if check in checks:
+            _judge(results, check, judge)
