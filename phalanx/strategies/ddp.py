@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import sys
 from datetime import timedelta
 from typing import Any, Callable
@@ -26,6 +28,23 @@ _UNUSED_PARAMETERS_HINT = (
     " strategy='ddp_find_unused_parameters_true' or DDPStrategy(find_unused_parameters=True)), which costs an extra"
     " traversal of the graph each step."
 )
+
+
+# DistributedDataParallel arguments the strategy sets itself.
+_OWN_DDP_ARGUMENTS = frozenset({"self", "module", "device_ids", "output_device"})
+
+
+def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
+    # A misspelt option must fail here, not when the model is wrapped after the processes started.
+    # None is what tools that fill every parameter in (jsonargparse) pass; only a real value would be overridden.
+    owned = sorted(name for name in set(kwargs) & {"device_ids", "output_device"} if kwargs[name] is not None)
+    if owned:
+        raise TypeError(f"DDPStrategy sets {owned} itself from the process's device; remove them.")
+    accepted = sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters) - _OWN_DDP_ARGUMENTS)
+    unknown = sorted(set(kwargs) - set(accepted) - {"device_ids", "output_device"})
+    if unknown:
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, accepted, n=1)) else repr(name) for name in unknown]
+        raise TypeError(f"DDPStrategy got unknown keyword argument(s) {', '.join(hints)}; it passes extra keywords to DistributedDataParallel, which accepts {accepted}.")
 
 
 class DDPStrategy(ParallelStrategy):
@@ -57,6 +76,8 @@ class DDPStrategy(ParallelStrategy):
             raise ValueError(f"model_averaging_period={model_averaging_period!r} must be an int >= 1.")
         if model_averaging_period is None and type(ddp_comm_state).__name__ == "PostLocalSGDState":
             raise ValueError("Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (optimizer steps between model averages).")
+        _check_ddp_kwargs(kwargs)
+        kwargs = {name: value for name, value in kwargs.items() if name not in ("device_ids", "output_device")}
         self._ddp_comm_state = ddp_comm_state
         self._ddp_comm_hook = ddp_comm_hook
         self._ddp_comm_wrapper = ddp_comm_wrapper

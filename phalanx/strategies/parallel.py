@@ -27,6 +27,8 @@ from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
 _T = TypeVar("_T")
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+#: The least time ranks wait for each other to start, whatever the collective ``timeout``.
+JOIN_TIMEOUT = timedelta(minutes=5)
 
 
 class ParallelStrategy(Strategy, ABC):
@@ -118,20 +120,25 @@ class ParallelStrategy(Strategy, ABC):
         super().setup_environment()
 
     def _rendezvous_store(self) -> Any:
-        """Under torchrun, a store whose keys are private to this restart attempt (None: torch's env:// default).
+        """The store the ranks meet through; waiting for the others to start is bounded by ``_join_timeout()``.
 
-        torchrun keeps one store across the restarts of its workers; a restarted rank could read the address a dead
-        rank of the previous attempt published and fail, or wait forever, while connecting.
+        Joining waits for process start-up (importing torch, building the model), which can take far longer than a
+        short collective ``timeout`` chosen to catch a stalled rank quickly. Under torchrun the keys are private to
+        this restart attempt: torchrun keeps one store across the restarts of its workers, and a restarted rank could
+        read the address a dead rank of the previous attempt published and fail, or wait forever, while connecting.
         """
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if attempt is None:
-            return None
-        agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        agent_hosts_store = attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = torch.distributed.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.world_size,
-            is_master=not agent_hosts_store and self.global_rank == 0, timeout=self._timeout or DEFAULT_TIMEOUT,
+            is_master=not agent_hosts_store and self.global_rank == 0, timeout=self._join_timeout(),
         )  # fmt: skip
+        if attempt is None:
+            return store
         return torch.distributed.PrefixStore(f"phalanx/attempt_{attempt}", store)
+
+    def _join_timeout(self) -> timedelta:
+        return max(self._timeout or DEFAULT_TIMEOUT, JOIN_TIMEOUT)
 
     def model_to_device(self) -> None:
         """Move the module to this rank's device."""

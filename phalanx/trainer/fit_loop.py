@@ -202,7 +202,9 @@ class FitLoop:
             batch_idx = self.batches_done
             batch = move_batch(batch)
             results.new_batch(batch)
-            if batch_start_hooks and any([hook(batch, batch_idx) == -1 for hook in batch_start_hooks]):
+            skip_rest = bool(batch_start_hooks) and any([hook(batch, batch_idx) == -1 for hook in batch_start_hooks])
+            strategy.on_train_batch_start(batch, batch_idx)  # after the module and callbacks, as in Lightning
+            if skip_rest:
                 exhausted = skipped_by_hook = True
                 break
             strategy_batch_start(batch, batch_idx)

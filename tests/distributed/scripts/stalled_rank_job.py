@@ -3,9 +3,11 @@
 STRATEGY: 'ddp' or 'fsdp'. POINT: 'forward' (rank 1 sleeps before its forward pass, so rank 0 waits in the first
 collective that step runs: FSDP's parameter all-gather, DDP's gradient all-reduce) or 'backward' (rank 1 sleeps
 between its forward and backward passes, so rank 0 waits in the backward pass's collectives). Nothing is logged with
-sync_dist, so the only collectives of a step are the ones torch's wrappers run themselves.
+sync_dist, so the only collectives of a step are the ones torch's wrappers run themselves. POINT 'start': rank 1
+starts 8 s late (longer than TIMEOUT_S), which must not fail the job: joining is not bounded by the collective timeout.
 """
 
+import os
 import sys
 import time
 from datetime import timedelta
@@ -43,6 +45,8 @@ class Stalling(phalanx.TrainingModule):
 
 if __name__ == "__main__":
     name, point, timeout = sys.argv[1], sys.argv[2], timedelta(seconds=float(sys.argv[3]))
+    if point == "start" and os.environ.get("LOCAL_RANK") == "1":
+        time.sleep(8)
     strategy = DDPStrategy(timeout=timeout) if name == "ddp" else FSDPStrategy(timeout=timeout)
     trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_epochs=5, logger=False, enable_progress_bar=False,
                               enable_model_summary=False, enable_checkpointing=False)

@@ -132,3 +132,28 @@ def test_ranks_are_known_from_construction_not_only_from_fit(monkeypatch, node_r
         assert rank_zero.rank_zero_only.rank == expected  # rank-zero-only code before fit runs on global rank 0 only
     finally:
         rank_zero.set_global_rank(0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"find_unused_paramters": True}, r"unknown keyword argument\(s\) 'find_unused_paramters' \(did you mean 'find_unused_parameters'\?\)"),
+        ({"bucket_cap": 25}, r"'bucket_cap' \(did you mean 'bucket_cap_mb'\?\)"),
+        ({"zzz": 1}, r"unknown keyword argument\(s\) 'zzz'; it passes extra keywords to DistributedDataParallel, which accepts \[.*'static_graph'"),
+        ({"device_ids": [0]}, r"DDPStrategy sets \['device_ids'\] itself"),
+        ({"output_device": 0}, r"DDPStrategy sets \['output_device'\] itself"),
+    ],
+)
+def test_a_misspelt_ddp_option_is_refused_at_construction(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        DDPStrategy(**kwargs)
+
+
+def test_every_distributed_data_parallel_option_is_accepted():
+    options = {"find_unused_parameters": True, "static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 10, "broadcast_buffers": False}
+    assert DDPStrategy(**options)._ddp_kwargs == options
+
+
+def test_device_arguments_left_at_none_are_dropped():
+    # jsonargparse fills in every DistributedDataParallel parameter it finds behind **kwargs, with its default.
+    assert DDPStrategy(device_ids=None, output_device=None, dim=0)._ddp_kwargs == {"dim": 0}
