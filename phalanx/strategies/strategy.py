@@ -456,7 +456,7 @@ class Strategy(ABC):
         """Called when predicting ends."""
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Called before each training batch that runs (after the user's hooks), with the batch on the device."""
+        """Called before each training batch, after the user's ``on_train_batch_start`` hooks (even one returning -1)."""
 
     def on_exception(self, exception: BaseException) -> None:
         """Called when the run raises; may translate the error into a more helpful one."""

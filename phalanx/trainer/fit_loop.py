@@ -177,7 +177,6 @@ class FitLoop:
         module = strategy.module
         assert module is not None
         batch_start_hooks = hooks["on_train_batch_start"]
-        strategy_batch_start = strategy.on_train_batch_start  # after the user's hooks, for each batch that trains
         batch_end_hooks = hooks["on_train_batch_end"]
         results = trainer._train_results
         num_batches = self.num_batches
@@ -207,7 +206,6 @@ class FitLoop:
             if skip_rest:
                 exhausted = skipped_by_hook = True
                 break
-            strategy_batch_start(batch, batch_idx)
             output = run_batch(batch, batch_idx)
             self.batches_done += 1
             self.total_batches += 1
