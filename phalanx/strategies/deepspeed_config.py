@@ -15,7 +15,14 @@ from phalanx.utilities.rank_zero import rank_zero_info
 
 #: Environment variable naming a DeepSpeed JSON config, used when ``config`` is not given.
 CONFIG_ENV_VAR = "PHALANX_DEEPSPEED_CONFIG_PATH"
-_STAGE_1_KEYS = ("contiguous_gradients", "overlap_comm", "allgather_partitions", "reduce_scatter", "allgather_bucket_size", "reduce_bucket_size")
+_STAGE_1_KEYS = (
+    "contiguous_gradients",
+    "overlap_comm",
+    "allgather_partitions",
+    "reduce_scatter",
+    "allgather_bucket_size",
+    "reduce_bucket_size",
+)
 
 
 def load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any] | None:
@@ -36,14 +43,24 @@ def load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str, 
     try:
         loaded = json.loads(path.read_text())
     except json.JSONDecodeError as error:
-        raise ValueError(f"The DeepSpeed config file {str(path)!r} (from {source}) is not valid JSON: {error}") from None
+        raise ValueError(
+            f"The DeepSpeed config file {str(path)!r} (from {source}) is not valid JSON: {error}"
+        ) from None
     if not isinstance(loaded, dict):
-        raise ValueError(f"The DeepSpeed config file {str(path)!r} must hold a JSON object, not a {type(loaded).__name__}.")
+        raise ValueError(
+            f"The DeepSpeed config file {str(path)!r} must hold a JSON object, not a {type(loaded).__name__}."
+        )
     return loaded
 
 
 def generated_config(
-    stage: int, zero: dict[str, Any], *, offload_optimizer: bool, offload_parameters: bool, allow_untested_optimizer: bool, activation: dict[str, Any]
+    stage: int,
+    zero: dict[str, Any],
+    *,
+    offload_optimizer: bool,
+    offload_parameters: bool,
+    allow_untested_optimizer: bool,
+    activation: dict[str, Any],
 ) -> dict[str, Any]:
     """The config the strategy's arguments make: the ZeRO section (``zero``: the ZeRO settings by argument name)."""
     section: dict[str, Any] = {"stage": stage}
@@ -68,7 +85,12 @@ def generated_config(
 
 
 def complete_config(
-    config: dict[str, Any], settings: RunSettings, *, micro_batch_size: Callable[[], int], precision_sections: dict[str, Any], precision: str
+    config: dict[str, Any],
+    settings: RunSettings,
+    *,
+    micro_batch_size: Callable[[], int],
+    precision_sections: dict[str, Any],
+    precision: str,
 ) -> dict[str, Any]:
     """Fill ``config`` in place from the run's settings and the precision, refusing what contradicts them; return it.
 
@@ -85,9 +107,13 @@ def complete_config(
     clip_val = settings.gradient_clip_val
     if clip_val:
         if settings.gradient_clip_algorithm != "norm":
-            raise ValueError("DeepSpeed clips gradients by norm only: use gradient_clip_algorithm='norm' (or leave it unset) with gradient_clip_val.")
+            raise ValueError(
+                "DeepSpeed clips gradients by norm only: use gradient_clip_algorithm='norm' (or leave it unset) with gradient_clip_val."
+            )
         if config.get("gradient_clipping") not in (None, clip_val):
-            raise ValueError(f"The DeepSpeed config sets gradient_clipping={config['gradient_clipping']!r} but the Trainer has gradient_clip_val={clip_val}; set it in one place.")
+            raise ValueError(
+                f"The DeepSpeed config sets gradient_clipping={config['gradient_clipping']!r} but the Trainer has gradient_clip_val={clip_val}; set it in one place."
+            )
         config["gradient_clipping"] = float(clip_val)
     # DeepSpeed clips to 1.0 unless told otherwise; phalanx clips only when asked.
     config.setdefault("gradient_clipping", 0.0)
@@ -98,7 +124,9 @@ def complete_config(
             enabled = bool((config[key] or {}).get("enabled", False))
             if enabled != (key in precision_sections):
                 state = "enables" if enabled else "disables"
-                raise ValueError(f"The DeepSpeed config {state} '{key}' but the precision is {precision!r}; remove '{key}' from the config and choose the precision with Trainer(precision=...).")
+                raise ValueError(
+                    f"The DeepSpeed config {state} '{key}' but the precision is {precision!r}; remove '{key}' from the config and choose the precision with Trainer(precision=...)."
+                )
         elif key in precision_sections:
             config[key] = precision_sections[key]
     return config
@@ -106,7 +134,11 @@ def complete_config(
 
 def partitioning_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of ``config`` that partitions parameters (ZeRO-3 creation and evaluation engines), without training settings."""
-    partitioning = {key: config[key] for key in ("zero_optimization", "fp16", "bf16", "zero_allow_untested_optimizer") if key in config}
+    partitioning = {
+        key: config[key]
+        for key in ("zero_optimization", "fp16", "bf16", "zero_allow_untested_optimizer")
+        if key in config
+    }
     partitioning["train_micro_batch_size_per_gpu"] = 1  # DeepSpeed validates it; nothing here uses it
     return partitioning
 
@@ -117,8 +149,17 @@ def micro_batch_size(logging_batch_size_per_gpu: int | str, settings: RunSetting
         return logging_batch_size_per_gpu
     if settings.train_batch_size is not None:
         return settings.train_batch_size
-    rank_zero_info("DeepSpeed: the training dataloader's batch size is unknown; DeepSpeed's throughput logs assume 1 (set DeepSpeedStrategy(logging_batch_size_per_gpu=...)).")
+    rank_zero_info(
+        "DeepSpeed: the training dataloader's batch size is unknown; DeepSpeed's throughput logs assume 1 (set DeepSpeedStrategy(logging_batch_size_per_gpu=...))."
+    )
     return 1
 
 
-__all__ = ["CONFIG_ENV_VAR", "complete_config", "generated_config", "load_config", "micro_batch_size", "partitioning_config"]
+__all__ = [
+    "CONFIG_ENV_VAR",
+    "complete_config",
+    "generated_config",
+    "load_config",
+    "micro_batch_size",
+    "partitioning_config",
+]

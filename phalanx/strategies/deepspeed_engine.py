@@ -36,7 +36,9 @@ class DeepSpeedOptimizerHandle:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Refused: the DeepSpeed engine steps (``engine.step()``), through ``Trainer`` / ``strategy.optimizer_step``."""
-        raise RuntimeError("Under DeepSpeed the engine steps the optimizer; in manual optimization call step() on the optimizer from self.optimizers().")
+        raise RuntimeError(
+            "Under DeepSpeed the engine steps the optimizer; in manual optimization call step() on the optimizer from self.optimizers()."
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["optimizer"], name)
@@ -73,17 +75,25 @@ def overrides(module: nn.Module, name: str) -> bool:
     """Whether ``module`` is a TrainingModule whose class overrides the hook ``name`` (a plain nn.Module has no hooks)."""
     from phalanx.module import TrainingModule
 
-    return isinstance(module, TrainingModule) and getattr(type(module), name, None) is not getattr(TrainingModule, name, None)
+    return isinstance(module, TrainingModule) and getattr(type(module), name, None) is not getattr(
+        TrainingModule, name, None
+    )
 
 
-def engine_optimizer(module: nn.Module, config: dict[str, Any], settings: RunSettings) -> tuple[Any, list[LRSchedulerConfig]]:
+def engine_optimizer(
+    module: nn.Module, config: dict[str, Any], settings: RunSettings
+) -> tuple[Any, list[LRSchedulerConfig]]:
     """The optimizer (None: the config names one) and LR scheduler configs to build the training engine with."""
     if "optimizer" in config:
         if overrides(module, "configure_optimizers"):
-            rank_zero_info("DeepSpeed: the optimizer (and scheduler) of the DeepSpeed config are used; configure_optimizers is not called.")
+            rank_zero_info(
+                "DeepSpeed: the optimizer (and scheduler) of the DeepSpeed config are used; configure_optimizers is not called."
+            )
         return None, []
     if settings.configure_optimizers is None:
-        raise ValueError("DeepSpeedStrategy.setup(RunSettings(stage='fit')) needs configure_optimizers= in the settings, or an 'optimizer' section in the DeepSpeed config.")
+        raise ValueError(
+            "DeepSpeedStrategy.setup(RunSettings(stage='fit')) needs configure_optimizers= in the settings, or an 'optimizer' section in the DeepSpeed config."
+        )
     optimizers, scheduler_configs = settings.configure_optimizers(module)
     if len(optimizers) != 1:
         raise ValueError(
@@ -95,7 +105,9 @@ def engine_optimizer(module: nn.Module, config: dict[str, Any], settings: RunSet
     return optimizers[0], scheduler_configs
 
 
-def scheduler_configs_for_engine(configs: list[LRSchedulerConfig], engine_scheduler: Any, accumulation: int, updated_last_step: Callable[[], bool]) -> list[LRSchedulerConfig]:
+def scheduler_configs_for_engine(
+    configs: list[LRSchedulerConfig], engine_scheduler: Any, accumulation: int, updated_last_step: Callable[[], bool]
+) -> list[LRSchedulerConfig]:
     """What the loops step: a config scheduler (the engine steps it), or step schedulers held back to one step per update."""
     if engine_scheduler is not None:
         return [LRSchedulerConfig(SchedulerProxy(engine_scheduler, None), interval="step")]
@@ -156,7 +168,9 @@ class DeepSpeedEngineMixin:
         assert module is not None
         if not self._warned_backward_hook and overrides(module, "backward"):
             self._warned_backward_hook = True
-            rank_zero_warn(f"{type(module).__name__}.backward is overridden, but under DeepSpeed the engine runs backward (engine.backward(loss)); the override is not called.")
+            rank_zero_warn(
+                f"{type(module).__name__}.backward is overridden, but under DeepSpeed the engine runs backward (engine.backward(loss)); the override is not called."
+            )
         optimizer, scheduler_configs = engine_optimizer(module, config, settings)
         parameters = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
         engine, ds_optimizer, _, ds_scheduler = self._deepspeed().initialize(
@@ -168,7 +182,9 @@ class DeepSpeedEngineMixin:
         self._optimizer_restored = False
         self._updated_last_step = True
         self.optimizers = [DeepSpeedOptimizerHandle(ds_optimizer)]
-        self.lr_scheduler_configs = scheduler_configs_for_engine(scheduler_configs, ds_scheduler, self._accumulation, lambda: self._updated_last_step)
+        self.lr_scheduler_configs = scheduler_configs_for_engine(
+            scheduler_configs, ds_scheduler, self._accumulation, lambda: self._updated_last_step
+        )
 
     def _initialize_evaluation(self, config: dict[str, Any]) -> None:
         self.optimizers = []
@@ -179,13 +195,24 @@ class DeepSpeedEngineMixin:
             # Without an optimizer, ZeRO-3's engine only installs the hooks that gather each layer's parameters.
             deepspeed = self._deepspeed()
             inference_config = partitioning_config(config)
-            self._engine, *_ = deepspeed.initialize(args=self._device_args(), model=module, config=inference_config, model_parameters=[], dist_init_required=False)
+            self._engine, *_ = deepspeed.initialize(
+                args=self._device_args(),
+                model=module,
+                config=inference_config,
+                model_parameters=[],
+                dist_init_required=False,
+            )
             self._engine_trains = False
             self._model = self._engine
             return
         # Stages 0-2 evaluate the plain module; every rank starts from rank 0's weights.
         for tensor in module.state_dict().values():
-            distributed.run_collective("broadcast(weights)", self.global_rank, self._timeout, lambda t=tensor: torch.distributed.broadcast(t, src=0))
+            distributed.run_collective(
+                "broadcast(weights)",
+                self.global_rank,
+                self._timeout,
+                lambda t=tensor: torch.distributed.broadcast(t, src=0),
+            )
 
     def _release_engine(self) -> None:
         engine, self._engine = self._engine, None
@@ -195,7 +222,9 @@ class DeepSpeedEngineMixin:
 
     def _require_training_engine(self) -> Any:
         if self._engine is None or not self._engine_trains:
-            raise RuntimeError("The DeepSpeed engine with its optimizer exists during and after fit; call this while fitting (or after fit).")
+            raise RuntimeError(
+                "The DeepSpeed engine with its optimizer exists during and after fit; call this while fitting (or after fit)."
+            )
         return self._engine
 
 
@@ -209,4 +238,13 @@ def tensor_bytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-__all__ = ["DeepSpeedEngineMixin", "DeepSpeedOptimizerHandle", "SchedulerProxy", "engine_optimizer", "memory_footprint", "overrides", "partitioned_parameters", "scheduler_configs_for_engine"]
+__all__ = [
+    "DeepSpeedEngineMixin",
+    "DeepSpeedOptimizerHandle",
+    "SchedulerProxy",
+    "engine_optimizer",
+    "memory_footprint",
+    "overrides",
+    "partitioned_parameters",
+    "scheduler_configs_for_engine",
+]

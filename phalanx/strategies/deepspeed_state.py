@@ -18,7 +18,12 @@ from phalanx.strategies.deepspeed_checkpoint import (
     read_trainer_state,
 )
 from phalanx.strategies.deepspeed_engine import partitioned_parameters
-from phalanx.strategies.deepspeed_files import check_tag_files, refuse_unsafe_engine_reads, safe_engine_reads, tag_directory
+from phalanx.strategies.deepspeed_files import (
+    check_tag_files,
+    refuse_unsafe_engine_reads,
+    safe_engine_reads,
+    tag_directory,
+)
 from phalanx.utilities.exceptions import CheckpointError
 
 
@@ -74,7 +79,9 @@ class DeepSpeedCheckpointMixin:
             )
         saved_stage = meta.get("zero_stage")
         if saved_stage is not None and saved_stage != self.zero_stage:
-            raise CheckpointError(f"{meta['directory']} was written with ZeRO stage {saved_stage}; resume it with the same stage (now {self.zero_stage}).")
+            raise CheckpointError(
+                f"{meta['directory']} was written with ZeRO stage {saved_stage}; resume it with the same stage (now {self.zero_stage})."
+            )
         # The tag comes from the checkpoint (its state file, else 'latest'): a plain name inside it, every file
         # DeepSpeed needs present. DeepSpeed is given the checked tag, so it never reads 'latest' itself.
         directory = Path(meta["directory"])
@@ -85,7 +92,13 @@ class DeepSpeedCheckpointMixin:
             refuse_unsafe_engine_reads(engine, directory)
             reads = safe_engine_reads(engine, directory, folder)
         with reads:
-            load_path, _ = engine.load_checkpoint(str(directory), tag=tag, load_module_strict=strict, load_optimizer_states=True, load_lr_scheduler_states=False)
+            load_path, _ = engine.load_checkpoint(
+                str(directory),
+                tag=tag,
+                load_module_strict=strict,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+            )
         if load_path is None:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {directory} (tag {tag!r}).")
         self._optimizer_restored = True
@@ -106,9 +119,13 @@ class DeepSpeedCheckpointMixin:
         """Nothing left to read: the engine restored its optimizer partitions with the weights (``load_model_state_dict``)."""
         states = checkpoint["optimizer_states"]
         if len(states) != len(self.optimizers):
-            raise ValueError(f"The checkpoint holds {len(states)} optimizer state(s) but DeepSpeed drives {len(self.optimizers)}; resume with the same optimizer configuration.")
+            raise ValueError(
+                f"The checkpoint holds {len(states)} optimizer state(s) but DeepSpeed drives {len(self.optimizers)}; resume with the same optimizer configuration."
+            )
         if not all(is_optimizer_marker(state) for state in states) or not self._optimizer_restored:
-            raise CheckpointError("DeepSpeed resumes its optimizer only from a DeepSpeed checkpoint directory written by DeepSpeedStrategy.")
+            raise CheckpointError(
+                "DeepSpeed resumes its optimizer only from a DeepSpeed checkpoint directory written by DeepSpeedStrategy."
+            )
 
     # ------------------------------------------------------------------ checkpoint directories
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -118,13 +135,22 @@ class DeepSpeedCheckpointMixin:
 
         engine = self._require_training_engine()
         if storage_options is not None or is_url(filepath):
-            raise ValueError(f"DeepSpeed writes checkpoints to a local (or shared) file system path; {str(filepath)!r} with storage_options={storage_options!r} is not one.")
+            raise ValueError(
+                f"DeepSpeed writes checkpoints to a local (or shared) file system path; {str(filepath)!r} with storage_options={storage_options!r} is not one."
+            )
         target = Path(filepath).absolute()
         staging = staging_directory(target, is_global_zero=self.is_global_zero, broadcast=self.broadcast)
-        engine.save_checkpoint(str(staging), tag=TAG, client_state={}, exclude_frozen_parameters=self._exclude_frozen_parameters)
+        engine.save_checkpoint(
+            str(staging), tag=TAG, client_state={}, exclude_frozen_parameters=self._exclude_frozen_parameters
+        )
         if self.is_global_zero:
             state = {key: value for key, value in checkpoint.items() if key != "state_dict"}
-            state["deepspeed"] = {"tag": TAG, "zero_stage": self.zero_stage, "world_size": self.world_size, "precision": self.precision_plugin.precision}
+            state["deepspeed"] = {
+                "tag": TAG,
+                "zero_stage": self.zero_stage,
+                "world_size": self.world_size,
+                "precision": self.precision_plugin.precision,
+            }
             TorchCheckpointIO().save_checkpoint(state, staging / STATE_FILE)
         self.barrier("DeepSpeedStrategy.save_checkpoint")
         if self.is_global_zero:
@@ -133,7 +159,11 @@ class DeepSpeedCheckpointMixin:
 
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
         """A DeepSpeed directory: the Trainer's state (its weights stay in DeepSpeed's files, see ``load_model_state_dict``)."""
-        if isinstance(checkpoint_path, (str, os.PathLike)) and not is_url(checkpoint_path) and is_deepspeed_checkpoint(checkpoint_path):
+        if (
+            isinstance(checkpoint_path, (str, os.PathLike))
+            and not is_url(checkpoint_path)
+            and is_deepspeed_checkpoint(checkpoint_path)
+        ):
             state = read_trainer_state(checkpoint_path)
             meta = dict(state.get("deepspeed") or {})
             meta["directory"] = str(Path(checkpoint_path).absolute())

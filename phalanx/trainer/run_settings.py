@@ -34,7 +34,9 @@ def train_batch_size(source: DataSource) -> int | None:
     if not loaders:
         return None
     loader: Any = loaders[0]
-    batch_size = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    batch_size = getattr(loader, "batch_size", None) or getattr(
+        getattr(loader, "batch_sampler", None), "batch_size", None
+    )
     return batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size > 0 else None
 
 

@@ -49,7 +49,11 @@ class TrainerWorkerState:
         loop = trainer.fit_loop
         progress = state["fit_loop"]
         loop.current_epoch, loop.global_step = progress["epoch"], progress["global_step"]
-        loop.batches_done, loop.total_batches, loop.phase = progress["batches_done"], progress["total_batches"], progress["phase"]
+        loop.batches_done, loop.total_batches, loop.phase = (
+            progress["batches_done"],
+            progress["total_batches"],
+            progress["phase"],
+        )
         trainer._callback_metrics = state["callback_metrics"]
         trainer.preempted = state["preempted"]
         trainer._logged_metrics = state["logged_metrics"]

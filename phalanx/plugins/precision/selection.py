@@ -14,11 +14,15 @@ def precision_plugin_for(precision: str, accelerator: Accelerator) -> Precision:
     """Return the precision plugin for ``precision`` on ``accelerator``, refusing what the device cannot run."""
     device_type = getattr(accelerator, "name", "") or "cpu"
     if precision == "16-mixed" and device_type == "cpu":
-        rank_zero_warn("precision='16-mixed' is not supported on the CPU: using 'bf16-mixed' (bfloat16 autocast) instead.")
+        rank_zero_warn(
+            "precision='16-mixed' is not supported on the CPU: using 'bf16-mixed' (bfloat16 autocast) instead."
+        )
         precision = "bf16-mixed"
     supported = type(accelerator).supported_precisions()
     if precision not in supported:
-        raise ValueError(f"precision={precision!r} cannot run on the {device_type} accelerator here. Supported: {list(supported)}.")
+        raise ValueError(
+            f"precision={precision!r} cannot run on the {device_type} accelerator here. Supported: {list(supported)}."
+        )
     if precision == "32-true":
         return Precision()
     if precision == "64-true":

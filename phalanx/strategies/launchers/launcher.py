@@ -33,7 +33,9 @@ class Launcher(ABC):
         """Whether the launcher works from a notebook or an interactive interpreter."""
 
     @abstractmethod
-    def launch(self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any
+    ) -> Any:
         """Run ``function(*args, **kwargs)`` in every process and return the result of this process (or rank 0's)."""
 
     def kill(self, signum: int = signal.SIGKILL) -> None:

@@ -26,7 +26,9 @@ from phalanx.plugins.environments import DefaultEnvironment
 from phalanx.strategies import DDPStrategy, RunSettings, SingleDeviceStrategy
 
 ROOT = Path(phalanx.__file__).parent
-CHECKED = sorted(path for package in ("strategies", "plugins", "accelerators") for path in (ROOT / package).rglob("*.py"))
+CHECKED = sorted(
+    path for package in ("strategies", "plugins", "accelerators") for path in (ROOT / package).rglob("*.py")
+)
 FORBIDDEN_PACKAGES = ("phalanx.trainer", "phalanx.callbacks")
 FORBIDDEN_NAMES = ("trainer", "_trainer")
 
@@ -35,7 +37,8 @@ FORBIDDEN_NAMES = ("trainer", "_trainer")
 def _is_type_checking_block(node: ast.AST) -> bool:
     test = getattr(node, "test", None)
     return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
     )
 
 
@@ -45,7 +48,9 @@ def _forbidden_module(name: str | None) -> bool:
 
 def _reaches_by_name(call: ast.Call) -> bool:
     function = call.func
-    name = function.id if isinstance(function, ast.Name) else function.attr if isinstance(function, ast.Attribute) else ""
+    name = (
+        function.id if isinstance(function, ast.Name) else function.attr if isinstance(function, ast.Attribute) else ""
+    )
     strings = [arg.value for arg in call.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
     if name in ("getattr", "hasattr", "setattr", "delattr"):
         return any(value in FORBIDDEN_NAMES for value in strings)
@@ -58,10 +63,16 @@ def violations(source: str) -> list[str]:
 
     def visit(node: ast.AST, type_checking_only: bool) -> None:
         if isinstance(node, ast.Import) and not type_checking_only:
-            found.extend(f"line {node.lineno}: import {alias.name}" for alias in node.names if _forbidden_module(alias.name))
+            found.extend(
+                f"line {node.lineno}: import {alias.name}" for alias in node.names if _forbidden_module(alias.name)
+            )
         elif isinstance(node, ast.ImportFrom) and not type_checking_only:
-            names = [f"{node.module}.{alias.name}" for alias in node.names] if node.module == "phalanx" else [node.module]
-            found.extend(f"line {node.lineno}: from {node.module} import ..." for name in names if _forbidden_module(name))
+            names = (
+                [f"{node.module}.{alias.name}" for alias in node.names] if node.module == "phalanx" else [node.module]
+            )
+            found.extend(
+                f"line {node.lineno}: from {node.module} import ..." for name in names if _forbidden_module(name)
+            )
         elif isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_NAMES:
             found.append(f"line {node.lineno}: .{node.attr}")
         elif isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
@@ -69,7 +80,9 @@ def violations(source: str) -> list[str]:
         elif isinstance(node, ast.arg) and node.arg in FORBIDDEN_NAMES:
             found.append(f"line {node.lineno}: parameter {node.arg}")
         elif isinstance(node, ast.Call) and _reaches_by_name(node):
-            found.append(f"line {node.lineno}: {ast.unparse(node)}")  # getattr(x, "_trainer"), import_module("phalanx.trainer")
+            found.append(
+                f"line {node.lineno}: {ast.unparse(node)}"
+            )  # getattr(x, "_trainer"), import_module("phalanx.trainer")
         for child in ast.iter_child_nodes(node):
             visit(child, type_checking_only or _is_type_checking_block(node))
 
@@ -98,7 +111,10 @@ CHECKER_CASES = [
     ("from phalanx.strategies.settings import RunSettings\n# the Trainer passes RunSettings", False),
     ("state = read_trainer_state(path)", False),  # a function about a checkpoint file's content, not the Trainer
     ("hasattr(obj, 'trainer')", True),
-    ("if 'trainer' in parameters: raise TypeError('setup(self, trainer) is the old signature')", False),  # naming it is fine
+    (
+        "if 'trainer' in parameters: raise TypeError('setup(self, trainer) is the old signature')",
+        False,
+    ),  # naming it is fine
 ]
 
 
@@ -178,7 +194,9 @@ def one_gloo_process(tmp_path, monkeypatch):
 
 
 def _ddp(strategy_class: type = DDPStrategy) -> DDPStrategy:
-    strategy = strategy_class(accelerator=CPUAccelerator(), parallel_devices=[torch.device("cpu")], cluster_environment=DefaultEnvironment())
+    strategy = strategy_class(
+        accelerator=CPUAccelerator(), parallel_devices=[torch.device("cpu")], cluster_environment=DefaultEnvironment()
+    )
     strategy.record_global_rank()
     return strategy
 
@@ -226,7 +244,11 @@ def test_a_configure_ddp_override_wraps_the_module(one_gloo_process) -> None:
     strategy.connect(_module())
     strategy.setup_environment()
     strategy.setup(RunSettings(configure_optimizers=_sgd))
-    assert _CustomDDP.calls == 1 and isinstance(strategy.model, DistributedDataParallel) and strategy.model.gradient_as_bucket_view
+    assert (
+        _CustomDDP.calls == 1
+        and isinstance(strategy.model, DistributedDataParallel)
+        and strategy.model.gradient_as_bucket_view
+    )
     strategy.teardown()
 
 
@@ -255,7 +277,9 @@ def test_evaluation_settings_neither_wrap_nor_make_optimizers(one_gloo_process, 
 def test_clip_gradients_refuses_bad_arguments(arguments: dict, error: type, message: str) -> None:
     module = nn.Linear(2, 1)
     with pytest.raises(error, match=message):
-        SingleDeviceStrategy(device="cpu").clip_gradients(module, torch.optim.SGD(module.parameters(), lr=0.1), **arguments)
+        SingleDeviceStrategy(device="cpu").clip_gradients(
+            module, torch.optim.SGD(module.parameters(), lr=0.1), **arguments
+        )
 
 
 def test_clip_gradients_by_value_and_a_training_module_clipping_itself_without_a_trainer() -> None:
@@ -288,14 +312,22 @@ def _noop(*args: Any) -> None:
 
 
 BAD_SETTINGS: list[tuple[dict[str, Any], type, str]] = [
-    ({"stage": "train"}, ValueError, r"stage='train'\) is not valid; choose one of \['fit', 'validate', 'test', 'predict'\]"),
+    (
+        {"stage": "train"},
+        ValueError,
+        r"stage='train'\) is not valid; choose one of \['fit', 'validate', 'test', 'predict'\]",
+    ),
     ({"accumulate_grad_batches": 0}, ValueError, r"accumulate_grad_batches=0\) must be an int >= 1"),
     ({"accumulate_grad_batches": 2.0}, ValueError, r"accumulate_grad_batches=2.0\) must be an int >= 1"),
     ({"accumulate_grad_batches": True}, ValueError, r"accumulate_grad_batches=True\) must be an int >= 1"),
     ({"gradient_clip_val": -0.5}, ValueError, r"gradient_clip_val=-0.5\) must be a number >= 0 or None"),
     ({"gradient_clip_val": float("nan")}, ValueError, r"gradient_clip_val=nan\) must be a number >= 0 or None"),
     ({"gradient_clip_val": "1"}, ValueError, r"gradient_clip_val='1'\) must be a number >= 0 or None"),
-    ({"gradient_clip_algorithm": "l2"}, ValueError, r"gradient_clip_algorithm='l2'\) is not valid; choose 'norm' or 'value'"),
+    (
+        {"gradient_clip_algorithm": "l2"},
+        ValueError,
+        r"gradient_clip_algorithm='l2'\) is not valid; choose 'norm' or 'value'",
+    ),
     ({"train_batch_size": 0}, ValueError, r"train_batch_size=0\) must be a positive int or None"),
     ({"configure_optimizers": "adam"}, TypeError, r"configure_optimizers='adam'\) must be a callable or None"),
     ({"before_optimizer_step": 3}, TypeError, r"before_optimizer_step=3\) must be a callable or None"),
@@ -312,7 +344,15 @@ GOOD_SETTINGS: list[tuple[dict[str, Any], bool]] = [
     ({}, True),
     ({"stage": "validate"}, False),
     ({"stage": "predict", "gradient_clip_val": 0}, False),
-    ({"accumulate_grad_batches": 4, "gradient_clip_val": 1.5, "gradient_clip_algorithm": "value", "train_batch_size": 8}, True),
+    (
+        {
+            "accumulate_grad_batches": 4,
+            "gradient_clip_val": 1.5,
+            "gradient_clip_algorithm": "value",
+            "train_batch_size": 8,
+        },
+        True,
+    ),
     ({"configure_optimizers": _sgd, "before_optimizer_step": _noop}, True),
 ]
 

@@ -49,12 +49,22 @@ class CountingRegressor(Regressor):
 @pytest.mark.parametrize("method", ["fit", "validate", "test", "predict"])
 def test_each_entry_point_sets_the_strategy_up_with_its_run_settings(method: str) -> None:
     strategy = RecordingStrategy()
-    trainer = quiet_trainer(strategy=strategy, max_steps=2, accumulate_grad_batches=2, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    trainer = quiet_trainer(
+        strategy=strategy,
+        max_steps=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        gradient_clip_algorithm="value",
+    )
     train, val = loaders()
     getattr(trainer, method)(Regressor(), train if method == "fit" else val)
     (settings,) = strategy.settings
     assert settings.stage == method and settings.fitting is (method == "fit")
-    assert (settings.accumulate_grad_batches, settings.gradient_clip_val, settings.gradient_clip_algorithm) == (2, 0.5, "value")
+    assert (settings.accumulate_grad_batches, settings.gradient_clip_val, settings.gradient_clip_algorithm) == (
+        2,
+        0.5,
+        "value",
+    )
     assert (settings.configure_optimizers is not None) is (method == "fit")
     assert settings.before_optimizer_step == trainer._before_optimizer_step
     assert settings.train_batch_size is None  # the strategy did not ask for it
@@ -62,7 +72,9 @@ def test_each_entry_point_sets_the_strategy_up_with_its_run_settings(method: str
 
 
 @pytest.mark.parametrize(("needs", "expected_size", "expected_calls"), [(False, None, 1), (True, 4, 2)])
-def test_the_training_batch_size_is_read_only_for_a_strategy_that_needs_it(needs: bool, expected_size: int | None, expected_calls: int) -> None:
+def test_the_training_batch_size_is_read_only_for_a_strategy_that_needs_it(
+    needs: bool, expected_size: int | None, expected_calls: int
+) -> None:
     strategy = RecordingStrategy(needs_batch_size=needs)
     module = CountingRegressor()
     quiet_trainer(strategy=strategy, max_steps=1, limit_val_batches=0).fit(module)
@@ -81,7 +93,10 @@ class _Sized(torch.utils.data.Sampler):
 DATA = TensorDataset(torch.zeros(12, 2))
 BATCH_SIZES = [
     ({"train": DataLoader(DATA, batch_size=5)}, 5),
-    ({"train": DataLoader(DATA, batch_sampler=BatchSampler(SequentialSampler(DATA), batch_size=3, drop_last=False))}, 3),
+    (
+        {"train": DataLoader(DATA, batch_sampler=BatchSampler(SequentialSampler(DATA), batch_size=3, drop_last=False))},
+        3,
+    ),
     ({"train": DataLoader(DATA, batch_sampler=_Sized())}, None),  # a batch sampler without batch_size: unknown
     ({"train": [DataLoader(DATA, batch_size=2), DataLoader(DATA, batch_size=6)]}, 2),  # the first loader's
     ({}, None),
@@ -89,7 +104,9 @@ BATCH_SIZES = [
 
 
 @pytest.mark.parametrize(("dataloaders", "expected"), BATCH_SIZES)
-def test_train_batch_size_comes_from_the_first_training_loader(dataloaders: dict[str, Any], expected: int | None) -> None:
+def test_train_batch_size_comes_from_the_first_training_loader(
+    dataloaders: dict[str, Any], expected: int | None
+) -> None:
     assert train_batch_size(DataSource(phalanx.TrainingModule(), None, **dataloaders)) == expected
 
 
@@ -104,15 +121,25 @@ class EqualBatchesStrategy(SingleDeviceStrategy):
         return [obj, [3.0]]
 
 
-@pytest.mark.parametrize(("method", "limit", "fails"), [("validate", 3, False), ("validate", 2, True), ("test", 2, True), ("predict", 2, True)])
-def test_the_trainer_checks_equal_batch_counts_for_a_strategy_that_requires_them(method: str, limit: int, fails: bool) -> None:
-    trainer = quiet_trainer(strategy=EqualBatchesStrategy(device="cpu"), **{f"limit_{'val' if method == 'validate' else method}_batches": limit})
+@pytest.mark.parametrize(
+    ("method", "limit", "fails"),
+    [("validate", 3, False), ("validate", 2, True), ("test", 2, True), ("predict", 2, True)],
+)
+def test_the_trainer_checks_equal_batch_counts_for_a_strategy_that_requires_them(
+    method: str, limit: int, fails: bool
+) -> None:
+    trainer = quiet_trainer(
+        strategy=EqualBatchesStrategy(device="cpu"),
+        **{f"limit_{'val' if method == 'validate' else method}_batches": limit},
+    )
     data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8)
     stage = "validation" if method == "validate" else method
     if not fails:
         getattr(trainer, method)(Regressor(), data)
         return
-    with pytest.raises(ValueError, match=rf"same number of {stage} batches; they differ \(rank 0: \[{limit}\], rank 1: \[3\]\)"):
+    with pytest.raises(
+        ValueError, match=rf"same number of {stage} batches; they differ \(rank 0: \[{limit}\], rank 1: \[3\]\)"
+    ):
         getattr(trainer, method)(Regressor(), data)
 
 
@@ -132,9 +159,18 @@ class OldAccelerator(CPUAccelerator):
 
 
 OLD_CONTRACT = [
-    (lambda: OldSetup(device="cpu"), r"OldSetup.setup takes a `trainer` argument.*OldSetup.setup\(self, settings: RunSettings\) -> None instead"),
-    (lambda: OldSetupOptimizers(device="cpu"), r"OldSetupOptimizers.setup_optimizers\(self, settings: RunSettings\) -> None instead"),
-    (lambda: SingleDeviceStrategy(device="cpu", accelerator=OldAccelerator()), r"OldAccelerator.setup takes a `trainer` argument.*setup\(self\) -> None instead"),
+    (
+        lambda: OldSetup(device="cpu"),
+        r"OldSetup.setup takes a `trainer` argument.*OldSetup.setup\(self, settings: RunSettings\) -> None instead",
+    ),
+    (
+        lambda: OldSetupOptimizers(device="cpu"),
+        r"OldSetupOptimizers.setup_optimizers\(self, settings: RunSettings\) -> None instead",
+    ),
+    (
+        lambda: SingleDeviceStrategy(device="cpu", accelerator=OldAccelerator()),
+        r"OldAccelerator.setup takes a `trainer` argument.*setup\(self\) -> None instead",
+    ),
 ]
 
 
@@ -147,7 +183,6 @@ def test_a_strategy_written_for_the_old_contract_is_refused_at_construction(make
 def test_an_accelerator_written_for_the_old_contract_is_refused_at_construction() -> None:
     with pytest.raises(TypeError, match=r"OldAccelerator.setup takes a `trainer` argument"):
         phalanx.Trainer(accelerator=OldAccelerator(), logger=False)
-
 
 
 LIFECYCLE = (
@@ -178,7 +213,14 @@ for _name in LIFECYCLE:
 
 def _fit_calls(accumulate: int) -> list[str]:
     strategy = LifecycleStrategy()
-    trainer = quiet_trainer(strategy=strategy, max_steps=2, accumulate_grad_batches=accumulate, limit_val_batches=1, val_check_interval=2 * accumulate, num_sanity_val_steps=0)
+    trainer = quiet_trainer(
+        strategy=strategy,
+        max_steps=2,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=1,
+        val_check_interval=2 * accumulate,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(Regressor(), *loaders(n=64, batch_size=8))
     return strategy.calls
 
