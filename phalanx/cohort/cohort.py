@@ -198,10 +198,10 @@ class Cohort:
         self._module = CohortModule(strategy)
 
     def _check_module(self, module: Any, method: str) -> None:
-        if self._module is not None:
-            raise RuntimeError(f"Cohort.{method}: this Cohort already set up a module; one Cohort runs one module (put several in one nn.Module, e.g. nn.ModuleDict).")
         if isinstance(module, CohortModule):
             raise ValueError(f"Cohort.{method}: this module was already set up by a Cohort; pass the plain module.")
+        if self._module is not None:
+            raise RuntimeError(f"Cohort.{method}: this Cohort already set up a module; one Cohort runs one module (put several in one nn.Module, e.g. nn.ModuleDict).")
         if not isinstance(module, nn.Module):
             raise TypeError(f"Cohort.{method}(module) takes a torch.nn.Module, got {type(module).__name__}.")
 
