@@ -46,9 +46,9 @@ class _Sorted:
             if self.module_key is not None:
                 raise ValueError(f"Cohort.{method}: state[{key!r}] and state[{self.module_key!r}] are both the model; name it once.")
             self.module_key = key
-        elif isinstance(value, Optimizer):
-            optimizer = unwrap_optimizer(value)
-            index = next((i for i, candidate in enumerate(strategy.optimizers) if unwrap_optimizer(candidate) is optimizer), None)
+        elif isinstance(value, Optimizer) or _index_of(value, strategy) is not None:
+            # (DeepSpeed's ZeRO optimizers are no torch Optimizer subclasses: they are recognised by identity.)
+            index = _index_of(value, strategy)
             if index is None:
                 raise ValueError(f"Cohort.{method}: state[{key!r}] is an optimizer this Cohort did not set up; pass one returned by Cohort.setup.")
             self.optimizer_keys[key] = index
@@ -68,6 +68,11 @@ class _Sorted:
                 " checkpoint holds the states of all of them (as Trainer checkpoints do): add the others to the state."
             )
         return True
+
+
+def _index_of(value: Any, strategy: Strategy) -> int | None:
+    optimizer = unwrap_optimizer(value)
+    return next((i for i, candidate in enumerate(strategy.optimizers) if unwrap_optimizer(candidate) is optimizer), None)
 
 
 def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[str, Any]:

@@ -58,6 +58,7 @@ class Cohort:
         self._module: CohortModule | None = None
         self._parameter_names: dict[int, str] = {}
         self._optimizer_steps = 0
+        self._last_loss: Tensor | None = None
 
     # ------------------------------------------------------------------ who and where
     @property
@@ -233,12 +234,19 @@ class Cohort:
                 replaced[parameter] = new
                 new_params.append(new)
             group["params"] = new_params
-        if any(old is not new for old, new in replaced.items()):
-            # Per-parameter state (momentum, ...) follows its parameter to the new object.
-            optimizer.state = type(optimizer.state)({replaced.get(p, p): s for p, s in optimizer.state.items()})  # type: ignore[call-overload]
+        if any(old is not new for old, new in replaced.items()) and any(optimizer.state.values()):
+            # Saved per-parameter state (momentum, ...) has the whole parameter's shape, the new parameters are shards.
+            raise ValueError(
+                f"Cohort.setup: {type(self._strategy).__name__} replaces the module's parameters, but the {type(optimizer).__name__} already"
+                " holds per-parameter state; set up an optimizer that has not stepped yet, and load its state with cohort.load."
+            )
 
     def _optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None) -> Any:
-        result = self._strategy.optimizer_step(optimizer, closure if closure is not None else _no_closure, model=self._strategy.model)
+        if closure is None:
+            # The backward already ran (cohort.backward); precision plugins read a None result as a skipped batch.
+            last_loss = self._last_loss
+            closure = lambda: last_loss  # noqa: E731
+        result = self._strategy.optimizer_step(optimizer, closure, model=self._strategy.model)
         if self._strategy.optimizers and unwrap_optimizer(self._strategy.optimizers[0]) is optimizer:
             self._optimizer_steps += 1
         return result
@@ -275,6 +283,7 @@ class Cohort:
         if not isinstance(loss, Tensor):
             raise TypeError(f"Cohort.backward(loss) takes a tensor, got {type(loss).__name__}.")
         self._strategy.backward(loss, None, *args, **kwargs)
+        self._last_loss = loss.detach()
 
     def clip_gradients(self, module: nn.Module, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None) -> Tensor | None:
         """Clip ``optimizer``'s gradients by total norm (``max_norm``, returns the norm) or by value (``clip_val``)."""
@@ -353,10 +362,6 @@ class Cohort:
 
     def __repr__(self) -> str:
         return f"Cohort(strategy={self._strategy!r})"
-
-
-def _no_closure() -> None:
-    return None
 
 
 def _check_path(path: Any, method: str) -> None:

@@ -55,3 +55,15 @@ def test_spawn_and_fork_launch_return_rank_zero_result_equal_to_torch_ddp(ddp_jo
     for strategy in ("ddp_spawn", "ddp_fork"):
         weights = [torch.tensor(values) for values in results[strategy]]
         assert all(torch.equal(a, b) for a, b in zip(weights, reference)), strategy
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_2"])
+def test_sharded_strategies_match_the_trainer_and_ddp_and_the_trainer_resumes_their_checkpoint(ddp_job, strategy):
+    out, _ = ddp_job
+    assert_ok(run_script("cohort_job.py", str(out), strategy))
+    result = json.loads((out / f"{strategy}.json").read_text())
+    assert result["max_difference_to_trainer"] == 0.0  # the Cohort loop and Trainer.fit on the same strategy
+    assert result["trainer_resumed_global_step"] == 52  # the Trainer resumed the Cohort's (sharded) checkpoint at step 50
+    ours = torch.load(out / f"{strategy}.pt", weights_only=True)
+    reference = torch.load(out / "torch_ddp.pt", weights_only=True)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours, reference))  # sharded reductions: rounding only

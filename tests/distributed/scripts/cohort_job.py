@@ -138,6 +138,49 @@ def run_spawn(out: Path) -> None:
     (out / "spawn.json").write_text(json.dumps(results))
 
 
+def full_weights(module: nn.Module) -> list[torch.Tensor]:
+    from phalanx.strategies.dtensor_state import full_module_state
+
+    return [tensor.detach().clone() for tensor in full_module_state(module, keep=True).values()]
+
+
+def run_sharded(out: Path, strategy: str) -> None:
+    """The Cohort loop and Trainer.fit on a sharded strategy, against each other and the DDP weights; save -> load."""
+    cohort = phalanx.Cohort(strategy=strategy, devices=2, accelerator="cpu")
+    cohort.launch()
+    phalanx.seed_everything(0)
+    net = Net(lr=0.05)
+    model, optimizer = cohort.setup(net, torch.optim.SGD(net.parameters(), lr=0.05))
+    loader = cohort.setup_dataloaders(DataLoader(IndexedRegression(n=800), batch_size=8, shuffle=True))
+    for index, batch in enumerate(loader):
+        if index == STEPS:
+            break
+        optimizer.zero_grad()
+        cohort.backward(model.training_step(batch, index))
+        optimizer.step()
+    ours = full_weights(net)
+    checkpoint = out / f"{strategy}.ckpt"
+    cohort.save(checkpoint, {"model": model, "optimizer": optimizer})
+    phalanx.seed_everything(0)
+    fitted = Net(lr=0.05)
+    trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=STEPS, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(fitted, DataLoader(IndexedRegression(n=800), batch_size=8, shuffle=True))
+    theirs = full_weights(fitted)
+    result = {"max_difference_to_trainer": max(float((a - b).abs().max()) for a, b in zip(ours, theirs))}
+    resumed = Net(lr=0.05)
+    trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=STEPS + 2, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(resumed, DataLoader(IndexedRegression(n=800), batch_size=8, shuffle=True), ckpt_path=str(checkpoint))
+    result["trainer_resumed_global_step"] = trainer.global_step
+    if cohort.is_global_zero:
+        torch.save(ours, out / f"{strategy}.pt")
+        (out / f"{strategy}.json").write_text(json.dumps(result))
+
+
 if __name__ == "__main__":
     target, mode = Path(sys.argv[1]), sys.argv[2]
-    run_ddp(target) if mode == "ddp" else run_spawn(target)
+    if mode == "ddp":
+        run_ddp(target)
+    elif mode == "spawn":
+        run_spawn(target)
+    else:
+        run_sharded(target, mode)
