@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 # Public names load on first use (PEP 562), so `phalanx --help` and tools that only read the version never import torch.
 _PUBLIC = {
     "Callback": "phalanx.callbacks.callback",
+    "Cohort": "phalanx.cohort.cohort",
     "DataModule": "phalanx.datamodule",
     "Trainer": "phalanx.trainer.trainer",
     "TrainingModule": "phalanx.module",
@@ -21,6 +22,7 @@ _SUBPACKAGES = ("accelerators", "callbacks", "loggers", "plugins", "strategies",
 
 if TYPE_CHECKING:
     from phalanx.callbacks.callback import Callback
+    from phalanx.cohort.cohort import Cohort
     from phalanx.datamodule import DataModule
     from phalanx.module import TrainingModule
     from phalanx.trainer.trainer import Trainer
@@ -42,4 +44,4 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC, *_SUBPACKAGES})
 
 
-__all__ = ["Callback", "DataModule", "Trainer", "TrainingModule", "__version__", "seed_everything"]
+__all__ = ["Callback", "Cohort", "DataModule", "Trainer", "TrainingModule", "__version__", "seed_everything"]

@@ -1,0 +1,162 @@
+"""``Cohort.save`` / ``Cohort.load``: a state dict of modules, optimizers and objects in the Trainer's checkpoint layout.
+
+A Cohort checkpoint is a Trainer checkpoint: the set-up module's weights in ``'state_dict'``, every optimizer of the
+strategy in ``'optimizer_states'``, ``'global_step'`` (the Cohort's optimizer steps), the fit loop's position
+(``'loops'``, at batch ``global_step`` of epoch 0, or at the start of epoch ``state['epoch']`` when the state holds
+an int ``'epoch'``) and every rank's generator states. What only the Cohort reads (the state's key names and its
+plain objects) sits in ``'cohort'``, which the Trainer ignores. So ``Trainer.fit(ckpt_path=...)`` resumes a Cohort
+checkpoint, and ``Cohort.load`` reads a Trainer one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer
+from phalanx.utilities.exceptions import CheckpointError
+
+if TYPE_CHECKING:
+    from phalanx.strategies.strategy import Strategy
+
+COHORT_ENTRY = "cohort"
+
+
+class _Sorted:
+    """The entries of a state dict, by kind."""
+
+    def __init__(self, state: Any, strategy: Strategy, method: str) -> None:
+        if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
+            raise TypeError(f"Cohort.{method}(path, state): state must be a dict with str keys, got {type(state).__name__}.")
+        self.module_key: str | None = None
+        self.optimizer_keys: dict[str, int] = {}  # key -> index in strategy.optimizers
+        self.stateful: dict[str, Any] = {}  # objects with state_dict()/load_state_dict() (LR schedulers, ...)
+        self.plain: dict[str, Any] = {}
+        for key, value in state.items():
+            self._sort(key, value, strategy, method)
+
+    def _sort(self, key: str, value: Any, strategy: Strategy, method: str) -> None:
+        if isinstance(value, nn.Module):
+            module = value.module if isinstance(value, CohortModule) else value
+            if module is not strategy.module:
+                raise ValueError(f"Cohort.{method}: state[{key!r}] is a module this Cohort did not set up; pass the module returned by Cohort.setup.")
+            if self.module_key is not None:
+                raise ValueError(f"Cohort.{method}: state[{key!r}] and state[{self.module_key!r}] are both the model; name it once.")
+            self.module_key = key
+        elif isinstance(value, Optimizer) or _index_of(value, strategy) is not None:
+            # (DeepSpeed's ZeRO optimizers are no torch Optimizer subclasses: they are recognised by identity.)
+            index = _index_of(value, strategy)
+            if index is None:
+                raise ValueError(f"Cohort.{method}: state[{key!r}] is an optimizer this Cohort did not set up; pass one returned by Cohort.setup.")
+            self.optimizer_keys[key] = index
+        elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+            self.stateful[key] = value
+        else:
+            self.plain[key] = value
+
+    def check_optimizers(self, strategy: Strategy, method: str) -> bool:
+        """Whether the state names the strategy's optimizers: all of them (True) or none (False)."""
+        if not self.optimizer_keys:
+            return False
+        missing = len(strategy.optimizers) - len(set(self.optimizer_keys.values()))
+        if missing:
+            raise ValueError(
+                f"Cohort.{method}: the state names {len(self.optimizer_keys)} of the {len(strategy.optimizers)} optimizers set up; a"
+                " checkpoint holds the states of all of them (as Trainer checkpoints do): add the others to the state."
+            )
+        return True
+
+
+def _index_of(value: Any, strategy: Strategy) -> int | None:
+    optimizer = unwrap_optimizer(value)
+    return next((i for i, candidate in enumerate(strategy.optimizers) if unwrap_optimizer(candidate) is optimizer), None)
+
+
+def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[str, Any]:
+    """The checkpoint dict for ``state`` (every rank must call it: states may be gathered)."""
+    from phalanx import __version__
+    from phalanx.trainer.checkpoint import check_loadable, plain_hyperparameters
+    from phalanx.utilities.seed import collect_rng_states
+
+    entries = _Sorted(state, strategy, "save")
+    if entries.module_key is None:
+        raise ValueError("Cohort.save: the state holds no module; add the module returned by Cohort.setup, e.g. {'model': model}.")
+    module = strategy.module
+    assert module is not None
+    epoch = entries.plain.get("epoch")
+    epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0 else 0
+    checkpoint: dict[str, Any] = {
+        "phalanx_version": __version__,
+        "pytorch_version": str(torch.__version__),
+        "epoch": epoch,
+        "global_step": global_step,
+        "state_dict": strategy.module_state_dict(),
+        "loops": {"fit_loop": _loop_state(epoch, global_step)},
+        "lr_schedulers": [],
+        "rng_states": strategy.all_gather_object(collect_rng_states()),
+    }
+    hparams = getattr(module, "hparams", None)
+    if hparams:
+        checkpoint["hyper_parameters"] = plain_hyperparameters(dict(hparams), type(module).__name__)
+    if entries.check_optimizers(strategy, "save"):
+        checkpoint["optimizer_states"] = [strategy.optimizer_state(optimizer) for optimizer in strategy.optimizers]
+    checkpoint[COHORT_ENTRY] = {
+        "module": entries.module_key,
+        "optimizers": entries.optimizer_keys,
+        "objects": {**entries.plain, **{key: value.state_dict() for key, value in entries.stateful.items()}},
+    }
+    on_save = getattr(module, "on_save_checkpoint", None)
+    if callable(on_save):
+        on_save(checkpoint)
+    check_loadable(checkpoint)
+    return checkpoint
+
+
+def _loop_state(epoch: int, global_step: int) -> dict[str, Any]:
+    # Without an epoch, the Cohort's steps are the first batches of epoch 0; with one, the next epoch starts afresh.
+    return {"epoch": epoch, "global_step": global_step, "batches_done": global_step if epoch == 0 else 0, "total_batches": global_step, "phase": "batches",
+            "epoch_start_rng": None, "callback_metrics": {}}  # fmt: skip
+
+
+def restore_checkpoint(checkpoint: Any, state: Any, strategy: Strategy, source: str, *, strict: bool = True) -> dict[str, Any]:
+    """Load ``checkpoint`` into the objects of ``state`` (plain values are replaced in ``state``); returns the unread objects."""
+    from phalanx.trainer.checkpoint_checks import check_checkpoint, check_optimizer_states
+
+    check_checkpoint(checkpoint, source, fitting=False)
+    entries = _Sorted(state, strategy, "load")
+    saved = checkpoint.get(COHORT_ENTRY) or {}
+    objects = dict(saved.get("objects") or {})
+    _check_present(entries, objects, checkpoint, source, strict=strict)
+    if entries.check_optimizers(strategy, "load") and not strategy.restores_optimizer:
+        if "optimizer_states" not in checkpoint:
+            raise CheckpointError(f"{source} holds no optimizer states (saved without optimizers, or with weights_only=True); leave the optimizers out of the state to load only the weights.")
+        check_optimizer_states(source, checkpoint["optimizer_states"], [unwrap_optimizer(o) for o in strategy.optimizers])
+    module = strategy.module
+    if entries.module_key is not None:
+        on_load = getattr(module, "on_load_checkpoint", None)
+        if callable(on_load):
+            on_load(checkpoint)
+        strategy.load_model_state_dict(checkpoint, strict=strict)
+    if entries.optimizer_keys and not strategy.restores_optimizer:
+        strategy.load_optimizer_state_dict(checkpoint)
+    for key, value in entries.stateful.items():
+        if key in objects:
+            value.load_state_dict(objects.pop(key))
+    for key in entries.plain:
+        if key in objects:
+            state[key] = objects.pop(key)
+        elif key in checkpoint:
+            state[key] = checkpoint[key]  # a Trainer checkpoint's 'global_step', 'epoch', 'hyper_parameters', ...
+    return objects
+
+
+def _check_present(entries: _Sorted, objects: dict[str, Any], checkpoint: dict[str, Any], source: str, *, strict: bool) -> None:
+    if not strict:
+        return
+    missing = [key for key in [*entries.stateful, *entries.plain] if key not in objects and key not in checkpoint]
+    if missing:
+        available = sorted({*objects, *(key for key in checkpoint if key != COHORT_ENTRY)})
+        raise CheckpointError(f"{source} has no entry {missing[0]!r} asked for in the state; it holds {available} (pass strict=False to skip missing entries).")

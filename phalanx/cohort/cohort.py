@@ -1,0 +1,376 @@
+"""Cohort: phalanx's strategies driven from your own training loop.
+
+A Cohort is built from the Trainer's arguments and drives the very same Strategy objects through their contract
+(``connect``, ``setup_environment``, ``setup(RunSettings)``, ``backward``, ``optimizer_step``, ...)::
+
+    cohort = Cohort(strategy="ddp", devices=2, accelerator="cpu")
+    cohort.launch()
+    model, optimizer = cohort.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = cohort.setup_dataloaders(loader)
+    for x, y in loader:
+        optimizer.zero_grad()
+        cohort.backward(loss_fn(model(x), y))
+        optimizer.step()
+    cohort.save("last.ckpt", {"model": model, "optimizer": optimizer})
+
+Optimizers may be created before ``setup`` on the plain module's parameters: ``setup`` rebinds them, by parameter
+name, to the parameters the strategy runs (FSDP replaces them with sharded ones), keeping hyper-parameters and state.
+One Cohort sets up one module (put several in one ``nn.Module``, e.g. an ``nn.ModuleDict``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from os import PathLike
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from phalanx.cohort.checkpoint import build_checkpoint, restore_checkpoint
+from phalanx.cohort.wrappers import CohortDataLoader, CohortModule, unwrap_optimizer, wrap_optimizer
+from phalanx.strategies.settings import RunSettings
+from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.apply import apply_to_tensors
+
+_T = TypeVar("_T")
+
+
+class Cohort:
+    """Runs your own loop on any phalanx strategy: processes, wrapping, backward, collectives and checkpoints."""
+
+    def __init__(
+        self,
+        *,
+        accelerator: Any = "auto",
+        strategy: Any = "auto",
+        devices: Any = "auto",
+        num_nodes: int = 1,
+        precision: Any = "32-true",
+        plugins: Any = None,
+    ) -> None:
+        from phalanx.trainer.setup import resolve_strategy
+
+        self._strategy: Strategy = resolve_strategy(accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision, plugins=plugins)
+        self._launched = False
+        self._environment_ready = False
+        self._module: CohortModule | None = None
+        self._parameter_names: dict[int, str] = {}
+        self._optimizer_steps = 0
+        self._last_loss: Tensor | None = None
+
+    # ------------------------------------------------------------------ who and where
+    @property
+    def strategy(self) -> Strategy:
+        """The strategy this Cohort drives."""
+        return self._strategy
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among all processes."""
+        return self._strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return self._strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """This node's rank."""
+        return self._strategy.node_rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+        return self._strategy.world_size
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is the process of global rank 0."""
+        return self._strategy.is_global_zero
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+        return self._strategy.root_device
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken by the first optimizer (saved as a checkpoint's ``global_step``)."""
+        return self._optimizer_steps
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on global rank 0 only."""
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+    # ------------------------------------------------------------------ processes
+    def launch(self, function: Callable[..., _T] | None = None, *args: Any, **kwargs: Any) -> _T | None:
+        """Start the strategy's processes and run ``function(cohort, *args, **kwargs)`` in each; returns this process's (or rank 0's) result.
+
+        Strategies that re-run the script (``ddp``) start the other ranks here and go on in this process, so
+        ``launch()`` without a function is enough for them; spawn/fork strategies need a function (picklable for spawn).
+        """
+        if function is not None and not callable(function):
+            raise TypeError(f"Cohort.launch(function) takes a callable (called as function(cohort, *args)), got {type(function).__name__}.")
+        if self._launched:
+            raise RuntimeError("Cohort.launch() was already called; launch once per Cohort.")
+        launcher = self._strategy.launcher
+        start_method = getattr(self._strategy, "_start_method", "popen")
+        if function is None and launcher is not None and start_method != "popen":
+            raise TypeError(f"Cohort.launch() needs a function with start_method={start_method!r}: the new processes run function(cohort, *args), not the rest of your script.")
+        self._launched = True
+        if launcher is None:
+            return self._run_launched(function, *args, **kwargs)
+        return launcher.launch(self._run_launched, function, *args, **kwargs)
+
+    def _run_launched(self, function: Callable[..., _T] | None, *args: Any, **kwargs: Any) -> _T | None:
+        self._launched = True
+        self._ensure_environment()
+        return function(self, *args, **kwargs) if function is not None else None
+
+    def _ensure_environment(self) -> None:
+        if self._environment_ready:
+            return
+        if self._strategy.launcher is not None and not self._launched:
+            raise RuntimeError(
+                f"{type(self._strategy).__name__} starts its processes itself: call cohort.launch() (or cohort.launch(fn)) before"
+                " setup, collectives or init_module; under torchrun or a cluster scheduler it does nothing extra."
+            )
+        self._environment_ready = True
+        self._strategy.setup_environment()
+
+    # ------------------------------------------------------------------ model and optimizers
+    def setup(self, module: nn.Module, *optimizers: Optimizer) -> Any:
+        """Set up ``module`` and its ``optimizers`` on the strategy; returns the wrapped module, then the wrapped optimizers."""
+        self._check_module(module, "setup")
+        originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
+        self._parameter_names = {id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)}
+        for index, optimizer in enumerate(originals):
+            self._check_parameters_known(optimizer, index)
+
+        def make_optimizers(set_up: nn.Module) -> tuple[list[Optimizer], list[Any]]:
+            for optimizer in originals:
+                self._rebind(optimizer, set_up)
+            return list(originals), []
+
+        self._setup_strategy(module, make_optimizers if originals else None)
+        wrapped = [wrap_optimizer(optimizer, self._optimizer_step) for optimizer in self._strategy.optimizers]
+        return (self._module, *wrapped) if optimizers else self._module
+
+    def setup_module(self, module: nn.Module) -> CohortModule:
+        """Set up ``module`` alone (create or pass its optimizers to ``setup_optimizers`` afterwards)."""
+        self._check_module(module, "setup_module")
+        if _is_deepspeed(self._strategy):
+            raise RuntimeError("DeepSpeed builds its engine from the module and the optimizer together: call cohort.setup(module, optimizer) instead of setup_module.")
+        self._parameter_names = {id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)}
+        self._setup_strategy(module, None)
+        assert self._module is not None
+        return self._module
+
+    def setup_optimizers(self, *optimizers: Optimizer) -> Any:
+        """Set up optimizers of the module given to ``setup_module`` (made on its plain or its set-up parameters)."""
+        if self._module is None:
+            raise RuntimeError("Cohort.setup_optimizers needs a module: call cohort.setup_module(module) first.")
+        if self._strategy.optimizers:
+            raise RuntimeError("This Cohort's optimizers are already set up; pass all of them to one setup/setup_optimizers call.")
+        if not optimizers:
+            raise ValueError("Cohort.setup_optimizers needs at least one optimizer.")
+        originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
+        set_up = self._strategy.module
+        assert set_up is not None
+        live = {id(parameter) for parameter in set_up.parameters()}
+        for index, optimizer in enumerate(originals):
+            if any(id(p) not in live for group in optimizer.param_groups for p in group["params"]):
+                self._check_parameters_known(optimizer, index)
+                self._rebind(optimizer, set_up)
+        self._strategy.optimizers = originals
+        self._strategy.setup_precision_plugin()
+        wrapped = [wrap_optimizer(optimizer, self._optimizer_step) for optimizer in self._strategy.optimizers]
+        return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
+
+    def _setup_strategy(self, module: nn.Module, make_optimizers: Callable[[nn.Module], tuple[list[Optimizer], list[Any]]] | None) -> None:
+        self._ensure_environment()
+        strategy = self._strategy
+        strategy.connect(module)
+        strategy.setup(RunSettings(stage="fit", configure_optimizers=make_optimizers))
+        self._module = CohortModule(strategy)
+
+    def _check_module(self, module: Any, method: str) -> None:
+        if isinstance(module, CohortModule):
+            raise ValueError(f"Cohort.{method}: this module was already set up by a Cohort; pass the plain module.")
+        if self._module is not None:
+            raise RuntimeError(f"Cohort.{method}: this Cohort already set up a module; one Cohort runs one module (put several in one nn.Module, e.g. nn.ModuleDict).")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Cohort.{method}(module) takes a torch.nn.Module, got {type(module).__name__}.")
+
+    @staticmethod
+    def _check_optimizer(optimizer: Any, index: int) -> Optimizer:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"Cohort.setup: optimizers[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if unwrap_optimizer(optimizer) is not optimizer:
+            raise ValueError(f"Cohort.setup: optimizers[{index}] was already set up by a Cohort; pass the plain optimizer.")
+        return optimizer
+
+    def _check_parameters_known(self, optimizer: Optimizer, index: int) -> None:
+        for group_index, group in enumerate(optimizer.param_groups):
+            for parameter in group["params"]:
+                if id(parameter) not in self._parameter_names:
+                    raise ValueError(
+                        f"Cohort.setup: optimizers[{index}].param_groups[{group_index}] holds a parameter (shape {list(parameter.shape)}) that is"
+                        " not a parameter of the module being set up; build the optimizer from module.parameters()."
+                    )
+
+    def _rebind(self, optimizer: Optimizer, set_up: nn.Module) -> None:
+        """Point ``optimizer`` at ``set_up``'s parameters of the same names (the same objects unless the strategy replaced them)."""
+        by_name = dict(set_up.named_parameters(remove_duplicate=False))
+        replaced: dict[Tensor, Tensor] = {}
+        for group in optimizer.param_groups:
+            new_params = []
+            for parameter in group["params"]:
+                new = by_name.get(self._parameter_names.get(id(parameter), ""), parameter)
+                replaced[parameter] = new
+                new_params.append(new)
+            group["params"] = new_params
+        if any(old is not new for old, new in replaced.items()) and any(optimizer.state.values()):
+            # Saved per-parameter state (momentum, ...) has the whole parameter's shape, the new parameters are shards.
+            raise ValueError(
+                f"Cohort.setup: {type(self._strategy).__name__} replaces the module's parameters, but the {type(optimizer).__name__} already"
+                " holds per-parameter state; set up an optimizer that has not stepped yet, and load its state with cohort.load."
+            )
+
+    def _optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None) -> Any:
+        if closure is None:
+            # The backward already ran (cohort.backward); precision plugins read a None result as a skipped batch.
+            last_loss = self._last_loss
+            closure = lambda: last_loss  # noqa: E731
+        result = self._strategy.optimizer_step(optimizer, closure, model=self._strategy.model)
+        if self._strategy.optimizers and unwrap_optimizer(self._strategy.optimizers[0]) is optimizer:
+            self._optimizer_steps += 1
+        return result
+
+    # ------------------------------------------------------------------ data
+    def setup_dataloaders(self, *dataloaders: Any, use_distributed_sampler: bool = True, move_to_device: bool = True) -> Any:
+        """Give each dataloader this rank's share of the data (a DistributedSampler) and batches on ``device``."""
+        if not dataloaders:
+            raise ValueError("Cohort.setup_dataloaders needs at least one dataloader.")
+        self._ensure_environment()
+        prepared = [self._setup_dataloader(loader, use_distributed_sampler, move_to_device) for loader in dataloaders]
+        return prepared[0] if len(prepared) == 1 else tuple(prepared)
+
+    def _setup_dataloader(self, dataloader: Any, use_distributed_sampler: bool, move_to_device: bool) -> CohortDataLoader:
+        import os
+
+        if not hasattr(dataloader, "__iter__"):
+            raise TypeError(f"Cohort.setup_dataloaders takes iterables of batches (DataLoaders), got {type(dataloader).__name__}.")
+        sampler_kwargs = self._strategy.distributed_sampler_kwargs
+        if use_distributed_sampler and sampler_kwargs:
+            from phalanx.trainer.distributed_data import distributed_dataloader
+
+            # The seed the Trainer uses too, so that both shuffle the same way.
+            seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
+            dataloader = distributed_dataloader(dataloader, training=True, seed=seed, **sampler_kwargs)
+        dataloader = self._strategy.process_dataloader(dataloader)
+        return CohortDataLoader(dataloader, self._strategy if move_to_device else None)
+
+    # ------------------------------------------------------------------ the step
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Backward through the strategy (precision scaling, DeepSpeed's engine)."""
+        if self._module is None:
+            raise RuntimeError("Cohort.backward needs a set-up module: call cohort.setup(module, optimizer) first.")
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"Cohort.backward(loss) takes a tensor, got {type(loss).__name__}.")
+        self._strategy.backward(loss, None, *args, **kwargs)
+        self._last_loss = loss.detach()
+
+    def clip_gradients(self, module: nn.Module, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None) -> Tensor | None:
+        """Clip ``optimizer``'s gradients by total norm (``max_norm``, returns the norm) or by value (``clip_val``)."""
+        self._check_set_up(module, "clip_gradients")
+        return self._strategy.clip_gradients(self._strategy.module, unwrap_optimizer(optimizer), max_norm=max_norm, clip_val=clip_val)
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> AbstractContextManager:
+        """Within it, backward does not synchronise gradients (for accumulation); ``enabled=False`` makes it a no-op."""
+        self._check_set_up(module, "no_backward_sync")
+        return self._strategy.block_backward_sync() if enabled else nullcontext()
+
+    def autocast(self) -> AbstractContextManager:
+        """The precision's forward context (autocast for mixed precision), for code outside the set-up module's forward."""
+        return self._strategy.precision_plugin.forward_context()
+
+    @contextmanager
+    def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Create a module's tensors on ``device`` in the precision's dtype (sharded where the strategy shards); ``empty_init`` skips initialisation."""
+        self._ensure_environment()
+        with ExitStack() as stack:
+            stack.enter_context(self._strategy.tensor_init_context(empty_init=empty_init))
+            stack.enter_context(self._strategy.model_sharded_context())
+            yield
+
+    def _check_set_up(self, module: Any, method: str) -> None:
+        if self._module is None or module is not self._module:
+            raise ValueError(f"Cohort.{method}(module, ...) takes the module returned by cohort.setup(...), got {type(module).__name__}.")
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(self, data: Any, group: Any | None = None, reduce_op: str = "mean") -> Any:
+        """Reduce every tensor (and number) in ``data`` across processes with ``reduce_op`` ('mean', 'sum', 'max', 'min')."""
+        self._ensure_environment()
+        return apply_to_tensors(self._as_tensors(data), lambda tensor: self._strategy.reduce(tensor, group=group, reduce_op=reduce_op))
+
+    def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        """Gather every tensor (and number) in ``data`` from every process, stacked along a new first dimension."""
+        self._ensure_environment()
+        return apply_to_tensors(self._as_tensors(data), lambda tensor: self._strategy.all_gather(tensor, group=group, sync_grads=sync_grads))
+
+    def broadcast(self, obj: _T, src: int = 0) -> _T:
+        """Send a picklable object from process ``src`` to every process and return it."""
+        self._ensure_environment()
+        return self._strategy.broadcast(obj, src=src)
+
+    def barrier(self, name: str | None = None) -> None:
+        """Wait until every process gets here."""
+        self._ensure_environment()
+        self._strategy.barrier(name)
+
+    def _as_tensors(self, data: Any) -> Any:
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            return torch.tensor(data, device=self.device)
+        return apply_to_tensors(data, lambda tensor: tensor.to(self.device))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str | PathLike, state: dict[str, Any]) -> None:
+        """Write ``state`` (modules, optimizers, objects) in the Trainer's checkpoint format, full or sharded as the strategy does."""
+        _check_path(path, "save")
+        if self._module is None:
+            raise RuntimeError("Cohort.save needs a set-up module: call cohort.setup(...) first.")
+        checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps)
+        self._strategy.save_checkpoint(checkpoint, path)
+        self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
+
+    def load(self, path: str | PathLike, state: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
+        """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``); returns unread objects."""
+        _check_path(path, "load")
+        if self._module is None:
+            raise RuntimeError("Cohort.load needs a set-up module (the weights load into it): call cohort.setup(...) first.")
+        checkpoint = self._strategy.load_checkpoint(path)
+        remaining = restore_checkpoint(checkpoint, state, self._strategy, str(path), strict=strict)
+        if self._strategy.optimizers and any(isinstance(value, Optimizer) for value in state.values()):
+            step = checkpoint.get("global_step")
+            self._optimizer_steps = step if isinstance(step, int) else self._optimizer_steps
+        return remaining
+
+    def __repr__(self) -> str:
+        return f"Cohort(strategy={self._strategy!r})"
+
+
+def _check_path(path: Any, method: str) -> None:
+    if not isinstance(path, (str, PathLike)):
+        raise TypeError(f"Cohort.{method}(path, state): path must be a str or os.PathLike, got {type(path).__name__}.")
+
+
+def _is_deepspeed(strategy: Strategy) -> bool:
+    import sys
+
+    module = sys.modules.get("phalanx.strategies.deepspeed")
+    return module is not None and isinstance(strategy, module.DeepSpeedStrategy)

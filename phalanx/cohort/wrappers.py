@@ -1,0 +1,145 @@
+"""What ``Cohort.setup`` hands back: the set-up module, optimizers and dataloaders, routed through the strategy."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from torch import nn
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from phalanx.strategies.strategy import Strategy
+
+#: TrainingModule step methods that must run inside the wrapper's forward (DDP's reducer, FSDP's gathering).
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+class CohortModule(nn.Module):
+    """The module as the strategy runs it (DDP-wrapped, sharded, a DeepSpeed engine), called like the original.
+
+    ``forward`` runs the wrapper under the precision's forward context; ``training_step`` & co. of a TrainingModule
+    run through the wrapper's forward too. Every other attribute, and ``state_dict`` / ``load_state_dict``, belong
+    to the original module, so the names in checkpoints are the plain module's.
+    """
+
+    def __init__(self, strategy: Strategy) -> None:
+        super().__init__()
+        assert strategy.model is not None and strategy.module is not None
+        # Registered as a submodule so that .parameters(), .train(), .to() reach the wrapped module.
+        self._forward_module = strategy.model
+        self.__dict__["_original_module"] = strategy.module
+        self.__dict__["_strategy"] = strategy
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's module, unwrapped."""
+        return self.__dict__["_original_module"]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        strategy = self.__dict__["_strategy"]
+        precision = strategy.precision_plugin
+        args, kwargs = precision.convert_input((args, kwargs))
+        with precision.forward_context():
+            return self._forward_module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self.module.load_state_dict(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers and submodules registered here
+        except AttributeError:
+            pass
+        original = self.__dict__["_original_module"]
+        if name in _STEP_METHODS and hasattr(original, name):
+            return getattr(self.__dict__["_strategy"], name)
+        return getattr(original, name)
+
+
+class _OptimizerView:
+    """Mixed into a subclass of the optimizer's class: every attribute is the optimizer's, ``step`` goes through the strategy.
+
+    The view keeps its own ``__dict__`` for what is set on it (an LR scheduler patches ``step`` there), so nothing it
+    is given lands on the optimizer, which the strategy steps with its own class's ``step``.
+    """
+
+    _cohort_optimizer: Optimizer
+    _cohort_step: Callable[[Optimizer, Callable[[], Any] | None], Any]
+    _SHARED = ("param_groups", "state", "defaults")
+
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer behind this view."""
+        return self._cohort_optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return type(self)._cohort_step(self._cohort_optimizer, closure)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._cohort_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._cohort_optimizer.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(type(self)._cohort_optimizer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OptimizerView._SHARED:
+            setattr(type(self)._cohort_optimizer, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def __getstate__(self) -> Any:
+        return type(self)._cohort_optimizer.__getstate__()
+
+    def __repr__(self) -> str:
+        return f"Cohort view of {type(self)._cohort_optimizer!r}"
+
+
+def wrap_optimizer(optimizer: Optimizer, step: Callable[[Optimizer, Callable[[], Any] | None], Any]) -> Optimizer:
+    """A view of ``optimizer`` that is an instance of its class (LR schedulers accept it) and steps through ``step``."""
+    kind = type(optimizer)
+    namespace = {"_cohort_optimizer": optimizer, "_cohort_step": staticmethod(step), "__module__": kind.__module__}
+    view_class = type(f"Cohort{kind.__name__}", (_OptimizerView, kind), namespace)
+    return view_class.__new__(view_class)
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer behind a ``wrap_optimizer`` wrapper (others unchanged)."""
+    return type(optimizer)._cohort_optimizer if isinstance(optimizer, _OptimizerView) else optimizer
+
+
+class CohortDataLoader:
+    """A dataloader whose batches arrive on the strategy's device; each new iteration is a new sampler epoch."""
+
+    def __init__(self, dataloader: Any, strategy: Strategy | None) -> None:
+        self._dataloader = dataloader
+        self._strategy = strategy
+        self._epoch = 0
+
+    @property
+    def dataloader(self) -> Any:
+        """The wrapped dataloader."""
+        return self._dataloader
+
+    def __len__(self) -> int:
+        return len(self._dataloader)
+
+    def __iter__(self) -> Iterator[Any]:
+        # As DistributedSampler asks: every rank calls set_epoch with the same value before each epoch.
+        for sampler in (getattr(self._dataloader, "sampler", None), getattr(getattr(self._dataloader, "batch_sampler", None), "sampler", None)):
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        strategy = self._strategy
+        for batch in self._dataloader:
+            yield batch if strategy is None else strategy.batch_to_device(batch)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._dataloader, name)
