@@ -67,3 +67,23 @@ def test_sharded_strategies_match_the_trainer_and_ddp_and_the_trainer_resumes_th
     ours = torch.load(out / f"{strategy}.pt", weights_only=True)
     reference = torch.load(out / "torch_ddp.pt", weights_only=True)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours, reference))  # sharded reductions: rounding only
+
+
+def test_the_custom_loop_example_trains_on_two_processes_and_saves_a_trainer_format_checkpoint(tmp_path):
+    import re
+    import sys
+    from pathlib import Path
+
+    from phalanx_distributed import clean_environment, run
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "custom_loop.py"
+    ckpt = tmp_path / "last.ckpt"
+    job = run([sys.executable, str(example), "--strategy", "ddp", "--devices", "2", "--epochs", "3", "--ckpt", str(ckpt)], env=clean_environment(), cwd=tmp_path, timeout=180)
+    assert_ok(job)
+    losses = [float(value) for value in re.findall(r"epoch \d: loss ([0-9.]+) \(world size 2\)", job.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], job.stdout  # printed once (rank zero), and it learns
+    assert "final loss" in job.stdout
+    checkpoint = torch.load(ckpt, weights_only=True)
+    assert checkpoint["epoch"] == 3 and checkpoint["cohort"]["objects"] == {"epoch": 3}
+    assert checkpoint["global_step"] == 3 * 512 // (32 * 2)  # 8 steps an epoch on each of the 2 ranks
+    assert set(checkpoint["state_dict"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
