@@ -14,6 +14,8 @@ import stat
 import uuid
 from typing import Any
 
+from phalanx.plugins.io.directory import sync_directory
+
 FILE_EXTENSION = ".ckpt"
 
 
@@ -198,7 +200,7 @@ def publish_link(target: str, link: str) -> bool:
     except BaseException:
         remove_link(temporary)
         raise
-    _sync_folder(folder)
+    sync_directory(folder)
     return True
 
 
@@ -217,20 +219,6 @@ def remove_link(path: str) -> None:
             os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _sync_folder(folder: str) -> None:
-    # A rename is durable only once the folder entry itself is flushed.
-    try:
-        handle = os.open(folder or os.curdir, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)
 
 
 def _filesystem(path: str) -> tuple[Any, str]:

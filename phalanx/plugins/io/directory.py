@@ -47,19 +47,19 @@ def write_synced(path: Path, data: bytes) -> None:
 def publish_directory(staging: Path, target: Path) -> None:
     """Mark the finished ``staging`` directory complete and put it at ``target`` (on rank 0, after every rank wrote)."""
     write_synced(staging / COMPLETE_MARKER, b"")
-    _sync_directory(staging)
+    sync_directory(staging)
     if target.is_dir() and not target.is_symlink() and exchange_paths(staging, target):
         # ``staging`` now holds the previous checkpoint.
-        _sync_directory(target.parent)
+        sync_directory(target.parent)
         _remove(staging)
     else:
         retired = None
         if target.exists() or target.is_symlink():
             retired = target.with_name(f".{target.name}.{uuid.uuid4().hex}.retired")
             os.replace(target, retired)
-            _sync_directory(target.parent)
+            sync_directory(target.parent)
         os.replace(staging, target)
-        _sync_directory(target.parent)
+        sync_directory(target.parent)
         if retired is not None:
             _remove(retired)
     for stale in retired_copies(target.parent, name=target.name):
@@ -126,10 +126,10 @@ def _remove(path: Path) -> None:
             pass
 
 
-def _sync_directory(directory: Path) -> None:
-    # The renames are durable only once the directory entry itself is flushed.
+def sync_directory(directory: str | os.PathLike) -> None:
+    """Flush ``directory``'s entries: a rename inside it is durable only then (best effort; errors are ignored)."""
     try:
-        handle = os.open(directory, os.O_RDONLY)
+        handle = os.open(os.fspath(directory) or os.curdir, os.O_RDONLY)
     except OSError:
         return
     try:

@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.skipif(not hasattr(os, "fork"), reason="the kill tests fork"),
 ]
 _KILLED = 137
-_OPERATIONS = ("write_synced", "_sync_directory", "exchange_paths", "_remove")
+_OPERATIONS = ("write_synced", "sync_directory", "exchange_paths", "_remove")
 
 
 def _checkpoint(step: int) -> dict:
