@@ -60,7 +60,15 @@ def run_job(side: str, command: list[str]) -> float:
 
 
 def raw_job(out: Path, steps: int) -> float:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    ]
     return run_job("raw", [*launcher, str(HERE / "ddp" / "raw_ddp.py"), str(out), str(steps)])
 
 
@@ -82,18 +90,28 @@ def main() -> None:
             raw_times.append(raw_job(raw_out, args.steps))
             phalanx_times.append(phalanx_job(phalanx_out, args.steps))
         raw_weights, phalanx_weights = torch.load(raw_out), torch.load(phalanx_out)
-    same = len(raw_weights) == len(phalanx_weights) and all(torch.equal(a, b) for a, b in zip(raw_weights, phalanx_weights))
+    same = len(raw_weights) == len(phalanx_weights) and all(
+        torch.equal(a, b) for a, b in zip(raw_weights, phalanx_weights)
+    )
     best_raw, best_phalanx = min(raw_times), min(phalanx_times)
     median_raw, median_phalanx = statistics.median(raw_times), statistics.median(phalanx_times)
     print(f"steps={args.steps} repeats={args.repeats} processes=2 torch={torch.__version__} threads=1 per process")
-    print(f"torchrun + raw DDP  best {best_raw:.3f} s  median {median_raw:.3f} s  all {[round(t, 3) for t in raw_times]}")
-    print(f"phalanx ddp         best {best_phalanx:.3f} s  median {median_phalanx:.3f} s  all {[round(t, 3) for t in phalanx_times]}")
+    print(
+        f"torchrun + raw DDP  best {best_raw:.3f} s  median {median_raw:.3f} s  all {[round(t, 3) for t in raw_times]}"
+    )
+    print(
+        f"phalanx ddp         best {best_phalanx:.3f} s  median {median_phalanx:.3f} s  all {[round(t, 3) for t in phalanx_times]}"
+    )
     print(f"identical final weights on rank 0: {same}")
     if not same:
         diff = max((a - b).abs().max().item() for a, b in zip(raw_weights, phalanx_weights))
         print(f"  largest absolute difference: {diff:.3e}")
-    print(f"jobs re-run after aborting at exit ({EXIT_ABORT!r}): raw {exit_aborts['raw']}, phalanx {exit_aborts['phalanx']}")
-    print(f"job-time ratio (best/best): {best_phalanx / best_raw:.3f}   (median/median: {median_phalanx / median_raw:.3f})  target <= 1.15")
+    print(
+        f"jobs re-run after aborting at exit ({EXIT_ABORT!r}): raw {exit_aborts['raw']}, phalanx {exit_aborts['phalanx']}"
+    )
+    print(
+        f"job-time ratio (best/best): {best_phalanx / best_raw:.3f}   (median/median: {median_phalanx / median_raw:.3f})  target <= 1.15"
+    )
 
 
 if __name__ == "__main__":

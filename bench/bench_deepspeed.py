@@ -45,7 +45,13 @@ def main() -> None:
     steps = parser.parse_args().steps
     environment = {**os.environ, "DS_ACCELERATOR": "cpu"}
     with tempfile.TemporaryDirectory() as directory:
-        subprocess.run([sys.executable, str(JOB), directory, str(steps)], check=True, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, str(JOB), directory, str(steps)],
+            check=True,
+            env=environment,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         ranks = [json.loads((Path(directory) / f"rank{rank}.json").read_text()) for rank in range(2)]
     parameters, world = ranks[0]["parameters"], ranks[0]["world_size"]
     print(f"model: {parameters:,} parameters ({4 * parameters / MIB:.2f} MiB float32), Adam, {world} processes")

@@ -36,7 +36,9 @@ def main() -> None:
             tally[0] += failed
             tally[1] += aborted
     for mode, (failed, aborted) in counts.items():
-        print(f"{mode:9s}: {args.jobs} jobs, {failed} failed, {aborted} aborted at exit ({100 * aborted / args.jobs:.1f}%)")
+        print(
+            f"{mode:9s}: {args.jobs} jobs, {failed} failed, {aborted} aborted at exit ({100 * aborted / args.jobs:.1f}%)"
+        )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ _TIMED = "import time; t = time.perf_counter(); {statement}; print(time.perf_cou
 
 
 def time_import(statement: str) -> float:
-    output = subprocess.run([sys.executable, "-c", _TIMED.format(statement=statement)], capture_output=True, text=True, check=True)
+    output = subprocess.run(
+        [sys.executable, "-c", _TIMED.format(statement=statement)], capture_output=True, text=True, check=True
+    )
     return float(output.stdout.strip())
 
 

@@ -18,7 +18,9 @@ JOB = Path(__file__).parent / "preemption" / "job.py"
 
 
 def us_per_step(devices: int, steps: int, mode: str) -> float:
-    output = subprocess.run([sys.executable, str(JOB), str(devices), str(steps), mode], capture_output=True, text=True, check=True).stdout
+    output = subprocess.run(
+        [sys.executable, str(JOB), str(devices), str(steps), mode], capture_output=True, text=True, check=True
+    ).stdout
     return float(re.search(r"us_per_step=([\d.]+)", output).group(1))
 
 
@@ -36,7 +38,9 @@ def main() -> None:
         print(f"{devices} process(es), {args.steps} steps, MLP 32->256->256->1, batch 64 per process:")
         for mode in modes:
             median = statistics.median(times[mode])
-            print(f"  {mode:>4}: median {median:8.1f} us/step  ratio to off {median / base:.3f}  (runs: {', '.join(f'{t:.0f}' for t in times[mode])})")
+            print(
+                f"  {mode:>4}: median {median:8.1f} us/step  ratio to off {median / base:.3f}  (runs: {', '.join(f'{t:.0f}' for t in times[mode])})"
+            )
 
 
 if __name__ == "__main__":

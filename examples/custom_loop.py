@@ -1,7 +1,7 @@
 """Your own training loop on any phalanx strategy, with phalanx.Cohort.
 
-    python examples/custom_loop.py --strategy ddp --devices 2
-    python examples/custom_loop.py --strategy fsdp --devices 2 --ckpt last.ckpt
+python examples/custom_loop.py --strategy ddp --devices 2
+python examples/custom_loop.py --strategy fsdp --devices 2 --ckpt last.ckpt
 """
 
 from __future__ import annotations
@@ -49,8 +49,12 @@ def main() -> None:
     parser.add_argument("--ckpt", default=None, help="where to save the final checkpoint")
     args = parser.parse_args()
     devices = int(args.devices) if args.devices.isdigit() else args.devices
-    cohort = phalanx.Cohort(accelerator=args.accelerator, strategy=args.strategy, devices=devices, precision=args.precision)
-    final = cohort.launch(train, args.epochs, args.ckpt)  # ddp re-runs this script per rank; ddp_spawn/fork start processes
+    cohort = phalanx.Cohort(
+        accelerator=args.accelerator, strategy=args.strategy, devices=devices, precision=args.precision
+    )
+    final = cohort.launch(
+        train, args.epochs, args.ckpt
+    )  # ddp re-runs this script per rank; ddp_spawn/fork start processes
     cohort.print(f"final loss {final:.4f}")
 
 

@@ -69,8 +69,15 @@ def main() -> None:
     trainer.test(model, DataLoader(test, batch_size=256))
     predictions = trainer.predict(model, DataLoader(test, batch_size=256))
     print("first predictions:", predictions[0][:3].flatten().tolist())
-    resumed = phalanx.Trainer(max_epochs=args.max_epochs + 2, default_root_dir=root, enable_progress_bar=False, callbacks=[ModelCheckpoint(monitor="val_loss", save_last=True, dirpath=checkpoint.dirpath)])
-    resumed.fit(Regressor(), DataLoader(train, batch_size=64, shuffle=True), DataLoader(val, batch_size=256), ckpt_path="last")
+    resumed = phalanx.Trainer(
+        max_epochs=args.max_epochs + 2,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        callbacks=[ModelCheckpoint(monitor="val_loss", save_last=True, dirpath=checkpoint.dirpath)],
+    )
+    resumed.fit(
+        Regressor(), DataLoader(train, batch_size=64, shuffle=True), DataLoader(val, batch_size=256), ckpt_path="last"
+    )
     print(f"resumed from last.ckpt and trained to epoch {resumed.current_epoch}")
 
 

@@ -125,7 +125,9 @@ def _run_demo_command(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- checkpoint
 def _add_checkpoint_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("checkpoint", help="work with checkpoints", description="Work with phalanx checkpoints.")
+    parser = subparsers.add_parser(
+        "checkpoint", help="work with checkpoints", description="Work with phalanx checkpoints."
+    )
     commands = parser.add_subparsers(dest="checkpoint_command", metavar="<checkpoint command>")
     consolidate = commands.add_parser(
         "consolidate",
@@ -140,7 +142,11 @@ def _add_checkpoint_parser(subparsers: Any) -> None:
     consolidate.add_argument("output", help="the checkpoint file to write (e.g. model.ckpt); it must not exist yet")
     consolidate.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it is an existing file")
     consolidate.set_defaults(func=_run_consolidate_command)
-    parser.set_defaults(func=lambda args: _error("phalanx checkpoint", "choose a checkpoint command: consolidate (see phalanx checkpoint --help)"))
+    parser.set_defaults(
+        func=lambda args: _error(
+            "phalanx checkpoint", "choose a checkpoint command: consolidate (see phalanx checkpoint --help)"
+        )
+    )
 
 
 def _consolidate_output_problem(directory: Any, output: Any, overwrite: bool) -> str | None:
@@ -168,7 +174,10 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
     name = "phalanx checkpoint consolidate"
     directory, output = Path(args.directory), Path(args.output)
     if not directory.exists():
-        return _error(name, f"{directory} is not a directory: nothing exists at that path (expected a sharded checkpoint directory)")
+        return _error(
+            name,
+            f"{directory} is not a directory: nothing exists at that path (expected a sharded checkpoint directory)",
+        )
     if not directory.is_dir():
         hint = " It is a file; a single-file checkpoint needs no consolidation." if directory.is_file() else ""
         return _error(name, f"{directory} is not a directory (a sharded checkpoint is a directory).{hint}")
@@ -186,7 +195,10 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
             consolidate(directory)  # reads nothing here: it only says which files a known layout misses
         except CheckpointError as err:
             return _error(name, str(err))
-        return _error(name, f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a DeepSpeed one")
+        return _error(
+            name,
+            f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a DeepSpeed one",
+        )
     problem = _consolidate_output_problem(directory, output, args.overwrite)
     if problem is not None:
         return _error(name, problem)
@@ -196,7 +208,9 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
     except CheckpointError as err:
         return _error(name, str(err))
     except OSError as err:
-        return _error(name, f"cannot read {directory}: {err.strerror or err} ({getattr(err, 'filename', None) or directory})")
+        return _error(
+            name, f"cannot read {directory}: {err.strerror or err} ({getattr(err, 'filename', None) or directory})"
+        )
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # noqa: BLE001 - a damaged directory fails in many ways inside torch's readers

@@ -100,7 +100,14 @@ class DataModule:
             if datasets is None:
                 continue
             # Training data is shuffled, as Lightning does; evaluation and prediction keep the dataset's order.
-            build = partial(_loaders_of, datasets, f"{stage}_dataset", shuffle=stage == "train", batch_size=batch_size, num_workers=num_workers)
+            build = partial(
+                _loaders_of,
+                datasets,
+                f"{stage}_dataset",
+                shuffle=stage == "train",
+                batch_size=batch_size,
+                num_workers=num_workers,
+            )
             setattr(datamodule, f"{stage}_dataloader", build)
         return datamodule
 
@@ -110,9 +117,16 @@ def _loaders_of(datasets: Any, argument: str, *, shuffle: bool, batch_size: int,
 
     def loader(dataset: Any) -> DataLoader:
         if not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
-            raise TypeError(f"{argument} must hold torch Datasets (or objects with __getitem__ and __len__), got {type(dataset).__name__}.")
+            raise TypeError(
+                f"{argument} must hold torch Datasets (or objects with __getitem__ and __len__), got {type(dataset).__name__}."
+            )
         # An IterableDataset has no indices to shuffle.
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and not isinstance(dataset, IterableDataset), num_workers=num_workers)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle and not isinstance(dataset, IterableDataset),
+            num_workers=num_workers,
+        )
 
     if isinstance(datasets, Mapping):
         return {key: loader(dataset) for key, dataset in datasets.items()}

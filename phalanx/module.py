@@ -69,9 +69,13 @@ class TrainingModule(nn.Module):
         """Return callbacks to add to the Trainer's (a callback of the same type replaces the Trainer's)."""
         return []
 
-    def configure_gradient_clipping(self, optimizer: Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
         """Clip gradients before the optimizer step (by default with the Trainer's settings)."""
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        self.clip_gradients(
+            optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+        )
 
     def lr_scheduler_step(self, scheduler: Any, metric: Any | None) -> None:
         """Step ``scheduler`` (with the monitored ``metric`` for ReduceLROnPlateau-like schedulers)."""
@@ -185,7 +189,9 @@ class TrainingModule(nn.Module):
     def on_before_zero_grad(self, optimizer: Optimizer) -> None:
         """Called after the optimizer step, before gradients are cleared."""
 
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable[[], Any] | None = None) -> None:
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Callable[[], Any] | None = None
+    ) -> None:
         """Step ``optimizer`` (runs ``optimizer_closure``: training_step and backward); override e.g. for LR warm-up."""
         optimizer.step(closure=optimizer_closure)
 
@@ -249,7 +255,9 @@ class TrainingModule(nn.Module):
     def trainer(self) -> Trainer:
         """The Trainer running this module."""
         if self._trainer is None:
-            raise RuntimeError(f"{type(self).__name__} is not attached to a Trainer: call trainer.fit/validate/test/predict first.")
+            raise RuntimeError(
+                f"{type(self).__name__} is not attached to a Trainer: call trainer.fit/validate/test/predict first."
+            )
         return self._trainer
 
     @trainer.setter
@@ -368,7 +376,9 @@ class TrainingModule(nn.Module):
         """Hyper-parameters recorded by ``save_hyperparameters`` (attribute access: ``self.hparams.lr``)."""
         return self._hparams
 
-    def save_hyperparameters(self, *args: Any, ignore: Sequence[str] | str | None = None, frame: FrameType | None = None, logger: bool = True) -> None:
+    def save_hyperparameters(
+        self, *args: Any, ignore: Sequence[str] | str | None = None, frame: FrameType | None = None, logger: bool = True
+    ) -> None:
         """Record the ``__init__`` arguments (or the names / dict given) as hyper-parameters, saved in checkpoints."""
         if frame is None:
             current = inspect.currentframe()
@@ -381,7 +391,9 @@ class TrainingModule(nn.Module):
             if args:
                 unknown = [name for name in args if name not in init_args]
                 if unknown:
-                    raise ValueError(f"save_hyperparameters got {unknown}, which are not arguments of __init__: {sorted(init_args)}.")
+                    raise ValueError(
+                        f"save_hyperparameters got {unknown}, which are not arguments of __init__: {sorted(init_args)}."
+                    )
                 values = {name: init_args[name] for name in args}
             else:
                 values = init_args
@@ -453,7 +465,12 @@ class TrainingModule(nn.Module):
             parameter.requires_grad = True
         self.train()
 
-    def clip_gradients(self, optimizer: Optimizer, gradient_clip_val: float | int | None = None, gradient_clip_algorithm: str | None = None) -> None:
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        gradient_clip_val: float | int | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         """Clip the gradients of ``optimizer``'s parameters by norm (default) or by value."""
         if gradient_clip_val is None or gradient_clip_val == 0:
             return
@@ -473,7 +490,9 @@ class TrainingModule(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: Any, map_location: Any | None = None, strict: bool = True, **overrides: Any) -> TrainingModule:
+    def load_from_checkpoint(
+        cls, checkpoint_path: Any, map_location: Any | None = None, strict: bool = True, **overrides: Any
+    ) -> TrainingModule:
         """Build the module from the hyper-parameters saved in a checkpoint (``overrides`` win) and load its weights."""
         from phalanx.plugins.io.torch_io import TorchCheckpointIO
         from phalanx.trainer.checkpoint_checks import check_checkpoint, check_weights, check_weights_fit

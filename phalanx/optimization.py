@@ -45,7 +45,9 @@ def _scheduler_config(value: Any, monitor: str | None) -> LRSchedulerConfig:
     if isinstance(value, Mapping):
         unknown = set(value) - _SCHEDULER_KEYS
         if unknown:
-            raise ValueError(f"Unknown key(s) {sorted(unknown)} in an lr_scheduler dict; valid keys: {sorted(_SCHEDULER_KEYS)}.")
+            raise ValueError(
+                f"Unknown key(s) {sorted(unknown)} in an lr_scheduler dict; valid keys: {sorted(_SCHEDULER_KEYS)}."
+            )
         if "scheduler" not in value:
             raise ValueError("An lr_scheduler dict needs a 'scheduler' key holding the scheduler.")
         config = LRSchedulerConfig(
@@ -59,7 +61,9 @@ def _scheduler_config(value: Any, monitor: str | None) -> LRSchedulerConfig:
     else:
         config = LRSchedulerConfig(scheduler=value, monitor=monitor)
     if not (hasattr(config.scheduler, "step") and hasattr(config.scheduler, "state_dict")):
-        raise TypeError(f"configure_optimizers returned {type(config.scheduler).__name__} as a scheduler; a scheduler needs step() and state_dict().")
+        raise TypeError(
+            f"configure_optimizers returned {type(config.scheduler).__name__} as a scheduler; a scheduler needs step() and state_dict()."
+        )
     if config.interval not in ("step", "epoch"):
         raise ValueError(f"lr_scheduler interval={config.interval!r} is not valid; choose 'step' or 'epoch'.")
     if isinstance(config.frequency, bool) or not isinstance(config.frequency, int) or config.frequency < 1:
@@ -88,7 +92,9 @@ def parse_optimizers(returned: Any) -> tuple[list[Optimizer], list[LRSchedulerCo
             optimizers, schedulers = list(items[0]), list(items[1])
             if optimizers and all(_is_optimizer(o) for o in optimizers):
                 return optimizers, [_scheduler_config(s, None) for s in schedulers]
-    raise TypeError(f"configure_optimizers returned {_describe(returned)}, which phalanx cannot use. Return {_VALID_FORMS}.")
+    raise TypeError(
+        f"configure_optimizers returned {_describe(returned)}, which phalanx cannot use. Return {_VALID_FORMS}."
+    )
 
 
 def _parse_dicts(dicts: list[Mapping[str, Any]]) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
@@ -97,10 +103,14 @@ def _parse_dicts(dicts: list[Mapping[str, Any]]) -> tuple[list[Optimizer], list[
     for entry in dicts:
         unknown = set(entry) - {"optimizer", "lr_scheduler", "monitor"}
         if unknown:
-            raise ValueError(f"Unknown key(s) {sorted(unknown)} in the dict from configure_optimizers; valid keys: 'optimizer', 'lr_scheduler', 'monitor'.")
+            raise ValueError(
+                f"Unknown key(s) {sorted(unknown)} in the dict from configure_optimizers; valid keys: 'optimizer', 'lr_scheduler', 'monitor'."
+            )
         optimizer = entry.get("optimizer")
         if not _is_optimizer(optimizer):
-            raise TypeError(f"The dict from configure_optimizers must hold a torch optimizer under 'optimizer', got {_describe(optimizer)}.")
+            raise TypeError(
+                f"The dict from configure_optimizers must hold a torch optimizer under 'optimizer', got {_describe(optimizer)}."
+            )
         optimizers.append(optimizer)
         if entry.get("lr_scheduler") is not None:
             configs.append(_scheduler_config(entry["lr_scheduler"], entry.get("monitor")))
@@ -121,5 +131,7 @@ def init_optimizers_and_schedulers(module: TrainingModule) -> tuple[list[Optimiz
     for config in configs:
         scheduled = getattr(config.scheduler, "optimizer", None)
         if scheduled is not None and not any(scheduled is optimizer for optimizer in optimizers):
-            raise ValueError(f"The scheduler {type(config.scheduler).__name__} drives an optimizer that configure_optimizers did not return.")
+            raise ValueError(
+                f"The scheduler {type(config.scheduler).__name__} drives an optimizer that configure_optimizers did not return."
+            )
     return optimizers, configs

@@ -58,7 +58,9 @@ def payloads(marker: Path, legacy: bool = False) -> dict[str, tuple[bytes, str]]
     def via_getattr(obtain_os: bytes) -> bytes:
         # getattr(<os module>, 'system')(command): the os module is obtained first (the global a reader must refuse),
         # kept in the memo, then fetched as getattr's argument.
-        return obtain_os + b"r" + slot + b"0" + call(call(g("builtins", "getattr"), b"j" + slot, s("system")), s(command))
+        return (
+            obtain_os + b"r" + slot + b"0" + call(call(g("builtins", "getattr"), b"j" + slot, s("system")), s(command))
+        )
 
     def strings(*values: str) -> bytes:
         return b"](" + b"".join(s(v) for v in values) + b"e"
@@ -67,37 +69,83 @@ def payloads(marker: Path, legacy: bool = False) -> dict[str, tuple[bytes, str]]
     return {
         "dotted os.system through DCP's metadata module": (call(g(DCP, "os.system"), s(command)), f"{DCP}.os.system"),
         "dotted os.system through pathlib": (call(g("pathlib", "os.system"), s(command)), "pathlib.os.system"),
-        "dotted os.system through DCP's filesystem module": (call(g("torch.distributed.checkpoint.filesystem", "os.system"), s(command)), "filesystem.os.system"),
+        "dotted os.system through DCP's filesystem module": (
+            call(g("torch.distributed.checkpoint.filesystem", "os.system"), s(command)),
+            "filesystem.os.system",
+        ),
         "dotted os.system through torch": (call(g("torch", "os.system"), s(command)), "torch.os.system"),
-        "module globals of a DCP dataclass": (via_getattr(call(g(DCP, "Metadata.__init__.__globals__.get"), s("os"))), "Metadata.__init__.__globals__.get"),
-        "collections' sys.modules": (via_getattr(call(g("collections", "_sys.modules.get"), s("os"))), "collections._sys.modules.get"),
+        "module globals of a DCP dataclass": (
+            via_getattr(call(g(DCP, "Metadata.__init__.__globals__.get"), s("os"))),
+            "Metadata.__init__.__globals__.get",
+        ),
+        "collections' sys.modules": (
+            via_getattr(call(g("collections", "_sys.modules.get"), s("os"))),
+            "collections._sys.modules.get",
+        ),
         "builtins.eval": (call(g("builtins", "eval"), s(f"open({path!r}, 'w').close()")), "builtins.eval"),
         "builtins.exec": (call(g("builtins", "exec"), s(f"open({path!r}, 'w').close()")), "builtins.exec"),
         "builtins.open": (call(g("builtins", "open"), s(path), s("w")), "builtins.open"),
-        "builtins.getattr on an allowed PosixPath": (call(call(g("builtins", "getattr"), call(g("pathlib", "PosixPath"), s(path)), s("touch")), b""), "builtins.getattr"),
+        "builtins.getattr on an allowed PosixPath": (
+            call(call(g("builtins", "getattr"), call(g("pathlib", "PosixPath"), s(path)), s("touch")), b""),
+            "builtins.getattr",
+        ),
         "posix.system": (call(g("posix", "system"), s(command)), "posix.system"),
         "os.system by the GLOBAL opcode": (call(old_global("os", "system"), s(command)), "os.system"),
         "subprocess.Popen": (call(g("subprocess", "Popen"), strings("touch", path)), "subprocess.Popen"),
         "a torch name that is not a dtype": (call(g("torch", "save"), b"}", s(path)), "torch.save"),
-        "a dtype-like dotted torch name": (g("torch", "float32.__reduce_ex__") + b"0" + os_system, "torch.float32.__reduce_ex__"),
-        "torch.serialization internals": (call(g("torch.serialization", "save"), b"}", s(path)), "torch.serialization.save"),
-        "globals of an allowed torch.serialization helper": (via_getattr(call(g("torch.serialization", "_get_layout.__globals__.get"), s("os"))), "_get_layout.__globals__.get"),
+        "a dtype-like dotted torch name": (
+            g("torch", "float32.__reduce_ex__") + b"0" + os_system,
+            "torch.float32.__reduce_ex__",
+        ),
+        "torch.serialization internals": (
+            call(g("torch.serialization", "save"), b"}", s(path)),
+            "torch.serialization.save",
+        ),
+        "globals of an allowed torch.serialization helper": (
+            via_getattr(call(g("torch.serialization", "_get_layout.__globals__.get"), s("os"))),
+            "_get_layout.__globals__.get",
+        ),
         "INST opcode": (b"(" + s(command) + b"ios\nsystem\n", "os.system"),
         "OBJ opcode": (b"(" + stack_global("os", "system") + s(command) + b"o", "os.system"),
         "NEWOBJ of an allowed class, BUILD installing __setstate__": (
-            g(DCP, "StorageMeta") + b")\x81" + b"N}" + s("__setstate__") + g("os", "system") + b"s\x86b" + s(command) + b"b",
+            g(DCP, "StorageMeta")
+            + b")\x81"
+            + b"N}"
+            + s("__setstate__")
+            + g("os", "system")
+            + b"s\x86b"
+            + s(command)
+            + b"b",
             f"{DCP}.StorageMeta" if legacy else "os.system",  # torch's reader allows neither; DCP's allows the class
         ),
         "STACK_GLOBAL with names from the memo": (
-            s("os") + b"r" + struct.pack("<I", 90001) + b"0" + s("system") + b"r" + struct.pack("<I", 90002) + b"0"
-            + b"j" + struct.pack("<I", 90001) + b"j" + struct.pack("<I", 90002) + b"\x93(" + s(command) + b"tR",
+            s("os")
+            + b"r"
+            + struct.pack("<I", 90001)
+            + b"0"
+            + s("system")
+            + b"r"
+            + struct.pack("<I", 90002)
+            + b"0"
+            + b"j"
+            + struct.pack("<I", 90001)
+            + b"j"
+            + struct.pack("<I", 90002)
+            + b"\x93("
+            + s(command)
+            + b"tR",
             "os.system",
         ),
         "STACK_GLOBAL with computed names": (
-            call(call(g("builtins", "str.join"), s(""), strings("o", "s")) + call(g("builtins", "str.join"), s(""), strings("sys", "tem")) + b"\x93", s(command)),
+            call(
+                call(g("builtins", "str.join"), s(""), strings("o", "s"))
+                + call(g("builtins", "str.join"), s(""), strings("sys", "tem"))
+                + b"\x93",
+                s(command),
+            ),
             "builtins.str.join",
         ),
-    }  # fmt: skip
+    }
 
 
 # ---------------------------------------------------------------------------- splicing into valid pickles
@@ -141,7 +189,9 @@ def torch_file(pickled: bytes) -> bytes:
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
         for info in source.infolist():
-            archive.writestr(info.filename, pickled if info.filename.endswith("data.pkl") else source.read(info.filename))
+            archive.writestr(
+                info.filename, pickled if info.filename.endswith("data.pkl") else source.read(info.filename)
+            )
     return out.getvalue()
 
 
@@ -165,7 +215,9 @@ class OpenedFiles:
 
 def _record_open(event: str, args: tuple) -> None:
     if event == "open" and OpenedFiles.active is not None and isinstance(args[0], (str, bytes, Path)):
-        OpenedFiles.active.append(str(Path(args[0] if not isinstance(args[0], bytes) else args[0].decode(errors="replace")).resolve()))
+        OpenedFiles.active.append(
+            str(Path(args[0] if not isinstance(args[0], bytes) else args[0].decode(errors="replace")).resolve())
+        )
 
 
 # ---------------------------------------------------------------------------- damage
@@ -179,7 +231,11 @@ def damage(path: Path, kind: str) -> None:
     elif kind == "half":
         path.write_bytes(data[: len(data) // 2])
     elif kind == "random bytes":
-        path.write_bytes(torch.randint(0, 256, (len(data),), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy().tobytes())
+        path.write_bytes(
+            torch.randint(0, 256, (len(data),), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+            .numpy()
+            .tobytes()
+        )
     elif kind == "wrong magic":
         path.write_bytes(bytes([data[0] ^ 0xFF, data[1] ^ 0xFF]) + data[2:])
     else:

@@ -22,7 +22,16 @@ def free_port() -> int:
 def clean_environment(**extra: str) -> dict[str, str]:
     """This process's environment without launcher or cluster variables (tests set the ones they mean)."""
     prefixes = ("SLURM_", "LSB_", "JSM_", "OMPI_", "PMI_", "TORCHELASTIC_", "PHALANX_")
-    names = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}
+    names = {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "GROUP_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LOCAL_WORLD_SIZE",
+    }
     environment = {k: v for k, v in os.environ.items() if k not in names and not k.startswith(prefixes)}
     environment["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), environment.get("PYTHONPATH", "")])
     environment["PYTHONUNBUFFERED"] = "1"
@@ -40,16 +49,28 @@ class Job:
     seconds: float
 
 
-def run(command: list[str], *, env: dict[str, str] | None = None, timeout: float = 180, cwd: str | Path | None = None) -> Job:
+def run(
+    command: list[str], *, env: dict[str, str] | None = None, timeout: float = 180, cwd: str | Path | None = None
+) -> Job:
     """Run ``command`` to completion (killing its whole process group on timeout)."""
     start = time.monotonic()
-    proc = subprocess.Popen(command, env=env or clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        env=env or clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"job timed out after {timeout} s: {command}\n--- stdout\n{stdout}\n--- stderr\n{stderr}") from None
+        raise AssertionError(
+            f"job timed out after {timeout} s: {command}\n--- stdout\n{stdout}\n--- stderr\n{stderr}"
+        ) from None
     return Job(proc.returncode, stdout, stderr, time.monotonic() - start)
 
 
@@ -74,4 +95,6 @@ def processes_with_marker(marker: str) -> list[str]:
 
 
 def assert_ok(job: Job) -> None:
-    assert job.returncode == 0, f"job failed with {job.returncode}\n--- stdout\n{job.stdout[-4000:]}\n--- stderr\n{job.stderr[-6000:]}"
+    assert job.returncode == 0, (
+        f"job failed with {job.returncode}\n--- stdout\n{job.stdout[-4000:]}\n--- stderr\n{job.stderr[-6000:]}"
+    )

@@ -18,9 +18,13 @@ def regression_data(n: int = 64, features: int = 4, seed: int = 0) -> TensorData
     return TensorDataset(x, y)
 
 
-def loaders(n: int = 64, batch_size: int = 8, shuffle: bool = True, num_workers: int = 0) -> tuple[DataLoader, DataLoader]:
+def loaders(
+    n: int = 64, batch_size: int = 8, shuffle: bool = True, num_workers: int = 0
+) -> tuple[DataLoader, DataLoader]:
     data = regression_data(n)
-    return DataLoader(data, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers), DataLoader(data, batch_size=16)
+    return DataLoader(data, batch_size=batch_size, shuffle=shuffle, num_workers=num_workers), DataLoader(
+        data, batch_size=16
+    )
 
 
 class Regressor(phalanx.TrainingModule):
@@ -57,7 +61,13 @@ class Regressor(phalanx.TrainingModule):
 
 def quiet_trainer(**kwargs: Any) -> phalanx.Trainer:
     """A CPU Trainer without progress bar, summary, logger or checkpointing unless asked."""
-    options = dict(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    options = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     options.update(kwargs)
     return phalanx.Trainer(**options)
 

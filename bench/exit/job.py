@@ -54,8 +54,18 @@ if __name__ == "__main__":
         process_group_exit.WORKER_DRAIN_SECONDS = 0.0
     phalanx.seed_everything(5)
     module = Regressor()
-    trainer = phalanx.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=4, logger=False,
-                              enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = phalanx.Trainer(
+        strategy="ddp",
+        devices=2,
+        accelerator="cpu",
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(module, DataLoader(Indexed(), batch_size=4, shuffle=True))
     weights = [p.detach().flatten().tolist() for p in module.parameters()]
-    print(f"rank {trainer.global_rank}: step {trainer.global_step}, {len(module.seen)} samples, {sum(map(len, weights))} weights")
+    print(
+        f"rank {trainer.global_rank}: step {trainer.global_step}, {len(module.seen)} samples, {sum(map(len, weights))} weights"
+    )

@@ -46,7 +46,9 @@ class Probe(phalanx.Callback):
         self.figures["parameters"] = max(self.figures.get("parameters", 0.0), self.figures["shards"] + gathered)
 
     def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
-        self.figures["gradients"] = float(sum(p.grad.to_local().nbytes for p in module.parameters() if p.grad is not None))
+        self.figures["gradients"] = float(
+            sum(p.grad.to_local().nbytes for p in module.parameters() if p.grad is not None)
+        )
         states = [v for entries in optimizer.state.values() for v in entries.values() if is_dtensor(v)]
         self.figures["optimizer"] = float(sum(v.to_local().nbytes for v in states))
 
@@ -57,8 +59,17 @@ if __name__ == "__main__":
     for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         phalanx.seed_everything(0)
         probe = Probe()
-        trainer = phalanx.Trainer(strategy=FSDPStrategy(sharding_strategy=sharding, auto_wrap_policy={nn.Linear}), accelerator="cpu", devices=2,
-                                  max_steps=3, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[probe])
+        trainer = phalanx.Trainer(
+            strategy=FSDPStrategy(sharding_strategy=sharding, auto_wrap_policy={nn.Linear}),
+            accelerator="cpu",
+            devices=2,
+            max_steps=3,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            callbacks=[probe],
+        )
         trainer.fit(Model(), data)
         figures[sharding] = trainer.strategy.all_gather_object(probe.figures)
     if trainer.is_global_zero:

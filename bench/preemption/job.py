@@ -47,7 +47,15 @@ if __name__ == "__main__":
     n = devices * 64 * steps
     dataset = TensorDataset(torch.randn(n, 32), torch.randn(n, 1))
     trainer = phalanx.Trainer(
-        strategy="ddp" if devices > 1 else "auto", devices=devices, accelerator="cpu", max_steps=steps, preemption=preemption,
-        callbacks=[LoopTimer()], logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        strategy="ddp" if devices > 1 else "auto",
+        devices=devices,
+        accelerator="cpu",
+        max_steps=steps,
+        preemption=preemption,
+        callbacks=[LoopTimer()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Regressor(), DataLoader(dataset, batch_size=64, shuffle=True))

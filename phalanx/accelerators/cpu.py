@@ -15,7 +15,9 @@ def _parse_count(devices: Any, kind: str) -> int:
         if text.lstrip("-").isdigit():
             devices = int(text)
         else:
-            raise ValueError(f"devices={devices!r} is not valid for the {kind} accelerator: pass a positive int or 'auto'.")
+            raise ValueError(
+                f"devices={devices!r} is not valid for the {kind} accelerator: pass a positive int or 'auto'."
+            )
     if isinstance(devices, bool) or not isinstance(devices, int):
         raise ValueError(
             f"devices={devices!r} is not valid for the {kind} accelerator: pass a positive int (number of processes)"

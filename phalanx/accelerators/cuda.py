@@ -92,4 +92,3 @@ class CUDAAccelerator(Accelerator):
     def register_accelerators(cls, registry: Any) -> None:
         """Register as "cuda" ("gpu" is resolved to cuda or mps by the Trainer)."""
         registry.register("cuda", cls, description="NVIDIA GPUs through CUDA.")
-

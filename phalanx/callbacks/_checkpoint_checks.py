@@ -43,7 +43,9 @@ def fill_template(template: str, metrics: dict[str, Any], equals: str | None) ->
         try:
             text = format_field(conversion, spec, value)
         except (ValueError, TypeError) as error:
-            raise ValueError(f"ModelCheckpoint(filename={template!r}) cannot format {key}={value!r} with {match.group(0)!r}: {error}.") from None
+            raise ValueError(
+                f"ModelCheckpoint(filename={template!r}) cannot format {key}={value!r} with {match.group(0)!r}: {error}."
+            ) from None
         return f"{key}{equals}{text}" if equals is not None else text
 
     name = TEMPLATE_FIELD.sub(fill, template)
@@ -59,7 +61,9 @@ def check_template(template: str, argument: str = "filename") -> None:
     """Raise ValueError when ``template`` cannot name a checkpoint file directly inside ``dirpath``."""
     where = f"ModelCheckpoint({argument}={template!r})"
     if not template:
-        raise ValueError(f"{where}: the name template is empty; leave `{argument}` as None for the default '{{epoch}}-{{step}}'.")
+        raise ValueError(
+            f"{where}: the name template is empty; leave `{argument}` as None for the default '{{epoch}}-{{step}}'."
+        )
     if "\0" in template:
         raise ValueError(f"{where}: the name template holds a NUL character, which no file name may contain.")
     position = 0
@@ -76,7 +80,9 @@ def check_template(template: str, argument: str = "filename") -> None:
             " resumes from them); start the template with another character."
         )
     if len(f"{name}-v99{FILE_EXTENSION}".encode()) > _MAX_NAME_BYTES:
-        raise ValueError(f"{where}: a name made from it (e.g. {name!r}) is longer than the {_MAX_NAME_BYTES} bytes file systems accept.")
+        raise ValueError(
+            f"{where}: a name made from it (e.g. {name!r}) is longer than the {_MAX_NAME_BYTES} bytes file systems accept."
+        )
 
 
 def _checked_literal(text: str, where: str) -> str:
@@ -97,7 +103,9 @@ def _checked_literal(text: str, where: str) -> str:
 def _checked_field(match: re.Match, where: str) -> str:
     key, conversion, spec = match.group(1), match.group(2), match.group(3) or ""
     if key != key.strip():
-        raise ValueError(f"{where}: the field {match.group(0)!r} has spaces around its name {key!r}; write '{{{key.strip()}}}'.")
+        raise ValueError(
+            f"{where}: the field {match.group(0)!r} has spaces around its name {key!r}; write '{{{key.strip()}}}'."
+        )
     if conversion is not None and conversion not in _CONVERSIONS:
         raise ValueError(f"{where}: the conversion '!{conversion}' in {match.group(0)!r} is not one of !r, !s, !a.")
     # Metrics are numbers: a spec is valid when it formats an int or a float (epoch and step are ints).
@@ -120,7 +128,9 @@ def check_arguments(
     if mode not in ("min", "max"):
         raise ValueError(f"`mode` must be 'min' or 'max', got {mode!r}.")
     if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
-        raise ValueError(f"`save_top_k` must be an int >= -1 (-1: keep all, 0: keep none, k: keep the best k), got {save_top_k!r}.")
+        raise ValueError(
+            f"`save_top_k` must be an int >= -1 (-1: keep all, 0: keep none, k: keep the best k), got {save_top_k!r}."
+        )
     if monitor is not None and not isinstance(monitor, str):
         raise TypeError(f"`monitor` must be a metric name (a str) or None, got {type(monitor).__name__}.")
     if monitor == "":
@@ -186,7 +196,9 @@ def check_flags(**flags: Any) -> None:
         if name == "save_last":
             if value is None or isinstance(value, bool) or (isinstance(value, str) and value == "link"):
                 continue
-            raise TypeError(f"`save_last` must be True, False, None or 'link' (last.ckpt as a symbolic link to the newest checkpoint), got {value!r}.")
+            raise TypeError(
+                f"`save_last` must be True, False, None or 'link' (last.ckpt as a symbolic link to the newest checkpoint), got {value!r}."
+            )
         allow_none = name == "save_on_train_epoch_end"
         if not isinstance(value, bool) and not (allow_none and value is None):
             allowed = "True, False or None" if allow_none else "True or False"
@@ -204,7 +216,11 @@ def check_time_interval(train_time_interval: Any, every_n_train_steps: Any, ever
         )
     if train_time_interval < timedelta(0):
         raise ValueError(f"`train_time_interval` must not be negative, got {train_time_interval!r}.")
-    others = [f"{name}={value!r}" for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)) if value]
+    others = [
+        f"{name}={value!r}"
+        for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs))
+        if value
+    ]
     if others:
         raise ValueError(
             f"`train_time_interval={train_time_interval!r}` and `{others[0]}` are mutually exclusive: set only one"
@@ -220,7 +236,9 @@ def check_dirpath(dirpath: Any) -> None:
         raise TypeError(f"`dirpath` must be a str, an os.PathLike or None, got {type(dirpath).__name__}.")
     path = os.fspath(dirpath)
     if not path or "\0" in path:
-        raise ValueError(f"`dirpath` must name a folder, got {path!r}; leave it None for the default (log_dir/checkpoints).")
+        raise ValueError(
+            f"`dirpath` must name a folder, got {path!r}; leave it None for the default (log_dir/checkpoints)."
+        )
     if not is_url(path) and os.path.lexists(path) and not os.path.isdir(path):
         raise ValueError(f"`dirpath` {path!r} exists and is not a folder; checkpoints are written into a folder.")
 
@@ -244,14 +262,18 @@ def restored_entries(state: dict[str, Any], dirpath: str) -> tuple[dict[str, Ten
 
     best_k = state.get("best_k_models") or {}
     if not isinstance(best_k, dict):
-        raise CheckpointError(f"The ModelCheckpoint state's best_k_models is a {type(best_k).__name__}, not a dict of path: score.")
+        raise CheckpointError(
+            f"The ModelCheckpoint state's best_k_models is a {type(best_k).__name__}, not a dict of path: score."
+        )
     kept: dict[str, Tensor] = {}
     for path, score in best_k.items():
         checked = restored_score(score, f"best_k_models[{path!r}]")
         target = inside("best_k_models", path)
         if target and checked is not None:
             kept[target] = checked
-    entries = {name: inside(name, state.get(name)) for name in ("best_model_path", "last_model_path", "kth_best_model_path")}
+    entries = {
+        name: inside(name, state.get(name)) for name in ("best_model_path", "last_model_path", "kth_best_model_path")
+    }
     for name in ("best_model_score", "current_score", "kth_value"):
         entries[name] = restored_score(state.get(name), name)
     return kept, entries, dropped

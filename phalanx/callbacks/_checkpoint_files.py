@@ -146,7 +146,10 @@ def _claim_url(path: str) -> bool:
             pass
     except FileExistsError:
         return False
-    except (ValueError, NotImplementedError):  # no exclusive mode on this file system: the best left is check-then-create
+    except (
+        ValueError,
+        NotImplementedError,
+    ):  # no exclusive mode on this file system: the best left is check-then-create
         if fs.exists(fs_path):
             return False
         fs.touch(fs_path)

@@ -71,7 +71,9 @@ class CheckpointSaves:
         try:
             self._save_exception_checkpoint(trainer, exception)
         except Exception as error:  # the original exception is the one to report: never replace it with this one
-            rank_zero_warn(f"ModelCheckpoint(save_on_exception=True) could not save after {type(exception).__name__}: {type(error).__name__}: {error}")
+            rank_zero_warn(
+                f"ModelCheckpoint(save_on_exception=True) could not save after {type(exception).__name__}: {type(error).__name__}: {error}"
+            )
 
     def _should_save_on_exception(self, trainer: Trainer) -> bool:
         return (
@@ -100,11 +102,18 @@ class CheckpointSaves:
     def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
         if not self.save_last:
             return
-        filepath = self._filepath_for(candidates, trainer, reusable=self.last_model_path, template=self.CHECKPOINT_NAME_LAST)
+        filepath = self._filepath_for(
+            candidates, trainer, reusable=self.last_model_path, template=self.CHECKPOINT_NAME_LAST
+        )
         previous, self.last_model_path = self.last_model_path, filepath
         if not (self._links_last(trainer) and self._link(trainer, self._last_checkpoint_saved, filepath)):
             self._save_checkpoint(trainer, filepath)
-        if previous and previous != filepath and previous not in self.best_k_models and previous != self.best_model_path:
+        if (
+            previous
+            and previous != filepath
+            and previous not in self.best_k_models
+            and previous != self.best_model_path
+        ):
             self._remove_checkpoint(trainer, previous)
 
     def _links_last(self, trainer: Trainer) -> bool:
@@ -132,25 +141,38 @@ class CheckpointSaves:
         outcome = trainer.strategy.broadcast(outcome)
         if outcome == "unsupported":  # the name stays claimed: the regular save that follows replaces the placeholder
             self._links_unsupported = True
-            rank_zero_warn(f"ModelCheckpoint(save_last='link'): this file system cannot make symbolic links; writing {filepath} as a regular checkpoint instead.")
+            rank_zero_warn(
+                f"ModelCheckpoint(save_last='link'): this file system cannot make symbolic links; writing {filepath} as a regular checkpoint instead."
+            )
             return False
         if outcome != "linked":
             if filepath in self._claimed:
                 release(filepath)
                 self._claimed.discard(filepath)
-            raise CheckpointError(f"ModelCheckpoint(save_last='link') could not point {filepath} at {target}: {outcome}")
+            raise CheckpointError(
+                f"ModelCheckpoint(save_last='link') could not point {filepath} at {target}: {outcome}"
+            )
         self._claimed.discard(filepath)
         self._written.add(filepath)
         self._links.add(filepath)
         return True
 
     # ------------------------------------------------------------------ names, writes, removals
-    def _filepath_for(self, candidates: dict[str, Any], trainer: Trainer, reusable: str | None, template: str | None = None, force_version: bool = False) -> str:
+    def _filepath_for(
+        self,
+        candidates: dict[str, Any],
+        trainer: Trainer,
+        reusable: str | None,
+        template: str | None = None,
+        force_version: bool = False,
+    ) -> str:
         """The path for this save: rank 0 decides (claiming a new name exclusively) and every rank gets its answer."""
         filepath = self._claim_name(candidates, reusable, template, force_version) if trainer.is_global_zero else None
         return trainer.strategy.broadcast(filepath)
 
-    def _claim_name(self, candidates: dict[str, Any], reusable: str | None, template: str | None, force_version: bool = False) -> str:
+    def _claim_name(
+        self, candidates: dict[str, Any], reusable: str | None, template: str | None, force_version: bool = False
+    ) -> str:
         """``reusable`` if that is the name, else the first of NAME, NAME-v1, NAME-v2... that is free (rank 0 only).
 
         ``force_version``: version even when ``enable_version_counter`` is False.
@@ -173,7 +195,11 @@ class CheckpointSaves:
         """Remove ``filepath`` if it is a checkpoint inside ``dirpath``; never anything else."""
         target = checkpoint_in_folder(filepath, self.dirpath) if self.dirpath else None
         # Rank 0 decides for all (one broadcast on every rank, whatever each rank's file system says).
-        decision = (self._removal_refusal(trainer, filepath, target), target is not None and is_link(target)) if trainer.is_global_zero else None
+        decision = (
+            (self._removal_refusal(trainer, filepath, target), target is not None and is_link(target))
+            if trainer.is_global_zero
+            else None
+        )
         refusal, link = trainer.strategy.broadcast(decision)
         if refusal is None and link:
             if trainer.is_global_zero:

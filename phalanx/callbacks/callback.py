@@ -57,7 +57,9 @@ class Callback:
     def on_train_batch_start(self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int) -> None:
         """Called before each training batch."""
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Called after each training batch (after the optimizer step)."""
 
     def on_validation_start(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -72,10 +74,20 @@ class Callback:
     def on_validation_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called at the end of a validation epoch."""
 
-    def on_validation_batch_start(self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_start(
+        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         """Called before each validation batch."""
 
-    def on_validation_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        module: TrainingModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         """Called after each validation batch."""
 
     def on_test_start(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -90,10 +102,20 @@ class Callback:
     def on_test_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called at the end of a test epoch."""
 
-    def on_test_batch_start(self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_start(
+        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         """Called before each test batch."""
 
-    def on_test_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        module: TrainingModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         """Called after each test batch."""
 
     def on_predict_start(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -108,10 +130,20 @@ class Callback:
     def on_predict_epoch_end(self, trainer: Trainer, module: TrainingModule) -> None:
         """Called at the end of a predict epoch."""
 
-    def on_predict_batch_start(self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_predict_batch_start(
+        self, trainer: Trainer, module: TrainingModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         """Called before each predict batch."""
 
-    def on_predict_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_predict_batch_end(
+        self,
+        trainer: Trainer,
+        module: TrainingModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         """Called after each predict batch."""
 
     def on_before_backward(self, trainer: Trainer, module: TrainingModule, loss: Tensor) -> None:

@@ -122,8 +122,14 @@ class EarlyStopping(Callback):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise CheckpointError(f"the EarlyStopping state's {key!r} is {value!r}; expected an int >= 0")
         best = state_dict["best_score"]
-        if isinstance(best, bool) or not isinstance(best, (Tensor, int, float)) or (isinstance(best, Tensor) and best.numel() != 1):
-            raise CheckpointError(f"the EarlyStopping state's 'best_score' is a {type(best).__name__}; expected a number")
+        if (
+            isinstance(best, bool)
+            or not isinstance(best, (Tensor, int, float))
+            or (isinstance(best, Tensor) and best.numel() != 1)
+        ):
+            raise CheckpointError(
+                f"the EarlyStopping state's 'best_score' is a {type(best).__name__}; expected a number"
+            )
         self.wait_count = state_dict["wait_count"]
         self.stopped_epoch = state_dict["stopped_epoch"]
         self.best_score = best.detach().reshape(()).clone() if isinstance(best, Tensor) else torch.tensor(float(best))

@@ -35,7 +35,9 @@ class LearningRateMonitor(Callback):
     get ``-1``, ``-2``... suffixes; parameter groups with a ``"name"`` key use it instead of ``pg{N}``.
     """
 
-    def __init__(self, logging_interval: str | None = None, log_momentum: bool = False, log_weight_decay: bool = False) -> None:
+    def __init__(
+        self, logging_interval: str | None = None, log_momentum: bool = False, log_weight_decay: bool = False
+    ) -> None:
         if logging_interval not in (None, "step", "epoch"):
             raise ValueError(f"`logging_interval` must be 'step', 'epoch' or None, got {logging_interval!r}.")
         self.logging_interval = logging_interval
@@ -54,7 +56,11 @@ class LearningRateMonitor(Callback):
                 " logger) to the Trainer, or remove the LearningRateMonitor callback."
             )
         if self.log_momentum:
-            without = [type(opt).__name__ for opt in trainer.optimizers if not any("momentum" in g or "betas" in g for g in opt.param_groups)]
+            without = [
+                type(opt).__name__
+                for opt in trainer.optimizers
+                if not any("momentum" in g or "betas" in g for g in opt.param_groups)
+            ]
             if without:
                 rank_zero_warn(
                     f"LearningRateMonitor(log_momentum=True): the optimizers {without} have no momentum; their"

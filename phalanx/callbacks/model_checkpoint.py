@@ -129,9 +129,14 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
         check_arguments(dirpath, filename, monitor, save_top_k, mode, every_n_train_steps, every_n_epochs)
         check_time_interval(train_time_interval, every_n_train_steps, every_n_epochs)
         check_flags(
-            verbose=verbose, save_weights_only=save_weights_only, auto_insert_metric_name=auto_insert_metric_name,
-            enable_version_counter=enable_version_counter, save_on_nonfinite=save_on_nonfinite, save_last=save_last,
-            save_on_train_epoch_end=save_on_train_epoch_end, save_on_exception=save_on_exception,
+            verbose=verbose,
+            save_weights_only=save_weights_only,
+            auto_insert_metric_name=auto_insert_metric_name,
+            enable_version_counter=enable_version_counter,
+            save_on_nonfinite=save_on_nonfinite,
+            save_last=save_last,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            save_on_exception=save_on_exception,
         )
 
         self.monitor = monitor
@@ -176,7 +181,9 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
         self._last_checkpoint_step = -1
         # Symbolic links this callback made (``save_last="link"``): the only links it ever removes.
         self._links: set[str] = set()
-        self._links_unsupported = False  # the file system refused a link once: save_last="link" writes files from then on
+        self._links_unsupported = (
+            False  # the file system refused a link once: save_last="link" writes files from then on
+        )
         self._last_time_checked: float | None = None  # monotonic clock at the start of training / the last save by time
         self._sanity_checking = False
 
@@ -216,7 +223,9 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
         if self.save_last == "link" and is_url(dirpath):
-            raise ValueError(f"ModelCheckpoint(save_last='link') makes a symbolic link, which needs a local folder; dirpath={dirpath!r} is a URL. Use save_last=True there.")
+            raise ValueError(
+                f"ModelCheckpoint(save_last='link') makes a symbolic link, which needs a local folder; dirpath={dirpath!r} is a URL. Use save_last=True there."
+            )
         if stage == "fit" and self.save_on_exception and trainer.world_size > 1:
             rank_zero_warn(
                 f"ModelCheckpoint(save_on_exception=True) is ignored with {trainer.world_size} processes: a rank that"
@@ -235,7 +244,9 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
     def on_sanity_check_end(self, trainer: Trainer, module: TrainingModule) -> None:
         self._sanity_checking = False
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._should_skip_saving_checkpoint(trainer):
             return
         by_steps = self._every_n_train_steps >= 1 and trainer.global_step % self._every_n_train_steps == 0
@@ -281,7 +292,9 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the bookkeeping; paths that are not checkpoints inside ``dirpath`` are dropped with a warning."""
         if not isinstance(state_dict, dict):
-            raise CheckpointError(f"The ModelCheckpoint state in this checkpoint is a {type(state_dict).__name__}, not a dict.")
+            raise CheckpointError(
+                f"The ModelCheckpoint state in this checkpoint is a {type(state_dict).__name__}, not a dict."
+            )
         if self.dirpath is None and state_dict.get("dirpath") is not None:
             # The folder is resolved in ``setup``; compare once it is known.
             self._pending_state = dict(state_dict)
@@ -320,7 +333,9 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
             )
 
     # ------------------------------------------------------------------ file names
-    def format_checkpoint_name(self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None) -> str:
+    def format_checkpoint_name(
+        self, metrics: dict[str, Any], filename: str | None = None, ver: int | None = None
+    ) -> str:
         """Return the checkpoint path for ``metrics`` (joined with ``dirpath`` once it is known).
 
         >>> ModelCheckpoint(dirpath="ckpts", filename="{epoch}").format_checkpoint_name({"epoch": 3})
@@ -383,7 +398,9 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
         return finite
 
     def _warn_nonfinite(self, trainer: Trainer) -> None:
-        kept = [path for path in dict.fromkeys([self.best_model_path, *self.best_k_models, self.last_model_path]) if path]
+        kept = [
+            path for path in dict.fromkeys([self.best_model_path, *self.best_k_models, self.last_model_path]) if path
+        ]
         rank_zero_warn(
             f"ModelCheckpoint: the module's parameters are not all finite at epoch {trainer.current_epoch}, global"
             f" step {trainer.global_step} (did the loss become NaN or inf?). Nothing is saved at this point and no"

@@ -283,7 +283,9 @@ class TQDMProgressBar(ProgressBar):
     def _should_update(self, current: int, total: Any) -> bool:
         return self.is_enabled and (current % self._refresh_rate == 0 or current == total)
 
-    def _update(self, role: str, bar: _tqdm | None, n: int, module: Any = None, postfix: bool = False, force: bool = False) -> None:
+    def _update(
+        self, role: str, bar: _tqdm | None, n: int, module: Any = None, postfix: bool = False, force: bool = False
+    ) -> None:
         """Move ``bar`` to ``n``; redraw (and re-read the metrics) only every ``REFRESH_INTERVAL`` s or when forced."""
         if bar is None or bar.disable:
             return
@@ -338,7 +340,9 @@ class TQDMProgressBar(ProgressBar):
             self._reset(self._train_bar, self.total_train_batches, initial)
         self._last_refresh["train"] = None
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         bar = self._train_bar
         if bar is None:
             return
@@ -370,7 +374,15 @@ class TQDMProgressBar(ProgressBar):
         self._counts["val"] = 0
         self._last_refresh["val"] = None
 
-    def on_validation_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        module: TrainingModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._counts["val"] += 1
         bar = self._val_bar
         if bar is not None and self._should_update(self._counts["val"], bar.total):
@@ -380,7 +392,12 @@ class TQDMProgressBar(ProgressBar):
         self._close(self._val_bar)
         self._val_bar = None
         train_bar = self._train_bar
-        if train_bar is not None and not train_bar.disable and _stage_name(trainer) == "fit" and not trainer.sanity_checking:
+        if (
+            train_bar is not None
+            and not train_bar.disable
+            and _stage_name(trainer) == "fit"
+            and not trainer.sanity_checking
+        ):
             train_bar.set_postfix(self.get_metrics(trainer, module), refresh=False)
             train_bar.refresh()
             self._last_refresh["train"] = _clock()
@@ -393,7 +410,15 @@ class TQDMProgressBar(ProgressBar):
         self._counts["test"] = 0
         self._last_refresh["test"] = None
 
-    def on_test_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_test_batch_end(
+        self,
+        trainer: Trainer,
+        module: TrainingModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._counts["test"] += 1
         bar = self._test_bar
         if bar is not None and self._should_update(self._counts["test"], bar.total):
@@ -410,7 +435,15 @@ class TQDMProgressBar(ProgressBar):
         self._counts["predict"] = 0
         self._last_refresh["predict"] = None
 
-    def on_predict_batch_end(self, trainer: Trainer, module: TrainingModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_predict_batch_end(
+        self,
+        trainer: Trainer,
+        module: TrainingModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._counts["predict"] += 1
         bar = self._predict_bar
         if bar is not None and self._should_update(self._counts["predict"], bar.total):

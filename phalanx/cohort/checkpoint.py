@@ -30,7 +30,9 @@ class _Sorted:
 
     def __init__(self, state: Any, strategy: Strategy, method: str) -> None:
         if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
-            raise TypeError(f"Cohort.{method}(path, state): state must be a dict with str keys, got {type(state).__name__}.")
+            raise TypeError(
+                f"Cohort.{method}(path, state): state must be a dict with str keys, got {type(state).__name__}."
+            )
         self.module_key: str | None = None
         self.optimizer_keys: dict[str, int] = {}  # key -> index in strategy.optimizers
         self.stateful: dict[str, Any] = {}  # objects with state_dict()/load_state_dict() (LR schedulers, ...)
@@ -42,15 +44,21 @@ class _Sorted:
         if isinstance(value, nn.Module):
             module = value.module if isinstance(value, CohortModule) else value
             if module is not strategy.module:
-                raise ValueError(f"Cohort.{method}: state[{key!r}] is a module this Cohort did not set up; pass the module returned by Cohort.setup.")
+                raise ValueError(
+                    f"Cohort.{method}: state[{key!r}] is a module this Cohort did not set up; pass the module returned by Cohort.setup."
+                )
             if self.module_key is not None:
-                raise ValueError(f"Cohort.{method}: state[{key!r}] and state[{self.module_key!r}] are both the model; name it once.")
+                raise ValueError(
+                    f"Cohort.{method}: state[{key!r}] and state[{self.module_key!r}] are both the model; name it once."
+                )
             self.module_key = key
         elif isinstance(value, Optimizer) or _index_of(value, strategy) is not None:
             # (DeepSpeed's ZeRO optimizers are no torch Optimizer subclasses: they are recognised by identity.)
             index = _index_of(value, strategy)
             if index is None:
-                raise ValueError(f"Cohort.{method}: state[{key!r}] is an optimizer this Cohort did not set up; pass one returned by Cohort.setup.")
+                raise ValueError(
+                    f"Cohort.{method}: state[{key!r}] is an optimizer this Cohort did not set up; pass one returned by Cohort.setup."
+                )
             self.optimizer_keys[key] = index
         elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
             self.stateful[key] = value
@@ -72,7 +80,9 @@ class _Sorted:
 
 def _index_of(value: Any, strategy: Strategy) -> int | None:
     optimizer = unwrap_optimizer(value)
-    return next((i for i, candidate in enumerate(strategy.optimizers) if unwrap_optimizer(candidate) is optimizer), None)
+    return next(
+        (i for i, candidate in enumerate(strategy.optimizers) if unwrap_optimizer(candidate) is optimizer), None
+    )
 
 
 def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[str, Any]:
@@ -83,7 +93,9 @@ def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[s
 
     entries = _Sorted(state, strategy, "save")
     if entries.module_key is None:
-        raise ValueError("Cohort.save: the state holds no module; add the module returned by Cohort.setup, e.g. {'model': model}.")
+        raise ValueError(
+            "Cohort.save: the state holds no module; add the module returned by Cohort.setup, e.g. {'model': model}."
+        )
     module = strategy.module
     assert module is not None
     epoch = entries.plain.get("epoch")
@@ -117,11 +129,20 @@ def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[s
 
 def _loop_state(epoch: int, global_step: int) -> dict[str, Any]:
     # Without an epoch, the Cohort's steps are the first batches of epoch 0; with one, the next epoch starts afresh.
-    return {"epoch": epoch, "global_step": global_step, "batches_done": global_step if epoch == 0 else 0, "total_batches": global_step, "phase": "batches",
-            "epoch_start_rng": None, "callback_metrics": {}}  # fmt: skip
+    return {
+        "epoch": epoch,
+        "global_step": global_step,
+        "batches_done": global_step if epoch == 0 else 0,
+        "total_batches": global_step,
+        "phase": "batches",
+        "epoch_start_rng": None,
+        "callback_metrics": {},
+    }
 
 
-def restore_checkpoint(checkpoint: Any, state: Any, strategy: Strategy, source: str, *, strict: bool = True) -> dict[str, Any]:
+def restore_checkpoint(
+    checkpoint: Any, state: Any, strategy: Strategy, source: str, *, strict: bool = True
+) -> dict[str, Any]:
     """Load ``checkpoint`` into the objects of ``state`` (plain values are replaced in ``state``); returns the unread objects."""
     from phalanx.trainer.checkpoint_checks import check_checkpoint, check_optimizer_states
 
@@ -132,8 +153,12 @@ def restore_checkpoint(checkpoint: Any, state: Any, strategy: Strategy, source: 
     _check_present(entries, objects, checkpoint, source, strict=strict)
     if entries.check_optimizers(strategy, "load") and not strategy.restores_optimizer:
         if "optimizer_states" not in checkpoint:
-            raise CheckpointError(f"{source} holds no optimizer states (saved without optimizers, or with weights_only=True); leave the optimizers out of the state to load only the weights.")
-        check_optimizer_states(source, checkpoint["optimizer_states"], [unwrap_optimizer(o) for o in strategy.optimizers])
+            raise CheckpointError(
+                f"{source} holds no optimizer states (saved without optimizers, or with weights_only=True); leave the optimizers out of the state to load only the weights."
+            )
+        check_optimizer_states(
+            source, checkpoint["optimizer_states"], [unwrap_optimizer(o) for o in strategy.optimizers]
+        )
     module = strategy.module
     if entries.module_key is not None:
         on_load = getattr(module, "on_load_checkpoint", None)
@@ -153,10 +178,14 @@ def restore_checkpoint(checkpoint: Any, state: Any, strategy: Strategy, source: 
     return objects
 
 
-def _check_present(entries: _Sorted, objects: dict[str, Any], checkpoint: dict[str, Any], source: str, *, strict: bool) -> None:
+def _check_present(
+    entries: _Sorted, objects: dict[str, Any], checkpoint: dict[str, Any], source: str, *, strict: bool
+) -> None:
     if not strict:
         return
     missing = [key for key in [*entries.stateful, *entries.plain] if key not in objects and key not in checkpoint]
     if missing:
         available = sorted({*objects, *(key for key in checkpoint if key != COHORT_ENTRY)})
-        raise CheckpointError(f"{source} has no entry {missing[0]!r} asked for in the state; it holds {available} (pass strict=False to skip missing entries).")
+        raise CheckpointError(
+            f"{source} has no entry {missing[0]!r} asked for in the state; it holds {available} (pass strict=False to skip missing entries)."
+        )

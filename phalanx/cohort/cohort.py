@@ -52,7 +52,14 @@ class Cohort:
     ) -> None:
         from phalanx.trainer.setup import resolve_strategy
 
-        self._strategy: Strategy = resolve_strategy(accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision, plugins=plugins)
+        self._strategy: Strategy = resolve_strategy(
+            accelerator=accelerator,
+            strategy=strategy,
+            devices=devices,
+            num_nodes=num_nodes,
+            precision=precision,
+            plugins=plugins,
+        )
         self._launched = False
         self._environment_ready = False
         self._module: CohortModule | None = None
@@ -114,13 +121,17 @@ class Cohort:
         ``launch()`` without a function is enough for them; spawn/fork strategies need a function (picklable for spawn).
         """
         if function is not None and not callable(function):
-            raise TypeError(f"Cohort.launch(function) takes a callable (called as function(cohort, *args)), got {type(function).__name__}.")
+            raise TypeError(
+                f"Cohort.launch(function) takes a callable (called as function(cohort, *args)), got {type(function).__name__}."
+            )
         if self._launched:
             raise RuntimeError("Cohort.launch() was already called; launch once per Cohort.")
         launcher = self._strategy.launcher
         start_method = getattr(self._strategy, "_start_method", "popen")
         if function is None and launcher is not None and start_method != "popen":
-            raise TypeError(f"Cohort.launch() needs a function with start_method={start_method!r}: the new processes run function(cohort, *args), not the rest of your script.")
+            raise TypeError(
+                f"Cohort.launch() needs a function with start_method={start_method!r}: the new processes run function(cohort, *args), not the rest of your script."
+            )
         self._launched = True
         if launcher is None:
             return self._run_launched(function, *args, **kwargs)
@@ -147,7 +158,9 @@ class Cohort:
         """Set up ``module`` and its ``optimizers`` on the strategy; returns the wrapped module, then the wrapped optimizers."""
         self._check_module(module, "setup")
         originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
-        self._parameter_names = {id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)}
+        self._parameter_names = {
+            id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
+        }
         for index, optimizer in enumerate(originals):
             self._check_parameters_known(optimizer, index)
 
@@ -164,8 +177,12 @@ class Cohort:
         """Set up ``module`` alone (create or pass its optimizers to ``setup_optimizers`` afterwards)."""
         self._check_module(module, "setup_module")
         if _is_deepspeed(self._strategy):
-            raise RuntimeError("DeepSpeed builds its engine from the module and the optimizer together: call cohort.setup(module, optimizer) instead of setup_module.")
-        self._parameter_names = {id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)}
+            raise RuntimeError(
+                "DeepSpeed builds its engine from the module and the optimizer together: call cohort.setup(module, optimizer) instead of setup_module."
+            )
+        self._parameter_names = {
+            id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
+        }
         self._setup_strategy(module, None)
         assert self._module is not None
         return self._module
@@ -175,7 +192,9 @@ class Cohort:
         if self._module is None:
             raise RuntimeError("Cohort.setup_optimizers needs a module: call cohort.setup_module(module) first.")
         if self._strategy.optimizers:
-            raise RuntimeError("This Cohort's optimizers are already set up; pass all of them to one setup/setup_optimizers call.")
+            raise RuntimeError(
+                "This Cohort's optimizers are already set up; pass all of them to one setup/setup_optimizers call."
+            )
         if not optimizers:
             raise ValueError("Cohort.setup_optimizers needs at least one optimizer.")
         originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
@@ -191,7 +210,9 @@ class Cohort:
         wrapped = [wrap_optimizer(optimizer, self._optimizer_step) for optimizer in self._strategy.optimizers]
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
-    def _setup_strategy(self, module: nn.Module, make_optimizers: Callable[[nn.Module], tuple[list[Optimizer], list[Any]]] | None) -> None:
+    def _setup_strategy(
+        self, module: nn.Module, make_optimizers: Callable[[nn.Module], tuple[list[Optimizer], list[Any]]] | None
+    ) -> None:
         self._ensure_environment()
         strategy = self._strategy
         strategy.connect(module)
@@ -202,16 +223,22 @@ class Cohort:
         if isinstance(module, CohortModule):
             raise ValueError(f"Cohort.{method}: this module was already set up by a Cohort; pass the plain module.")
         if self._module is not None:
-            raise RuntimeError(f"Cohort.{method}: this Cohort already set up a module; one Cohort runs one module (put several in one nn.Module, e.g. nn.ModuleDict).")
+            raise RuntimeError(
+                f"Cohort.{method}: this Cohort already set up a module; one Cohort runs one module (put several in one nn.Module, e.g. nn.ModuleDict)."
+            )
         if not isinstance(module, nn.Module):
             raise TypeError(f"Cohort.{method}(module) takes a torch.nn.Module, got {type(module).__name__}.")
 
     @staticmethod
     def _check_optimizer(optimizer: Any, index: int) -> Optimizer:
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"Cohort.setup: optimizers[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+            raise TypeError(
+                f"Cohort.setup: optimizers[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
         if unwrap_optimizer(optimizer) is not optimizer:
-            raise ValueError(f"Cohort.setup: optimizers[{index}] was already set up by a Cohort; pass the plain optimizer.")
+            raise ValueError(
+                f"Cohort.setup: optimizers[{index}] was already set up by a Cohort; pass the plain optimizer."
+            )
         return optimizer
 
     def _check_parameters_known(self, optimizer: Optimizer, index: int) -> None:
@@ -252,7 +279,9 @@ class Cohort:
         return result
 
     # ------------------------------------------------------------------ data
-    def setup_dataloaders(self, *dataloaders: Any, use_distributed_sampler: bool = True, move_to_device: bool = True) -> Any:
+    def setup_dataloaders(
+        self, *dataloaders: Any, use_distributed_sampler: bool = True, move_to_device: bool = True
+    ) -> Any:
         """Give each dataloader this rank's share of the data (a DistributedSampler) and batches on ``device``."""
         if not dataloaders:
             raise ValueError("Cohort.setup_dataloaders needs at least one dataloader.")
@@ -260,11 +289,15 @@ class Cohort:
         prepared = [self._setup_dataloader(loader, use_distributed_sampler, move_to_device) for loader in dataloaders]
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
-    def _setup_dataloader(self, dataloader: Any, use_distributed_sampler: bool, move_to_device: bool) -> CohortDataLoader:
+    def _setup_dataloader(
+        self, dataloader: Any, use_distributed_sampler: bool, move_to_device: bool
+    ) -> CohortDataLoader:
         import os
 
         if not hasattr(dataloader, "__iter__"):
-            raise TypeError(f"Cohort.setup_dataloaders takes iterables of batches (DataLoaders), got {type(dataloader).__name__}.")
+            raise TypeError(
+                f"Cohort.setup_dataloaders takes iterables of batches (DataLoaders), got {type(dataloader).__name__}."
+            )
         sampler_kwargs = self._strategy.distributed_sampler_kwargs
         if use_distributed_sampler and sampler_kwargs:
             from phalanx.trainer.distributed_data import distributed_dataloader
@@ -285,10 +318,14 @@ class Cohort:
         self._strategy.backward(loss, None, *args, **kwargs)
         self._last_loss = loss.detach()
 
-    def clip_gradients(self, module: nn.Module, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None) -> Tensor | None:
+    def clip_gradients(
+        self, module: nn.Module, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None
+    ) -> Tensor | None:
         """Clip ``optimizer``'s gradients by total norm (``max_norm``, returns the norm) or by value (``clip_val``)."""
         self._check_set_up(module, "clip_gradients")
-        return self._strategy.clip_gradients(self._strategy.module, unwrap_optimizer(optimizer), max_norm=max_norm, clip_val=clip_val)
+        return self._strategy.clip_gradients(
+            self._strategy.module, unwrap_optimizer(optimizer), max_norm=max_norm, clip_val=clip_val
+        )
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> AbstractContextManager:
         """Within it, backward does not synchronise gradients (for accumulation); ``enabled=False`` makes it a no-op."""
@@ -310,18 +347,24 @@ class Cohort:
 
     def _check_set_up(self, module: Any, method: str) -> None:
         if self._module is None or module is not self._module:
-            raise ValueError(f"Cohort.{method}(module, ...) takes the module returned by cohort.setup(...), got {type(module).__name__}.")
+            raise ValueError(
+                f"Cohort.{method}(module, ...) takes the module returned by cohort.setup(...), got {type(module).__name__}."
+            )
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, data: Any, group: Any | None = None, reduce_op: str = "mean") -> Any:
         """Reduce every tensor (and number) in ``data`` across processes with ``reduce_op`` ('mean', 'sum', 'max', 'min')."""
         self._ensure_environment()
-        return apply_to_tensors(self._as_tensors(data), lambda tensor: self._strategy.reduce(tensor, group=group, reduce_op=reduce_op))
+        return apply_to_tensors(
+            self._as_tensors(data), lambda tensor: self._strategy.reduce(tensor, group=group, reduce_op=reduce_op)
+        )
 
     def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
         """Gather every tensor (and number) in ``data`` from every process, stacked along a new first dimension."""
         self._ensure_environment()
-        return apply_to_tensors(self._as_tensors(data), lambda tensor: self._strategy.all_gather(tensor, group=group, sync_grads=sync_grads))
+        return apply_to_tensors(
+            self._as_tensors(data), lambda tensor: self._strategy.all_gather(tensor, group=group, sync_grads=sync_grads)
+        )
 
     def broadcast(self, obj: _T, src: int = 0) -> _T:
         """Send a picklable object from process ``src`` to every process and return it."""
@@ -352,7 +395,9 @@ class Cohort:
         """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``); returns unread objects."""
         _check_path(path, "load")
         if self._module is None:
-            raise RuntimeError("Cohort.load needs a set-up module (the weights load into it): call cohort.setup(...) first.")
+            raise RuntimeError(
+                "Cohort.load needs a set-up module (the weights load into it): call cohort.setup(...) first."
+            )
         checkpoint = self._strategy.load_checkpoint(path)
         remaining = restore_checkpoint(checkpoint, state, self._strategy, str(path), strict=strict)
         if self._strategy.optimizers and any(isinstance(value, Optimizer) for value in state.values()):

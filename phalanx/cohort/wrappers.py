@@ -131,7 +131,10 @@ class CohortDataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         # As DistributedSampler asks: every rank calls set_epoch with the same value before each epoch.
-        for sampler in (getattr(self._dataloader, "sampler", None), getattr(getattr(self._dataloader, "batch_sampler", None), "sampler", None)):
+        for sampler in (
+            getattr(self._dataloader, "sampler", None),
+            getattr(getattr(self._dataloader, "batch_sampler", None), "sampler", None),
+        ):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(self._epoch)
         self._epoch += 1

@@ -162,9 +162,7 @@ def _to_dict(params: dict[str, Any] | argparse.Namespace) -> dict[str, Any]:
         params = vars(params)
     if not isinstance(params, dict):
         raise TypeError(f"Hyperparameters must be a dict or argparse.Namespace, got {type(params).__name__}.")
-    return {
-        key: _to_dict(value) if isinstance(value, argparse.Namespace) else value for key, value in params.items()
-    }
+    return {key: _to_dict(value) if isinstance(value, argparse.Namespace) else value for key, value in params.items()}
 
 
 class _DirectoryLogger(Logger):

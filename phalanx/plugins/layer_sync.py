@@ -38,7 +38,9 @@ class TorchSyncBatchNorm(LayerSync):
         """Convert SyncBatchNorm layers back to plain batch norms, keeping weights and running statistics."""
         converted = model
         if isinstance(model, nn.SyncBatchNorm):
-            converted = _BatchNormXd(model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats)
+            converted = _BatchNormXd(
+                model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats
+            )
             if model.affine:
                 with torch.no_grad():
                     converted.weight = model.weight

@@ -10,4 +10,14 @@ from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 
-__all__ = ["DDPStrategy", "DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy", "ParallelStrategy", "RunSettings", "STRATEGY_REGISTRY", "SingleDeviceStrategy", "Strategy"]
+__all__ = [
+    "DDPStrategy",
+    "DeepSpeedStrategy",
+    "FSDPStrategy",
+    "ModelParallelStrategy",
+    "ParallelStrategy",
+    "RunSettings",
+    "STRATEGY_REGISTRY",
+    "SingleDeviceStrategy",
+    "Strategy",
+]

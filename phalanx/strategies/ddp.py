@@ -43,14 +43,25 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
     accepted = sorted(set(inspect.signature(DistributedDataParallel.__init__).parameters) - _OWN_DDP_ARGUMENTS)
     unknown = sorted(set(kwargs) - set(accepted) - {"device_ids", "output_device"})
     if unknown:
-        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, accepted, n=1)) else repr(name) for name in unknown]
-        raise TypeError(f"DDPStrategy got unknown keyword argument(s) {', '.join(hints)}; it passes extra keywords to DistributedDataParallel, which accepts {accepted}.")
+        hints = [
+            f"{name!r} (did you mean {close[0]!r}?)"
+            if (close := difflib.get_close_matches(name, accepted, n=1))
+            else repr(name)
+            for name in unknown
+        ]
+        raise TypeError(
+            f"DDPStrategy got unknown keyword argument(s) {', '.join(hints)}; it passes extra keywords to DistributedDataParallel, which accepts {accepted}."
+        )
 
 
 class DDPStrategy(ParallelStrategy):
     """Data parallelism: every process holds the whole model and trains on its shard of each batch."""
 
-    step_collectives = {"forward": "DDP forward (buffer broadcast)", "backward": "DDP gradient all-reduce (backward)", "optimizer_step": "optimizer step (DDP forward and gradient all-reduce)"}
+    step_collectives = {
+        "forward": "DDP forward (buffer broadcast)",
+        "backward": "DDP gradient all-reduce (backward)",
+        "optimizer_step": "optimizer step (DDP forward and gradient all-reduce)",
+    }
 
     def __init__(
         self,
@@ -69,13 +80,25 @@ class DDPStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
-        )  # fmt: skip
-        if model_averaging_period is not None and (isinstance(model_averaging_period, bool) or not isinstance(model_averaging_period, int) or model_averaging_period < 1):
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        if model_averaging_period is not None and (
+            isinstance(model_averaging_period, bool)
+            or not isinstance(model_averaging_period, int)
+            or model_averaging_period < 1
+        ):
             raise ValueError(f"model_averaging_period={model_averaging_period!r} must be an int >= 1.")
         if model_averaging_period is None and type(ddp_comm_state).__name__ == "PostLocalSGDState":
-            raise ValueError("Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (optimizer steps between model averages).")
+            raise ValueError(
+                "Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (optimizer steps between model averages)."
+            )
         _check_ddp_kwargs(kwargs)
         kwargs = {name: value for name, value in kwargs.items() if name not in ("device_ids", "output_device")}
         self._ddp_comm_state = ddp_comm_state
@@ -102,7 +125,12 @@ class DDPStrategy(ParallelStrategy):
         else:
             # Evaluation runs unwrapped; every rank starts from rank 0's weights.
             for tensor in self._module.state_dict().values():
-                distributed.run_collective("broadcast(weights)", self.global_rank, self._timeout, lambda t=tensor: torch.distributed.broadcast(t, src=0))
+                distributed.run_collective(
+                    "broadcast(weights)",
+                    self.global_rank,
+                    self._timeout,
+                    lambda t=tensor: torch.distributed.broadcast(t, src=0),
+                )
         self.setup_precision_plugin()
 
     def configure_ddp(self) -> None:
@@ -139,8 +167,12 @@ class DDPStrategy(ParallelStrategy):
 
         for optimizer in self.optimizers:
             if isinstance(optimizer, (DistributedOptimizer, ZeroRedundancyOptimizer, PostLocalSGDOptimizer)):
-                raise ValueError(f"Model averaging cannot wrap a distributed optimizer ({type(optimizer).__name__}); use a regular torch optimizer.")
-        averager = PeriodicModelAverager(period=self._model_averaging_period, warmup_steps=self._ddp_comm_state.start_localSGD_iter)
+                raise ValueError(
+                    f"Model averaging cannot wrap a distributed optimizer ({type(optimizer).__name__}); use a regular torch optimizer."
+                )
+        averager = PeriodicModelAverager(
+            period=self._model_averaging_period, warmup_steps=self._ddp_comm_state.start_localSGD_iter
+        )
         self.optimizers = [PostLocalSGDOptimizer(optim=optimizer, averager=averager) for optimizer in self.optimizers]
 
     # ------------------------------------------------------------------ steps
@@ -153,7 +185,14 @@ class DDPStrategy(ParallelStrategy):
             # manual_backward runs inside training_step, i.e. inside DDP's forward: keep DDP from preparing the
             # reducer for the (already finished) backward when the forward returns.
             try:
-                return redirect_forward(model, module, "training_step", *args, after_step=lambda: setattr(model, "require_backward_grad_sync", False), **kwargs)
+                return redirect_forward(
+                    model,
+                    module,
+                    "training_step",
+                    *args,
+                    after_step=lambda: setattr(model, "require_backward_grad_sync", False),
+                    **kwargs,
+                )
             finally:
                 model.require_backward_grad_sync = True
 
@@ -168,8 +207,15 @@ class DDPStrategy(ParallelStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         """In manual optimization, prepare DDP's reducer for the backward the user triggers."""
         model = self._model
-        manual = not getattr(self._module, "automatic_optimization", True)  # a plain nn.Module (your own loop) runs DDP's forward
-        if isinstance(model, DistributedDataParallel) and manual and torch.is_grad_enabled() and model.require_backward_grad_sync:
+        manual = not getattr(
+            self._module, "automatic_optimization", True
+        )  # a plain nn.Module (your own loop) runs DDP's forward
+        if (
+            isinstance(model, DistributedDataParallel)
+            and manual
+            and torch.is_grad_enabled()
+            and model.require_backward_grad_sync
+        ):
             model.require_forward_param_sync = True
             model.reducer.prepare_for_backward([closure_loss] if model.find_unused_parameters else [])
 
@@ -181,7 +227,12 @@ class DDPStrategy(ParallelStrategy):
         zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
         if zero is None or not isinstance(optimizer, zero.ZeroRedundancyOptimizer):
             return super().optimizer_state(optimizer)
-        distributed.run_collective("ZeroRedundancyOptimizer.consolidate_state_dict", self.global_rank, self._timeout, lambda: optimizer.consolidate_state_dict(to=0))
+        distributed.run_collective(
+            "ZeroRedundancyOptimizer.consolidate_state_dict",
+            self.global_rank,
+            self._timeout,
+            lambda: optimizer.consolidate_state_dict(to=0),
+        )
         return optimizer.state_dict() if self.is_global_zero else {}
 
     def on_exception(self, exception: BaseException) -> None:
@@ -194,8 +245,19 @@ class DDPStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         """Register 'ddp', 'ddp_spawn', 'ddp_fork', 'ddp_notebook' and their find_unused_parameters variants."""
-        entries = (("ddp", "popen", "processes started by re-running the script"), ("ddp_spawn", "spawn", "processes started with spawn"), ("ddp_fork", "fork", "processes started with fork"), ("ddp_notebook", "fork", "fork, usable from notebooks"))
+        entries = (
+            ("ddp", "popen", "processes started by re-running the script"),
+            ("ddp_spawn", "spawn", "processes started with spawn"),
+            ("ddp_fork", "fork", "processes started with fork"),
+            ("ddp_notebook", "fork", "fork, usable from notebooks"),
+        )
         for name, start_method, how in entries:
             registry.register(name, cls, description=f"DistributedDataParallel, {how}.", start_method=start_method)
             for flag in (True, False):
-                registry.register(f"{name}_find_unused_parameters_{str(flag).lower()}", cls, description=f"DistributedDataParallel, {how}, find_unused_parameters={flag}.", start_method=start_method, find_unused_parameters=flag)
+                registry.register(
+                    f"{name}_find_unused_parameters_{str(flag).lower()}",
+                    cls,
+                    description=f"DistributedDataParallel, {how}, find_unused_parameters={flag}.",
+                    start_method=start_method,
+                    find_unused_parameters=flag,
+                )

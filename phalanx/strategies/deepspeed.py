@@ -45,10 +45,26 @@ from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.deepspeed import DEEPSPEED_PRECISIONS, DeepSpeedPrecision
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies.deepspeed_activation import activation_settings, configure_activation_checkpointing, merge_activation_section
+from phalanx.strategies.deepspeed_activation import (
+    activation_settings,
+    configure_activation_checkpointing,
+    merge_activation_section,
+)
 from phalanx.strategies.deepspeed_checkpoint import OPTIMIZER_MARKER
-from phalanx.strategies.deepspeed_config import CONFIG_ENV_VAR, complete_config, generated_config, load_config, micro_batch_size, partitioning_config
-from phalanx.strategies.deepspeed_engine import DeepSpeedEngineMixin, DeepSpeedOptimizerHandle, memory_footprint, partitioned_parameters
+from phalanx.strategies.deepspeed_config import (
+    CONFIG_ENV_VAR,
+    complete_config,
+    generated_config,
+    load_config,
+    micro_batch_size,
+    partitioning_config,
+)
+from phalanx.strategies.deepspeed_engine import (
+    DeepSpeedEngineMixin,
+    DeepSpeedOptimizerHandle,
+    memory_footprint,
+    partitioned_parameters,
+)
 from phalanx.strategies.deepspeed_state import DeepSpeedCheckpointMixin
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
@@ -166,51 +182,97 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
     ) -> None:
         _import_deepspeed_spec_or_raise()
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
             raise ValueError(f"stage={stage!r} is not a ZeRO stage; choose 0, 1, 2 or 3.")
-        for name, device in (("offload_params_device", offload_params_device), ("offload_optimizer_device", offload_optimizer_device)):
+        for name, device in (
+            ("offload_params_device", offload_params_device),
+            ("offload_optimizer_device", offload_optimizer_device),
+        ):
             if device not in _OFFLOAD_DEVICES:
                 raise ValueError(f"{name}={device!r} is not valid; choose one of {list(_OFFLOAD_DEVICES)}.")
         if remote_device not in _REMOTE_DEVICES:
             raise ValueError(f"remote_device={remote_device!r} is not valid; choose one of {list(_REMOTE_DEVICES)}.")
         if offload_optimizer and stage == 0:
-            raise ValueError("offload_optimizer=True needs ZeRO stage 1, 2 or 3 (stage=0 does not partition the optimizer).")
+            raise ValueError(
+                "offload_optimizer=True needs ZeRO stage 1, 2 or 3 (stage=0 does not partition the optimizer)."
+            )
         if offload_parameters and stage != 3:
-            raise ValueError(f"offload_parameters=True needs ZeRO stage 3 (only stage 3 partitions parameters); got stage={stage}.")
+            raise ValueError(
+                f"offload_parameters=True needs ZeRO stage 3 (only stage 3 partitions parameters); got stage={stage}."
+            )
         if remote_device is not None and stage != 3:
             raise ValueError(f"remote_device={remote_device!r} applies to ZeRO stage 3 only; got stage={stage}.")
-        uses_nvme = "nvme" in (remote_device, offload_params_device if offload_parameters else None, offload_optimizer_device if offload_optimizer else None)
+        uses_nvme = "nvme" in (
+            remote_device,
+            offload_params_device if offload_parameters else None,
+            offload_optimizer_device if offload_optimizer else None,
+        )
         if uses_nvme and not str(nvme_path or ""):
             raise ValueError("Offloading to 'nvme' needs nvme_path= (a directory on a fast local NVMe drive).")
-        if logging_batch_size_per_gpu != "auto" and (isinstance(logging_batch_size_per_gpu, bool) or not isinstance(logging_batch_size_per_gpu, int) or logging_batch_size_per_gpu < 1):
-            raise ValueError(f"logging_batch_size_per_gpu={logging_batch_size_per_gpu!r} must be 'auto' or an int >= 1.")
+        if logging_batch_size_per_gpu != "auto" and (
+            isinstance(logging_batch_size_per_gpu, bool)
+            or not isinstance(logging_batch_size_per_gpu, int)
+            or logging_batch_size_per_gpu < 1
+        ):
+            raise ValueError(
+                f"logging_batch_size_per_gpu={logging_batch_size_per_gpu!r} must be 'auto' or an int >= 1."
+            )
         self._stage = stage
         self.remote_device = remote_device
         self.offload_optimizer = offload_optimizer
         self.offload_parameters = offload_parameters
         self._zero_settings = {
-            "offload_params_device": offload_params_device, "offload_optimizer_device": offload_optimizer_device, "nvme_path": str(nvme_path),
-            "params_buffer_count": params_buffer_count, "params_buffer_size": params_buffer_size, "max_in_cpu": max_in_cpu,
-            "optimizer_buffer_count": optimizer_buffer_count, "pin_memory": pin_memory, "sub_group_size": sub_group_size, "param_persistence_threshold": param_persistence_threshold,
-            "contiguous_gradients": contiguous_gradients, "overlap_comm": overlap_comm, "allgather_partitions": allgather_partitions,
-            "reduce_scatter": reduce_scatter, "allgather_bucket_size": allgather_bucket_size, "reduce_bucket_size": reduce_bucket_size,
-        }  # fmt: skip
-        self._loss_scaling = {"loss_scale": loss_scale, "initial_scale_power": initial_scale_power, "loss_scale_window": loss_scale_window, "hysteresis": hysteresis, "min_loss_scale": min_loss_scale}
+            "offload_params_device": offload_params_device,
+            "offload_optimizer_device": offload_optimizer_device,
+            "nvme_path": str(nvme_path),
+            "params_buffer_count": params_buffer_count,
+            "params_buffer_size": params_buffer_size,
+            "max_in_cpu": max_in_cpu,
+            "optimizer_buffer_count": optimizer_buffer_count,
+            "pin_memory": pin_memory,
+            "sub_group_size": sub_group_size,
+            "param_persistence_threshold": param_persistence_threshold,
+            "contiguous_gradients": contiguous_gradients,
+            "overlap_comm": overlap_comm,
+            "allgather_partitions": allgather_partitions,
+            "reduce_scatter": reduce_scatter,
+            "allgather_bucket_size": allgather_bucket_size,
+            "reduce_bucket_size": reduce_bucket_size,
+        }
+        self._loss_scaling = {
+            "loss_scale": loss_scale,
+            "initial_scale_power": initial_scale_power,
+            "loss_scale_window": loss_scale_window,
+            "hysteresis": hysteresis,
+            "min_loss_scale": min_loss_scale,
+        }
         self._zero_allow_untested_optimizer = zero_allow_untested_optimizer
         self._logging_batch_size_per_gpu = logging_batch_size_per_gpu
         self._user_config = load_config(config)
         self._activation = activation_settings(
-            partition_activations=partition_activations, cpu_checkpointing=cpu_checkpointing,
-            contiguous_memory_optimization=contiguous_memory_optimization, synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
-        )  # fmt: skip
-        merge_activation_section(self._user_config if self._user_config is not None else {}, self._activation)  # refuse conflicts now
+            partition_activations=partition_activations,
+            cpu_checkpointing=cpu_checkpointing,
+            contiguous_memory_optimization=contiguous_memory_optimization,
+            synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
+        )
+        merge_activation_section(
+            self._user_config if self._user_config is not None else {}, self._activation
+        )  # refuse conflicts now
         self._logging_level = logging_level
         self._exclude_frozen_parameters = exclude_frozen_parameters
         if not isinstance(allow_unsafe_checkpoint_load, bool):
-            raise TypeError(f"allow_unsafe_checkpoint_load must be True or False, got {allow_unsafe_checkpoint_load!r}.")
+            raise TypeError(
+                f"allow_unsafe_checkpoint_load must be True or False, got {allow_unsafe_checkpoint_load!r}."
+            )
         self._allow_unsafe_checkpoint_load = allow_unsafe_checkpoint_load
         self._engine: Any = None
         self._engine_trains = False  # whether the engine has an optimizer (created by fit)
@@ -227,10 +289,14 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
     def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> Precision:
         """A ``DeepSpeedPrecision`` for '32-true', '16-mixed', 'bf16-mixed', '16-true' or 'bf16-true'."""
         if precision not in DEEPSPEED_PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not available with DeepSpeed; choose one of {list(DEEPSPEED_PRECISIONS)}.")
+            raise ValueError(
+                f"precision={precision!r} is not available with DeepSpeed; choose one of {list(DEEPSPEED_PRECISIONS)}."
+            )
         supported = type(accelerator).supported_precisions()
         if precision not in supported:
-            raise ValueError(f"precision={precision!r} cannot run on the {getattr(accelerator, 'name', '?')} accelerator here. Supported with DeepSpeed: {[p for p in DEEPSPEED_PRECISIONS if p in supported]}.")
+            raise ValueError(
+                f"precision={precision!r} cannot run on the {getattr(accelerator, 'name', '?')} accelerator here. Supported with DeepSpeed: {[p for p in DEEPSPEED_PRECISIONS if p in supported]}."
+            )
         return DeepSpeedPrecision(precision)
 
     # ------------------------------------------------------------------ configuration
@@ -256,9 +322,13 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
 
     def _generated_config(self) -> dict[str, Any]:
         return generated_config(
-            self._stage, self._zero_settings, offload_optimizer=self.offload_optimizer, offload_parameters=self.offload_parameters,
-            allow_untested_optimizer=self._zero_allow_untested_optimizer, activation=self._activation,
-        )  # fmt: skip
+            self._stage,
+            self._zero_settings,
+            offload_optimizer=self.offload_optimizer,
+            offload_parameters=self.offload_parameters,
+            allow_untested_optimizer=self._zero_allow_untested_optimizer,
+            activation=self._activation,
+        )
 
     def _precision_config(self) -> dict[str, Any]:
         sections = self.precision_plugin.deepspeed_config()
@@ -358,7 +428,9 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
         self.post_backward(closure_loss)
         return closure_loss
 
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
+    ) -> Any:
         """Tell the engine whether this batch ends an accumulation window, then run the closure and ``engine.step()``.
 
         A step inside ``block_backward_sync`` does not end the window: the engine accumulates and does not update.
@@ -368,7 +440,9 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
         # Every step: once set, the engine keeps the flag instead of counting micro-steps against its config.
         engine.set_gradient_accumulation_boundary(boundary)
         with self.naming_collectives("optimizer_step"):
-            result = self.precision_plugin.optimizer_step(optimizer, model=engine, closure=closure, before_step=self._before_optimizer_step(), **kwargs)
+            result = self.precision_plugin.optimizer_step(
+                optimizer, model=engine, closure=closure, before_step=self._before_optimizer_step(), **kwargs
+            )
         self._updated_last_step = boundary
         return result
 
@@ -400,7 +474,13 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
         config = partitioning_config(self.config)
         for key, value in self._precision_config().items():
             config.setdefault(key, value)
-        return self._flag_zero_init(deepspeed.zero.Init(remote_device=self.remote_device, pin_memory=self._zero_settings["pin_memory"], config_dict_or_path=config))
+        return self._flag_zero_init(
+            deepspeed.zero.Init(
+                remote_device=self.remote_device,
+                pin_memory=self._zero_settings["pin_memory"],
+                config_dict_or_path=config,
+            )
+        )
 
     @contextmanager
     def _flag_zero_init(self, context: AbstractContextManager) -> Iterator[None]:
@@ -456,10 +536,26 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
             ("deepspeed", "DeepSpeed ZeRO stage 2 (optimizer states and gradients partitioned).", {}),
             ("deepspeed_stage_1", "DeepSpeed ZeRO stage 1: optimizer states partitioned.", {"stage": 1}),
             ("deepspeed_stage_2", "DeepSpeed ZeRO stage 2: optimizer states and gradients partitioned.", {"stage": 2}),
-            ("deepspeed_stage_2_offload", "DeepSpeed ZeRO stage 2, optimizer offloaded to the CPU.", {"stage": 2, "offload_optimizer": True}),
-            ("deepspeed_stage_3", "DeepSpeed ZeRO stage 3: parameters, gradients and optimizer states partitioned.", {"stage": 3}),
-            ("deepspeed_stage_3_offload", "DeepSpeed ZeRO stage 3, parameters and optimizer offloaded to the CPU.", {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
-            ("deepspeed_stage_3_offload_nvme", "DeepSpeed ZeRO stage 3, parameters and optimizer offloaded to NVMe.", {"stage": 3, "offload_optimizer": True, "offload_parameters": True, **nvme}),
+            (
+                "deepspeed_stage_2_offload",
+                "DeepSpeed ZeRO stage 2, optimizer offloaded to the CPU.",
+                {"stage": 2, "offload_optimizer": True},
+            ),
+            (
+                "deepspeed_stage_3",
+                "DeepSpeed ZeRO stage 3: parameters, gradients and optimizer states partitioned.",
+                {"stage": 3},
+            ),
+            (
+                "deepspeed_stage_3_offload",
+                "DeepSpeed ZeRO stage 3, parameters and optimizer offloaded to the CPU.",
+                {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
+            ),
+            (
+                "deepspeed_stage_3_offload_nvme",
+                "DeepSpeed ZeRO stage 3, parameters and optimizer offloaded to NVMe.",
+                {"stage": 3, "offload_optimizer": True, "offload_parameters": True, **nvme},
+            ),
         )
         for name, description, options in entries:
             registry.register(name, cls, description=description, **options)

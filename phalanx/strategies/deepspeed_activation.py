@@ -14,7 +14,12 @@ from typing import Any
 
 SECTION = "activation_checkpointing"
 #: The DeepSpeedStrategy arguments, which are also the keys of the config section.
-ARGUMENTS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "synchronize_checkpoint_boundary")
+ARGUMENTS = (
+    "partition_activations",
+    "cpu_checkpointing",
+    "contiguous_memory_optimization",
+    "synchronize_checkpoint_boundary",
+)
 
 
 def activation_settings(**flags: Any) -> dict[str, bool]:
@@ -27,7 +32,9 @@ def activation_settings(**flags: Any) -> dict[str, bool]:
     return {name: True for name, value in flags.items() if value}
 
 
-def merge_activation_section(config: dict[str, Any], settings: dict[str, bool], *, source: str = "config") -> dict[str, Any]:
+def merge_activation_section(
+    config: dict[str, Any], settings: dict[str, bool], *, source: str = "config"
+) -> dict[str, Any]:
     """Add ``settings`` to ``config``'s ``activation_checkpointing`` section (in place) and return the checked section.
 
     Raises ValueError when the config sets one of them differently, or when the result cannot work
@@ -39,7 +46,9 @@ def merge_activation_section(config: dict[str, Any], settings: dict[str, bool], 
             return {}
         section = config[SECTION] = {}
     if not isinstance(section, dict):
-        raise ValueError(f"The DeepSpeed {source} has {SECTION}={section!r}; it must be a dict of settings (e.g. {{'partition_activations': True}}).")
+        raise ValueError(
+            f"The DeepSpeed {source} has {SECTION}={section!r}; it must be a dict of settings (e.g. {{'partition_activations': True}})."
+        )
     for key, value in settings.items():
         if key in section and section[key] != value:
             raise ValueError(
@@ -49,7 +58,9 @@ def merge_activation_section(config: dict[str, Any], settings: dict[str, bool], 
         section[key] = value
     if section.get("contiguous_memory_optimization"):
         if not section.get("partition_activations"):
-            raise ValueError("contiguous_memory_optimization=True needs partition_activations=True (DeepSpeed copies partitioned activations only).")
+            raise ValueError(
+                "contiguous_memory_optimization=True needs partition_activations=True (DeepSpeed copies partitioned activations only)."
+            )
         if section.get("number_checkpoints") is None:
             raise ValueError(
                 "contiguous_memory_optimization=True needs the number of checkpointed layers to size its buffer: pass"
@@ -75,4 +86,10 @@ def configure_activation_checkpointing(deepspeed: Any, config: dict[str, Any]) -
     return True
 
 
-__all__ = ["ARGUMENTS", "SECTION", "activation_settings", "configure_activation_checkpointing", "merge_activation_section"]
+__all__ = [
+    "ARGUMENTS",
+    "SECTION",
+    "activation_settings",
+    "configure_activation_checkpointing",
+    "merge_activation_section",
+]

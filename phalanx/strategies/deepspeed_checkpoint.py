@@ -68,9 +68,13 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
 
     directory = Path(path)
     if not is_deepspeed_checkpoint(directory):
-        missing = [name for name in (STATE_FILE, "latest") if not (directory / name).is_file()] if directory.is_dir() else []
+        missing = (
+            [name for name in (STATE_FILE, "latest") if not (directory / name).is_file()] if directory.is_dir() else []
+        )
         detail = f"; {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else ""
-        raise CheckpointError(f"{directory} is not a DeepSpeed checkpoint directory written by phalanx (it needs '{STATE_FILE}' and 'latest'){detail}.")
+        raise CheckpointError(
+            f"{directory} is not a DeepSpeed checkpoint directory written by phalanx (it needs '{STATE_FILE}' and 'latest'){detail}."
+        )
     file = entry_inside(directory, STATE_FILE, root=directory, what="phalanx's state file")
     with open(file, "rb") as handle:
         return load_bytes(handle, str(directory / STATE_FILE), map_location="cpu")
@@ -93,14 +97,18 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike) -> dict[str, Any]
     files = Files(directory / tag)  # checked to lie inside; named as the user names the directory
     model_states = [load_part(file, directory, "module") for file in files.model_files]
     files.check_world_size(model_states[0].get("dp_world_size", len(files.optim_files) or 1))
-    optim_states = [load_part(file, directory, "optimizer_state_dict")["optimizer_state_dict"] for file in files.optim_files]
+    optim_states = [
+        load_part(file, directory, "optimizer_state_dict")["optimizer_state_dict"] for file in files.optim_files
+    ]
     try:
         weights, optimizer_state = _consolidate(model_states, optim_states, str(files.directory))
     except CheckpointError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as error:
         # Files that each read fine but do not fit together: cut short, of another model, of another save.
-        raise CheckpointError(f"{files.directory}: DeepSpeed's files do not fit together (damaged, or from different checkpoints): {type(error).__name__}: {error}") from None
+        raise CheckpointError(
+            f"{files.directory}: DeepSpeed's files do not fit together (damaged, or from different checkpoints): {type(error).__name__}: {error}"
+        ) from None
     full = {key: value for key, value in state.items() if key != "deepspeed"}
     full["state_dict"] = weights
     if "optimizer_states" in full:
@@ -111,7 +119,9 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike) -> dict[str, Any]
     return full
 
 
-def _consolidate(model_states: list[dict[str, Any]], optim_states: list[dict[str, Any]], source: str) -> tuple[OrderedDict[str, Tensor], dict[str, Any] | None]:
+def _consolidate(
+    model_states: list[dict[str, Any]], optim_states: list[dict[str, Any]], source: str
+) -> tuple[OrderedDict[str, Tensor], dict[str, Any] | None]:
     first = model_states[0]
     world_size = int(first.get("dp_world_size", len(optim_states) or 1))
     module = first["module"]
@@ -123,7 +133,9 @@ def _consolidate(model_states: list[dict[str, Any]], optim_states: list[dict[str
         mapped = optimizer if isinstance(optimizer, dict) and set(optimizer) == {"state", "param_groups"} else None
         return weights, mapped
     if len(optim_states) != world_size:
-        raise CheckpointError(f"{source} was saved by {world_size} processes but holds {len(optim_states)} optimizer partitions.")
+        raise CheckpointError(
+            f"{source} was saved by {world_size} processes but holds {len(optim_states)} optimizer partitions."
+        )
     param_shapes: list[OrderedDict[str, Any]] = first["param_shapes"]
     if "fp32_flat_groups" in optim_states[0]:
         trainable, optimizer = _zero3(param_shapes, optim_states, world_size, source)
@@ -132,7 +144,9 @@ def _consolidate(model_states: list[dict[str, Any]], optim_states: list[dict[str
         trainable, optimizer = _zero12(param_shapes, optim_states, source)
         frozen = {name: tensor for name, tensor in module.items() if name not in buffer_names}
     else:
-        raise CheckpointError(f"{source}: the optimizer partitions hold no float32 master weights (optimizer state offloaded to NVMe?); they cannot be consolidated.")
+        raise CheckpointError(
+            f"{source}: the optimizer partitions hold no float32 master weights (optimizer state offloaded to NVMe?); they cannot be consolidated."
+        )
     weights: OrderedDict[str, Tensor] = OrderedDict()
     for name, tensor in module.items():
         # The module file gives the names in state_dict order; each value comes from the most precise source.
@@ -154,7 +168,9 @@ def _to_float32(tensor: Tensor) -> Tensor:
     return tensor.float() if tensor.dtype in _HALF else tensor
 
 
-def _zero12(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], source: str) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+def _zero12(
+    param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], source: str
+) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
     """ZeRO stages 1 and 2: each param group is one flat vector split evenly across ranks (padding at the end)."""
     paddings = optim_states[0].get("param_alignment_paddings")
     trainable: dict[str, Tensor] = {}
@@ -163,14 +179,18 @@ def _zero12(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[s
         sizes = [state["single_partition_of_fp32_groups"][group].numel() for state in optim_states]
         # DeepSpeed splits a group evenly; only the last rank's part is saved shorter (without its padding).
         if any(size != sizes[0] for size in sizes[:-1]) or sizes[-1] > sizes[0]:
-            raise CheckpointError(f"{source}: the optimizer partitions of parameter group {group} hold {sizes} elements; DeepSpeed splits a group evenly, so they come from different checkpoints.")
+            raise CheckpointError(
+                f"{source}: the optimizer partitions of parameter group {group} hold {sizes} elements; DeepSpeed splits a group evenly, so they come from different checkpoints."
+            )
         flat = torch.cat([state["single_partition_of_fp32_groups"][group].float() for state in optim_states])
         offset = 0
         group_slices = []
         for index, (name, shape) in enumerate(shapes.items()):
             numel = math.prod(shape)
             if offset + numel > flat.numel():
-                raise CheckpointError(f"{source}: parameter {name!r} lies beyond the saved partitions of group {group}; the checkpoint is incomplete, or its files come from different checkpoints.")
+                raise CheckpointError(
+                    f"{source}: parameter {name!r} lies beyond the saved partitions of group {group}; the checkpoint is incomplete, or its files come from different checkpoints."
+                )
             trainable[name] = flat[offset : offset + numel].view(shape).clone()
             group_slices.append((name, offset, numel, shape))
             offset += numel + (paddings[group][index] if paddings is not None else 0)
@@ -183,7 +203,10 @@ def _zero12(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[s
     if hyper is None:
         return trainable, None
     # The master weights were saved without the padding at the end of the last rank's partition; the state was not.
-    partition_numels = [[state["single_partition_of_fp32_groups"][g].numel() for g in range(len(param_shapes))] for state in optim_states]
+    partition_numels = [
+        [state["single_partition_of_fp32_groups"][g].numel() for g in range(len(param_shapes))]
+        for state in optim_states
+    ]
     paddings_per_rank = [list(state.get("group_paddings") or [0] * len(param_shapes)) for state in optim_states]
     state_out: dict[int, dict[str, Any]] = {}
     groups_out: list[dict[str, Any]] = []
@@ -193,7 +216,9 @@ def _zero12(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[s
         full: dict[str, Any] = {}
         for key in keys:
             values = [states[group].get(key) for states in per_group_states]
-            merged = _merge_state_value(values, [numels[group] for numels in partition_numels], [pads[group] for pads in paddings_per_rank])
+            merged = _merge_state_value(
+                values, [numels[group] for numels in partition_numels], [pads[group] for pads in paddings_per_rank]
+            )
             if merged is _UNMAPPABLE:
                 return trainable, None
             full[key] = merged
@@ -201,7 +226,11 @@ def _zero12(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[s
         for name, offset, numel, shape in group_slices:
             entry = {}
             for key, value in full.items():
-                entry[key] = value[offset : offset + numel].view(shape).clone() if isinstance(value, _Flat) else _copy(value.value)
+                entry[key] = (
+                    value[offset : offset + numel].view(shape).clone()
+                    if isinstance(value, _Flat)
+                    else _copy(value.value)
+                )
             if entry:
                 state_out[next_index] = entry
             indices.append(next_index)
@@ -256,7 +285,9 @@ def _merge_state_value(values: list[Any], partition_numels: list[int], paddings:
         return _UNMAPPABLE
     first = values[0]
     if isinstance(first, Tensor) and first.dim() > 0:
-        if all(isinstance(v, Tensor) and v.numel() in (n, n + pad) for v, n, pad in zip(values, partition_numels, paddings)):
+        if all(
+            isinstance(v, Tensor) and v.numel() in (n, n + pad) for v, n, pad in zip(values, partition_numels, paddings)
+        ):
             return _Flat(torch.cat([v.reshape(-1)[:n] for v, n in zip(values, partition_numels)]))
         return _UNMAPPABLE
     if isinstance(first, (Tensor, int, float, bool)):
@@ -268,11 +299,15 @@ def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, Tensor) else value
 
 
-def _zero3(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], world_size: int, source: str) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
+def _zero3(
+    param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], world_size: int, source: str
+) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
     """ZeRO stage 3: every parameter is split on its own into ``ceil(numel / world_size)`` elements per rank."""
     flats = [torch.cat([group.float().reshape(-1) for group in state["fp32_flat_groups"]]) for state in optim_states]
     if any(flat.numel() != flats[0].numel() for flat in flats):
-        raise CheckpointError(f"{source}: the optimizer partitions hold {[flat.numel() for flat in flats]} elements; ZeRO-3 gives every rank as many, so they come from different checkpoints.")
+        raise CheckpointError(
+            f"{source}: the optimizer partitions hold {[flat.numel() for flat in flats]} elements; ZeRO-3 gives every rank as many, so they come from different checkpoints."
+        )
     layout: list[tuple[int, str, int, int, Any]] = []  # (group, name, offset in each rank's flat vector, numel, shape)
     offset = 0
     trainable: dict[str, Tensor] = {}
@@ -281,7 +316,9 @@ def _zero3(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[st
             numel = math.prod(shape)
             part = math.ceil(numel / world_size)
             if offset + part > flats[0].numel():
-                raise CheckpointError(f"{source}: parameter {name!r} lies beyond the saved partitions; the checkpoint is incomplete, or its files come from different checkpoints.")
+                raise CheckpointError(
+                    f"{source}: parameter {name!r} lies beyond the saved partitions; the checkpoint is incomplete, or its files come from different checkpoints."
+                )
             trainable[name] = torch.cat([flat[offset : offset + part] for flat in flats])[:numel].view(shape).clone()
             layout.append((group, name, offset, numel, shape))
             offset += part
@@ -289,7 +326,12 @@ def _zero3(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[st
     return trainable, optimizer
 
 
-def _zero3_optimizer(param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], layout: list[tuple[int, str, int, int, Any]], world_size: int) -> dict[str, Any] | None:
+def _zero3_optimizer(
+    param_shapes: list[OrderedDict[str, Any]],
+    optim_states: list[dict[str, Any]],
+    layout: list[tuple[int, str, int, int, Any]],
+    world_size: int,
+) -> dict[str, Any] | None:
     bases = [state.get("optimizer_state_dict") for state in optim_states]
     if not all(isinstance(base, dict) and "state" in base and "param_groups" in base for base in bases):
         return None
@@ -298,7 +340,9 @@ def _zero3_optimizer(param_shapes: list[OrderedDict[str, Any]], optim_states: li
     if len(sub_groups) != len(sub_numels):
         return None
     # Each sub-group (DeepSpeed splits big param groups by sub_group_size) belongs to one param group.
-    group_totals = [sum(math.ceil(math.prod(shape) / world_size) for shape in shapes.values()) for shapes in param_shapes]
+    group_totals = [
+        sum(math.ceil(math.prod(shape) / world_size) for shape in shapes.values()) for shapes in param_shapes
+    ]
     owner_group: list[int] = []
     group, filled = 0, 0
     for numel in sub_numels:
@@ -347,7 +391,11 @@ def _zero3_optimizer(param_shapes: list[OrderedDict[str, Any]], optim_states: li
     groups_out = []
     for group in range(len(param_shapes)):
         first_sub = owner_group.index(group) if group in owner_group else None
-        hyper = {key: value for key, value in sub_groups[first_sub].items() if key != "params"} if first_sub is not None else {}
+        hyper = (
+            {key: value for key, value in sub_groups[first_sub].items() if key != "params"}
+            if first_sub is not None
+            else {}
+        )
         groups_out.append({**hyper, "params": indices_per_group[group]})
     return {"state": state_out, "param_groups": groups_out}
 

@@ -76,9 +76,13 @@ def generated_config(
         }  # fmt: skip
     if offload_parameters:
         section["offload_param"] = {
-            "device": zero["offload_params_device"], "nvme_path": zero["nvme_path"], "buffer_count": zero["params_buffer_count"],
-            "buffer_size": zero["params_buffer_size"], "max_in_cpu": zero["max_in_cpu"], "pin_memory": zero["pin_memory"],
-        }  # fmt: skip
+            "device": zero["offload_params_device"],
+            "nvme_path": zero["nvme_path"],
+            "buffer_count": zero["params_buffer_count"],
+            "buffer_size": zero["params_buffer_size"],
+            "max_in_cpu": zero["max_in_cpu"],
+            "pin_memory": zero["pin_memory"],
+        }
     generated = {"zero_optimization": section, "zero_allow_untested_optimizer": allow_untested_optimizer}
     merge_activation_section(generated, activation)
     return generated

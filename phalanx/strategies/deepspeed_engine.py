@@ -174,8 +174,13 @@ class DeepSpeedEngineMixin:
         optimizer, scheduler_configs = engine_optimizer(module, config, settings)
         parameters = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
         engine, ds_optimizer, _, ds_scheduler = self._deepspeed().initialize(
-            args=self._device_args(), model=module, optimizer=optimizer, model_parameters=parameters, config=config, dist_init_required=False,
-        )  # fmt: skip
+            args=self._device_args(),
+            model=module,
+            optimizer=optimizer,
+            model_parameters=parameters,
+            config=config,
+            dist_init_required=False,
+        )
         self._engine = engine
         self._engine_trains = True
         self._model = engine

@@ -38,11 +38,15 @@ def tag_directory(directory: Path, tag: Any = None) -> tuple[str, Path]:
             with open(latest, "rb") as handle:
                 tag = handle.read(4096).decode().strip()  # a tag is a short name; a huge 'latest' is not read whole
         except (OSError, UnicodeDecodeError) as error:
-            raise CheckpointError(f"{directory / 'latest'} cannot be read as DeepSpeed's tag name: {type(error).__name__}: {error}") from None
+            raise CheckpointError(
+                f"{directory / 'latest'} cannot be read as DeepSpeed's tag name: {type(error).__name__}: {error}"
+            ) from None
         what = "the DeepSpeed tag named by 'latest'"
     folder = entry_inside(directory, tag, root=directory, what=what)
     if not folder.is_dir():
-        raise CheckpointError(f"DeepSpeed checkpoint files not found: {directory / tag} does not exist (the tag directory named by the checkpoint).")
+        raise CheckpointError(
+            f"DeepSpeed checkpoint files not found: {directory / tag} does not exist (the tag directory named by the checkpoint)."
+        )
     tree_inside(folder, root=directory, what=f"the tag directory {tag!r}")
     return tag, folder
 
@@ -81,7 +85,9 @@ _ALLOWED_DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
 _GLOBALS_LOCK = threading.Lock()
 
 
-def load_deepspeed_file(path: str | os.PathLike, *, root: Path, allowed_globals: list[Any] | None = None, map_location: Any = "cpu") -> dict[str, Any]:
+def load_deepspeed_file(
+    path: str | os.PathLike, *, root: Path, allowed_globals: list[Any] | None = None, map_location: Any = "cpu"
+) -> dict[str, Any]:
     """One of DeepSpeed's files, read with ``weights_only=True`` and ``allowed_globals`` (default: inert stand-ins).
 
     ``path`` must lie inside ``root`` (the checkpoint directory) after resolving symbolic links. The allow-list is
@@ -92,7 +98,13 @@ def load_deepspeed_file(path: str | os.PathLike, *, root: Path, allowed_globals:
 
     file = path_inside(path, root=root, what="a DeepSpeed checkpoint file")
     try:
-        with _GLOBALS_LOCK, torch.serialization.safe_globals(allowed_globals if allowed_globals is not None else _ALLOWED_DEEPSPEED_GLOBALS), open(file, "rb") as handle:
+        with (
+            _GLOBALS_LOCK,
+            torch.serialization.safe_globals(
+                allowed_globals if allowed_globals is not None else _ALLOWED_DEEPSPEED_GLOBALS
+            ),
+            open(file, "rb") as handle,
+        ):
             return load_bytes(handle, str(path), map_location=map_location)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the DeepSpeed checkpoint {root} is incomplete.") from None
@@ -102,7 +114,9 @@ def load_part(path: Path, root: Path, key: str) -> dict[str, Any]:
     """One of DeepSpeed's files (inert stand-ins for its records), which must hold ``key``."""
     content = load_deepspeed_file(path, root=root)
     if key not in content:
-        raise CheckpointError(f"{path} is not a DeepSpeed file of the kind its name says: it has no {key!r} entry (damaged, or from another program).")
+        raise CheckpointError(
+            f"{path} is not a DeepSpeed file of the kind its name says: it has no {key!r} entry (damaged, or from another program)."
+        )
     return content
 
 
@@ -116,18 +130,33 @@ class Files:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         names = os.listdir(directory)
-        optim = {int(m.group(2)): name for name in names if (m := re.fullmatch(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", name))}
-        zero3_models = {int(m.group(1)): name for name in names if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", name))}
+        optim = {
+            int(m.group(2)): name
+            for name in names
+            if (m := re.fullmatch(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", name))
+        }
+        zero3_models = {
+            int(m.group(1)): name
+            for name in names
+            if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", name))
+        }
         self.optim_files = [directory / optim[rank] for rank in sorted(optim)]
         _check_ranks(directory, sorted(optim), len(optim), _optim_name)
         self.zero3 = bool(zero3_models)
         if zero3_models:
             self.model_files = [directory / zero3_models[rank] for rank in sorted(zero3_models)]
-            _check_ranks(directory, sorted(zero3_models), len(zero3_models), lambda rank: f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+            _check_ranks(
+                directory,
+                sorted(zero3_models),
+                len(zero3_models),
+                lambda rank: f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+            )
         elif (directory / "mp_rank_00_model_states.pt").is_file():
             self.model_files = [directory / "mp_rank_00_model_states.pt"]
         else:
-            raise CheckpointError(f"{directory} holds no DeepSpeed model states file (mp_rank_00_model_states.pt is missing).")
+            raise CheckpointError(
+                f"{directory} holds no DeepSpeed model states file (mp_rank_00_model_states.pt is missing)."
+            )
 
     def check_world_size(self, world_size: Any) -> None:
         """Every rank of the saving run left its optimizer partition (and, under ZeRO-3, its model states)."""
@@ -136,14 +165,25 @@ class Files:
         if self.optim_files:
             _check_ranks(self.directory, list(range(len(self.optim_files))), world_size, _optim_name)
         if self.zero3:
-            _check_ranks(self.directory, list(range(len(self.model_files))), world_size, lambda rank: f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
+            _check_ranks(
+                self.directory,
+                list(range(len(self.model_files))),
+                world_size,
+                lambda rank: f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
+            )
 
 
 def _check_ranks(directory: Path, found: list[int], expected: int, name: Any) -> None:
     missing = [name(rank) for rank in range(max(expected, (found[-1] + 1) if found else 0)) if rank not in found]
     if missing or len(found) > expected:
-        detail = f"is missing {', '.join(missing)}" if missing else f"holds {len(found)} partitions where {expected} processes saved"
-        raise CheckpointError(f"{directory} {detail}: the DeepSpeed checkpoint is incomplete or mixes files of different checkpoints.")
+        detail = (
+            f"is missing {', '.join(missing)}"
+            if missing
+            else f"holds {len(found)} partitions where {expected} processes saved"
+        )
+        raise CheckpointError(
+            f"{directory} {detail}: the DeepSpeed checkpoint is incomplete or mixes files of different checkpoints."
+        )
 
 
 # ---------------------------------------------------------------------------- resuming through DeepSpeed's engine
@@ -153,7 +193,9 @@ def check_tag_files(folder: Path, *, world_size: Any, zero_stage: Any) -> None:
     if world_size is not None:
         files.check_world_size(world_size)
     if isinstance(zero_stage, int) and zero_stage >= 1 and not files.optim_files:
-        raise CheckpointError(f"{folder} is missing {_optim_name(0)} (and every other optimizer partition): the DeepSpeed checkpoint is incomplete.")
+        raise CheckpointError(
+            f"{folder} is missing {_optim_name(0)} (and every other optimizer partition): the DeepSpeed checkpoint is incomplete."
+        )
 
 
 def deepspeed_record_types() -> list[type]:
@@ -185,9 +227,13 @@ def refuse_unsafe_engine_reads(engine: Any, directory: Path) -> None:
     """Refuse the resumes in which DeepSpeed would unpickle files itself, past its checkpoint engine."""
     reasons = []
     if engine.load_universal_checkpoint():
-        reasons.append("the config asks for a universal checkpoint ('checkpoint': {'load_universal': true}), whose files DeepSpeed reads with torch.load(weights_only=False)")
+        reasons.append(
+            "the config asks for a universal checkpoint ('checkpoint': {'load_universal': true}), whose files DeepSpeed reads with torch.load(weights_only=False)"
+        )
     if getattr(engine, "has_moe_layers", False):
-        reasons.append("the model has mixture-of-experts layers, whose expert files DeepSpeed reads with torch.load(weights_only=False)")
+        reasons.append(
+            "the model has mixture-of-experts layers, whose expert files DeepSpeed reads with torch.load(weights_only=False)"
+        )
     if reasons:
         raise UnsafeCheckpointError(
             f"Refusing to resume from {directory}: {'; '.join(reasons)}, which runs any code the files' author chose. If you"
@@ -206,4 +252,13 @@ def safe_engine_reads(engine: Any, directory: Path, folder: Path) -> Iterator[No
         engine.checkpoint_engine = original
 
 
-__all__ = ["Files", "check_tag_files", "deepspeed_record_types", "load_deepspeed_file", "load_part", "refuse_unsafe_engine_reads", "safe_engine_reads", "tag_directory"]
+__all__ = [
+    "Files",
+    "check_tag_files",
+    "deepspeed_record_types",
+    "load_deepspeed_file",
+    "load_part",
+    "refuse_unsafe_engine_reads",
+    "safe_engine_reads",
+    "tag_directory",
+]

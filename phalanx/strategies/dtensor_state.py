@@ -40,10 +40,14 @@ def shard_like(full: Tensor, like: Tensor, name: str) -> Tensor:
     if not is_dtensor(like) or is_dtensor(full):
         return full
     if tuple(full.shape) != tuple(like.shape):
-        raise ValueError(f"The checkpoint's {name} has shape {tuple(full.shape)}, but the model's has shape {tuple(like.shape)}.")
+        raise ValueError(
+            f"The checkpoint's {name} has shape {tuple(full.shape)}, but the model's has shape {tuple(like.shape)}."
+        )
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(full.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+    return distribute_tensor(
+        full.to(device=like.device, dtype=like.dtype), like.device_mesh, like.placements, src_data_rank=None
+    )
 
 
 def has_dtensors(module: nn.Module) -> bool:
@@ -65,7 +69,10 @@ def full_module_state(module: nn.Module, keep: bool) -> dict[str, Tensor]:
 def load_module_state(module: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
     """Load whole (or already sharded) tensors into a module whose parameters may be DTensors."""
     live = module.state_dict()
-    converted = {name: shard_like(value, live[name], name) if name in live and isinstance(value, Tensor) else value for name, value in state.items()}
+    converted = {
+        name: shard_like(value, live[name], name) if name in live and isinstance(value, Tensor) else value
+        for name, value in state.items()
+    }
     module.load_state_dict(converted, strict=strict)
 
 
@@ -88,7 +95,9 @@ def full_optimizer_state(optimizer: Optimizer, keep: bool) -> dict[str, Any]:
     state = optimizer.state_dict()
     per_parameter: dict[Any, dict[str, Any]] = {}
     for pid, entries in _sorted_items(state["state"]):
-        gathered = {name: whole(value, keep) if isinstance(value, Tensor) else value for name, value in _sorted_items(entries)}
+        gathered = {
+            name: whole(value, keep) if isinstance(value, Tensor) else value for name, value in _sorted_items(entries)
+        }
         per_parameter[pid] = gathered
     if not keep:
         return {}
@@ -131,7 +140,11 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     seed, when ``reset_parameters`` runs in the order the modules were created. Random initialisers applied to
     DTensors directly would not do: on the CPU every shard would get the same numbers.
     """
-    uninitialised = [name or type(module).__name__ for name, sub in module.named_modules() if _owns_meta_tensors(sub) and not callable(getattr(sub, "reset_parameters", None))]
+    uninitialised = [
+        name or type(module).__name__
+        for name, sub in module.named_modules()
+        if _owns_meta_tensors(sub) and not callable(getattr(sub, "reset_parameters", None))
+    ]
     if uninitialised:
         raise ValueError(
             f"These modules were created on the meta device but have no reset_parameters() to initialise them: {uninitialised}."
@@ -155,7 +168,11 @@ def _reset_on_whole_tensors(module: nn.Module) -> None:
     try:
         for table, name, tensor in originals:
             stand_in = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
-            table[name] = nn.Parameter(stand_in, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else stand_in
+            table[name] = (
+                nn.Parameter(stand_in, requires_grad=tensor.requires_grad)
+                if isinstance(tensor, nn.Parameter)
+                else stand_in
+            )
         module.reset_parameters()  # type: ignore[operator]
         initialised = {(id(table), name): table[name] for table, name, _ in originals}
     finally:

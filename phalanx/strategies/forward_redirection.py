@@ -9,7 +9,14 @@ from torch import nn
 _ABSENT = object()
 
 
-def redirect_forward(wrapper: nn.Module, module: nn.Module, method_name: str, *args: Any, after_step: Callable[[], None] | None = None, **kwargs: Any) -> Any:
+def redirect_forward(
+    wrapper: nn.Module,
+    module: nn.Module,
+    method_name: str,
+    *args: Any,
+    after_step: Callable[[], None] | None = None,
+    **kwargs: Any,
+) -> Any:
     """Call ``module.<method_name>(*args, **kwargs)`` by way of ``wrapper(...)``.
 
     Wrappers such as DistributedDataParallel or FSDP do their work in hooks around ``forward``; calling

@@ -87,9 +87,14 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         # The seed's FSDP1 forms (CPUOffload, MixedPrecision, ShardingStrategy, wrap policies, ...) are translated here.
         self.sharding_strategy = seed.sharding_strategy_name(sharding_strategy)
         self._state_dict_type = check_state_dict_type(state_dict_type)
@@ -108,7 +113,9 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     @property
     def reshard_after_forward(self) -> bool | int:
         """Whether gathered parameters are freed after each layer's forward (ZeRO-3) or kept until backward (ZeRO-2)."""
-        return self._fully_shard_kwargs.get("reshard_after_forward", self.sharding_strategy not in KEEP_GATHERED_AFTER_FORWARD)
+        return self._fully_shard_kwargs.get(
+            "reshard_after_forward", self.sharding_strategy not in KEEP_GATHERED_AFTER_FORWARD
+        )
 
     @staticmethod
     def _fully_shard_names() -> set[str]:
@@ -125,16 +132,26 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         if device_mesh is None:
             return None
         if self._process_group is not None:
-            raise ValueError("FSDPStrategy(process_group=..., device_mesh=...): pass only one of them; both say which processes shard the model.")
+            raise ValueError(
+                "FSDPStrategy(process_group=..., device_mesh=...): pass only one of them; both say which processes shard the model."
+            )
         if isinstance(device_mesh, DeviceMesh):
             if device_mesh.ndim != dims:
-                raise ValueError(f"device_mesh has {device_mesh.ndim} dimension(s), but sharding_strategy={self.sharding_strategy!r} needs a {dims}-D mesh{' (replicate, shard)' if hybrid else ''}.")
+                raise ValueError(
+                    f"device_mesh has {device_mesh.ndim} dimension(s), but sharding_strategy={self.sharding_strategy!r} needs a {dims}-D mesh{' (replicate, shard)' if hybrid else ''}."
+                )
             return device_mesh
         if not isinstance(device_mesh, tuple):
-            raise TypeError(f"device_mesh must be a tuple (replicas, shard size) for hybrid sharding, (processes,) otherwise, or a torch DeviceMesh; got {type(device_mesh).__name__}.")
+            raise TypeError(
+                f"device_mesh must be a tuple (replicas, shard size) for hybrid sharding, (processes,) otherwise, or a torch DeviceMesh; got {type(device_mesh).__name__}."
+            )
         if not hybrid and len(device_mesh) == 2:
-            raise ValueError(f"device_mesh is for sharding_strategy='HYBRID_SHARD' (replicas x shard size); got sharding_strategy={self.sharding_strategy!r}.")
-        if len(device_mesh) != dims or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in device_mesh):
+            raise ValueError(
+                f"device_mesh is for sharding_strategy='HYBRID_SHARD' (replicas x shard size); got sharding_strategy={self.sharding_strategy!r}."
+            )
+        if len(device_mesh) != dims or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in device_mesh
+        ):
             expected = "a pair (replicas, shard size) of positive ints" if hybrid else "(processes,), one positive int"
             raise ValueError(f"device_mesh={device_mesh!r} must be {expected}, or a {dims}-D DeviceMesh.")
         return device_mesh
@@ -177,10 +194,16 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
             else:
                 shape = (world, 1) if self.sharding_strategy == "NO_SHARD" else (world,)
                 if self._device_mesh_spec is not None and self._device_mesh_spec[0] != world:
-                    raise ValueError(f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, but the job has {world}.")
+                    raise ValueError(
+                        f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, but the job has {world}."
+                    )
             if hybrid and shape[0] * shape[1] != world:
-                raise ValueError(f"{self.sharding_strategy} device_mesh={shape} has {shape[0] * shape[1]} processes, but the job has {world}; pass device_mesh=(replicas, shard_size) with replicas * shard_size == {world}.")
-            return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else ("shard",))
+                raise ValueError(
+                    f"{self.sharding_strategy} device_mesh={shape} has {shape[0] * shape[1]} processes, but the job has {world}; pass device_mesh=(replicas, shard_size) with replicas * shard_size == {world}."
+                )
+            return init_device_mesh(
+                device_type, shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else ("shard",)
+            )
         if self.sharding_strategy == "NO_SHARD":
             # Replicated everywhere: a (processes x 1) mesh, on which fully_shard only all-reduces gradients.
             mesh = DeviceMesh(device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard"))
@@ -211,7 +234,10 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     def _mark_for_sharding(self, module: nn.Module, **fsdp1_arguments: Any) -> nn.Module:
         # FSDP1 would wrap the layer now; FSDP2 shards it in setup, with the strategy's settings, before the root.
         if fsdp1_arguments:
-            seed.warn_once("wrap arguments", f"wrap(module, {', '.join(fsdp1_arguments)}=...): FSDP2 shards the layer with the strategy's own settings; these arguments are not applied.")
+            seed.warn_once(
+                "wrap arguments",
+                f"wrap(module, {', '.join(fsdp1_arguments)}=...): FSDP2 shards the layer with the strategy's own settings; these arguments are not applied.",
+            )
         self._marked_for_sharding.append(module)
         return module
 
@@ -264,9 +290,13 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         if module is self._sharded_by_strategy:
             return
         if self._wrap_picker is not None or self._checkpoint_picker is not None:
-            rank_zero_warn("The module was already sharded with fully_shard in configure_model: auto_wrap_policy and activation_checkpointing_policy are ignored.")
+            rank_zero_warn(
+                "The module was already sharded with fully_shard in configure_model: auto_wrap_policy and activation_checkpointing_policy are ignored."
+            )
         if self._layer_sync is not None:
-            rank_zero_warn("The module was already sharded with fully_shard in configure_model: sync_batchnorm is not applied (convert its BatchNorm layers with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fully_shard).")
+            rank_zero_warn(
+                "The module was already sharded with fully_shard in configure_model: sync_batchnorm is not applied (convert its BatchNorm layers with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fully_shard)."
+            )
 
     def _broadcast_from_rank_zero(self, module: nn.Module) -> None:
         # fully_shard keeps each rank's own slice: ranks that initialised differently would assemble a mixed model.
@@ -279,7 +309,12 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
                 continue
             # One tensor at a time through the device when the backend needs it there (NCCL), never the whole model.
             staged = tensor if tensor.device == device else tensor.to(device)
-            distributed.run_collective("broadcast(weights)", self.global_rank, self._timeout, lambda t=staged: torch.distributed.broadcast(t, src=0))
+            distributed.run_collective(
+                "broadcast(weights)",
+                self.global_rank,
+                self._timeout,
+                lambda t=staged: torch.distributed.broadcast(t, src=0),
+            )
             if staged is not tensor:
                 tensor.copy_(staged)
 
@@ -301,11 +336,15 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
             arguments["mp_policy"] = policy
         if self.cpu_offload:
             if self.root_device.type == "cpu":
-                rank_zero_info("cpu_offload: the model already trains on the CPU, so parameters, gradients and optimizer state stay in host memory.")
+                rank_zero_info(
+                    "cpu_offload: the model already trains on the CPU, so parameters, gradients and optimizer state stay in host memory."
+                )
             else:
                 from torch.distributed.fsdp import CPUOffloadPolicy
 
-                arguments["offload_policy"] = self.cpu_offload if not isinstance(self.cpu_offload, bool) else CPUOffloadPolicy()
+                arguments["offload_policy"] = (
+                    self.cpu_offload if not isinstance(self.cpu_offload, bool) else CPUOffloadPolicy()
+                )
         arguments.update(self._fully_shard_kwargs)
         return arguments
 
@@ -341,4 +380,9 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     def register_strategies(cls, registry: Any) -> None:
         """Register 'fsdp' and 'fsdp_cpu_offload'."""
         registry.register("fsdp", cls, description="Fully sharded data parallel (FSDP2), ZeRO-3 style.")
-        registry.register("fsdp_cpu_offload", cls, description="Fully sharded data parallel with parameters and optimizer state offloaded to the CPU.", cpu_offload=True)
+        registry.register(
+            "fsdp_cpu_offload",
+            cls,
+            description="Fully sharded data parallel with parameters and optimizer state offloaded to the CPU.",
+            cpu_offload=True,
+        )

@@ -32,9 +32,17 @@ HYBRID_STRATEGIES = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 KEEP_GATHERED_AFTER_FORWARD = ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
 #: Keyword arguments of FSDP1's FullyShardedDataParallel that FSDPStrategy takes besides its named parameters.
 SEED_KEYWORD_ARGUMENTS = (
-    "process_group", "backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params", "sync_module_states",
-    "ignored_modules", "ignored_states", "param_init_fn", "device_id",
-)  # fmt: skip
+    "process_group",
+    "backward_prefetch",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "sync_module_states",
+    "ignored_modules",
+    "ignored_states",
+    "param_init_fn",
+    "device_id",
+)
 _POLICY_FORMS = (
     "a set of nn.Module subclasses, a callable(module) -> bool, an FSDP1 policy callable(module, recurse, nonwrapped_numel)"
     " -> bool (e.g. functools.partial(transformer_auto_wrap_policy, ...)), or a torch.distributed.fsdp.wrap.ModuleWrapPolicy"
@@ -59,9 +67,15 @@ def warn_once(key: str, message: str) -> None:
 # ---------------------------------------------------------------------------- sharding strategy, offload, precision
 def sharding_strategy_name(sharding_strategy: Any) -> str:
     """The canonical name of a ``ShardingStrategy`` member or of its name as a string (any case)."""
-    name = getattr(sharding_strategy, "name", sharding_strategy) if not isinstance(sharding_strategy, str) else sharding_strategy
+    name = (
+        getattr(sharding_strategy, "name", sharding_strategy)
+        if not isinstance(sharding_strategy, str)
+        else sharding_strategy
+    )
     if not isinstance(name, str) or name.upper() not in SHARDING_STRATEGIES:
-        raise ValueError(f"sharding_strategy={sharding_strategy!r} is not valid; choose one of {list(SHARDING_STRATEGIES)} (a string in any case, or a torch.distributed.fsdp.ShardingStrategy member).")
+        raise ValueError(
+            f"sharding_strategy={sharding_strategy!r} is not valid; choose one of {list(SHARDING_STRATEGIES)} (a string in any case, or a torch.distributed.fsdp.ShardingStrategy member)."
+        )
     return name.upper()
 
 
@@ -74,7 +88,9 @@ def cpu_offload_setting(cpu_offload: Any) -> Any:
     if isinstance(cpu_offload, CPUOffload):
         # FSDP1 offloads parameters and gradients and steps the optimizer on the CPU, as FSDP2's policy does.
         return CPUOffloadPolicy() if cpu_offload.offload_params else False
-    raise TypeError(f"cpu_offload must be a bool, None, a torch.distributed.fsdp.CPUOffloadPolicy or an FSDP1 CPUOffload, got {type(cpu_offload).__name__}.")
+    raise TypeError(
+        f"cpu_offload must be a bool, None, a torch.distributed.fsdp.CPUOffloadPolicy or an FSDP1 CPUOffload, got {type(cpu_offload).__name__}."
+    )
 
 
 def mixed_precision_policy(mixed_precision: Any) -> Any:
@@ -84,7 +100,9 @@ def mixed_precision_policy(mixed_precision: Any) -> Any:
     if mixed_precision is None or isinstance(mixed_precision, MixedPrecisionPolicy):
         return mixed_precision
     if not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError(f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy or an FSDP1 MixedPrecision, got {type(mixed_precision).__name__}.")
+        raise TypeError(
+            f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy or an FSDP1 MixedPrecision, got {type(mixed_precision).__name__}."
+        )
     if mixed_precision.buffer_dtype is not None:
         warn_once(
             f"buffer_dtype={mixed_precision.buffer_dtype}",
@@ -92,9 +110,16 @@ def mixed_precision_policy(mixed_precision: Any) -> Any:
             " (cast them yourself in configure_model if they must be in that dtype).",
         )
     if mixed_precision.keep_low_precision_grads:
-        warn_once("keep_low_precision_grads", "MixedPrecision(keep_low_precision_grads=True): FSDP2 keeps the sharded gradients in the parameters' dtype; reduce_dtype only sets the dtype of the reduction.")
+        warn_once(
+            "keep_low_precision_grads",
+            "MixedPrecision(keep_low_precision_grads=True): FSDP2 keeps the sharded gradients in the parameters' dtype; reduce_dtype only sets the dtype of the reduction.",
+        )
     cast_inputs = bool(mixed_precision.cast_forward_inputs or mixed_precision.cast_root_forward_inputs)
-    return MixedPrecisionPolicy(param_dtype=mixed_precision.param_dtype, reduce_dtype=mixed_precision.reduce_dtype, cast_forward_inputs=cast_inputs)
+    return MixedPrecisionPolicy(
+        param_dtype=mixed_precision.param_dtype,
+        reduce_dtype=mixed_precision.reduce_dtype,
+        cast_forward_inputs=cast_inputs,
+    )
 
 
 # ---------------------------------------------------------------------------- wrap and checkpointing policies
@@ -118,16 +143,25 @@ def module_picker(policy: ModulePolicy | None, argument: str) -> ModulePicker | 
     raise TypeError(f"{argument} must be {_POLICY_FORMS}; got {type(policy).__name__}.")
 
 
-def checkpointing_policy(activation_checkpointing: Any, activation_checkpointing_policy: ModulePolicy | None) -> ModulePolicy | None:
+def checkpointing_policy(
+    activation_checkpointing: Any, activation_checkpointing_policy: ModulePolicy | None
+) -> ModulePolicy | None:
     """The seed's deprecated ``activation_checkpointing`` (a layer class or list of them) as a policy."""
     if activation_checkpointing is None:
         return activation_checkpointing_policy
     if activation_checkpointing_policy is not None:
-        raise ValueError("Pass activation_checkpointing_policy= only: activation_checkpointing= (deprecated) and activation_checkpointing_policy= select the same thing.")
+        raise ValueError(
+            "Pass activation_checkpointing_policy= only: activation_checkpointing= (deprecated) and activation_checkpointing_policy= select the same thing."
+        )
     classes = [activation_checkpointing] if isinstance(activation_checkpointing, type) else activation_checkpointing
     if not isinstance(classes, (list, tuple, set, frozenset)):
-        raise TypeError(f"activation_checkpointing must be an nn.Module subclass or a list of them, got {type(activation_checkpointing).__name__}.")
-    warn_once("activation_checkpointing", f"FSDPStrategy(activation_checkpointing=...) is deprecated; pass activation_checkpointing_policy={{{', '.join(getattr(c, '__name__', repr(c)) for c in classes)}}} instead.")
+        raise TypeError(
+            f"activation_checkpointing must be an nn.Module subclass or a list of them, got {type(activation_checkpointing).__name__}."
+        )
+    warn_once(
+        "activation_checkpointing",
+        f"FSDPStrategy(activation_checkpointing=...) is deprecated; pass activation_checkpointing_policy={{{', '.join(getattr(c, '__name__', repr(c)) for c in classes)}}} instead.",
+    )
     return set(classes)
 
 
@@ -146,7 +180,10 @@ def _pick_matching(predicate: Callable[[nn.Module], bool], root: nn.Module) -> l
 def _pick_with_policy_object(policy: Any, root: nn.Module) -> list[nn.Module]:
     targets = policy._run_policy(root, set(), {})
     if any(targets.values()):
-        warn_once("CustomPolicy arguments", "The auto_wrap_policy returned per-module FSDP1 arguments: FSDP2 shards every selected module with the strategy's own settings, so they are not applied.")
+        warn_once(
+            "CustomPolicy arguments",
+            "The auto_wrap_policy returned per-module FSDP1 arguments: FSDP2 shards every selected module with the strategy's own settings, so they are not applied.",
+        )
     return _innermost_first(root, lambda module: module in targets)
 
 
@@ -161,7 +198,9 @@ def _takes_recurse(policy: Callable[..., Any], argument: str) -> bool:
         return False
     if _binds(signature, 3):
         return True
-    raise TypeError(f"{argument}={policy!r} can be called neither as (module) nor as (module, recurse, nonwrapped_numel); it must be {_POLICY_FORMS}.")
+    raise TypeError(
+        f"{argument}={policy!r} can be called neither as (module) nor as (module, recurse, nonwrapped_numel); it must be {_POLICY_FORMS}."
+    )
 
 
 def _binds(signature: inspect.Signature, count: int) -> bool:
@@ -236,19 +275,40 @@ def _as_list(value: Any) -> list[Any]:
 def _explain_seed_option(name: str, value: Any) -> None:
     """Warn where FSDP2 does something else than the FSDP1 option ``name=value`` asks for (silent where it does the same)."""
     fsdp2 = {
-        ("use_orig_params", False): "FSDP2 has no flat parameters: optimizers always see the module's own parameters (as sharded DTensors), as with use_orig_params=True.",
-        ("limit_all_gathers", False): "FSDP2 has no all-gather rate limiter to turn off; it bounds the all-gathers in flight itself (one layer prefetched ahead).",
-        ("forward_prefetch", True): "FSDP2 overlaps the next layer's all-gather implicitly; for explicit prefetching call set_modules_to_forward_prefetch([...]) on the sharded layers (e.g. in on_fit_start).",
-        ("sync_module_states", False): "phalanx broadcasts rank 0's initial weights before sharding anyway (modules created on the meta device are initialised alike on every rank), as with sync_module_states=True.",
+        (
+            "use_orig_params",
+            False,
+        ): "FSDP2 has no flat parameters: optimizers always see the module's own parameters (as sharded DTensors), as with use_orig_params=True.",
+        (
+            "limit_all_gathers",
+            False,
+        ): "FSDP2 has no all-gather rate limiter to turn off; it bounds the all-gathers in flight itself (one layer prefetched ahead).",
+        (
+            "forward_prefetch",
+            True,
+        ): "FSDP2 overlaps the next layer's all-gather implicitly; for explicit prefetching call set_modules_to_forward_prefetch([...]) on the sharded layers (e.g. in on_fit_start).",
+        (
+            "sync_module_states",
+            False,
+        ): "phalanx broadcasts rank 0's initial weights before sharding anyway (modules created on the meta device are initialised alike on every rank), as with sync_module_states=True.",
     }
     if name == "backward_prefetch":
         prefetch = getattr(value, "name", value)
         if prefetch != "BACKWARD_PRE":
-            warn_once(f"{name}={prefetch}", f"FSDPStrategy(backward_prefetch={prefetch}): FSDP2 always prefetches the next layer's all-gather before computing the current layer's gradients (as BACKWARD_PRE); for explicit control call set_modules_to_backward_prefetch([...]) on the sharded layers.")
+            warn_once(
+                f"{name}={prefetch}",
+                f"FSDPStrategy(backward_prefetch={prefetch}): FSDP2 always prefetches the next layer's all-gather before computing the current layer's gradients (as BACKWARD_PRE); for explicit control call set_modules_to_backward_prefetch([...]) on the sharded layers.",
+            )
     elif name == "param_init_fn":
-        warn_once(name, "FSDPStrategy(param_init_fn=...): not called; phalanx materialises modules created on the meta device (tensor_init_context(empty_init=True)) with each module's reset_parameters().")
+        warn_once(
+            name,
+            "FSDPStrategy(param_init_fn=...): not called; phalanx materialises modules created on the meta device (tensor_init_context(empty_init=True)) with each module's reset_parameters().",
+        )
     elif name == "device_id":
-        warn_once(name, "FSDPStrategy(device_id=...): ignored; each process shards onto its own device (the Trainer's devices=).")
+        warn_once(
+            name,
+            "FSDPStrategy(device_id=...): ignored; each process shards onto its own device (the Trainer's devices=).",
+        )
     elif (name, bool(value)) in fsdp2:
         warn_once(f"{name}={bool(value)}", f"FSDPStrategy({name}={value!r}): {fsdp2[(name, bool(value))]}")
 
@@ -261,12 +321,22 @@ def check_process_group(process_group: Any, hybrid: bool) -> None:
     from torch.distributed import ProcessGroup
 
     if not hybrid and not isinstance(process_group, ProcessGroup):
-        raise ValueError(f"process_group must be one ProcessGroup for this sharding strategy (a pair (shard_group, replicate_group) is for hybrid sharding), got {type(process_group).__name__}.")
-    if hybrid and not (isinstance(process_group, tuple) and len(process_group) == 2 and all(isinstance(g, ProcessGroup) for g in process_group)):
-        raise ValueError(f"Hybrid sharding needs process_group=(shard_group, replicate_group), a pair of ProcessGroups, got {process_group!r}.")
+        raise ValueError(
+            f"process_group must be one ProcessGroup for this sharding strategy (a pair (shard_group, replicate_group) is for hybrid sharding), got {type(process_group).__name__}."
+        )
+    if hybrid and not (
+        isinstance(process_group, tuple)
+        and len(process_group) == 2
+        and all(isinstance(g, ProcessGroup) for g in process_group)
+    ):
+        raise ValueError(
+            f"Hybrid sharding needs process_group=(shard_group, replicate_group), a pair of ProcessGroups, got {process_group!r}."
+        )
 
 
-def mesh_from_process_group(process_group: Any, hybrid: bool, device_type: str, gather: Callable[[Any], list[Any]]) -> Any:
+def mesh_from_process_group(
+    process_group: Any, hybrid: bool, device_type: str, gather: Callable[[Any], list[Any]]
+) -> Any:
     """A DeviceMesh over FSDP1's ``process_group`` (see check_process_group); ``gather`` is all_gather_object over every process."""
     from torch.distributed import get_process_group_ranks, get_rank
     from torch.distributed.device_mesh import DeviceMesh
@@ -281,5 +351,9 @@ def mesh_from_process_group(process_group: Any, hybrid: bool, device_type: str, 
     mesh = torch.tensor(rows, dtype=torch.int) if disjoint and len({len(row) for row in rows}) == 1 else None
     column = None if mesh is None else int((mesh == get_rank()).nonzero()[0, 1])
     if mesh is None or sorted(mesh[:, column].tolist()) != sorted(get_process_group_ranks(replicate_group)):
-        raise ValueError(f"process_group=(shard_group, replicate_group) must split the processes into disjoint shard groups of one size (here {[list(r) for r in rows]}) whose members at the same position form the replicate groups.")
-    return DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard"))
+        raise ValueError(
+            f"process_group=(shard_group, replicate_group) must split the processes into disjoint shard groups of one size (here {[list(r) for r in rows]}) whose members at the same position form the replicate groups."
+        )
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard")
+    )

@@ -53,9 +53,14 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
-        )  # fmt: skip
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         _check_size("data_parallel_size", data_parallel_size)
         _check_size("tensor_parallel_size", tensor_parallel_size)
         self._data_parallel_size = data_parallel_size
@@ -126,7 +131,9 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
                 " fully_shard(module, mesh=self.device_mesh['data_parallel']) in configure_model."
             )
         if not has_dtensors(module) and self.world_size > 1:
-            raise ValueError("configure_model did not parallelise any parameter with self.device_mesh; the model would be replicated without synchronisation.")
+            raise ValueError(
+                "configure_model did not parallelise any parameter with self.device_mesh; the model would be replicated without synchronisation."
+            )
         if has_meta_tensors(module):
             self._materialize(module)
         else:
@@ -139,4 +146,8 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         """Register 'model_parallel'."""
-        registry.register("model_parallel", cls, description="Tensor parallelism and FSDP on a 2-D DeviceMesh, applied in configure_model.")
+        registry.register(
+            "model_parallel",
+            cls,
+            description="Tensor parallelism and FSDP on a 2-D DeviceMesh, applied in configure_model.",
+        )

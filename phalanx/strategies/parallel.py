@@ -80,7 +80,9 @@ class ParallelStrategy(Strategy, ABC):
         if self._launcher is None and self.cluster_environment is not None:
             if self._start_method == "popen":
                 if not self.cluster_environment.creates_processes_externally:
-                    self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+                    self._launcher = SubprocessScriptLauncher(
+                        self.cluster_environment, self.num_processes, self.num_nodes
+                    )
             elif self._launched_local_rank is None:
                 self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
         return self._launcher
@@ -113,8 +115,16 @@ class ParallelStrategy(Strategy, ABC):
         if not distributed.is_initialized():
             os.environ.setdefault("MASTER_ADDR", environment.main_address)
             os.environ.setdefault("MASTER_PORT", str(environment.main_port))
-            rank_zero_info(f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend {self.process_group_backend}")
-            torch.distributed.init_process_group(self.process_group_backend, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, store=self._rendezvous_store())
+            rank_zero_info(
+                f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend {self.process_group_backend}"
+            )
+            torch.distributed.init_process_group(
+                self.process_group_backend,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                timeout=self._timeout,
+                store=self._rendezvous_store(),
+            )
             # Left alive until interpreter shutdown, the group's threads can abort a finished job (see the module).
             destroy_process_group_at_exit()
         super().setup_environment()
@@ -150,7 +160,11 @@ class ParallelStrategy(Strategy, ABC):
         self.reconciliate_processes(repr(exception))
         if self.world_size > 1 and distributed.peer_left(exception):
             # Another process failed first and reports its own traceback; a second one here would only mislead.
-            print(f"[phalanx] rank {self.global_rank}: stopping because another process of this job failed (its error is shown above or by the launcher).", file=sys.stderr, flush=True)
+            print(
+                f"[phalanx] rank {self.global_rank}: stopping because another process of this job failed (its error is shown above or by the launcher).",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(1) from None
 
     @property
@@ -208,11 +222,17 @@ class ParallelStrategy(Strategy, ABC):
 
     # ------------------------------------------------------------------ steps: collectives torch runs itself
     #: What the wrapper's own collectives are called in error messages, by phase of a step.
-    step_collectives: dict[str, str] = {"forward": "forward pass", "backward": "backward pass (gradient synchronisation)", "optimizer_step": "optimizer step"}
+    step_collectives: dict[str, str] = {
+        "forward": "forward pass",
+        "backward": "backward pass (gradient synchronisation)",
+        "optimizer_step": "optimizer step",
+    }
 
     def naming_collectives(self, phase: str) -> AbstractContextManager:
         """A timeout or a lost peer inside is reported as a CollectiveError naming ``phase``'s collectives and the rank."""
-        return distributed.naming_collective_failures(self.step_collectives.get(phase, phase), self.global_rank, self._timeout, transport_only=True)
+        return distributed.naming_collective_failures(
+            self.step_collectives.get(phase, phase), self.global_rank, self._timeout, transport_only=True
+        )
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Tensor | Any:
         """All-reduce ``tensor`` with ``reduce_op`` ('mean'/'avg', 'sum', 'max', 'min' or a ReduceOp); others pass through."""
@@ -232,20 +252,29 @@ class ParallelStrategy(Strategy, ABC):
         if not distributed.is_initialized():
             return [obj]
         gathered: list[Any] = [None] * torch.distributed.get_world_size()
-        distributed.run_collective("all_gather_object", self.global_rank, self._timeout, lambda: torch.distributed.all_gather_object(gathered, obj))
+        distributed.run_collective(
+            "all_gather_object",
+            self.global_rank,
+            self._timeout,
+            lambda: torch.distributed.all_gather_object(gathered, obj),
+        )
         return gathered
 
     def barrier(self, name: str | None = None) -> None:
         """Wait for every process."""
         if distributed.is_initialized():
-            distributed.run_collective(f"barrier({name})" if name else "barrier", self.global_rank, self._timeout, torch.distributed.barrier)
+            distributed.run_collective(
+                f"barrier({name})" if name else "barrier", self.global_rank, self._timeout, torch.distributed.barrier
+            )
 
     def broadcast(self, obj: _T, src: int = 0) -> _T:
         """Send a picklable object from ``src`` to every process."""
         if not distributed.is_initialized():
             return obj
         box = [obj]
-        distributed.run_collective("broadcast", self.global_rank, self._timeout, lambda: torch.distributed.broadcast_object_list(box, src=src))
+        distributed.run_collective(
+            "broadcast", self.global_rank, self._timeout, lambda: torch.distributed.broadcast_object_list(box, src=src)
+        )
         return box[0]
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name

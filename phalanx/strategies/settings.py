@@ -37,14 +37,26 @@ class RunSettings:
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"RunSettings(stage={self.stage!r}) is not valid; choose one of {list(STAGES)}.")
-        if isinstance(self.accumulate_grad_batches, bool) or not isinstance(self.accumulate_grad_batches, int) or self.accumulate_grad_batches < 1:
-            raise ValueError(f"RunSettings(accumulate_grad_batches={self.accumulate_grad_batches!r}) must be an int >= 1.")
+        if (
+            isinstance(self.accumulate_grad_batches, bool)
+            or not isinstance(self.accumulate_grad_batches, int)
+            or self.accumulate_grad_batches < 1
+        ):
+            raise ValueError(
+                f"RunSettings(accumulate_grad_batches={self.accumulate_grad_batches!r}) must be an int >= 1."
+            )
         clip = self.gradient_clip_val
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0):
             raise ValueError(f"RunSettings(gradient_clip_val={clip!r}) must be a number >= 0 or None.")
         if self.gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"RunSettings(gradient_clip_algorithm={self.gradient_clip_algorithm!r}) is not valid; choose 'norm' or 'value'.")
-        if self.train_batch_size is not None and (isinstance(self.train_batch_size, bool) or not isinstance(self.train_batch_size, int) or self.train_batch_size < 1):
+            raise ValueError(
+                f"RunSettings(gradient_clip_algorithm={self.gradient_clip_algorithm!r}) is not valid; choose 'norm' or 'value'."
+            )
+        if self.train_batch_size is not None and (
+            isinstance(self.train_batch_size, bool)
+            or not isinstance(self.train_batch_size, int)
+            or self.train_batch_size < 1
+        ):
             raise ValueError(f"RunSettings(train_batch_size={self.train_batch_size!r}) must be a positive int or None.")
         for name in ("configure_optimizers", "before_optimizer_step"):
             value = getattr(self, name)

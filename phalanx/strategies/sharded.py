@@ -13,7 +13,13 @@ from torch.optim import Optimizer
 
 from phalanx.plugins.io.distributed_checkpoint import is_sharded_checkpoint, load_into, save_sharded
 from phalanx.plugins.io.torch_io import is_url
-from phalanx.strategies.dtensor_state import full_module_state, full_optimizer_state, load_module_state, load_optimizer_state, materialize
+from phalanx.strategies.dtensor_state import (
+    full_module_state,
+    full_optimizer_state,
+    load_module_state,
+    load_optimizer_state,
+    materialize,
+)
 from phalanx.strategies.forward_redirection import redirect_forward
 from phalanx.utilities.init import empty_init_context
 
@@ -102,8 +108,12 @@ class ShardedStrategyMixin:
         if self._state_dict_type != "sharded":
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
         if is_url(filepath) or storage_options is not None:
-            raise ValueError(f"state_dict_type='sharded' writes to a local (or shared) file system path, not {str(filepath)!r} with storage_options; use state_dict_type='full' for fsspec URLs.")
-        save_sharded(checkpoint, filepath, is_global_zero=self.is_global_zero, broadcast=self.broadcast, barrier=self.barrier)  # type: ignore[attr-defined]
+            raise ValueError(
+                f"state_dict_type='sharded' writes to a local (or shared) file system path, not {str(filepath)!r} with storage_options; use state_dict_type='full' for fsspec URLs."
+            )
+        save_sharded(
+            checkpoint, filepath, is_global_zero=self.is_global_zero, broadcast=self.broadcast, barrier=self.barrier
+        )  # type: ignore[attr-defined]
 
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
         """Read a checkpoint into the sharded model; when fitting, restore optimizer and scheduler states as well."""
@@ -116,7 +126,9 @@ class ShardedStrategyMixin:
             states = checkpoint.get("lr_schedulers", [])
             configs = self.lr_scheduler_configs  # type: ignore[attr-defined]
             if len(states) != len(configs):
-                raise ValueError(f"The checkpoint holds {len(states)} LR scheduler state(s) but configure_optimizers created {len(configs)}.")
+                raise ValueError(
+                    f"The checkpoint holds {len(states)} LR scheduler state(s) but configure_optimizers created {len(configs)}."
+                )
             for config, state in zip(configs, states):
                 config.scheduler.load_state_dict(state)
         return checkpoint
@@ -130,7 +142,9 @@ class ShardedStrategyMixin:
         states = checkpoint["optimizer_states"]
         optimizers = self.optimizers  # type: ignore[attr-defined]
         if len(states) != len(optimizers):
-            raise ValueError(f"The checkpoint holds {len(states)} optimizer state(s) but configure_optimizers created {len(optimizers)}; resume with the same optimizer configuration.")
+            raise ValueError(
+                f"The checkpoint holds {len(states)} optimizer state(s) but configure_optimizers created {len(optimizers)}; resume with the same optimizer configuration."
+            )
         for optimizer, state in zip(optimizers, states):
             load_optimizer_state(optimizer, state)
 

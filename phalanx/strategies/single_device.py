@@ -32,7 +32,9 @@ class SingleDeviceStrategy(Strategy):
         try:
             self._root_device = torch.device(device)
         except (RuntimeError, TypeError) as error:
-            raise ValueError(f"SingleDeviceStrategy got device={device!r}, which is not a torch device: {error}") from None
+            raise ValueError(
+                f"SingleDeviceStrategy got device={device!r}, which is not a torch device: {error}"
+            ) from None
 
     @property
     def root_device(self) -> torch.device:

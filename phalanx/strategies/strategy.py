@@ -236,7 +236,9 @@ class Strategy(ABC):
                 " Strategies no longer receive the Trainer: read the run's settings from this argument."
             )
         if self.accelerator is None:
-            raise RuntimeError(f"{type(self).__name__} has no accelerator: give it one (accelerator=...) before setup().")
+            raise RuntimeError(
+                f"{type(self).__name__} has no accelerator: give it one (accelerator=...) before setup()."
+            )
         if self._module is None:
             raise RuntimeError(f"{type(self).__name__}.setup() needs a module: call connect(module) first.")
         self._run_settings = settings
@@ -317,21 +319,36 @@ class Strategy(ABC):
     def post_backward(self, closure_loss: Tensor) -> None:
         """Called after backward."""
 
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
+    ) -> Any:
         """Step ``optimizer`` through the precision plugin, which runs ``closure``, then ``before_optimizer_step``."""
         with self.naming_collectives("optimizer_step"):
             return self.precision_plugin.optimizer_step(
-                optimizer, model=model if model is not None else self._module, closure=closure, before_step=self._before_optimizer_step(), **kwargs
+                optimizer,
+                model=model if model is not None else self._module,
+                closure=closure,
+                before_step=self._before_optimizer_step(),
+                **kwargs,
             )
 
     def _before_optimizer_step(self) -> Callable[[Optimizer], None] | None:
         settings = self._run_settings
         return settings.before_optimizer_step if settings is not None else None
 
-    def clip_gradients(self, module: nn.Module | None, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None) -> Tensor | None:
+    def clip_gradients(
+        self,
+        module: nn.Module | None,
+        optimizer: Optimizer,
+        *,
+        max_norm: float | None = None,
+        clip_val: float | None = None,
+    ) -> Tensor | None:
         """Clip ``optimizer``'s gradients to total norm ``max_norm`` (returns the norm) or to ``clip_val`` by value."""
         if (max_norm is None) == (clip_val is None):
-            raise ValueError(f"clip_gradients takes exactly one of max_norm= (clip by total norm) or clip_val= (clip by value); got max_norm={max_norm!r}, clip_val={clip_val!r}.")
+            raise ValueError(
+                f"clip_gradients takes exactly one of max_norm= (clip by total norm) or clip_val= (clip by value); got max_norm={max_norm!r}, clip_val={clip_val!r}."
+            )
         name, value = ("max_norm", max_norm) if max_norm is not None else ("clip_val", clip_val)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"clip_gradients({name}={value!r}) must be a number.")

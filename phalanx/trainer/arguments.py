@@ -28,7 +28,9 @@ def reject_class(name: str, value: Any, base: type, choices: str) -> None:
     """Raise when ``value`` is a subclass of ``base`` (a class given where an instance is needed)."""
     if isinstance(value, type) and issubclass(value, base):
         suffix = f", or {choices}" if choices else ""
-        raise TypeError(f"{name}={value.__qualname__} is a class, not an instance; pass an instance, e.g. {value.__qualname__}(){suffix}.")
+        raise TypeError(
+            f"{name}={value.__qualname__} is a class, not an instance; pass an instance, e.g. {value.__qualname__}(){suffix}."
+        )
 
 
 def parse_max_time(max_time: Any) -> float | None:
@@ -42,11 +44,15 @@ def parse_max_time(max_time: Any) -> float | None:
     elif isinstance(max_time, str):
         match = re.fullmatch(r"(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})", max_time.strip())
         if match is None:
-            raise ValueError(f"max_time={max_time!r} is not valid; pass {_MAX_TIME_FORMAT}. The string must look like 'DD:HH:MM:SS'.")
+            raise ValueError(
+                f"max_time={max_time!r} is not valid; pass {_MAX_TIME_FORMAT}. The string must look like 'DD:HH:MM:SS'."
+            )
         days, hours, minutes, secs = (int(part) for part in match.groups())
         seconds = _timedelta_seconds(max_time, days=days, hours=hours, minutes=minutes, seconds=secs)
     else:
-        raise TypeError(f"max_time={shown(max_time)} (of type {type(max_time).__name__}) is not valid; pass {_MAX_TIME_FORMAT}.")
+        raise TypeError(
+            f"max_time={shown(max_time)} (of type {type(max_time).__name__}) is not valid; pass {_MAX_TIME_FORMAT}."
+        )
     if not seconds > 0:
         raise ValueError(f"max_time={max_time!r} must be a positive duration; pass {_MAX_TIME_FORMAT}.")
     return seconds
@@ -58,9 +64,13 @@ def _max_time_from_dict(max_time: dict[Any, Any]) -> float:
         raise ValueError(f"max_time={max_time!r} has unknown key(s) {unknown}; valid keys: {list(_MAX_TIME_KEYS)}.")
     for key, value in max_time.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"max_time[{key!r}]={shown(value)} must be a number (int or float), e.g. max_time={{'hours': 12}}.")
+            raise TypeError(
+                f"max_time[{key!r}]={shown(value)} must be a number (int or float), e.g. max_time={{'hours': 12}}."
+            )
         if not math.isfinite(value) or value < 0:
-            raise ValueError(f"max_time[{key!r}]={value!r} must be a finite number >= 0, e.g. max_time={{'hours': 12}}.")
+            raise ValueError(
+                f"max_time[{key!r}]={value!r} must be a finite number >= 0, e.g. max_time={{'hours': 12}}."
+            )
     return _timedelta_seconds(max_time, **max_time)
 
 
@@ -76,14 +86,18 @@ def check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> 
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={shown(value)} is not valid; it must be an int >= {minimum}{' or None' if allow_none else ''}.")
+        raise ValueError(
+            f"{name}={shown(value)} is not valid; it must be an int >= {minimum}{' or None' if allow_none else ''}."
+        )
 
 
 def check_bool(name: str, value: Any, allow_none: bool = False) -> None:
     """Raise unless ``value`` is True or False (or None when allowed): a string such as 'False' would count as True."""
     if isinstance(value, bool) or (value is None and allow_none):
         return
-    raise TypeError(f"{name}={shown(value)} is not valid; pass True or False{' (or None for the default)' if allow_none else ''}.")
+    raise TypeError(
+        f"{name}={shown(value)} is not valid; pass True or False{' (or None for the default)' if allow_none else ''}."
+    )
 
 
 def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
@@ -91,7 +105,9 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
     if not any(type(value) is type(choice) and value == choice for choice in choices):
         names = [repr(choice) for choice in choices if choice is not None]
         listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-        raise ValueError(f"{name}={shown(value)} is not valid; choose {listed}{' (or None)' if None in choices else ''}.")
+        raise ValueError(
+            f"{name}={shown(value)} is not valid; choose {listed}{' (or None)' if None in choices else ''}."
+        )
 
 
 def check_number(name: str, value: Any, minimum: float) -> None:
@@ -105,7 +121,9 @@ def resolve_root_dir(value: Any) -> str:
     if value is None:
         return os.getcwd()
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"default_root_dir={shown(value)} (of type {type(value).__name__}) is not valid; pass a path (str or pathlib.Path) to a directory, or None for the working directory.")
+        raise TypeError(
+            f"default_root_dir={shown(value)} (of type {type(value).__name__}) is not valid; pass a path (str or pathlib.Path) to a directory, or None for the working directory."
+        )
     path = os.fspath(value)
     if not isinstance(path, str):
         raise TypeError(f"default_root_dir={shown(value)} is a bytes path; pass it as a str or pathlib.Path.")
@@ -129,7 +147,17 @@ def _check_directory_possible(path: Path, given: str) -> None:
             return
 
 
-__all__ = ["NONFINITE_LOSS_MODES", "check_bool", "check_choice", "check_int", "check_number", "parse_max_time", "reject_class", "resolve_root_dir", "shown"]
+__all__ = [
+    "NONFINITE_LOSS_MODES",
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "parse_max_time",
+    "reject_class",
+    "resolve_root_dir",
+    "shown",
+]
 
 
 # Lightning Trainer arguments phalanx takes but has no integration for: accepted as None (their default), otherwise
@@ -144,7 +172,9 @@ def refuse_not_integrated(**arguments: Any) -> None:
     """Raise for a Lightning argument phalanx accepts only as None (``profiler``, ``model_registry``)."""
     for name, value in arguments.items():
         if value is not None:
-            raise ValueError(f"{name}={shown(value)} is not supported: {_NOT_INTEGRATED[name]}. Pass {name}=None (the default).")
+            raise ValueError(
+                f"{name}={shown(value)} is not supported: {_NOT_INTEGRATED[name]}. Pass {name}=None (the default)."
+            )
 
 
 # Lightning Trainer attributes spelled differently here: reading one raises an AttributeError saying what to use.

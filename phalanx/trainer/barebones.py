@@ -47,7 +47,9 @@ def check_barebones(callbacks: Any, **arguments: Any) -> None:
                 f"Trainer(barebones=True, {name}={shown(value)}): barebones mode turns off {_WHY[name]}, which costs time"
                 f" beside training. Remove {name}= (or pass barebones=False to keep it)."
             )
-    items = [callbacks] if isinstance(callbacks, Callback) else callbacks if isinstance(callbacks, (list, tuple)) else []
+    items = (
+        [callbacks] if isinstance(callbacks, Callback) else callbacks if isinstance(callbacks, (list, tuple)) else []
+    )
     for callback in items:
         if isinstance(callback, (ModelCheckpoint, ProgressBar)):
             raise ValueError(

@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from phalanx.plugins.io.directory import COMPLETE_MARKER, is_retired_copy
-from phalanx.trainer.checkpoint_checks import check_checkpoint, check_optimizer_states, check_scheduler_states, check_weights, check_weights_fit
+from phalanx.trainer.checkpoint_checks import (
+    check_checkpoint,
+    check_optimizer_states,
+    check_scheduler_states,
+    check_weights,
+    check_weights_fit,
+)
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.hparams import is_plain
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -84,7 +90,9 @@ def newest_complete_checkpoint(directories: list[Path], *, name_prefix: str = ""
     for directory in directories:
         if directory.is_dir():
             find = directory.rglob if recursive else directory.glob
-            retired = [path for path in find("*.retired") if is_retired_copy(path) and path.name[1:].startswith(name_prefix)]
+            retired = [
+                path for path in find("*.retired") if is_retired_copy(path) and path.name[1:].startswith(name_prefix)
+            ]
             for path in [*find(f"{name_prefix}*.ckpt"), *retired]:
                 if is_complete_checkpoint(path):
                     candidates[path.resolve()] = path.stat().st_mtime
@@ -121,7 +129,9 @@ class CheckpointConnector:
             checkpoint["hyper_parameters"] = plain_hyperparameters(dict(module.hparams), type(module).__name__)
         datamodule = trainer.datamodule
         if datamodule is not None and datamodule.hparams:
-            checkpoint["datamodule_hyper_parameters"] = plain_hyperparameters(dict(datamodule.hparams), type(datamodule).__name__)
+            checkpoint["datamodule_hyper_parameters"] = plain_hyperparameters(
+                dict(datamodule.hparams), type(datamodule).__name__
+            )
         if not weights_only:
             checkpoint["optimizer_states"] = [strategy.optimizer_state(optimizer) for optimizer in strategy.optimizers]
             checkpoint["lr_schedulers"] = [config.scheduler.state_dict() for config in strategy.lr_scheduler_configs]
@@ -156,15 +166,21 @@ class CheckpointConnector:
         if ckpt_path in ("best", "last"):
             callback = trainer.checkpoint_callback
             if callback is None:
-                raise ValueError(f"ckpt_path={ckpt_path!r} needs a ModelCheckpoint callback; none is configured (enable_checkpointing=False?).")
+                raise ValueError(
+                    f"ckpt_path={ckpt_path!r} needs a ModelCheckpoint callback; none is configured (enable_checkpointing=False?)."
+                )
             if ckpt_path == "best":
                 path = getattr(callback, "best_model_path", "")
                 if not path:
-                    raise ValueError("ckpt_path='best': the ModelCheckpoint callback has no best checkpoint yet (nothing was saved or it has no monitor).")
+                    raise ValueError(
+                        "ckpt_path='best': the ModelCheckpoint callback has no best checkpoint yet (nothing was saved or it has no monitor)."
+                    )
                 return str(path)
             path = getattr(callback, "last_model_path", "") or self._find_last(callback)
             if not path:
-                raise ValueError("ckpt_path='last': no last checkpoint was found; save one with ModelCheckpoint(save_last=True) or pass a path.")
+                raise ValueError(
+                    "ckpt_path='last': no last checkpoint was found; save one with ModelCheckpoint(save_last=True) or pass a path."
+                )
             return str(path)
         if not isinstance(ckpt_path, (str, Path)):
             raise TypeError(f"ckpt_path must be 'auto', 'last', 'best' or a path, got {type(ckpt_path).__name__}.")
@@ -204,7 +220,9 @@ class CheckpointConnector:
         assert module is not None
         module.on_load_checkpoint(checkpoint)
         check_weights(self._source, checkpoint.get("state_dict"))
-        check_weights_fit(self._source, checkpoint["state_dict"], module.state_dict(), strict=True, owner=type(module).__name__)
+        check_weights_fit(
+            self._source, checkpoint["state_dict"], module.state_dict(), strict=True, owner=type(module).__name__
+        )
 
     def check_training_state(self, checkpoint: dict[str, Any]) -> None:
         """Check the optimizer and scheduler states against the live optimizers and schedulers, loading nothing."""
@@ -224,7 +242,13 @@ class CheckpointConnector:
         if not hook_called:
             strategy.module.on_load_checkpoint(checkpoint)
             if not strategy.restore_checkpoint_after_setup:
-                check_weights_fit(self._source, checkpoint["state_dict"], strategy.module.state_dict(), strict=True, owner=type(strategy.module).__name__)
+                check_weights_fit(
+                    self._source,
+                    checkpoint["state_dict"],
+                    strategy.module.state_dict(),
+                    strict=True,
+                    owner=type(strategy.module).__name__,
+                )
         strategy.load_model_state_dict(checkpoint)
 
     def restore_training_state(self, checkpoint: dict[str, Any]) -> None:
@@ -233,7 +257,9 @@ class CheckpointConnector:
         strategy = trainer.strategy
         module = strategy.module
         if "precision_plugin" in checkpoint:
-            self._apply("['precision_plugin']", strategy.precision_plugin.load_state_dict, checkpoint["precision_plugin"])
+            self._apply(
+                "['precision_plugin']", strategy.precision_plugin.load_state_dict, checkpoint["precision_plugin"]
+            )
         if not strategy.restores_optimizer:
             strategy.load_optimizer_state_dict(checkpoint)
             for config, state in zip(strategy.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
@@ -247,7 +273,11 @@ class CheckpointConnector:
         for callback in trainer.callbacks:
             callback.on_load_checkpoint(trainer, module, checkpoint)
             if callback.state_key in callback_states:
-                self._apply(f"['callbacks'][{callback.state_key!r}]", callback.load_state_dict, callback_states[callback.state_key])
+                self._apply(
+                    f"['callbacks'][{callback.state_key!r}]",
+                    callback.load_state_dict,
+                    callback_states[callback.state_key],
+                )
         datamodule = trainer.datamodule
         if datamodule is not None:
             datamodule.on_load_checkpoint(checkpoint)
@@ -263,4 +293,6 @@ class CheckpointConnector:
         try:
             load(state)
         except Exception as error:
-            raise CheckpointError(f"{self._source}: checkpoint{entry} could not be restored ({type(error).__name__}: {error}).") from error
+            raise CheckpointError(
+                f"{self._source}: checkpoint{entry} could not be restored ({type(error).__name__}: {error})."
+            ) from error

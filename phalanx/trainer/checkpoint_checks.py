@@ -20,12 +20,27 @@ from phalanx.utilities.exceptions import CheckpointError
 LOOP_PHASES = ("batches", "batch_end", "validated", "ended")
 
 # State entries that torch's built-in optimizers keep with the shape of their parameter.
-_PER_PARAMETER_STATE = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg", "acc_delta", "sum", "ax", "exp_inf", "prev", "step_size"}
+_PER_PARAMETER_STATE = {
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "momentum_buffer",
+    "square_avg",
+    "grad_avg",
+    "acc_delta",
+    "sum",
+    "ax",
+    "exp_inf",
+    "prev",
+    "step_size",
+}
 
 
 def fail(source: str, entry: str, problem: str) -> NoReturn:
     """Raise the CheckpointError for ``checkpoint{entry}`` of the file ``source``."""
-    raise CheckpointError(f"{source}: checkpoint{entry} {problem}. The file is damaged, or was not written by phalanx's Trainer for this model.")
+    raise CheckpointError(
+        f"{source}: checkpoint{entry} {problem}. The file is damaged, or was not written by phalanx's Trainer for this model."
+    )
 
 
 def _kind(value: Any) -> str:
@@ -86,7 +101,11 @@ def check_checkpoint(checkpoint: Any, source: str, *, fitting: bool) -> None:
         check_dict(source, f"['callbacks'][{key!r}]", state)
     _check_loops(checkpoint, source)
     if "rng_states" not in checkpoint:
-        fail(source, "['rng_states']", "is missing; a resumable checkpoint holds the random generator states of every process")
+        fail(
+            source,
+            "['rng_states']",
+            "is missing; a resumable checkpoint holds the random generator states of every process",
+        )
     states = check_list(source, "['rng_states']", checkpoint["rng_states"])
     if not states:
         fail(source, "['rng_states']", "is an empty list; expected one entry per process")
@@ -98,11 +117,15 @@ def check_checkpoint(checkpoint: Any, source: str, *, fitting: bool) -> None:
 def check_weights(source: str, state_dict: Any) -> None:
     """``state_dict`` must map parameter names to tensors."""
     if state_dict is None:
-        raise CheckpointError(f"{source} has no 'state_dict' entry: it is not a checkpoint written by phalanx's Trainer.")
+        raise CheckpointError(
+            f"{source} has no 'state_dict' entry: it is not a checkpoint written by phalanx's Trainer."
+        )
     check_dict(source, "['state_dict']", state_dict)
     for key, value in state_dict.items():
         if not isinstance(key, str):
-            fail(source, "['state_dict']", f"has a key of type {type(key).__name__} ({key!r}); expected parameter names")
+            fail(
+                source, "['state_dict']", f"has a key of type {type(key).__name__} ({key!r}); expected parameter names"
+            )
         if not isinstance(value, Tensor) and not key.endswith("_extra_state"):
             fail(source, f"['state_dict'][{key!r}]", f"holds {_kind(value)}; expected a tensor")
 
@@ -126,7 +149,11 @@ def _check_loops(checkpoint: dict[str, Any], source: str) -> None:
             fail(source, f"{entry}['callback_metrics'][{name!r}]", f"holds {_kind(value)}; expected a tensor")
     for key in ("epoch", "global_step"):
         if key in checkpoint and checkpoint[key] != loop[key]:
-            fail(source, f"[{key!r}]", f"is {checkpoint[key]!r}, but checkpoint{entry}[{key!r}] is {loop[key]!r}; the two must agree")
+            fail(
+                source,
+                f"[{key!r}]",
+                f"is {checkpoint[key]!r}, but checkpoint{entry}[{key!r}] is {loop[key]!r}; the two must agree",
+            )
 
 
 # ---------------------------------------------------------------------------- random generators
@@ -148,7 +175,9 @@ def check_rng_states(source: str, entry: str, states: Any) -> None:
         version, internal, gauss = python
         random.Random().setstate((version, tuple(internal), gauss))
     except (TypeError, ValueError, OverflowError, IndexError) as error:
-        fail(source, f"{entry}['python']", f"is not a state of Python's random module ({type(error).__name__}: {error})")
+        fail(
+            source, f"{entry}['python']", f"is not a state of Python's random module ({type(error).__name__}: {error})"
+        )
     for index, state in enumerate(check_list(source, f"{entry}['torch.cuda']", states.get("torch.cuda", []))):
         if not isinstance(state, Tensor) or state.dtype != torch.uint8:
             fail(source, f"{entry}['torch.cuda'][{index}]", f"holds {_kind(state)}; expected a uint8 tensor")
@@ -167,18 +196,31 @@ def _check_numpy_state(source: str, entry: str, state: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- against the live objects
-def check_weights_fit(source: str, state_dict: Mapping[str, Any], expected: Mapping[str, Any], *, strict: bool, owner: str) -> None:
+def check_weights_fit(
+    source: str, state_dict: Mapping[str, Any], expected: Mapping[str, Any], *, strict: bool, owner: str
+) -> None:
     """The saved weights must have the names (with ``strict``) and shapes of ``expected`` (the module's state_dict)."""
     if strict:
         missing = [key for key in expected if key not in state_dict]
         unexpected = [key for key in state_dict if key not in expected]
         if missing or unexpected:
-            parts = [f"lacks {_few(missing)}" if missing else "", f"has {_few(unexpected)}, which {owner} does not have" if unexpected else ""]
-            fail(source, "['state_dict']", " and ".join(part for part in parts if part) + f" (strict loading into {owner})")
+            parts = [
+                f"lacks {_few(missing)}" if missing else "",
+                f"has {_few(unexpected)}, which {owner} does not have" if unexpected else "",
+            ]
+            fail(
+                source,
+                "['state_dict']",
+                " and ".join(part for part in parts if part) + f" (strict loading into {owner})",
+            )
     for key, value in state_dict.items():
         target = expected.get(key)
         if isinstance(target, Tensor) and isinstance(value, Tensor) and value.shape != target.shape:
-            fail(source, f"['state_dict'][{key!r}]", f"has shape {list(value.shape)}, but {owner} has {list(target.shape)} there")
+            fail(
+                source,
+                f"['state_dict'][{key!r}]",
+                f"has shape {list(value.shape)}, but {owner} has {list(target.shape)} there",
+            )
 
 
 def _few(keys: list[str]) -> str:
@@ -189,7 +231,11 @@ def _few(keys: list[str]) -> str:
 def check_optimizer_states(source: str, states: Sequence[Any], optimizers: Sequence[Any]) -> None:
     """Each saved state must fit its live torch optimizer: class, parameter groups, parameters and their shapes."""
     if len(states) != len(optimizers):
-        fail(source, "['optimizer_states']", f"holds {len(states)} optimizer state(s), but configure_optimizers created {len(optimizers)}; resume with the same optimizer configuration")
+        fail(
+            source,
+            "['optimizer_states']",
+            f"holds {len(states)} optimizer state(s), but configure_optimizers created {len(optimizers)}; resume with the same optimizer configuration",
+        )
     for index, (state, optimizer) in enumerate(zip(states, optimizers)):
         _check_optimizer_state(source, f"['optimizer_states'][{index}]", state, optimizer)
 
@@ -200,14 +246,22 @@ def _check_optimizer_state(source: str, entry: str, state: Mapping[str, Any], op
     per_parameter = check_dict(source, f"{entry}['state']", state.get("state"))
     live_groups = optimizer.param_groups
     if len(groups) != len(live_groups):
-        fail(source, f"{entry}['param_groups']", f"holds {len(groups)} parameter group(s), but the {name} has {len(live_groups)}")
+        fail(
+            source,
+            f"{entry}['param_groups']",
+            f"holds {len(groups)} parameter group(s), but the {name} has {len(live_groups)}",
+        )
     parameters: dict[Any, Tensor] = {}
     for number, (group, live) in enumerate(zip(groups, live_groups)):
         where = f"{entry}['param_groups'][{number}]"
         check_dict(source, where, group)
         ids = check_list(source, f"{where}['params']", group.get("params"))
         if len(ids) != len(live["params"]):
-            fail(source, f"{where}['params']", f"lists {len(ids)} parameter(s), but that group of the {name} has {len(live['params'])}")
+            fail(
+                source,
+                f"{where}['params']",
+                f"lists {len(ids)} parameter(s), but that group of the {name} has {len(live['params'])}",
+            )
         for saved_id, parameter in zip(ids, live["params"]):
             if isinstance(saved_id, bool) or not isinstance(saved_id, (int, str)) or saved_id in parameters:
                 fail(source, f"{where}['params']", f"holds {_kind(saved_id)}; expected distinct parameter ids")
@@ -218,10 +272,16 @@ def _check_optimizer_state(source: str, entry: str, state: Mapping[str, Any], op
             fail(source, f"{entry}['state'][{saved_id!r}]", "belongs to no parameter of the param_groups")
         for key, value in check_dict(source, f"{entry}['state'][{saved_id!r}]", values).items():
             if key in _PER_PARAMETER_STATE and isinstance(value, Tensor) and value.shape != parameters[saved_id].shape:
-                fail(source, f"{entry}['state'][{saved_id!r}][{key!r}]", f"has shape {list(value.shape)}, but its parameter has {list(parameters[saved_id].shape)}")
+                fail(
+                    source,
+                    f"{entry}['state'][{saved_id!r}][{key!r}]",
+                    f"has shape {list(value.shape)}, but its parameter has {list(parameters[saved_id].shape)}",
+                )
 
 
-def _check_hyperparameters(source: str, where: str, group: Mapping[str, Any], live: Mapping[str, Any], name: str) -> None:
+def _check_hyperparameters(
+    source: str, where: str, group: Mapping[str, Any], live: Mapping[str, Any], name: str
+) -> None:
     # Keys that differ only by a flag (bool or None) come and go between torch versions; any other difference
     # (betas against momentum, ...) is the state of another optimizer class.
     ignored = {"params", "param_names"}
@@ -229,7 +289,11 @@ def _check_hyperparameters(source: str, where: str, group: Mapping[str, Any], li
     missing = sorted(key for key in live if key not in group and key not in ignored and not _is_flag(live[key]))
     if extra or missing:
         parts = [f"has {extra}" if extra else "", f"lacks {missing}" if missing else ""]
-        fail(source, where, f"{' and '.join(p for p in parts if p)}: it is the state of another optimizer class than {name} (or of other settings)")
+        fail(
+            source,
+            where,
+            f"{' and '.join(p for p in parts if p)}: it is the state of another optimizer class than {name} (or of other settings)",
+        )
     for key, value in live.items():
         if key in group and key not in ignored and not _same_kind(group[key], value):
             fail(source, f"{where}[{key!r}]", f"holds {_kind(group[key])}, but the {name} has {_kind(value)} there")
@@ -251,7 +315,11 @@ def _same_kind(saved: Any, live: Any) -> bool:
     if _is_number(live) or isinstance(live, Tensor):
         return _is_number(saved)
     if isinstance(live, (tuple, list)):
-        return isinstance(saved, (tuple, list)) and len(saved) == len(live) and all(_same_kind(s, v) for s, v in zip(saved, live))
+        return (
+            isinstance(saved, (tuple, list))
+            and len(saved) == len(live)
+            and all(_same_kind(s, v) for s, v in zip(saved, live))
+        )
     if isinstance(live, str):
         return isinstance(saved, str)
     return True
@@ -260,7 +328,11 @@ def _same_kind(saved: Any, live: Any) -> bool:
 def check_scheduler_states(source: str, states: Sequence[Any], configs: Sequence[Any]) -> None:
     """Each saved state must be the state of the same kind of LR scheduler as the live one."""
     if len(states) != len(configs):
-        fail(source, "['lr_schedulers']", f"holds {len(states)} LR scheduler state(s), but configure_optimizers created {len(configs)}; resume with the same schedulers")
+        fail(
+            source,
+            "['lr_schedulers']",
+            f"holds {len(states)} LR scheduler state(s), but configure_optimizers created {len(configs)}; resume with the same schedulers",
+        )
     for index, (state, config) in enumerate(zip(states, configs)):
         scheduler = config.scheduler
         live = scheduler.state_dict()
@@ -270,13 +342,21 @@ def check_scheduler_states(source: str, states: Sequence[Any], configs: Sequence
         missing = sorted(key for key in public(live) - public(state) if not _is_flag(live[key]))
         if extra or missing:
             parts = [f"has {extra}" if extra else "", f"lacks {missing}" if missing else ""]
-            fail(source, where, f"{' and '.join(p for p in parts if p)}: it is the state of another scheduler than {type(scheduler).__name__}")
+            fail(
+                source,
+                where,
+                f"{' and '.join(p for p in parts if p)}: it is the state of another scheduler than {type(scheduler).__name__}",
+            )
         for key in ("last_epoch", "_step_count"):
             if key in live and key in state and (isinstance(state[key], bool) or not isinstance(state[key], int)):
                 fail(source, f"{where}[{key!r}]", f"holds {_kind(state[key])}; expected an int")
         for key in ("base_lrs", "_last_lr", "min_lrs"):
             if isinstance(live.get(key), list) and key in state and not _same_kind(state[key], live[key]):
-                fail(source, f"{where}[{key!r}]", f"holds {_kind(state[key])}; expected {len(live[key])} number(s), one per parameter group")
+                fail(
+                    source,
+                    f"{where}[{key!r}]",
+                    f"holds {_kind(state[key])}; expected {len(live[key])} number(s), one per parameter group",
+                )
 
 
 __all__ = [

@@ -14,7 +14,12 @@ if TYPE_CHECKING:
     from phalanx.datamodule import DataModule
     from phalanx.module import TrainingModule
 
-_STAGE_METHOD = {"train": "train_dataloader", "validate": "val_dataloader", "test": "test_dataloader", "predict": "predict_dataloader"}
+_STAGE_METHOD = {
+    "train": "train_dataloader",
+    "validate": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
 
 
 def validate_limit(name: str, value: Any) -> int | float:
@@ -53,7 +58,9 @@ def limited_batches(dataloader: Any, limit: int | float, name: str) -> int | flo
     if limit == 1.0:
         return length
     if math.isinf(length):
-        raise ValueError(f"{name}={limit} is a fraction, but the dataloader has no length; pass an int number of batches.")
+        raise ValueError(
+            f"{name}={limit} is a fraction, but the dataloader has no length; pass an int number of batches."
+        )
     batches = int(length * limit)
     if limit > 0 and batches == 0:
         raise ValueError(f"{name}={limit} of {length} batches is less than one batch; raise it or pass an int.")
@@ -91,7 +98,9 @@ def as_dataloader_list(value: Any, stage: str) -> list[Any]:
         loaders = [value]
     for loader in loaders:
         if not isinstance(loader, Iterable):
-            raise TypeError(f"The {stage} dataloader must be iterable (e.g. a torch DataLoader), got {type(loader).__name__}.")
+            raise TypeError(
+                f"The {stage} dataloader must be iterable (e.g. a torch DataLoader), got {type(loader).__name__}."
+            )
     return loaders
 
 
@@ -122,7 +131,10 @@ class DataSource:
         if self.dataloaders.get(stage) is not None:
             return True
         method_name = _STAGE_METHOD[stage]
-        return any(owner is not None and getattr(owner, method_name, None) is not None for owner in (self.datamodule, self.module))
+        return any(
+            owner is not None and getattr(owner, method_name, None) is not None
+            for owner in (self.datamodule, self.module)
+        )
 
 
 def iterate_from(dataloader: Any, skip: int) -> Iterator[Any]:

@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 
 _FIX_HINT = (
     "Pass `use_distributed_sampler=False` to the Trainer and shard the data yourself, e.g. build the DataLoader with "
@@ -76,7 +84,9 @@ class UnrepeatedDistributedSampler(Sampler[int]):
         drop_last: bool = False,
     ) -> None:
         if drop_last:
-            raise ValueError("UnrepeatedDistributedSampler never pads nor drops samples; use DistributedSampler for drop_last=True.")
+            raise ValueError(
+                "UnrepeatedDistributedSampler never pads nor drops samples; use DistributedSampler for drop_last=True."
+            )
         self.num_replicas, self.rank = _resolve_replicas(num_replicas, rank)
         self.dataset = dataset
         self.shuffle = shuffle
@@ -150,9 +160,18 @@ class DistributedSamplerWrapper(DistributedSampler):
         if not isinstance(sampler, Sized):
             raise ValueError(f"Cannot distribute {type(sampler).__name__}: it has no length. {_FIX_HINT}")
         if not repeat and drop_last:
-            raise ValueError("repeat=False deals every drawn index exactly once; it cannot be combined with drop_last=True.")
+            raise ValueError(
+                "repeat=False deals every drawn index exactly once; it cannot be combined with drop_last=True."
+            )
         num_replicas, rank = _resolve_replicas(num_replicas, rank)
-        super().__init__(_Positions(len(sampler)), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        super().__init__(
+            _Positions(len(sampler)),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self.sampler = sampler
         self.repeat = repeat
         if not repeat:
@@ -260,13 +279,13 @@ def _is_distributed(sampler: Any) -> bool:
 def _is_plain_random(sampler: Any) -> bool:
     """A RandomSampler that draws each index once: a permutation, which DistributedSampler(shuffle=True) reproduces."""
     return (
-        type(sampler) is RandomSampler
-        and not sampler.replacement
-        and sampler.num_samples == len(sampler.data_source)
+        type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source)
     )
 
 
-def distributed_dataloader(dataloader: Any, *, num_replicas: int, rank: int, training: bool, seed: int, pad_evaluation: bool = False) -> Any:
+def distributed_dataloader(
+    dataloader: Any, *, num_replicas: int, rank: int, training: bool, seed: int, pad_evaluation: bool = False
+) -> Any:
     """``dataloader`` with its sampler replaced by this rank's share of the data.
 
     Left unchanged: anything that is not a DataLoader, a DataLoader over an IterableDataset (its dataset must shard
@@ -304,10 +323,17 @@ def distributed_dataloader(dataloader: Any, *, num_replicas: int, rank: int, tra
             sampler = SequentialSampler(dataset) if _is_plain_random(sampler) else sampler
         if _is_plain_random(sampler) or type(sampler) is SequentialSampler:
             new: Sampler = DistributedSampler(
-                dataset, num_replicas=num_replicas, rank=rank, shuffle=type(sampler) is RandomSampler, seed=seed, drop_last=drop_last
+                dataset,
+                num_replicas=num_replicas,
+                rank=rank,
+                shuffle=type(sampler) is RandomSampler,
+                seed=seed,
+                drop_last=drop_last,
             )
         else:
-            new = DistributedSamplerWrapper(sampler, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=drop_last)
+            new = DistributedSamplerWrapper(
+                sampler, num_replicas=num_replicas, rank=rank, seed=seed, drop_last=drop_last
+            )
     elif _is_plain_random(sampler) or type(sampler) is SequentialSampler:
         new = UnrepeatedDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, seed=seed)
     else:
@@ -325,7 +351,9 @@ def batch_indices(dataloader: DataLoader) -> list[list[int]]:
     will not match. A loader with ``num_workers > 0`` and ``in_order=False`` may yield batches out of this order.
     """
     if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
-        raise ValueError("batch_indices needs a DataLoader over a map-style dataset; an iterable dataset has no indices.")
+        raise ValueError(
+            "batch_indices needs a DataLoader over a map-style dataset; an iterable dataset has no indices."
+        )
     if dataloader.batch_sampler is None:
         return [[int(index)] for index in dataloader.sampler]
     return [[int(index) for index in batch] for batch in dataloader.batch_sampler]
@@ -370,7 +398,9 @@ def _rebuild(like: Any, items: list[Any]) -> Any:
         return list(items) if isinstance(like, list) else tuple(items)
 
 
-def _regroup(outputs: list[Any], sizes: list[int], order: list[int], bounds: list[tuple[int, int]], where: str) -> list[Any]:
+def _regroup(
+    outputs: list[Any], sizes: list[int], order: list[int], bounds: list[tuple[int, int]], where: str
+) -> list[Any]:
     """Batch outputs (same structure, batch ``i`` holding ``sizes[i]`` samples) -> one output per new batch in ``bounds``.
 
     Samples are concatenated in the given batch order, permuted by ``order`` and cut at ``bounds``.
@@ -379,8 +409,13 @@ def _regroup(outputs: list[Any], sizes: list[int], order: list[int], bounds: lis
     if all(output is None for output in outputs):
         return [None] * len(bounds)
     if isinstance(first, torch.Tensor):
-        if not all(isinstance(output, torch.Tensor) and output.dim() >= 1 and output.shape[0] == size for output, size in zip(outputs, sizes)):
-            raise ValueError(f"A predict output{where} is not a tensor with one row per sample in every batch. {_PER_SAMPLE_HINT}")
+        if not all(
+            isinstance(output, torch.Tensor) and output.dim() >= 1 and output.shape[0] == size
+            for output, size in zip(outputs, sizes)
+        ):
+            raise ValueError(
+                f"A predict output{where} is not a tensor with one row per sample in every batch. {_PER_SAMPLE_HINT}"
+            )
         try:
             flat = torch.cat(outputs)
         except RuntimeError as error:
@@ -391,7 +426,10 @@ def _regroup(outputs: list[Any], sizes: list[int], order: list[int], bounds: lis
         keys = list(first.keys())
         if not all(isinstance(output, Mapping) and list(output.keys()) == keys for output in outputs):
             raise ValueError(f"The predict outputs{where} are dicts with different keys in different batches.")
-        per_key = {key: _regroup([output[key] for output in outputs], sizes, order, bounds, f"{where}[{key!r}]") for key in keys}
+        per_key = {
+            key: _regroup([output[key] for output in outputs], sizes, order, bounds, f"{where}[{key!r}]")
+            for key in keys
+        }
         regrouped = []
         for batch in range(len(bounds)):
             items = {key: per_key[key][batch] for key in keys}
@@ -406,22 +444,28 @@ def _regroup(outputs: list[Any], sizes: list[int], order: list[int], bounds: lis
         # A list/tuple is either a container (its elements are batches: tensors with one row per sample, ...) or one
         # entry per sample. The reading must be the same for every batch; a container holding tensors wins a tie.
         container = all(
-            len(output) == len(first) and all(_splittable(item, size) for item in output) for output, size in zip(outputs, sizes)
+            len(output) == len(first) and all(_splittable(item, size) for item in output)
+            for output, size in zip(outputs, sizes)
         )
         per_sample = all(len(output) == size for output, size in zip(outputs, sizes))
         if container and (not per_sample or any(_has_tensor(output) for output in outputs)):
             columns = [
-                _regroup([output[position] for output in outputs], sizes, order, bounds, f"{where}[{position}]") for position in range(len(first))
+                _regroup([output[position] for output in outputs], sizes, order, bounds, f"{where}[{position}]")
+                for position in range(len(first))
             ]
             return [_rebuild(first, [column[batch] for column in columns]) for batch in range(len(bounds))]
         if per_sample:
             flat_items = [item for output in outputs for item in output]
             ordered = [flat_items[position] for position in order]
             return [_rebuild(first, ordered[start:stop]) for start, stop in bounds]
-    raise ValueError(f"A predict output{where} of type {type(first).__name__} has no per-sample first dimension. {_PER_SAMPLE_HINT}")
+    raise ValueError(
+        f"A predict output{where} of type {type(first).__name__} has no per-sample first dimension. {_PER_SAMPLE_HINT}"
+    )
 
 
-def reassemble_predictions(per_rank: list[list[tuple[list[int], Any]]], batch_size: int | None, drop_repeats: bool = False) -> list[Any]:
+def reassemble_predictions(
+    per_rank: list[list[tuple[list[int], Any]]], batch_size: int | None, drop_repeats: bool = False
+) -> list[Any]:
     """Put the predictions of all ranks back in dataset order, batched as a single process would have batched them.
 
     ``per_rank[r]`` is rank ``r``'s list of ``(indices of the batch, predict_step output for that batch)``. Every output

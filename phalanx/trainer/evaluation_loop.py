@@ -60,7 +60,10 @@ def check_equal_batches(strategy: Strategy, counts: list[int | float], stage: st
     mine = [float(count) for count in counts]
     everyone = strategy.all_gather_object(mine)
     if any(other != everyone[0] for other in everyone):
-        per_rank = ", ".join(f"rank {rank}: {[int(c) if math.isfinite(c) else 'unknown' for c in row]}" for rank, row in enumerate(everyone))
+        per_rank = ", ".join(
+            f"rank {rank}: {[int(c) if math.isfinite(c) else 'unknown' for c in row]}"
+            for rank, row in enumerate(everyone)
+        )
         raise ValueError(
             f"{type(strategy).__name__} runs collective operations in every forward pass (ZeRO stage 3 gathers parameters), so"
             f" every process must run the same number of {stage} batches; they differ ({per_rank}). phalanx pads the evaluation"
@@ -79,7 +82,9 @@ def _step_kwargs(multiple: bool, dataloader_idx: int) -> dict[str, int]:
     return {"dataloader_idx": dataloader_idx} if multiple else {}
 
 
-def run_evaluation(trainer: Trainer, stage: str, dataloaders: list[Any], limits: list[int | float], results: LoggedResults) -> dict[str, torch.Tensor]:
+def run_evaluation(
+    trainer: Trainer, stage: str, dataloaders: list[Any], limits: list[int | float], results: LoggedResults
+) -> dict[str, torch.Tensor]:
     """Run ``validation`` or ``test`` over ``dataloaders``; return the epoch metrics (tensors, not synchronised to host)."""
     strategy = trainer.strategy
     module = strategy.module
@@ -138,7 +143,9 @@ def split_by_dataloader(metrics: dict[str, torch.Tensor], count: int) -> list[di
     return per_loader
 
 
-def run_prediction(trainer: Trainer, dataloaders: list[Any], limits: list[int | float], return_predictions: bool) -> list[Any] | None:
+def run_prediction(
+    trainer: Trainer, dataloaders: list[Any], limits: list[int | float], return_predictions: bool
+) -> list[Any] | None:
     """Run ``predict_step`` over ``dataloaders``; return the outputs per batch (a list per dataloader if several)."""
     strategy = trainer.strategy
     module = strategy.module

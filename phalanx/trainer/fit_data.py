@@ -35,12 +35,18 @@ def prepare_train_data(trainer: Trainer, source: DataSource) -> None:
     """Build the training dataloader from ``source`` (calling ``train_dataloader()`` if that is where it comes from)."""
     train = source.get("train")
     if not train:
-        raise ValueError("fit() needs training data: pass train_dataloaders=, a datamodule with train_dataloader(), or define train_dataloader() on the TrainingModule.")
+        raise ValueError(
+            "fit() needs training data: pass train_dataloaders=, a datamodule with train_dataloader(), or define train_dataloader() on the TrainingModule."
+        )
     if len(train) != 1:
-        raise ValueError(f"fit() takes one training dataloader, got {len(train)}; combine the datasets into one DataLoader.")
+        raise ValueError(
+            f"fit() takes one training dataloader, got {len(train)}; combine the datasets into one DataLoader."
+        )
     loader = overfit_loader(train[0], "training", trainer.overfit_batches)
     trainer._train_dataloader = trainer._prepare_dataloader(loader, training=True)
-    trainer.num_training_batches = limited_batches(trainer._train_dataloader, trainer.limit_train_batches, "limit_train_batches")
+    trainer.num_training_batches = limited_batches(
+        trainer._train_dataloader, trainer.limit_train_batches, "limit_train_batches"
+    )
     trainer._train_data_epoch = trainer.current_epoch
     if trainer.num_training_batches == 0:
         reason = empty_data_reason(trainer._train_dataloader, trainer.limit_train_batches)
@@ -56,12 +62,16 @@ def prepare_val_data(trainer: Trainer, source: DataSource, first: bool = False) 
     val = source.get("validate") if has_validation_step and trainer.limit_val_batches != 0 else []
     val = [overfit_loader(loader, "validation", trainer.overfit_batches) for loader in val]
     trainer._val_dataloaders = [trainer._prepare_dataloader(loader, training=False) for loader in val]
-    trainer._val_limits = [limited_batches(loader, trainer.limit_val_batches, "limit_val_batches") for loader in trainer._val_dataloaders]
+    trainer._val_limits = [
+        limited_batches(loader, trainer.limit_val_batches, "limit_val_batches") for loader in trainer._val_dataloaders
+    ]
     trainer.num_val_batches = list(trainer._val_limits)
     trainer.validation_enabled = bool(trainer._val_dataloaders) and any(limit > 0 for limit in trainer._val_limits)
     trainer._val_data_epoch = trainer.current_epoch
     if first and source.defines("validate") and not has_validation_step:
-        rank_zero_warn("Validation data was given but the TrainingModule has no validation_step: validation is skipped.")
+        rank_zero_warn(
+            "Validation data was given but the TrainingModule has no validation_step: validation is skipped."
+        )
 
 
 def schedule_validation(trainer: Trainer) -> None:
@@ -74,7 +84,9 @@ def schedule_validation(trainer: Trainer) -> None:
     if isinstance(interval, float):
         if interval < 1.0:
             if math.isinf(trainer.num_training_batches):
-                raise ValueError(f"val_check_interval={interval} is a fraction of an epoch, but the training dataloader has no length; pass an int number of batches.")
+                raise ValueError(
+                    f"val_check_interval={interval} is a fraction of an epoch, but the training dataloader has no length; pass an int number of batches."
+                )
             trainer._val_every_batches = max(1, int(trainer.num_training_batches * interval))
         return
     trainer._val_every_batches = interval
@@ -131,10 +143,24 @@ def overfit_loader(loader: Any, stage: str, overfit_batches: int | float) -> Any
         " it is rebuilt to draw them in order, so that every epoch uses the same batches."
     )
     if isinstance(sampler, DistributedSampler):  # the user's own sharding stays: only its shuffle goes
-        ordered: Any = DistributedSampler(loader.dataset, num_replicas=sampler.num_replicas, rank=sampler.rank, shuffle=False, drop_last=sampler.drop_last)
+        ordered: Any = DistributedSampler(
+            loader.dataset,
+            num_replicas=sampler.num_replicas,
+            rank=sampler.rank,
+            shuffle=False,
+            drop_last=sampler.drop_last,
+        )
     else:
         ordered = SequentialSampler(loader.dataset)
     return with_sampler(loader, ordered)
 
 
-__all__ = ["overfit_loader", "prepare_fit_data", "prepare_train_data", "prepare_val_data", "reload_train_data_if_due", "reload_val_data_if_due", "schedule_validation"]
+__all__ = [
+    "overfit_loader",
+    "prepare_fit_data",
+    "prepare_train_data",
+    "prepare_val_data",
+    "reload_train_data_if_due",
+    "reload_val_data_if_due",
+    "schedule_validation",
+]

@@ -32,9 +32,13 @@ def extract_loss(output: Any) -> Tensor | None:
         return output
     if isinstance(output, Mapping):
         if "loss" not in output:
-            raise ValueError(f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}); add the loss under 'loss'.")
+            raise ValueError(
+                f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}); add the loss under 'loss'."
+            )
         return output["loss"]
-    raise TypeError(f"training_step returned a {type(output).__name__}; return the loss tensor, a dict with 'loss', or None to skip the batch.")
+    raise TypeError(
+        f"training_step returned a {type(output).__name__}; return the loss tensor, a dict with 'loss', or None to skip the batch."
+    )
 
 
 class FitLoop:
@@ -282,7 +286,11 @@ class FitLoop:
         self.phase = _IN_BATCHES
         if due:
             accumulate = trainer.accumulate_grad_batches
-            self._validate(window_done=accumulate == 1 or self.batches_done % accumulate == 0 or self.batches_done >= self.num_batches)
+            self._validate(
+                window_done=accumulate == 1
+                or self.batches_done % accumulate == 0
+                or self.batches_done >= self.num_batches
+            )
         if trainer.preemption is not None and trainer._preemption_requested(self.total_batches):
             trainer._stop_now = True
             return True
@@ -476,4 +484,3 @@ class FitLoop:
             elif not nonfinite.all_finite(loss.detach()):
                 nonfinite.act(loss.detach(), batch_idx)
         return output
-

@@ -143,7 +143,11 @@ def _hook_like_names(obj: object, base: type) -> set[str]:
     names = {name for name, value in getattr(obj, "__dict__", {}).items() if callable(value)}
     for cls in type(obj).__mro__:
         if cls not in base.__mro__:
-            names.update(name for name, value in vars(cls).items() if callable(value) or isinstance(value, (staticmethod, classmethod)))
+            names.update(
+                name
+                for name, value in vars(cls).items()
+                if callable(value) or isinstance(value, (staticmethod, classmethod))
+            )
     return {name for name in names if name.startswith("on_")}
 
 
@@ -160,7 +164,9 @@ REMOVED_LIGHTNING_HOOKS = {
     "on_before_accelerator_backend_setup": "setup",
 }
 # Lightning 2 hooks phalanx does not call, with what to use instead.
-UNCALLED_LIGHTNING_HOOKS = {"on_before_optimizer_setup": "configure_model or setup, which run before configure_optimizers"}
+UNCALLED_LIGHTNING_HOOKS = {
+    "on_before_optimizer_setup": "configure_model or setup, which run before configure_optimizers"
+}
 
 
 def _unknown_hook_message(obj: object, base: type, name: str) -> str:
@@ -178,23 +184,34 @@ def _unknown_hook_message(obj: object, base: type, name: str) -> str:
         message += f": did you mean {close[0]}?"
     else:
         message += "."
-    return message + " If it is not meant as a hook, give it a name that does not start with 'on_' to silence this warning."
+    return (
+        message
+        + " If it is not meant as a hook, give it a name that does not start with 'on_' to silence this warning."
+    )
 
 
 _Warn = Callable[[object, str, str], None]
 
 
-def _data_hook(name: str, module: TrainingModule, datamodule: DataModule | None, warn: _Warn) -> Callable[..., Any] | None:
+def _data_hook(
+    name: str, module: TrainingModule, datamodule: DataModule | None, warn: _Warn
+) -> Callable[..., Any] | None:
     """The override of a batch transfer hook to call: the DataModule's, else the module's, else None."""
     in_module = _overrides(module, TrainingModule, name)
     if datamodule is not None and _overrides(datamodule, DataModule, name):
         if in_module:
-            warn(datamodule, name, f"{type(module).__name__} and {type(datamodule).__name__} both override {name}: the DataModule's is used, as in Lightning.")
+            warn(
+                datamodule,
+                name,
+                f"{type(module).__name__} and {type(datamodule).__name__} both override {name}: the DataModule's is used, as in Lightning.",
+            )
         return getattr(datamodule, name)
     return getattr(module, name) if in_module else None
 
 
-def _batch_mover(strategy: Strategy, module: TrainingModule, datamodule: DataModule | None, warn: _Warn) -> Callable[..., Any]:
+def _batch_mover(
+    strategy: Strategy, module: TrainingModule, datamodule: DataModule | None, warn: _Warn
+) -> Callable[..., Any]:
     """``move(batch, dataloader_idx=0)``: the strategy's own move unless a batch transfer hook is overridden."""
     before, transfer, after = (_data_hook(name, module, datamodule, warn) for name in BATCH_TRANSFER_HOOKS)
     if before is None and transfer is None and after is None:

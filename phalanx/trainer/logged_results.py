@@ -16,15 +16,40 @@ if TYPE_CHECKING:
 
 _REDUCTIONS = ("mean", "sum", "max", "min")
 # Hooks in which self.log aggregates per step unless told otherwise; everything else aggregates per epoch.
-_STEP_HOOKS = frozenset({"training_step", "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad", "optimizer_step", "optimizer_zero_grad"})
+_STEP_HOOKS = frozenset(
+    {
+        "training_step",
+        "on_train_batch_start",
+        "on_train_batch_end",
+        "on_before_backward",
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "on_before_zero_grad",
+        "optimizer_step",
+        "optimizer_zero_grad",
+    }
+)
 
 
 class _LoggedMetric:
     """One logged name: its options, its latest step value and its running epoch aggregate."""
 
-    __slots__ = ("name", "prog_bar", "logger", "on_step", "on_epoch", "reduce_fx", "sync_dist", "step_value", "total", "count")
+    __slots__ = (
+        "name",
+        "prog_bar",
+        "logger",
+        "on_step",
+        "on_epoch",
+        "reduce_fx",
+        "sync_dist",
+        "step_value",
+        "total",
+        "count",
+    )
 
-    def __init__(self, name: str, prog_bar: bool, logger: bool, on_step: bool, on_epoch: bool, reduce_fx: str, sync_dist: bool) -> None:
+    def __init__(
+        self, name: str, prog_bar: bool, logger: bool, on_step: bool, on_epoch: bool, reduce_fx: str, sync_dist: bool
+    ) -> None:
         self.name = name
         self.prog_bar = prog_bar
         self.logger = logger
@@ -129,7 +154,17 @@ class LoggedResults:
                 batch_size = self._batch_size
             metric.accumulate(value, batch_size)
 
-    def _new_metric(self, fx_name: str | None, name: str, prog_bar: bool, logger: bool, on_step: bool | None, on_epoch: bool | None, reduce_fx: str, sync_dist: bool) -> _LoggedMetric:
+    def _new_metric(
+        self,
+        fx_name: str | None,
+        name: str,
+        prog_bar: bool,
+        logger: bool,
+        on_step: bool | None,
+        on_epoch: bool | None,
+        reduce_fx: str,
+        sync_dist: bool,
+    ) -> _LoggedMetric:
         if not isinstance(name, str) or not name:
             raise ValueError(f"self.log needs a non-empty string name, got {name!r}.")
         if reduce_fx not in _REDUCTIONS:
@@ -154,7 +189,9 @@ class LoggedResults:
     def _as_tensor(self, name: str, value: Any) -> Tensor:
         if isinstance(value, Tensor):
             if value.numel() != 1:
-                raise ValueError(f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars (one element).")
+                raise ValueError(
+                    f"self.log({name!r}, ...) got a tensor of shape {tuple(value.shape)}; log scalars (one element)."
+                )
             value = value.detach()
             if not value.is_floating_point():
                 value = value.float()

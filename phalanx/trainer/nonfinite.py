@@ -91,7 +91,11 @@ class NonFiniteLossCheck:
         step, epoch = trainer.fit_loop.global_step, trainer.current_epoch
         if self.mode == "raise":
             own = torch.isfinite(loss).all()
-            value = f"{loss.detach().float().cpu().tolist()}" if not own else "finite here but NaN or infinite on another process"
+            value = (
+                f"{loss.detach().float().cpu().tolist()}"
+                if not own
+                else "finite here but NaN or infinite on another process"
+            )
             raise FloatingPointError(
                 f"The training loss is {value} at global step {step} (epoch {epoch}, batch_idx {batch_idx});"
                 " nonfinite_loss='raise' stops training here. The weights hold the last finite update: lower the learning"

@@ -31,7 +31,9 @@ class ManualOptimizer:
         """Run the optimizer step (closure, loss scaling, clipping, hooks); in manual optimization advance ``global_step``."""
         trainer = self._trainer
         if trainer is None:
-            raise RuntimeError("This optimizer handle is a copy (pickled or deep-copied) and is detached from the Trainer; call self.optimizers() in the TrainingModule for a handle that steps.")
+            raise RuntimeError(
+                "This optimizer handle is a copy (pickled or deep-copied) and is detached from the Trainer; call self.optimizers() in the TrainingModule for a handle that steps."
+            )
         if closure is None:
             closure = self.__dict__.get("_closure_if_none") or _no_closure
         module = trainer.strategy.module

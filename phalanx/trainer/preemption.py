@@ -33,13 +33,22 @@ class Preemption:
     has ``auto_requeue``.
     """
 
-    def __init__(self, *, signals: Sequence[int] = _DEFAULT_SIGNALS, check_every_n_steps: int = 10, exit: bool = True, requeue: bool | None = None) -> None:  # noqa: A002
+    def __init__(
+        self,
+        *,
+        signals: Sequence[int] = _DEFAULT_SIGNALS,
+        check_every_n_steps: int = 10,
+        exit: bool = True,
+        requeue: bool | None = None,
+    ) -> None:  # noqa: A002
         if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps={check_every_n_steps!r} must be an int >= 1.")
         valid = set(signal.valid_signals())
         for signum in signals:
             if signum not in valid or signum in (signal.SIGKILL, signal.SIGSTOP):
-                raise ValueError(f"{signum!r} cannot be handled; use signals such as SIGTERM, SIGUSR1, SIGUSR2, SIGINT.")
+                raise ValueError(
+                    f"{signum!r} cannot be handled; use signals such as SIGTERM, SIGUSR1, SIGUSR2, SIGINT."
+                )
         self.signals = tuple(signal.Signals(s) for s in signals)
         self.check_every_n_steps = check_every_n_steps
         self.exit = exit
@@ -52,7 +61,9 @@ class Preemption:
         """Route the signals to this object (main thread only: Python delivers signals there)."""
         self.received = None
         if threading.current_thread() is not threading.main_thread():
-            rank_zero_warn("fit() runs outside the main thread: preemption signals cannot be handled and keep their default effect.")
+            rank_zero_warn(
+                "fit() runs outside the main thread: preemption signals cannot be handled and keep their default effect."
+            )
             return
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._on_signal)
@@ -93,4 +104,6 @@ class Preemption:
         if result.returncode == 0:
             rank_zero_info(f"Requeued SLURM job {job_id}.")
         else:
-            rank_zero_warn(f"Requeueing SLURM job {job_id} with {command} failed ({result.returncode}): {result.stderr.strip()}")
+            rank_zero_warn(
+                f"Requeueing SLURM job {job_id} with {command} failed ({result.returncode}): {result.stderr.strip()}"
+            )

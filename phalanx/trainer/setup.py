@@ -41,8 +41,12 @@ def normalize_precision(precision: Any) -> str:
         return _PRECISION_ALIASES[precision]
     if isinstance(precision, Precision) or (isinstance(precision, type) and issubclass(precision, Precision)):
         example = precision.__qualname__ if isinstance(precision, type) else type(precision).__qualname__
-        raise TypeError(f"precision={shown(precision)} is a precision plugin; pass a plugin instance in plugins=[{example}()], or a name in precision= ({list(PRECISIONS)}).")
-    raise ValueError(f"precision={shown(precision)} is not supported. Choose one of {list(PRECISIONS)} (aliases: 32, 64, 16, 'bf16').")
+        raise TypeError(
+            f"precision={shown(precision)} is a precision plugin; pass a plugin instance in plugins=[{example}()], or a name in precision= ({list(PRECISIONS)})."
+        )
+    raise ValueError(
+        f"precision={shown(precision)} is not supported. Choose one of {list(PRECISIONS)} (aliases: 32, 64, 16, 'bf16')."
+    )
 
 
 def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
@@ -52,7 +56,9 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
     names = ["auto", "gpu", *ACCELERATOR_REGISTRY.available()]
     reject_class("accelerator", accelerator, Accelerator, f"a name: {names}")
     if not isinstance(accelerator, str):
-        raise TypeError(f"accelerator={shown(accelerator)} (of type {type(accelerator).__name__}) is not valid; pass a name ({names}) or an Accelerator instance.")
+        raise TypeError(
+            f"accelerator={shown(accelerator)} (of type {type(accelerator).__name__}) is not valid; pass a name ({names}) or an Accelerator instance."
+        )
     name = accelerator.lower()
     if name == "auto":
         for candidate in ("cuda", "mps"):
@@ -63,14 +69,20 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
         for candidate in ("cuda", "mps"):
             if ACCELERATOR_REGISTRY.get_class(candidate).is_available():  # type: ignore[attr-defined]
                 return ACCELERATOR_REGISTRY.get(candidate)
-        raise ValueError("accelerator='gpu' was requested, but neither CUDA nor MPS is available on this machine. Use accelerator='cpu' (or 'auto').")
+        raise ValueError(
+            "accelerator='gpu' was requested, but neither CUDA nor MPS is available on this machine. Use accelerator='cpu' (or 'auto')."
+        )
     if name not in ACCELERATOR_REGISTRY:
-        raise ValueError(f"Unknown accelerator {accelerator!r}. Choose one of {['auto', 'gpu', *ACCELERATOR_REGISTRY.available()]}, or pass an Accelerator instance.")
+        raise ValueError(
+            f"Unknown accelerator {accelerator!r}. Choose one of {['auto', 'gpu', *ACCELERATOR_REGISTRY.available()]}, or pass an Accelerator instance."
+        )
     accelerator_class = ACCELERATOR_REGISTRY.get_class(name)
     if not accelerator_class.is_available():  # type: ignore[attr-defined]
         usable = [n for n in ACCELERATOR_REGISTRY.available() if ACCELERATOR_REGISTRY.get_class(n).is_available()]  # type: ignore[attr-defined]
         hint = " (torch.cuda.is_available() is False)" if name == "cuda" else ""
-        raise ValueError(f"accelerator={accelerator!r} was requested but is not available on this machine{hint}. Available accelerators: {usable}.")
+        raise ValueError(
+            f"accelerator={accelerator!r} was requested but is not available on this machine{hint}. Available accelerators: {usable}."
+        )
     return ACCELERATOR_REGISTRY.get(name)
 
 
@@ -84,7 +96,12 @@ class _Plugins:
         self.layer_sync: LayerSync | None = None
         listed = isinstance(plugins, Sequence) and not isinstance(plugins, str)
         items = [] if plugins is None else list(plugins) if listed else [plugins]
-        kinds = {Precision: "precision", CheckpointIO: "checkpoint_io", ClusterEnvironment: "cluster_environment", LayerSync: "layer_sync"}
+        kinds = {
+            Precision: "precision",
+            CheckpointIO: "checkpoint_io",
+            ClusterEnvironment: "cluster_environment",
+            LayerSync: "layer_sync",
+        }
         valid = "valid plugins are Precision, CheckpointIO, ClusterEnvironment and LayerSync instances"
         for index, plugin in enumerate(items):
             name = f"plugins[{index}]" if listed else "plugins"
@@ -115,18 +132,28 @@ def resolve_strategy(
     given = _Plugins(plugins)
     precision_plugin, checkpoint_io = given.precision, given.checkpoint_io
     if precision_plugin is not None and precision_name != "32-true":
-        raise ValueError(f"Both precision={precision!r} and a Precision plugin ({type(precision_plugin).__name__}) were given; pass only one.")
+        raise ValueError(
+            f"Both precision={precision!r} and a Precision plugin ({type(precision_plugin).__name__}) were given; pass only one."
+        )
 
     if isinstance(strategy, Strategy):
         built = _complete_strategy_instance(strategy, accelerator, precision_name, precision_plugin, checkpoint_io)
         refuse_parallel_on_mps(type(built), built.accelerator, f"a {type(built).__name__} instance")
         if isinstance(built, ParallelStrategy):
             assert built.accelerator is not None
-            _configure_parallel(built, built.parallel_devices or built.accelerator.get_parallel_devices(devices), num_nodes, sync_batchnorm, given)
+            _configure_parallel(
+                built,
+                built.parallel_devices or built.accelerator.get_parallel_devices(devices),
+                num_nodes,
+                sync_batchnorm,
+                given,
+            )
         return built
     reject_class("strategy", strategy, Strategy, f"a registered name: {['auto', *STRATEGY_REGISTRY.available()]}")
     if not isinstance(strategy, str):
-        raise TypeError(f"strategy={shown(strategy)} (of type {type(strategy).__name__}) is not valid; pass a registered name ({['auto', *STRATEGY_REGISTRY.available()]}) or a Strategy instance.")
+        raise TypeError(
+            f"strategy={shown(strategy)} (of type {type(strategy).__name__}) is not valid; pass a registered name ({['auto', *STRATEGY_REGISTRY.available()]}) or a Strategy instance."
+        )
 
     accelerator_instance = resolve_accelerator(accelerator)
     parallel_devices = accelerator_instance.get_parallel_devices(devices)
@@ -135,12 +162,16 @@ def resolve_strategy(
     if name == "auto":
         if process_count > 1:
             if "ddp" not in STRATEGY_REGISTRY:
-                raise ValueError(f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}.")
+                raise ValueError(
+                    f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}."
+                )
             name = "ddp"
         else:
             name = "single_device"
     if name not in STRATEGY_REGISTRY:
-        raise ValueError(f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a Strategy instance.")
+        raise ValueError(
+            f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a Strategy instance."
+        )
 
     strategy_class = STRATEGY_REGISTRY.get_class(name)
     refuse_parallel_on_mps(strategy_class, accelerator_instance, repr(strategy))
@@ -148,10 +179,18 @@ def resolve_strategy(
     plugin = precision_plugin if precision_plugin is not None else make_plugin(precision_name, accelerator_instance)
     if name == "single_device" or strategy_class is SingleDeviceStrategy:
         if process_count > 1:
-            raise ValueError(f"strategy={strategy!r} runs one process, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count}. Use a parallel strategy such as 'ddp', or devices=1.")
+            raise ValueError(
+                f"strategy={strategy!r} runs one process, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count}. Use a parallel strategy such as 'ddp', or devices=1."
+            )
         if sync_batchnorm:
             rank_zero_warn("sync_batchnorm=True has no effect with a single device.")
-        built = STRATEGY_REGISTRY.get(name, device=parallel_devices[0], accelerator=accelerator_instance, precision_plugin=plugin, checkpoint_io=checkpoint_io)
+        built = STRATEGY_REGISTRY.get(
+            name,
+            device=parallel_devices[0],
+            accelerator=accelerator_instance,
+            precision_plugin=plugin,
+            checkpoint_io=checkpoint_io,
+        )
         return built
     built = STRATEGY_REGISTRY.get(name)
     built.accelerator = accelerator_instance
@@ -161,7 +200,9 @@ def resolve_strategy(
     if isinstance(built, ParallelStrategy):
         _configure_parallel(built, parallel_devices, num_nodes, sync_batchnorm, given)
     elif process_count > 1:
-        raise ValueError(f"strategy={strategy!r} is not a parallel strategy, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count} processes.")
+        raise ValueError(
+            f"strategy={strategy!r} is not a parallel strategy, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count} processes."
+        )
     return built
 
 
@@ -179,7 +220,13 @@ def refuse_parallel_on_mps(strategy_class: type, accelerator: Accelerator | None
         )
 
 
-def _configure_parallel(strategy: ParallelStrategy, parallel_devices: list[torch.device], num_nodes: int, sync_batchnorm: bool, given: _Plugins) -> None:
+def _configure_parallel(
+    strategy: ParallelStrategy,
+    parallel_devices: list[torch.device],
+    num_nodes: int,
+    sync_batchnorm: bool,
+    given: _Plugins,
+) -> None:
     # The Trainer's arguments fill what the strategy left unset; the environment must agree with them.
     from phalanx.plugins.environments import detect_cluster_environment
 
@@ -195,7 +242,9 @@ def _configure_parallel(strategy: ParallelStrategy, parallel_devices: list[torch
         strategy.layer_sync = given.layer_sync
     elif sync_batchnorm:
         if all(device.type == "cpu" for device in strategy.parallel_devices or []):
-            raise ValueError("sync_batchnorm=True needs GPUs: torch's SyncBatchNorm does not run on the CPU. Remove it, or train with accelerator='cuda'.")
+            raise ValueError(
+                "sync_batchnorm=True needs GPUs: torch's SyncBatchNorm does not run on the CPU. Remove it, or train with accelerator='cuda'."
+            )
         strategy.layer_sync = TorchSyncBatchNorm()
     strategy.record_global_rank()
 
@@ -216,12 +265,24 @@ def _complete_strategy_instance(
             strategy.accelerator = resolve_accelerator(device_type if device_type in ACCELERATOR_REGISTRY else "auto")
         else:
             strategy.accelerator = resolve_accelerator(accelerator)
-    elif accelerator not in ("auto", None) and not (isinstance(accelerator, str) and accelerator.lower() == getattr(strategy.accelerator, "name", None)) and accelerator is not strategy.accelerator:
-        raise ValueError(f"accelerator={accelerator!r} conflicts with the accelerator of the strategy instance ({type(strategy.accelerator).__name__}); set it in one place.")
+    elif (
+        accelerator not in ("auto", None)
+        and not (isinstance(accelerator, str) and accelerator.lower() == getattr(strategy.accelerator, "name", None))
+        and accelerator is not strategy.accelerator
+    ):
+        raise ValueError(
+            f"accelerator={accelerator!r} conflicts with the accelerator of the strategy instance ({type(strategy.accelerator).__name__}); set it in one place."
+        )
     if strategy._precision_plugin is None:
-        strategy.precision_plugin = precision_plugin if precision_plugin is not None else type(strategy).precision_plugin_for(precision_name, strategy.accelerator)
+        strategy.precision_plugin = (
+            precision_plugin
+            if precision_plugin is not None
+            else type(strategy).precision_plugin_for(precision_name, strategy.accelerator)
+        )
     elif precision_plugin is not None or precision_name != "32-true":
-        raise ValueError(f"The strategy instance already has a precision plugin ({type(strategy.precision_plugin).__name__}); do not also pass precision= or a Precision plugin.")
+        raise ValueError(
+            f"The strategy instance already has a precision plugin ({type(strategy.precision_plugin).__name__}); do not also pass precision= or a Precision plugin."
+        )
     if checkpoint_io is not None:
         if strategy._checkpoint_io is not None:
             raise ValueError("The strategy instance already has a CheckpointIO; do not also pass one in plugins.")
@@ -237,4 +298,11 @@ def _has_root_device(strategy: Strategy) -> bool:
     return True
 
 
-__all__ = ["PRECISIONS", "normalize_precision", "precision_plugin_for", "refuse_parallel_on_mps", "resolve_accelerator", "resolve_strategy"]
+__all__ = [
+    "PRECISIONS",
+    "normalize_precision",
+    "precision_plugin_for",
+    "refuse_parallel_on_mps",
+    "resolve_accelerator",
+    "resolve_strategy",
+]

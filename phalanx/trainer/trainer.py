@@ -18,7 +18,19 @@ from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.strategies.migration import refuse_trainer_launcher, refuse_trainer_parameters
 from phalanx.strategies.strategy import Strategy
-from phalanx.trainer.arguments import NONFINITE_LOSS_MODES, RENAMED_TRAINER_ATTRIBUTES, check_bool, check_choice, check_int, check_number, parse_max_time, refuse_not_integrated, reject_class, resolve_root_dir, shown
+from phalanx.trainer.arguments import (
+    NONFINITE_LOSS_MODES,
+    RENAMED_TRAINER_ATTRIBUTES,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    parse_max_time,
+    refuse_not_integrated,
+    reject_class,
+    resolve_root_dir,
+    shown,
+)
 from phalanx.trainer.barebones import BarebonesResults, check_barebones
 from phalanx.trainer.checkpoint import CheckpointConnector
 from phalanx.trainer.data import DataSource, limited_batches, validate_limit
@@ -119,19 +131,43 @@ class Trainer(DeviceProperties):
         model_registry: str | None = None,
     ) -> None:
         refuse_not_integrated(profiler=profiler, model_registry=model_registry)
-        for name, flag in (("sync_batchnorm", sync_batchnorm), ("use_distributed_sampler", use_distributed_sampler), ("inference_mode", inference_mode), ("detect_anomaly", detect_anomaly), ("barebones", barebones)):
+        for name, flag in (
+            ("sync_batchnorm", sync_batchnorm),
+            ("use_distributed_sampler", use_distributed_sampler),
+            ("inference_mode", inference_mode),
+            ("detect_anomaly", detect_anomaly),
+            ("barebones", barebones),
+        ):
             check_bool(name, flag)
-        for name, flag in (("enable_progress_bar", enable_progress_bar), ("enable_checkpointing", enable_checkpointing), ("enable_model_summary", enable_model_summary), ("benchmark", benchmark)):
+        for name, flag in (
+            ("enable_progress_bar", enable_progress_bar),
+            ("enable_checkpointing", enable_checkpointing),
+            ("enable_model_summary", enable_model_summary),
+            ("benchmark", benchmark),
+        ):
             check_bool(name, flag, allow_none=True)
         check_choice("deterministic", deterministic, (None, True, False, "warn"))
         check_choice("nonfinite_loss", nonfinite_loss, NONFINITE_LOSS_MODES)
         self.barebones = barebones
         if barebones:
             check_barebones(
-                callbacks, enable_checkpointing=enable_checkpointing, logger=logger, log_every_n_steps=log_every_n_steps, enable_progress_bar=enable_progress_bar,
-                enable_model_summary=enable_model_summary, num_sanity_val_steps=num_sanity_val_steps, fast_dev_run=fast_dev_run, detect_anomaly=detect_anomaly,
-            )  # fmt: skip
-            logger, enable_checkpointing, enable_progress_bar, enable_model_summary, num_sanity_val_steps = False, False, False, False, 0
+                callbacks,
+                enable_checkpointing=enable_checkpointing,
+                logger=logger,
+                log_every_n_steps=log_every_n_steps,
+                enable_progress_bar=enable_progress_bar,
+                enable_model_summary=enable_model_summary,
+                num_sanity_val_steps=num_sanity_val_steps,
+                fast_dev_run=fast_dev_run,
+                detect_anomaly=detect_anomaly,
+            )
+            logger, enable_checkpointing, enable_progress_bar, enable_model_summary, num_sanity_val_steps = (
+                False,
+                False,
+                False,
+                False,
+                0,
+            )
         self.detect_anomaly = detect_anomaly
         self.nonfinite_loss = nonfinite_loss
         self.default_root_dir = resolve_root_dir(default_root_dir)
@@ -147,7 +183,9 @@ class Trainer(DeviceProperties):
         elif isinstance(fast_dev_run, int) and fast_dev_run >= 0:
             fast_dev_batches = fast_dev_run
         else:
-            raise ValueError(f"fast_dev_run={shown(fast_dev_run)} is not valid; it must be a bool or an int >= 0 (number of batches).")
+            raise ValueError(
+                f"fast_dev_run={shown(fast_dev_run)} is not valid; it must be a bool or an int >= 0 (number of batches)."
+            )
         self.fast_dev_run: bool | int = fast_dev_batches if fast_dev_batches else False
 
         check_int("max_steps", max_steps, -1)
@@ -155,9 +193,13 @@ class Trainer(DeviceProperties):
         check_int("min_epochs", min_epochs, 0, allow_none=True)
         check_int("min_steps", min_steps, 0, allow_none=True)
         if min_steps is not None and max_steps != -1 and min_steps > max_steps:
-            raise ValueError(f"min_steps={min_steps} is more than max_steps={max_steps}; lower min_steps or raise max_steps.")
+            raise ValueError(
+                f"min_steps={min_steps} is more than max_steps={max_steps}; lower min_steps or raise max_steps."
+            )
         if min_epochs is not None and max_epochs is not None and max_epochs != -1 and min_epochs > max_epochs:
-            raise ValueError(f"min_epochs={min_epochs} is more than max_epochs={max_epochs}; lower min_epochs or raise max_epochs.")
+            raise ValueError(
+                f"min_epochs={min_epochs} is more than max_epochs={max_epochs}; lower min_epochs or raise max_epochs."
+            )
         check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
         check_int("check_val_every_n_epoch", check_val_every_n_epoch, 1, allow_none=True)
         check_int("num_sanity_val_steps", num_sanity_val_steps, -1, allow_none=True)
@@ -176,14 +218,29 @@ class Trainer(DeviceProperties):
         self.num_sanity_val_steps = 2 if num_sanity_val_steps is None else num_sanity_val_steps
         # barebones: 0, never log steps (only barebones sets 0; an argument of 0 is refused above)
         self.log_every_n_steps = 0 if barebones else 50 if log_every_n_steps is None else log_every_n_steps
-        self.limit_train_batches = validate_limit("limit_train_batches", 1.0 if limit_train_batches is None else limit_train_batches)
-        self.limit_val_batches = validate_limit("limit_val_batches", 1.0 if limit_val_batches is None else limit_val_batches)
-        self.limit_test_batches = validate_limit("limit_test_batches", 1.0 if limit_test_batches is None else limit_test_batches)
-        self.limit_predict_batches = validate_limit("limit_predict_batches", 1.0 if limit_predict_batches is None else limit_predict_batches)
+        self.limit_train_batches = validate_limit(
+            "limit_train_batches", 1.0 if limit_train_batches is None else limit_train_batches
+        )
+        self.limit_val_batches = validate_limit(
+            "limit_val_batches", 1.0 if limit_val_batches is None else limit_val_batches
+        )
+        self.limit_test_batches = validate_limit(
+            "limit_test_batches", 1.0 if limit_test_batches is None else limit_test_batches
+        )
+        self.limit_predict_batches = validate_limit(
+            "limit_predict_batches", 1.0 if limit_predict_batches is None else limit_predict_batches
+        )
         if val_check_interval is None:
             val_check_interval = 1.0
-        if isinstance(val_check_interval, bool) or not isinstance(val_check_interval, (int, float)) or not val_check_interval > 0 or (isinstance(val_check_interval, float) and not val_check_interval <= 1.0):
-            raise ValueError(f"val_check_interval={shown(val_check_interval)} is not valid; it must be a float in (0.0, 1.0] (fraction of an epoch) or an int >= 1 (batches).")
+        if (
+            isinstance(val_check_interval, bool)
+            or not isinstance(val_check_interval, (int, float))
+            or not val_check_interval > 0
+            or (isinstance(val_check_interval, float) and not val_check_interval <= 1.0)
+        ):
+            raise ValueError(
+                f"val_check_interval={shown(val_check_interval)} is not valid; it must be a float in (0.0, 1.0] (fraction of an epoch) or an int >= 1 (batches)."
+            )
         self.val_check_interval = val_check_interval
         if gradient_clip_val is not None:
             check_number("gradient_clip_val", gradient_clip_val, 0)
@@ -197,7 +254,9 @@ class Trainer(DeviceProperties):
             self.val_check_interval, self.check_val_every_n_epoch = 1.0, 1
             self._max_time = None
         self.overfit_batches = validate_limit("overfit_batches", overfit_batches)
-        if self.overfit_batches:  # wins over limit_*_batches and fast_dev_run for training and validation, as in Lightning
+        if (
+            self.overfit_batches
+        ):  # wins over limit_*_batches and fast_dev_run for training and validation, as in Lightning
             self.limit_train_batches = self.limit_val_batches = self.overfit_batches
         reject_class("preemption", preemption, Preemption, "True or False")
         if preemption is True:
@@ -205,7 +264,9 @@ class Trainer(DeviceProperties):
         elif preemption is False or preemption is None:
             preemption = None
         elif not isinstance(preemption, Preemption):
-            raise TypeError(f"preemption={shown(preemption)} (of type {type(preemption).__name__}) is not valid; pass True, False or a phalanx.trainer.Preemption instance.")
+            raise TypeError(
+                f"preemption={shown(preemption)} (of type {type(preemption).__name__}) is not valid; pass True, False or a phalanx.trainer.Preemption instance."
+            )
         self.preemption: Preemption | None = preemption
         self.preempted = False
 
@@ -217,7 +278,9 @@ class Trainer(DeviceProperties):
             torch.backends.cudnn.deterministic = True
         if benchmark is not None:
             if benchmark and deterministic:
-                rank_zero_warn("benchmark=True picks the fastest (possibly non-deterministic) cuDNN kernels, against deterministic=True.")
+                rank_zero_warn(
+                    "benchmark=True picks the fastest (possibly non-deterministic) cuDNN kernels, against deterministic=True."
+                )
             torch.backends.cudnn.benchmark = benchmark
         self.sync_batchnorm = sync_batchnorm
         self.use_distributed_sampler = use_distributed_sampler
@@ -281,10 +344,14 @@ class Trainer(DeviceProperties):
             name = f"logger[{index}]" if listed else "logger"
             reject_class(name, item, Logger, "")
             if not isinstance(item, Logger):
-                raise TypeError(f"{name}={shown(item)} (of type {type(item).__name__}) is not valid; pass True, False, a Logger instance (e.g. CSVLogger(save_dir=...)) or a list of them.")
+                raise TypeError(
+                    f"{name}={shown(item)} (of type {type(item).__name__}) is not valid; pass True, False, a Logger instance (e.g. CSVLogger(save_dir=...)) or a list of them."
+                )
         return items
 
-    def _build_callbacks(self, callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool) -> list[Callback]:
+    def _build_callbacks(
+        self, callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool
+    ) -> list[Callback]:
         from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
 
         reject_class("callbacks", callbacks, Callback, "")
@@ -295,15 +362,21 @@ class Trainer(DeviceProperties):
         elif isinstance(callbacks, (list, tuple)):
             items = list(callbacks)
         else:
-            raise TypeError(f"callbacks={shown(callbacks)} (of type {type(callbacks).__name__}) is not valid; pass a Callback instance or a list of them.")
+            raise TypeError(
+                f"callbacks={shown(callbacks)} (of type {type(callbacks).__name__}) is not valid; pass a Callback instance or a list of them."
+            )
         for index, callback in enumerate(items):
             reject_class(f"callbacks[{index}]", callback, Callback, "")
             if not isinstance(callback, Callback):
-                raise TypeError(f"callbacks[{index}]={shown(callback)} (of type {type(callback).__name__}) is not a phalanx Callback; pass Callback instances.")
+                raise TypeError(
+                    f"callbacks[{index}]={shown(callback)} (of type {type(callback).__name__}) is not a phalanx Callback; pass Callback instances."
+                )
         if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
             items.append(ModelCheckpoint())
         elif not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in items):
-            raise ValueError("enable_checkpointing=False, but a ModelCheckpoint callback was passed; remove one of them.")
+            raise ValueError(
+                "enable_checkpointing=False, but a ModelCheckpoint callback was passed; remove one of them."
+            )
         if enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in items):
             items.append(TQDMProgressBar())
         elif not enable_progress_bar and any(isinstance(cb, ProgressBar) for cb in items):
@@ -313,7 +386,14 @@ class Trainer(DeviceProperties):
         return _checkpoints_last(items)
 
     # ------------------------------------------------------------------ public entry points
-    def fit(self, model: TrainingModule, train_dataloaders: Any = None, val_dataloaders: Any = None, datamodule: DataModule | None = None, ckpt_path: Any = None) -> None:
+    def fit(
+        self,
+        model: TrainingModule,
+        train_dataloaders: Any = None,
+        val_dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        ckpt_path: Any = None,
+    ) -> None:
         """Train ``model``; resume from ``ckpt_path`` ('last', 'best' or a path) if given."""
         module = self._check_module(model, "fit")
         if isinstance(train_dataloaders, DataModule):
@@ -328,15 +408,36 @@ class Trainer(DeviceProperties):
         if self.preempted and self.preemption is not None and self.preemption.exit:
             raise SystemExit(PREEMPTED_EXIT_CODE)
 
-    def validate(self, model: TrainingModule | None = None, dataloaders: Any = None, ckpt_path: Any = None, verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+    def validate(
+        self,
+        model: TrainingModule | None = None,
+        dataloaders: Any = None,
+        ckpt_path: Any = None,
+        verbose: bool = True,
+        datamodule: DataModule | None = None,
+    ) -> list[dict[str, float]]:
         """Run one validation epoch; return one dict of metrics per dataloader."""
         return self._evaluate(TrainerFn.VALIDATING, model, dataloaders, ckpt_path, verbose, datamodule)
 
-    def test(self, model: TrainingModule | None = None, dataloaders: Any = None, ckpt_path: Any = None, verbose: bool = True, datamodule: DataModule | None = None) -> list[dict[str, float]]:
+    def test(
+        self,
+        model: TrainingModule | None = None,
+        dataloaders: Any = None,
+        ckpt_path: Any = None,
+        verbose: bool = True,
+        datamodule: DataModule | None = None,
+    ) -> list[dict[str, float]]:
         """Run one test epoch; return one dict of metrics per dataloader."""
         return self._evaluate(TrainerFn.TESTING, model, dataloaders, ckpt_path, verbose, datamodule)
 
-    def predict(self, model: TrainingModule | None = None, dataloaders: Any = None, datamodule: DataModule | None = None, return_predictions: bool | None = None, ckpt_path: Any = None) -> list[Any] | None:
+    def predict(
+        self,
+        model: TrainingModule | None = None,
+        dataloaders: Any = None,
+        datamodule: DataModule | None = None,
+        return_predictions: bool | None = None,
+        ckpt_path: Any = None,
+    ) -> list[Any] | None:
         """Run ``predict_step`` over the data; return the outputs per batch (a list per dataloader if several)."""
         module, ckpt_path = self._module_for_evaluation(model, ckpt_path, "predict")
         if isinstance(dataloaders, DataModule):
@@ -348,7 +449,9 @@ class Trainer(DeviceProperties):
         keep = True if return_predictions is None else return_predictions
         return self._start(TrainerFn.PREDICTING, self._run_predict, module, source, ckpt_path, keep)
 
-    def save_checkpoint(self, filepath: str | os.PathLike, weights_only: bool = False, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, filepath: str | os.PathLike, weights_only: bool = False, storage_options: Any | None = None
+    ) -> None:
         """Write a checkpoint of the current state (every process must call this)."""
         if self.strategy.module is None:
             raise RuntimeError("Trainer.save_checkpoint needs a model: call fit, validate, test or predict first.")
@@ -538,7 +641,9 @@ class Trainer(DeviceProperties):
             if launcher is not None:
                 refuse_trainer_launcher(launcher)
                 # The module the user passed (first argument of each run) lives in this process: spawned workers update it.
-                worker_state = TrainerWorkerState(self, next((arg for arg in args if isinstance(arg, torch.nn.Module)), None))
+                worker_state = TrainerWorkerState(
+                    self, next((arg for arg in args if isinstance(arg, torch.nn.Module)), None)
+                )
             if self.detect_anomaly:
                 args = (run, *args)
                 run = self._run_detecting_anomalies
@@ -693,9 +798,13 @@ class Trainer(DeviceProperties):
             configs = strategy.lr_scheduler_configs
         else:
             if self.gradient_clip_val:
-                raise ValueError("gradient_clip_val is for automatic optimization; with manual optimization call self.clip_gradients(optimizer, ...) in training_step.")
+                raise ValueError(
+                    "gradient_clip_val is for automatic optimization; with manual optimization call self.clip_gradients(optimizer, ...) in training_step."
+                )
             if self.accumulate_grad_batches != 1:
-                raise ValueError("accumulate_grad_batches is for automatic optimization; with manual optimization accumulate in training_step.")
+                raise ValueError(
+                    "accumulate_grad_batches is for automatic optimization; with manual optimization accumulate in training_step."
+                )
             self._optimizer = None
             configs = []  # in manual optimization the user steps schedulers
         self._step_scheduler_configs = [c for c in configs if c.interval == "step"]
@@ -711,8 +820,14 @@ class Trainer(DeviceProperties):
             from phalanx.trainer.distributed_data import distributed_dataloader
 
             seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
-            dataloader = distributed_dataloader(dataloader, training=training, seed=seed, pad_evaluation=self.strategy.pads_evaluation, **sampler_kwargs)
-        if os.environ.get("PHALANX_SEED_WORKERS") == "1" and getattr(dataloader, "num_workers", 0) > 0 and dataloader.worker_init_fn is None:
+            dataloader = distributed_dataloader(
+                dataloader, training=training, seed=seed, pad_evaluation=self.strategy.pads_evaluation, **sampler_kwargs
+            )
+        if (
+            os.environ.get("PHALANX_SEED_WORKERS") == "1"
+            and getattr(dataloader, "num_workers", 0) > 0
+            and dataloader.worker_init_fn is None
+        ):
             # seed_everything(workers=True): every worker of every rank gets its own reproducible seed.
             dataloader.worker_init_fn = partial(worker_init_fn, rank=self.global_rank)
         return self.strategy.process_dataloader(dataloader)
@@ -766,7 +881,9 @@ class Trainer(DeviceProperties):
         run_evaluation(self, "validation", self._val_dataloaders, self._val_limits, self._eval_results)
         self._results = self._train_results
 
-    def _evaluate(self, fn: TrainerFn, model: Any, dataloaders: Any, ckpt_path: Any, verbose: bool, datamodule: Any) -> list[dict[str, float]]:
+    def _evaluate(
+        self, fn: TrainerFn, model: Any, dataloaders: Any, ckpt_path: Any, verbose: bool, datamodule: Any
+    ) -> list[dict[str, float]]:
         method = "validate" if fn == TrainerFn.VALIDATING else "test"
         module, ckpt_path = self._module_for_evaluation(model, ckpt_path, method)
         if isinstance(dataloaders, DataModule):
@@ -783,24 +900,39 @@ class Trainer(DeviceProperties):
             return self._check_module(model, method), ckpt_path
         if self.strategy.module is None:
             raise ValueError(f"Trainer.{method}() needs a model: pass one, or call fit() first.")
-        if ckpt_path is None and self.checkpoint_callback is not None and getattr(self.checkpoint_callback, "best_model_path", ""):
+        if (
+            ckpt_path is None
+            and self.checkpoint_callback is not None
+            and getattr(self.checkpoint_callback, "best_model_path", "")
+        ):
             rank_zero_info(f"{method}(): no model given, using the best checkpoint of the previous fit.")
             ckpt_path = "best"
         return self.strategy.module, ckpt_path
 
-    def _run_evaluate(self, module: TrainingModule, source: DataSource, ckpt_path: Any, verbose: bool) -> list[dict[str, float]]:
+    def _run_evaluate(
+        self, module: TrainingModule, source: DataSource, ckpt_path: Any, verbose: bool
+    ) -> list[dict[str, float]]:
         fn = self.state.fn
         stage = "validation" if fn == TrainerFn.VALIDATING else "test"
         step_name = f"{stage}_step"
-        if type(module).__dict__.get(step_name) is None and getattr(type(module), step_name) is getattr(TrainingModule, step_name):
-            raise ValueError(f"Trainer.{fn}() needs {type(module).__name__}.{step_name}(batch, batch_idx) to be defined.")
+        if type(module).__dict__.get(step_name) is None and getattr(type(module), step_name) is getattr(
+            TrainingModule, step_name
+        ):
+            raise ValueError(
+                f"Trainer.{fn}() needs {type(module).__name__}.{step_name}(batch, batch_idx) to be defined."
+            )
         self._setup_run(module, source, ckpt_path)
         data_key = "validate" if stage == "validation" else "test"
         dataloaders = [self._prepare_dataloader(loader, training=False) for loader in source.get(data_key)]
         if not dataloaders:
-            raise ValueError(f"Trainer.{fn}() needs data: pass dataloaders=, a datamodule with {'val' if stage == 'validation' else 'test'}_dataloader(), or define it on the module.")
+            raise ValueError(
+                f"Trainer.{fn}() needs data: pass dataloaders=, a datamodule with {'val' if stage == 'validation' else 'test'}_dataloader(), or define it on the module."
+            )
         limit = self.limit_val_batches if stage == "validation" else self.limit_test_batches
-        limits = [limited_batches(loader, limit, f"limit_{'val' if stage == 'validation' else 'test'}_batches") for loader in dataloaders]
+        limits = [
+            limited_batches(loader, limit, f"limit_{'val' if stage == 'validation' else 'test'}_batches")
+            for loader in dataloaders
+        ]
         if stage == "validation":
             self.num_val_batches = limits
         else:
@@ -815,12 +947,18 @@ class Trainer(DeviceProperties):
         self._teardown_run(module)
         return results
 
-    def _run_predict(self, module: TrainingModule, source: DataSource, ckpt_path: Any, return_predictions: bool) -> list[Any] | None:
+    def _run_predict(
+        self, module: TrainingModule, source: DataSource, ckpt_path: Any, return_predictions: bool
+    ) -> list[Any] | None:
         self._setup_run(module, source, ckpt_path)
         dataloaders = [self._prepare_dataloader(loader, training=False) for loader in source.get("predict")]
         if not dataloaders:
-            raise ValueError("Trainer.predict() needs data: pass dataloaders=, a datamodule with predict_dataloader(), or define it on the module.")
-        limits = [limited_batches(loader, self.limit_predict_batches, "limit_predict_batches") for loader in dataloaders]
+            raise ValueError(
+                "Trainer.predict() needs data: pass dataloaders=, a datamodule with predict_dataloader(), or define it on the module."
+            )
+        limits = [
+            limited_batches(loader, self.limit_predict_batches, "limit_predict_batches") for loader in dataloaders
+        ]
         self.num_predict_batches = limits
         self.state.stage = RunningStage.PREDICTING
         outputs = run_prediction(self, dataloaders, limits, return_predictions)
@@ -853,7 +991,11 @@ class Trainer(DeviceProperties):
             hook(optimizer)
         module = self.strategy.module
         if self.gradient_clip_val and module is not None and module.automatic_optimization:
-            module.configure_gradient_clipping(optimizer, gradient_clip_val=self.gradient_clip_val, gradient_clip_algorithm=self.gradient_clip_algorithm)
+            module.configure_gradient_clipping(
+                optimizer,
+                gradient_clip_val=self.gradient_clip_val,
+                gradient_clip_algorithm=self.gradient_clip_algorithm,
+            )
 
     def _manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         for hook in self._hooks["on_before_backward"]:
@@ -875,8 +1017,12 @@ class Trainer(DeviceProperties):
                 metric = self._callback_metrics.get(config.monitor)
                 if metric is None:
                     if config.strict:
-                        raise ValueError(f"The LR scheduler monitors {config.monitor!r}, which was not logged. Logged metrics: {sorted(self._callback_metrics)}. Set 'strict': False to skip the step instead.")
-                    rank_zero_warn(f"The LR scheduler monitors {config.monitor!r}, which was not logged; its step is skipped.")
+                        raise ValueError(
+                            f"The LR scheduler monitors {config.monitor!r}, which was not logged. Logged metrics: {sorted(self._callback_metrics)}. Set 'strict': False to skip the step instead."
+                        )
+                    rank_zero_warn(
+                        f"The LR scheduler monitors {config.monitor!r}, which was not logged; its step is skipped."
+                    )
                     continue
             module.lr_scheduler_step(config.scheduler, metric)
 
@@ -925,7 +1071,9 @@ def _checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
     # Checkpointing runs after every other callback so that it saves the state they produced.
     from phalanx.callbacks import ModelCheckpoint
 
-    return [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)] + [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
+    return [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)] + [
+        cb for cb in callbacks if isinstance(cb, ModelCheckpoint)
+    ]
 
 
 def _print_results(stage: str, results: list[dict[str, float]]) -> None:

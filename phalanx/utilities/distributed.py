@@ -19,7 +19,12 @@ def is_initialized() -> bool:
 
 
 def _reduce_op(name: str) -> Any:
-    ops = {"sum": torch.distributed.ReduceOp.SUM, "mean": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX, "min": torch.distributed.ReduceOp.MIN}
+    ops = {
+        "sum": torch.distributed.ReduceOp.SUM,
+        "mean": torch.distributed.ReduceOp.SUM,
+        "max": torch.distributed.ReduceOp.MAX,
+        "min": torch.distributed.ReduceOp.MIN,
+    }
     if name not in ops:
         raise ValueError(f"reduce_op={name!r} is not supported; choose one of {REDUCE_OPS}.")
     return ops[name]
@@ -39,7 +44,9 @@ def normalize_reduce_op(reduce_op: Any) -> str:
         name = str(getattr(reduce_op, "name", reduce_op)).rsplit(".", 1)[-1].lower()
         name = _REDUCE_ALIASES.get(name, name)
     if name not in REDUCE_OPS:
-        raise ValueError(f"reduce_op={reduce_op!r} is not supported; choose one of {REDUCE_OPS} (any case), 'avg', or the matching torch.distributed.ReduceOp member.")
+        raise ValueError(
+            f"reduce_op={reduce_op!r} is not supported; choose one of {REDUCE_OPS} (any case), 'avg', or the matching torch.distributed.ReduceOp member."
+        )
     return name
 
 
@@ -54,7 +61,9 @@ def run_collective(name: str, rank: int, timeout: timedelta | None, collective: 
 
 
 @contextmanager
-def naming_collective_failures(name: str, rank: int, timeout: timedelta | None, *, transport_only: bool = False) -> Iterator[None]:
+def naming_collective_failures(
+    name: str, rank: int, timeout: timedelta | None, *, transport_only: bool = False
+) -> Iterator[None]:
     """Turn a timeout or a lost peer inside the block into a CollectiveError naming ``name``, ``rank`` and ``timeout=``.
 
     Collectives that torch runs on its own (DDP's gradient all-reduce, FSDP's parameter gathers) fail with the
@@ -74,7 +83,9 @@ def naming_collective_failures(name: str, rank: int, timeout: timedelta | None, 
         raise explained from None
 
 
-def explain_collective_failure(name: str, rank: int, timeout: timedelta | None, error: RuntimeError) -> CollectiveError | None:
+def explain_collective_failure(
+    name: str, rank: int, timeout: timedelta | None, error: RuntimeError
+) -> CollectiveError | None:
     """A CollectiveError saying what ``error`` means for the collective ``name``, or None if it is not a collective's."""
     text = str(error)
     first_line = text.splitlines()[0] if text else repr(error)
@@ -86,7 +97,9 @@ def explain_collective_failure(name: str, rank: int, timeout: timedelta | None, 
             f" loading, a long checkpoint), raise the limit with the strategy's timeout= argument. Original error: {first_line}"
         )
     if peer_left(error):
-        return CollectiveError(f"The collective '{name}' on rank {rank} failed because another process left the job (it crashed or was killed). Original error: {first_line}")
+        return CollectiveError(
+            f"The collective '{name}' on rank {rank} failed because another process left the job (it crashed or was killed). Original error: {first_line}"
+        )
     return None
 
 
@@ -115,7 +128,9 @@ def all_reduce(tensor: Tensor, reduce_op: str, group: Any | None, rank: int, tim
     result = tensor.detach().clone()
     if not result.is_floating_point() and reduce_op == "mean":
         result = result.float()
-    run_collective(f"all_reduce({reduce_op})", rank, timeout, lambda: torch.distributed.all_reduce(result, op=op, group=group))
+    run_collective(
+        f"all_reduce({reduce_op})", rank, timeout, lambda: torch.distributed.all_reduce(result, op=op, group=group)
+    )
     if reduce_op == "mean":
         result = result / torch.distributed.get_world_size(group)
     return result
@@ -126,7 +141,12 @@ def all_gather(tensor: Tensor, group: Any | None, sync_grads: bool, rank: int, t
     if sync_grads:
         from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 
-        gathered = run_collective("all_gather", rank, timeout, lambda: differentiable_all_gather(tensor, group=group or torch.distributed.group.WORLD))
+        gathered = run_collective(
+            "all_gather",
+            rank,
+            timeout,
+            lambda: differentiable_all_gather(tensor, group=group or torch.distributed.group.WORLD),
+        )
         return torch.stack(gathered)
     tensor = tensor.contiguous()
     gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]

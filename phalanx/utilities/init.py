@@ -9,7 +9,9 @@ from typing import Any
 from torch.overrides import TorchFunctionMode
 
 # The in-place random fills that torch.nn.init functions end in.
-_RANDOM_FILLS = frozenset({"uniform_", "normal_", "random_", "bernoulli_", "exponential_", "cauchy_", "log_normal_", "geometric_"})
+_RANDOM_FILLS = frozenset(
+    {"uniform_", "normal_", "random_", "bernoulli_", "exponential_", "cauchy_", "log_normal_", "geometric_"}
+)
 # Frames of torch's own dispatch machinery between an initialiser and this mode.
 _DISPATCH_MODULES = ("torch.overrides", "torch._tensor")
 

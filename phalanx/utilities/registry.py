@@ -97,7 +97,12 @@ class Registry(Generic[_T]):
         except ValueError as error:
             raise KeyError(str(error)) from None
         key = self._kind.replace(" ", "_")
-        return {key: entry["factory"], f"{key}_name": name.lower(), "description": entry["description"], "init_params": dict(entry["init_params"])}
+        return {
+            key: entry["factory"],
+            f"{key}_name": name.lower(),
+            "description": entry["description"],
+            "init_params": dict(entry["init_params"]),
+        }
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.available())
@@ -125,7 +130,9 @@ class Registry(Generic[_T]):
         if key not in self._entries:
             self._load_entry_points()
         if key not in self._entries:
-            raise ValueError(f"Unknown {self._kind} {name!r}. Registered {_plural(self._kind)}: {', '.join(self.available())}")
+            raise ValueError(
+                f"Unknown {self._kind} {name!r}. Registered {_plural(self._kind)}: {', '.join(self.available())}"
+            )
         return self._entries[key]
 
     def _load_entry_points(self) -> None:

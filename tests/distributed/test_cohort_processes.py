@@ -63,7 +63,9 @@ def test_sharded_strategies_match_the_trainer_and_ddp_and_the_trainer_resumes_th
     assert_ok(run_script("cohort_job.py", str(out), strategy))
     result = json.loads((out / f"{strategy}.json").read_text())
     assert result["max_difference_to_trainer"] == 0.0  # the Cohort loop and Trainer.fit on the same strategy
-    assert result["trainer_resumed_global_step"] == 52  # the Trainer resumed the Cohort's (sharded) checkpoint at step 50
+    assert (
+        result["trainer_resumed_global_step"] == 52
+    )  # the Trainer resumed the Cohort's (sharded) checkpoint at step 50
     ours = torch.load(out / f"{strategy}.pt", weights_only=True)
     reference = torch.load(out / "torch_ddp.pt", weights_only=True)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours, reference))  # sharded reductions: rounding only
@@ -78,7 +80,12 @@ def test_the_custom_loop_example_trains_on_two_processes_and_saves_a_trainer_for
 
     example = Path(__file__).resolve().parents[2] / "examples" / "custom_loop.py"
     ckpt = tmp_path / "last.ckpt"
-    job = run([sys.executable, str(example), "--strategy", "ddp", "--devices", "2", "--epochs", "3", "--ckpt", str(ckpt)], env=clean_environment(), cwd=tmp_path, timeout=180)
+    job = run(
+        [sys.executable, str(example), "--strategy", "ddp", "--devices", "2", "--epochs", "3", "--ckpt", str(ckpt)],
+        env=clean_environment(),
+        cwd=tmp_path,
+        timeout=180,
+    )
     assert_ok(job)
     losses = [float(value) for value in re.findall(r"epoch \d: loss ([0-9.]+) \(world size 2\)", job.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0], job.stdout  # printed once (rank zero), and it learns

@@ -97,7 +97,9 @@ def test_same_weights_as_a_hand_written_ddp_script_and_close_to_one_process(tmp_
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     data = IndexedRegression(n=800)
-    loader = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
+    loader = DataLoader(
+        data, batch_size=16, sampler=DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    )
     for step, (x, y, _) in enumerate(loader):
         if step == 50:
             break
@@ -123,7 +125,12 @@ def test_workers_keep_the_main_process_switches_and_configure_model_layers_come_
     assert_ok(run_script("spawn_settings.py", str(tmp_path), strategy))
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert seen == {"deterministic": True, "warn_only": True, "cudnn_deterministic": True, "matmul_precision": "medium"}
+        assert seen == {
+            "deterministic": True,
+            "warn_only": True,
+            "cudnn_deterministic": True,
+            "matmul_precision": "medium",
+        }
     main = json.loads((tmp_path / "main.json").read_text())
     assert main == {"has_head": True, "same_as_rank0": True}
 
@@ -141,7 +148,19 @@ def test_multiprocessing_launchers_bring_results_back(tmp_path, strategy):
 
 
 def test_torchrun_starts_the_processes(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(SCRIPTS / "tiny_fit.py"), str(tmp_path), "2", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPTS / "tiny_fit.py"),
+        str(tmp_path),
+        "2",
+        "1",
+    ]
     assert_ok(run(command))
     rank0, rank1 = _ranks(tmp_path, 2)
     assert rank0["environment"] == rank1["environment"] == "TorchElasticEnvironment"
@@ -150,7 +169,19 @@ def test_torchrun_starts_the_processes(tmp_path):
 
 
 def test_torchrun_with_mismatched_devices_is_refused(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), str(SCRIPTS / "tiny_fit.py"), str(tmp_path), "3", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(SCRIPTS / "tiny_fit.py"),
+        str(tmp_path),
+        "3",
+        "1",
+    ]
     job = run(command)
     assert job.returncode != 0
     assert "devices=3" in job.stderr
@@ -163,10 +194,26 @@ def test_slurm_environment_is_detected_from_its_variables(tmp_path):
 
     for rank in range(2):
         env = clean_environment(
-            SLURM_NTASKS="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NNODES="1",
-            SLURM_NTASKS_PER_NODE="2", SLURM_JOB_ID="4242", SLURM_JOB_NAME="train", SLURM_NODELIST="127.0.0.1", MASTER_PORT=port,
-        )  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "tiny_fit.py"), str(tmp_path), "2", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            SLURM_NTASKS="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_NNODES="1",
+            SLURM_NTASKS_PER_NODE="2",
+            SLURM_JOB_ID="4242",
+            SLURM_JOB_NAME="train",
+            SLURM_NODELIST="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "tiny_fit.py"), str(tmp_path), "2", "1"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [proc.communicate(timeout=120) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     rank0, rank1 = _ranks(tmp_path, 2)
@@ -182,7 +229,15 @@ def test_two_nodes_on_one_machine(tmp_path):
     procs = []
     for node in range(2):
         env = clean_environment(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "tiny_fit.py"), str(tmp_path), "1", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(SCRIPTS / "tiny_fit.py"), str(tmp_path), "1", "2"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [proc.communicate(timeout=120) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     rank0, rank1 = _ranks(tmp_path, 2)

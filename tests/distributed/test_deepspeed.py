@@ -22,8 +22,17 @@ pytest.importorskip("deepspeed")
 
 from phalanx_distributed import SCRIPTS, assert_ok, clean_environment, run_script  # noqa: E402
 
-from phalanx.strategies.deepspeed_checkpoint import STATE_FILE, is_deepspeed_checkpoint, load_deepspeed_checkpoint_as_full  # noqa: E402
-from phalanx.trainer.checkpoint import COMPLETE_MARKER, check_loadable, is_complete_checkpoint, newest_complete_checkpoint  # noqa: E402
+from phalanx.strategies.deepspeed_checkpoint import (
+    STATE_FILE,
+    is_deepspeed_checkpoint,
+    load_deepspeed_checkpoint_as_full,
+)  # noqa: E402
+from phalanx.trainer.checkpoint import (
+    COMPLETE_MARKER,
+    check_loadable,
+    is_complete_checkpoint,
+    newest_complete_checkpoint,
+)  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))  # the job's model serves the single-process checks here too
 
@@ -47,7 +56,14 @@ class Jobs:
             if strategy == "ddp":
                 stage2, _ = self.get("deepspeed_stage_2")
                 extra = [str(stage2 / "mid.ckpt")]  # DDP resumes from the DeepSpeed directory itself (read whole)
-            job = run_script("deepspeed_job.py", strategy, str(out), *extra, env=clean_environment(DS_ACCELERATOR="cpu"), timeout=JOB_TIMEOUT)
+            job = run_script(
+                "deepspeed_job.py",
+                strategy,
+                str(out),
+                *extra,
+                env=clean_environment(DS_ACCELERATOR="cpu"),
+                timeout=JOB_TIMEOUT,
+            )
             assert_ok(job)
             ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
             self.done[strategy] = (out, ranks)
@@ -66,7 +82,9 @@ def _weights(out: Path, fit: str) -> dict[str, torch.Tensor]:
 def _assert_weights_close(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], atol: float) -> None:
     assert ours.keys() == reference.keys()
     for name in ours:
-        assert torch.allclose(ours[name], reference[name], atol=atol, rtol=0), f"{name}: max difference {(ours[name] - reference[name]).abs().max().item()}"
+        assert torch.allclose(ours[name], reference[name], atol=atol, rtol=0), (
+            f"{name}: max difference {(ours[name] - reference[name]).abs().max().item()}"
+        )
 
 
 # ---------------------------------------------------------------------------- fit, validate, checkpoints, resume
@@ -85,7 +103,9 @@ def test_fit_validate_and_exact_resume(jobs: Jobs, strategy: str) -> None:
     assert full["val_count"] == expected_count
     assert rank0["validate_after_fit"][0]["val_loss"] == pytest.approx(full["val_loss"], rel=1e-6)
     # validate(ckpt_path=DIRECTORY) on a fresh model sees the weights of the moment of the save.
-    assert rank0["validate_from_checkpoint"][0]["val_loss"] == pytest.approx(rank0["validate_part"][0]["val_loss"], rel=1e-6)
+    assert rank0["validate_from_checkpoint"][0]["val_loss"] == pytest.approx(
+        rank0["validate_part"][0]["val_loss"], rel=1e-6
+    )
     assert rank0["validate_from_checkpoint"] == rank1["validate_from_checkpoint"]
     assert rank0["full"]["val_loss"] == rank1["full"]["val_loss"]
     # predict() returns every sample once, in dataset order (ZeRO-3's padding dropped), as the model computes them.
@@ -156,7 +176,16 @@ def test_consolidated_checkpoint_is_an_ordinary_one(jobs: Jobs, strategy: str, t
             seen["steps"] = [float(state["step"]) for state in trainer.optimizers[0].state.values()]
 
     phalanx.seed_everything(0)
-    trainer = phalanx.Trainer(accelerator="cpu", devices=1, max_steps=15, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[Capture()])
+    trainer = phalanx.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=15,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[Capture()],
+    )
     model = DSNet()
     train, _ = loaders()
     trainer.fit(model, train, ckpt_path=path)
@@ -165,7 +194,9 @@ def test_consolidated_checkpoint_is_an_ordinary_one(jobs: Jobs, strategy: str, t
     assert trainer.global_step == 15
 
 
-def test_phalanx_checkpoint_consolidate_and_load_from_checkpoint(jobs: Jobs, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_phalanx_checkpoint_consolidate_and_load_from_checkpoint(
+    jobs: Jobs, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     from deepspeed_job import DSNet
 
     from phalanx.cli import main
@@ -178,7 +209,9 @@ def test_phalanx_checkpoint_consolidate_and_load_from_checkpoint(jobs: Jobs, tmp
     assert checkpoint["global_step"] == 13 and "optimizer_states" in checkpoint
     for source in (target, out / "mid.ckpt"):  # the file, or the directory read whole
         model = DSNet.load_from_checkpoint(source)
-        _assert_weights_close({name: value for name, value in model.state_dict().items()}, _weights(out, "part"), atol=0.0)
+        _assert_weights_close(
+            {name: value for name, value in model.state_dict().items()}, _weights(out, "part"), atol=0.0
+        )
         assert model.hparams.lr == 0.01
 
 
@@ -197,7 +230,11 @@ def test_gradient_accumulation_and_clipping_agree_with_ddp(jobs: Jobs, strategy:
     out, (rank0, _) = jobs.get(strategy)
     ddp_out, (ddp0, _) = jobs.get("ddp")
     ours, reference = rank0["accumulate"], ddp0["accumulate"]
-    assert ours["config"] == {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 8}
+    assert ours["config"] == {
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.5,
+        "train_micro_batch_size_per_gpu": 8,
+    }
     # 12 optimizer updates over 24 batches: DeepSpeed's global_step counts batches, DDP's optimizer steps.
     assert (ours["global_step"], reference["global_step"]) == (24, 12)
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
@@ -255,7 +292,10 @@ def test_optimizer_and_scheduler_named_in_the_deepspeed_config(jobs: Jobs) -> No
     _, (rank0, _) = jobs.get("deepspeed_stage_1")
     run = rank0["config_optimizer"]
     assert run["global_step"] == 6 and run["schedulers"] == 1
-    assert (run["optimizer"], run["base_optimizer"]) == ("DeepSpeedZeroOptimizer", "AdamW")  # ZeRO-1 around the config's AdamW
+    assert (run["optimizer"], run["base_optimizer"]) == (
+        "DeepSpeedZeroOptimizer",
+        "AdamW",
+    )  # ZeRO-1 around the config's AdamW
     # WarmupLR from the config, stepped by the engine after each update: 0 -> 0.01 in 4 steps.
     assert run["lrs"] == pytest.approx([0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01])
     assert run["weights_changed"] and all(math.isfinite(loss) for loss in run["losses"])

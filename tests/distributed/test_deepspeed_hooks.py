@@ -19,7 +19,12 @@ from phalanx_distributed import assert_ok, clean_environment, run_script  # noqa
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    job = run_script("deepspeed_hooks_job.py", str(tmp_path_factory.mktemp("ds_hooks")), env=clean_environment(DS_ACCELERATOR="cpu"), timeout=600)
+    job = run_script(
+        "deepspeed_hooks_job.py",
+        str(tmp_path_factory.mktemp("ds_hooks")),
+        env=clean_environment(DS_ACCELERATOR="cpu"),
+        timeout=600,
+    )
     assert_ok(job)
     line = next(line for line in job.stdout.splitlines() if line.startswith("RESULTS "))
     return json.loads(line[len("RESULTS ") :])

@@ -20,7 +20,14 @@ def _no_process_left(marker: str) -> bool:
 # The collective timeout is 120 s here: the job must end because phalanx stops it, not because torch gives up.
 @pytest.mark.parametrize(
     ("strategy", "failing_rank", "mode"),
-    [("ddp", 1, "raise"), ("ddp", 0, "raise"), ("ddp", 1, "kill"), ("ddp", 0, "kill"), ("ddp_spawn", 1, "raise"), ("ddp_fork", 1, "kill")],
+    [
+        ("ddp", 1, "raise"),
+        ("ddp", 0, "raise"),
+        ("ddp", 1, "kill"),
+        ("ddp", 0, "kill"),
+        ("ddp_spawn", 1, "raise"),
+        ("ddp_fork", 1, "kill"),
+    ],
 )
 def test_a_failing_rank_stops_the_whole_job(strategy, failing_rank, mode):
     marker = f"marker-{uuid.uuid4().hex}"
@@ -63,7 +70,9 @@ def test_spawn_without_main_guard_fails_with_a_clear_message():
         ("fsdp", "backward", "FSDP parameter all-gather and gradient reduce-scatter (backward)"),
     ],
 )
-def test_a_rank_stalled_in_the_wrappers_collectives_is_reported_by_operation_rank_and_timeout(strategy, point, operation):
+def test_a_rank_stalled_in_the_wrappers_collectives_is_reported_by_operation_rank_and_timeout(
+    strategy, point, operation
+):
     marker = f"marker-{uuid.uuid4().hex}"
     job = run_script("stalled_rank_job.py", strategy, point, "3", marker, timeout=90)
     assert job.returncode != 0
@@ -86,9 +95,20 @@ def test_a_rank_that_starts_later_than_the_collective_timeout_still_joins():
 @pytest.mark.parametrize(("strategy", "failing_rank"), [("ddp", 1), ("ddp", 0), ("ddp_fork", 1)])
 def test_a_killed_rank_ends_the_job_within_seconds_with_no_process_left(tmp_path, strategy, failing_rank):
     marker, stamp = f"marker-{uuid.uuid4().hex}", tmp_path / "killed_at"
-    job = run_script("failing_job.py", strategy, str(failing_rank), "kill", "120", marker, env=clean_environment(KILL_STAMP=str(stamp)), timeout=60)
+    job = run_script(
+        "failing_job.py",
+        strategy,
+        str(failing_rank),
+        "kill",
+        "120",
+        marker,
+        env=clean_environment(KILL_STAMP=str(stamp)),
+        timeout=60,
+    )
     ended = time.time()
     assert job.returncode != 0
     # A liveness bound, generous for a loaded machine: without the launcher's watch the job would wait for the timeout.
-    assert ended - float(stamp.read_text()) < 5.0, f"the job ended {ended - float(stamp.read_text()):.2f} s after rank {failing_rank} was killed"
+    assert ended - float(stamp.read_text()) < 5.0, (
+        f"the job ended {ended - float(stamp.read_text()):.2f} s after rank {failing_rank} was killed"
+    )
     assert _no_process_left(marker)

@@ -53,7 +53,13 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_and_the_rerun_
     assert_ok(run_script("resumable_job.py", str(reference), "1"))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "resumable_job.py"), str(run_dir), "1", "--slow-save", "8"], env=clean_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "resumable_job.py"), str(run_dir), "1", "--slow-save", "8"],
+        env=clean_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 60
     while not (run_dir / "saving").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -74,15 +80,21 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_and_the_rerun_
 
 def _close(a, b, tolerance: float = 1e-5) -> bool:
     first, second = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
-    return len(first) == len(second) and all(torch.allclose(x, y, atol=tolerance, rtol=0) for x, y in zip(first, second))
+    return len(first) == len(second) and all(
+        torch.allclose(x, y, atol=tolerance, rtol=0) for x, y in zip(first, second)
+    )
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_2"])
-def test_sigterm_on_a_sharded_strategy_saves_exits_75_and_the_rerun_ends_like_ddp(tmp_path, reference_two_ranks, strategy):
+def test_sigterm_on_a_sharded_strategy_saves_exits_75_and_the_rerun_ends_like_ddp(
+    tmp_path, reference_two_ranks, strategy
+):
     if strategy.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     env = clean_environment(DS_ACCELERATOR="cpu")
-    first = run_script("resumable_job.py", str(tmp_path), "2", "--strategy", strategy, "--signal", "1", "6", "SIGTERM", env=env)
+    first = run_script(
+        "resumable_job.py", str(tmp_path), "2", "--strategy", strategy, "--signal", "1", "6", "SIGTERM", env=env
+    )
     assert first.returncode == 75, first.stderr[-3000:]
     preempted = tmp_path / "checkpoints" / "preempted-epoch=0-step=6.ckpt"
     assert is_complete_checkpoint(preempted)  # FSDP: one whole file by default; DeepSpeed: a marked directory

@@ -58,7 +58,9 @@ def _weights(job_dir, name):
 def _assert_same_weights(a, b, **tolerance):
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], **(tolerance or dict(rtol=0, atol=0)), msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            a[name], b[name], **(tolerance or dict(rtol=0, atol=0)), msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def _global_losses(per_rank):
@@ -66,7 +68,10 @@ def _global_losses(per_rank):
     return [sum(step) / len(step) for step in zip(*per_rank)]
 
 
-@pytest.mark.parametrize("name", ["fsdp", "fsdp_SHARD_GRAD_OP", "fsdp_NO_SHARD", "fsdp_HYBRID_SHARD", "fsdp_wrap_blocks", "fsdp_cpu_offload", "ddp"])
+@pytest.mark.parametrize(
+    "name",
+    ["fsdp", "fsdp_SHARD_GRAD_OP", "fsdp_NO_SHARD", "fsdp_HYBRID_SHARD", "fsdp_wrap_blocks", "fsdp_cpu_offload", "ddp"],
+)
 def test_loss_curves_match_one_process_for_20_steps(job, single_run, name):
     _, results = job
     single_losses, _ = single_run
@@ -74,7 +79,18 @@ def test_loss_curves_match_one_process_for_20_steps(job, single_run, name):
     assert _global_losses(results[name]["losses"]) == pytest.approx(single_losses, rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("name", ["fsdp_SHARD_GRAD_OP", "fsdp_NO_SHARD", "fsdp_HYBRID_SHARD", "fsdp_wrap_blocks", "fsdp_cpu_offload", "fsdp_activation_checkpointing", "fsdp_self_sharded"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fsdp_SHARD_GRAD_OP",
+        "fsdp_NO_SHARD",
+        "fsdp_HYBRID_SHARD",
+        "fsdp_wrap_blocks",
+        "fsdp_cpu_offload",
+        "fsdp_activation_checkpointing",
+        "fsdp_self_sharded",
+    ],
+)
 def test_sharding_options_end_with_the_weights_of_ddp(job, name):
     job_dir, _ = job
     _assert_same_weights(_weights(job_dir, name), _weights(job_dir, "ddp"), **TOLERANCE)
@@ -91,13 +107,19 @@ def test_fsdp1_process_groups_and_device_mesh_tuples_become_the_mesh(job):
     _, results = job
     assert results["fsdp_hybrid_process_groups"]["mesh"] == [1, 2]  # (shard over both, each rank its own replica group)
     assert results["fsdp_hybrid_zero2"]["mesh"] == [2, 1]
-    assert results["fsdp_seed_arguments"]["block_calls"] == [40, 40]  # checkpointed blocks (transformer policy) ran twice
+    assert results["fsdp_seed_arguments"]["block_calls"] == [
+        40,
+        40,
+    ]  # checkpointed blocks (transformer policy) ran twice
 
 
 def test_a_module_sharded_in_configure_model_is_not_wrapped_again(job):
     _, results = job
     assert len(results["fsdp_self_sharded"]["warnings"]) == 1  # rank 0 warns that the wrap policy is ignored
-    assert "auto_wrap_policy and activation_checkpointing_policy are ignored" in results["fsdp_self_sharded"]["warnings"][0]
+    assert (
+        "auto_wrap_policy and activation_checkpointing_policy are ignored"
+        in results["fsdp_self_sharded"]["warnings"][0]
+    )
 
 
 def test_fsdp_weights_match_one_process(job, single_run):
@@ -109,16 +131,22 @@ def test_fsdp_weights_match_one_process(job, single_run):
 def test_gradient_accumulation_and_clipping_match_ddp(job):
     job_dir, results = job
     for kind in ("accumulate", "clip"):
-        assert _global_losses(results[f"fsdp_{kind}"]["losses"]) == pytest.approx(_global_losses(results[f"ddp_{kind}"]["losses"]), rel=1e-5, abs=1e-6)
+        assert _global_losses(results[f"fsdp_{kind}"]["losses"]) == pytest.approx(
+            _global_losses(results[f"ddp_{kind}"]["losses"]), rel=1e-5, abs=1e-6
+        )
         _assert_same_weights(_weights(job_dir, f"fsdp_{kind}"), _weights(job_dir, f"ddp_{kind}"), **TOLERANCE)
     assert results["fsdp_accumulate"]["global_step"] == 10
     # clipping changed the trajectory (else this test would prove nothing)
-    assert _global_losses(results["fsdp_clip"]["losses"]) != pytest.approx(_global_losses(results["fsdp"]["losses"]), rel=1e-3)
+    assert _global_losses(results["fsdp_clip"]["losses"]) != pytest.approx(
+        _global_losses(results["fsdp"]["losses"]), rel=1e-3
+    )
 
 
 def test_activation_checkpointing_recomputes_the_blocks_and_changes_nothing_else(job):
     _, results = job
-    assert _global_losses(results["fsdp_activation_checkpointing"]["losses"]) == pytest.approx(_global_losses(results["fsdp"]["losses"]), rel=1e-6)
+    assert _global_losses(results["fsdp_activation_checkpointing"]["losses"]) == pytest.approx(
+        _global_losses(results["fsdp"]["losses"]), rel=1e-6
+    )
     plain = results["fsdp_plain_calls"]["block_calls"]
     assert plain == [20, 20]
     assert results["fsdp_activation_checkpointing"]["block_calls"] == [2 * calls for calls in plain]
@@ -167,7 +195,12 @@ def test_shard_grad_op_keeps_whole_parameters_but_shards_gradients_and_adam_stat
 
 @pytest.mark.parametrize(
     ("resumed", "uninterrupted"),
-    [("fsdp_from_fsdp_full", "fsdp"), ("fsdp_from_fsdp_sharded", "fsdp"), ("ddp_from_fsdp_sharded", "ddp"), ("fsdp_from_ddp", "fsdp")],
+    [
+        ("fsdp_from_fsdp_full", "fsdp"),
+        ("fsdp_from_fsdp_sharded", "fsdp"),
+        ("ddp_from_fsdp_sharded", "ddp"),
+        ("fsdp_from_ddp", "fsdp"),
+    ],
 )
 def test_resume_across_strategies_ends_like_the_uninterrupted_run(job, resumed, uninterrupted):
     job_dir, results = job
@@ -181,7 +214,9 @@ def test_sharded_checkpoint_is_a_directory_with_each_ranks_shards(job):
     job_dir, _ = job
     directory = job_dir / "fsdp_sharded_ckpt" / "step=10.ckpt"
     assert directory.is_dir()
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "phalanx_meta.pt", ".complete"} <= {p.name for p in directory.iterdir()}
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "phalanx_meta.pt", ".complete"} <= {
+        p.name for p in directory.iterdir()
+    }
     whole = torch.load(job_dir / "fsdp_full_ckpt" / "step=10.ckpt", weights_only=True)
     assert whole["global_step"] == 10 and len(whole["rng_states"]) == 2
     assert set(whole["optimizer_states"][0]["state"]) == set(range(len(whole["state_dict"])))
@@ -209,7 +244,9 @@ def test_a_full_checkpoint_holds_the_whole_optimizer_state_and_one_process_resum
     checkpoint = torch.load(path, weights_only=True)
     shapes = [value.shape for value in checkpoint["state_dict"].values()]
     state = checkpoint["optimizer_states"][0]["state"]
-    assert [(state[i]["exp_avg"].shape, state[i]["exp_avg_sq"].shape) for i in range(len(shapes))] == [(s, s) for s in shapes]
+    assert [(state[i]["exp_avg"].shape, state[i]["exp_avg_sq"].shape) for i in range(len(shapes))] == [
+        (s, s) for s in shapes
+    ]
     assert not any(is_dtensor(value) for entries in state.values() for value in entries.values())
     phalanx.seed_everything(7)
     module = MLP()
@@ -230,7 +267,9 @@ def test_consolidate_turns_a_sharded_directory_into_one_loadable_file(job, tmp_p
 
     job_dir, _ = job
     out = tmp_path / "whole.ckpt"
-    assert phalanx_cli(["checkpoint", "consolidate", str(job_dir / "fsdp_sharded_ckpt" / "step=20.ckpt"), str(out)]) == 0
+    assert (
+        phalanx_cli(["checkpoint", "consolidate", str(job_dir / "fsdp_sharded_ckpt" / "step=20.ckpt"), str(out)]) == 0
+    )
     checkpoint = torch.load(out, weights_only=True)
     _assert_same_weights(checkpoint["state_dict"], _weights(job_dir, "fsdp_sharded_save"))
     assert checkpoint["global_step"] == 20 and "sharded_tensors" not in checkpoint

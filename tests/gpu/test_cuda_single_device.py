@@ -31,7 +31,9 @@ def test_16_mixed_clipping_sees_unscaled_gradients():
         def on_before_optimizer_step(self, optimizer):
             norms.append(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters()])).item())
 
-    quiet_trainer(accelerator="cuda", precision="16-mixed", max_steps=3, gradient_clip_val=1e9).fit(Probe(), loaders()[0])
+    quiet_trainer(accelerator="cuda", precision="16-mixed", max_steps=3, gradient_clip_val=1e9).fit(
+        Probe(), loaders()[0]
+    )
     assert all(norm < 1e4 for norm in norms)  # scaled gradients would be ~65536x larger
 
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 from phalanx_distributed import assert_ok, run_script
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs a CUDA device with bfloat16")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or not torch.cuda.is_bf16_supported(), reason="needs a CUDA device with bfloat16"
+)
 
 
 def test_fsdp_bf16_and_cpu_offload_on_gpus(tmp_path):

@@ -28,7 +28,11 @@ def sharded_checkpoint(path: Path) -> Path:
 
 
 def fingerprint(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
@@ -49,24 +53,92 @@ def _file(path: Path, text: str = "data") -> Path:
 
 
 MISTAKES: list[tuple[str, Setup, str]] = [
-    ("output is the input", lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(ckpt)], "is the input directory itself"),
-    ("output is the input, spelt differently", lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(ckpt) + "/."], "is the input directory itself"),
-    ("output inside the input", lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(ckpt / "out.ckpt")], "is inside the input directory"),
-    ("output below a regular file", lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(_file(t / "notes.txt") / "out.ckpt")], "which is a file, not a directory"),
-    ("output an existing directory", lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(t)], "is an existing directory"),
-    ("output an existing file", lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(_file(t / "kept.ckpt"))], "exists; pass --overwrite"),
-    ("missing input", lambda t, ckpt: ["checkpoint", "consolidate", str(t / "missing"), str(t / "out.ckpt")], "nothing exists at that path"),
-    ("input a regular file", lambda t, ckpt: ["checkpoint", "consolidate", str(_file(t / "model.ckpt")), str(t / "out.ckpt")], "a single-file checkpoint needs no consolidation"),
-    ("input a directory that is no checkpoint", lambda t, ckpt: ["checkpoint", "consolidate", str(_mkdir(t / "plain")), str(t / "out.ckpt")], "not a checkpoint phalanx can read"),
-    ("input with damaged shards", lambda t, ckpt: ["checkpoint", "consolidate", str(_damaged_copy(ckpt, t / "damaged.ckpt")), str(t / "out.ckpt")], "damaged.ckpt"),
+    (
+        "output is the input",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(ckpt)],
+        "is the input directory itself",
+    ),
+    (
+        "output is the input, spelt differently",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(ckpt) + "/."],
+        "is the input directory itself",
+    ),
+    (
+        "output inside the input",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(ckpt / "out.ckpt")],
+        "is inside the input directory",
+    ),
+    (
+        "output below a regular file",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(_file(t / "notes.txt") / "out.ckpt")],
+        "which is a file, not a directory",
+    ),
+    (
+        "output an existing directory",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(t)],
+        "is an existing directory",
+    ),
+    (
+        "output an existing file",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt), str(_file(t / "kept.ckpt"))],
+        "exists; pass --overwrite",
+    ),
+    (
+        "missing input",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(t / "missing"), str(t / "out.ckpt")],
+        "nothing exists at that path",
+    ),
+    (
+        "input a regular file",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(_file(t / "model.ckpt")), str(t / "out.ckpt")],
+        "a single-file checkpoint needs no consolidation",
+    ),
+    (
+        "input a directory that is no checkpoint",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(_mkdir(t / "plain")), str(t / "out.ckpt")],
+        "not a checkpoint phalanx can read",
+    ),
+    (
+        "input with damaged shards",
+        lambda t, ckpt: [
+            "checkpoint",
+            "consolidate",
+            str(_damaged_copy(ckpt, t / "damaged.ckpt")),
+            str(t / "out.ckpt"),
+        ],
+        "damaged.ckpt",
+    ),
     ("unknown subcommand", lambda t, ckpt: ["checkpoint", "merge", str(ckpt)], "invalid choice: 'merge'"),
     ("unknown command", lambda t, ckpt: ["nonsense"], "invalid choice: 'nonsense'"),
-    ("unknown option", lambda t, ckpt: ["checkpoint", "consolidate", "--force", str(ckpt), str(t / "out.ckpt")], "unrecognized arguments: --force"),
-    ("missing output argument", lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt)], "the following arguments are required: output"),
+    (
+        "unknown option",
+        lambda t, ckpt: ["checkpoint", "consolidate", "--force", str(ckpt), str(t / "out.ckpt")],
+        "unrecognized arguments: --force",
+    ),
+    (
+        "missing output argument",
+        lambda t, ckpt: ["checkpoint", "consolidate", str(ckpt)],
+        "the following arguments are required: output",
+    ),
     ("no checkpoint command", lambda t, ckpt: ["checkpoint"], "choose a checkpoint command: consolidate"),
     ("no command", lambda t, ckpt: [], "choose a command: demo or checkpoint"),
-    ("demo with an unknown strategy", lambda t, ckpt: ["demo", "--strategy", "nope", "--max-steps", "1", "--no-progress-bar"], "Unknown strategy 'nope'"),
-    ("demo with a root dir below a file", lambda t, ckpt: ["demo", "--max-steps", "1", "--no-progress-bar", "--default-root-dir", str(_file(t / "f.txt") / "run")], "is below the existing file"),
+    (
+        "demo with an unknown strategy",
+        lambda t, ckpt: ["demo", "--strategy", "nope", "--max-steps", "1", "--no-progress-bar"],
+        "Unknown strategy 'nope'",
+    ),
+    (
+        "demo with a root dir below a file",
+        lambda t, ckpt: [
+            "demo",
+            "--max-steps",
+            "1",
+            "--no-progress-bar",
+            "--default-root-dir",
+            str(_file(t / "f.txt") / "run"),
+        ],
+        "is below the existing file",
+    ),
 ]
 
 
@@ -132,9 +204,20 @@ def test_the_installed_entry_point_reports_a_mistake_without_traceback(tmp_path)
     # `python -m phalanx` runs the same main() as the `phalanx` script: one real process for the whole path.
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     result = subprocess.run(
-        [sys.executable, "-m", "phalanx", "checkpoint", "consolidate", str(tmp_path / "missing"), str(tmp_path / "out.ckpt")],
-        capture_output=True, text=True, env=env, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "phalanx",
+            "checkpoint",
+            "consolidate",
+            str(tmp_path / "missing"),
+            str(tmp_path / "out.ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("phalanx checkpoint consolidate: error:")

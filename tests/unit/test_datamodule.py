@@ -31,7 +31,10 @@ def test_from_datasets_builds_one_loader_per_stage_with_the_given_options():
     [
         (lambda a, b: [a, b], lambda loaders: [len(loader.dataset) for loader in loaders] == [8, 4]),
         (lambda a, b: (a, b), lambda loaders: [len(loader.dataset) for loader in loaders] == [8, 4]),
-        (lambda a, b: {"x": a, "y": b}, lambda loaders: {k: len(v.dataset) for k, v in loaders.items()} == {"x": 8, "y": 4}),
+        (
+            lambda a, b: {"x": a, "y": b},
+            lambda loaders: {k: len(v.dataset) for k, v in loaders.items()} == {"x": 8, "y": 4},
+        ),
     ],
     ids=["list", "tuple", "dict"],
 )
@@ -71,7 +74,9 @@ def test_a_subclass_receives_its_own_arguments_and_trains():
             super().__init__()
             self.tag = tag
 
-    datamodule = Sized.from_datasets(train_dataset=regression_data(16), val_dataset=regression_data(8), batch_size=4, tag="t")
+    datamodule = Sized.from_datasets(
+        train_dataset=regression_data(16), val_dataset=regression_data(8), batch_size=4, tag="t"
+    )
     assert isinstance(datamodule, Sized) and datamodule.tag == "t"
     trainer = quiet_trainer(max_epochs=1)
     trainer.fit(Regressor(), datamodule=datamodule)

@@ -162,6 +162,10 @@ def test_subpackages_are_reachable_as_attributes_and_load_lazily():
         "print(before, ','.join(names), 'callbacks' in dir(phalanx))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["False", "ModelCheckpoint,CSVLogger,DDPStrategy,TorchCheckpointIO,CPUAccelerator,phalanx.utilities", "True"]
+    assert result.stdout.split() == [
+        "False",
+        "ModelCheckpoint,CSVLogger,DDPStrategy,TorchCheckpointIO,CPUAccelerator,phalanx.utilities",
+        "True",
+    ]
     with pytest.raises(AttributeError, match="no attribute 'calbacks'"):
         phalanx.calbacks  # noqa: B018

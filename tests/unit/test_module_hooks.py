@@ -24,7 +24,9 @@ class TwoParts(phalanx.TrainingModule):
         self.unoptimized = nn.Parameter(torch.zeros(1))
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.generator.parameters(), lr=0.1), torch.optim.SGD(self.discriminator.parameters(), lr=0.1)
+        return torch.optim.SGD(self.generator.parameters(), lr=0.1), torch.optim.SGD(
+            self.discriminator.parameters(), lr=0.1
+        )
 
 
 def _flags(module: nn.Module) -> dict[str, bool]:
@@ -88,7 +90,9 @@ class Gan(TwoParts):
         with self.toggled_optimizer(opt_g):  # the handle from self.optimizers(), as Lightning users pass it
             opt_g.zero_grad()
             self.manual_backward(self.discriminator(self.generator(x)).mean())
-            self.grads_seen.append((self.generator[0].weight.grad is not None, self.discriminator[0].weight.grad is not None))
+            self.grads_seen.append(
+                (self.generator[0].weight.grad is not None, self.discriminator[0].weight.grad is not None)
+            )
             opt_g.step()
         with self.toggled_optimizer(opt_d):
             opt_d.zero_grad()
@@ -99,7 +103,9 @@ class Gan(TwoParts):
 def test_toggled_optimizer_in_a_manual_optimization_fit_keeps_gradients_off_the_other_model(tmp_path):
     module = Gan()
     before = _flags(module)
-    quiet_trainer(default_root_dir=tmp_path, max_epochs=1, num_sanity_val_steps=0).fit(module, DataLoader(regression_data(16), batch_size=8))
+    quiet_trainer(default_root_dir=tmp_path, max_epochs=1, num_sanity_val_steps=0).fit(
+        module, DataLoader(regression_data(16), batch_size=8)
+    )
     assert module.grads_seen == [(True, False), (True, False)]  # the generator's loss left no discriminator gradient
     assert _flags(module) == before
 

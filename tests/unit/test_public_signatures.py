@@ -11,7 +11,14 @@ import pytest
 
 jsonargparse = pytest.importorskip("jsonargparse")
 
-_PACKAGES = ("phalanx", "phalanx.callbacks", "phalanx.loggers", "phalanx.strategies", "phalanx.plugins", "phalanx.accelerators")
+_PACKAGES = (
+    "phalanx",
+    "phalanx.callbacks",
+    "phalanx.loggers",
+    "phalanx.strategies",
+    "phalanx.plugins",
+    "phalanx.accelerators",
+)
 
 
 def _public_classes() -> list[type]:
@@ -30,7 +37,15 @@ PUBLIC_CLASSES = _public_classes()
 
 def test_the_table_covers_the_public_api() -> None:
     names = {cls.__name__ for cls in PUBLIC_CLASSES}
-    assert {"Trainer", "ModelCheckpoint", "EarlyStopping", "DDPStrategy", "FSDPStrategy", "DeepSpeedStrategy", "CSVLogger"} <= names
+    assert {
+        "Trainer",
+        "ModelCheckpoint",
+        "EarlyStopping",
+        "DDPStrategy",
+        "FSDPStrategy",
+        "DeepSpeedStrategy",
+        "CSVLogger",
+    } <= names
     assert len(PUBLIC_CLASSES) >= 30
 
 
@@ -56,15 +71,25 @@ def test_jsonargparse_builds_a_parser(cls: type) -> None:
 # (class, command line, attribute -> expected value after instantiation): values arrive typed, not as strings.
 CONFIGS = [
     ("Trainer", ["--obj.max_epochs=3", "--obj.limit_train_batches=0.5", "--obj.logger=false"], {"max_epochs": 3}),
-    ("ModelCheckpoint", ["--obj.monitor=val_loss", "--obj.save_top_k=2", "--obj.mode=max"], {"monitor": "val_loss", "save_top_k": 2, "mode": "max"}),
-    ("EarlyStopping", ["--obj.monitor=val_loss", "--obj.patience=7", "--obj.mode=max", "--obj.min_delta=0.5"], {"patience": 7, "min_delta": 0.5}),
+    (
+        "ModelCheckpoint",
+        ["--obj.monitor=val_loss", "--obj.save_top_k=2", "--obj.mode=max"],
+        {"monitor": "val_loss", "save_top_k": 2, "mode": "max"},
+    ),
+    (
+        "EarlyStopping",
+        ["--obj.monitor=val_loss", "--obj.patience=7", "--obj.mode=max", "--obj.min_delta=0.5"],
+        {"patience": 7, "min_delta": 0.5},
+    ),
     ("CSVLogger", ["--obj.save_dir={tmp}", "--obj.name=run"], {"name": "run"}),
     ("DDPStrategy", ["--obj.find_unused_parameters=true"], {}),
 ]
 
 
 @pytest.mark.parametrize(("class_name", "argv", "expected"), CONFIGS, ids=[row[0] for row in CONFIGS])
-def test_a_command_line_instantiates_with_typed_values(class_name: str, argv: list[str], expected: dict, tmp_path) -> None:
+def test_a_command_line_instantiates_with_typed_values(
+    class_name: str, argv: list[str], expected: dict, tmp_path
+) -> None:
     cls = next(cls for cls in PUBLIC_CLASSES if cls.__name__ == class_name)
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(cls, "obj", fail_untyped=False)

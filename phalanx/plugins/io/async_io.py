@@ -69,4 +69,3 @@ class AsyncCheckpointIO(CheckpointIO):
                 self._executor.shutdown(wait=True)
                 self._executor = None
             self.checkpoint_io.teardown()
-

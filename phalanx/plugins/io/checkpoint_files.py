@@ -18,7 +18,12 @@ from phalanx.utilities.exceptions import UnsafeCheckpointError
 
 def entry_inside(directory: Path, name: Any, *, root: Path, what: str) -> Path:
     """``directory / name`` resolved, if ``name`` is a plain file name and the result lies inside ``root``."""
-    if not isinstance(name, str) or name in ("", ".", "..") or any(mark in name for mark in ("/", "\\", "\0")) or os.path.isabs(name):
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or any(mark in name for mark in ("/", "\\", "\0"))
+        or os.path.isabs(name)
+    ):
         raise UnsafeCheckpointError(
             f"Refusing to read the checkpoint {root}: {what} is {name!r}, which is not a plain file name inside the"
             " checkpoint directory (no '/', '\\', '..', absolute paths or empty names)."

@@ -28,7 +28,19 @@ DCP_METADATA_FILE = ".metadata"
 _DCP = "torch.distributed.checkpoint.metadata"
 #: What torch 2.13's DCP pickles into ``.metadata`` for a state dict of tensors (module, name), exactly.
 _ALLOWED_GLOBALS = frozenset(
-    {(_DCP, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")}
+    {
+        (_DCP, name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
     | {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
         ("torch", "Size"),
@@ -65,7 +77,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafeCheckpointError(f"Refusing to read {self._source}: it holds a persistent reference ({pid!r}), which DCP's metadata never does.")
+        raise UnsafeCheckpointError(
+            f"Refusing to read {self._source}: it holds a persistent reference ({pid!r}), which DCP's metadata never does."
+        )
 
 
 def read_metadata(directory: Path) -> Any:
@@ -79,9 +93,13 @@ def read_metadata(directory: Path) -> Any:
     except CheckpointError:
         raise
     except FileNotFoundError:
-        raise CheckpointError(f"{directory} is missing DCP's metadata file {DCP_METADATA_FILE}: the checkpoint is incomplete.") from None
+        raise CheckpointError(
+            f"{directory} is missing DCP's metadata file {DCP_METADATA_FILE}: the checkpoint is incomplete."
+        ) from None
     except Exception as error:  # pickle raises many types for bytes it cannot parse
-        raise CheckpointError(f"{directory / DCP_METADATA_FILE} is not DCP metadata phalanx can read (truncated, damaged or not written by DCP): {type(error).__name__}: {error}") from None
+        raise CheckpointError(
+            f"{directory / DCP_METADATA_FILE} is not DCP metadata phalanx can read (truncated, damaged or not written by DCP): {type(error).__name__}: {error}"
+        ) from None
     if type(metadata) is not Metadata:
         raise CheckpointError(f"{directory / DCP_METADATA_FILE} holds a {type(metadata).__name__}, not DCP's Metadata.")
     check_metadata(metadata, directory)
@@ -99,7 +117,9 @@ def check_metadata(metadata: Any, directory: Path) -> None:
     sizes = _check_storage(storage, directory)
     for key, entry in entries.items():
         if not isinstance(key, str) or not isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
-            raise CheckpointError(f"{source} is damaged: entry {key!r} is a {type(entry).__name__}, not a tensor or bytes entry.")
+            raise CheckpointError(
+                f"{source} is damaged: entry {key!r} is a {type(entry).__name__}, not a tensor or bytes entry."
+            )
         if isinstance(entry, TensorStorageMetadata):
             _check_tensor(key, entry, storage, sizes, directory)
 
@@ -117,13 +137,23 @@ def _check_storage(storage: dict[Any, Any], directory: Path) -> dict[str, int]:
         name = info.relative_path
         path = entry_inside(directory, name, root=directory, what=f"the shard file of entry {index.fqn!r}")
         if info.transform_descriptors:
-            raise UnsafeCheckpointError(f"Refusing to read {source}: entry {index.fqn!r} needs the decoding transforms {list(info.transform_descriptors)}; phalanx writes none.")
+            raise UnsafeCheckpointError(
+                f"Refusing to read {source}: entry {index.fqn!r} needs the decoding transforms {list(info.transform_descriptors)}; phalanx writes none."
+            )
         if name not in sizes:
             if not path.is_file():
-                raise CheckpointError(f"{directory} is missing the shard file {name} (it holds entry {index.fqn!r}): the checkpoint is incomplete.")
+                raise CheckpointError(
+                    f"{directory} is missing the shard file {name} (it holds entry {index.fqn!r}): the checkpoint is incomplete."
+                )
             sizes[name] = path.stat().st_size
         offset, length = info.offset, info.length
-        if type(offset) is not int or type(length) is not int or offset < 0 or length <= 0 or offset + length > sizes[name]:
+        if (
+            type(offset) is not int
+            or type(length) is not int
+            or offset < 0
+            or length <= 0
+            or offset + length > sizes[name]
+        ):
             raise CheckpointError(
                 f"{directory / name} is truncated or belongs to another checkpoint: entry {index.fqn!r} should be at bytes"
                 f" {offset!r}..{offset + length if type(offset) is int and type(length) is int else '?'} but the file has {sizes[name]}."
@@ -143,21 +173,34 @@ def _check_tensor(key: str, entry: Any, storage: dict[Any, Any], sizes: dict[str
     covered = 0
     for chunk in entry.chunks:
         offsets, chunk_sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-        if not _is_shape(offsets) or not _is_shape(chunk_sizes) or len(offsets) != len(shape) or len(chunk_sizes) != len(shape):
+        if (
+            not _is_shape(offsets)
+            or not _is_shape(chunk_sizes)
+            or len(offsets) != len(shape)
+            or len(chunk_sizes) != len(shape)
+        ):
             raise CheckpointError(f"{source} is damaged: a chunk of entry {key!r} has no valid offsets and sizes.")
         if any(o + s > n for o, s, n in zip(offsets, chunk_sizes, shape)):
-            raise CheckpointError(f"{source} is damaged: a chunk of entry {key!r} (offsets {list(offsets)}, sizes {list(chunk_sizes)}) lies outside its size {list(shape)}.")
+            raise CheckpointError(
+                f"{source} is damaged: a chunk of entry {key!r} (offsets {list(offsets)}, sizes {list(chunk_sizes)}) lies outside its size {list(shape)}."
+            )
         info = storage.get(MetadataIndex(key, offsets))
         if info is None:
-            raise CheckpointError(f"{source} is damaged: the chunk at {list(offsets)} of entry {key!r} has no storage record.")
+            raise CheckpointError(
+                f"{source} is damaged: the chunk at {list(offsets)} of entry {key!r} has no storage record."
+            )
         # A chunk is stored with torch.save, which writes at least its elements: a record shorter than that would be
         # read from bytes that are not there, or the size is made up (an allocation of any size the file asks for).
         numel = math.prod(chunk_sizes)
         if numel * itemsize > info.length:
-            raise CheckpointError(f"{source} is damaged or belongs to another checkpoint: entry {key!r} claims {numel} elements of {dtype} in {info.length} bytes of {info.relative_path}.")
+            raise CheckpointError(
+                f"{source} is damaged or belongs to another checkpoint: entry {key!r} claims {numel} elements of {dtype} in {info.length} bytes of {info.relative_path}."
+            )
         covered += numel
     if covered != math.prod(shape):
-        raise CheckpointError(f"{source} is damaged or belongs to another checkpoint: the chunks of entry {key!r} hold {covered} of its {math.prod(shape)} elements.")
+        raise CheckpointError(
+            f"{source} is damaged or belongs to another checkpoint: the chunks of entry {key!r} hold {covered} of its {math.prod(shape)} elements."
+        )
 
 
 def _is_shape(value: Any) -> bool:

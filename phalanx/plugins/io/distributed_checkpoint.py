@@ -77,7 +77,14 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Tensor], dic
 
 
 # ---------------------------------------------------------------------------- writing
-def save_sharded(checkpoint: dict[str, Any], path: str | os.PathLike, *, is_global_zero: bool, broadcast: Callable[[Any], Any], barrier: Callable[[str], None]) -> None:
+def save_sharded(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    is_global_zero: bool,
+    broadcast: Callable[[Any], Any],
+    barrier: Callable[[str], None],
+) -> None:
     """Write ``checkpoint`` as a sharded directory at ``path`` (every rank calls this; rank 0 finishes it).
 
     Raises ``CheckpointWriteError`` (naming the directory and the cause) when the files cannot be written; the
@@ -131,7 +138,9 @@ def _causes(error: BaseException) -> list[BaseException]:
             continue
         found.append(current)
         if isinstance(current, CheckpointException):
-            pending.extend(failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values())
+            pending.extend(
+                failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values()
+            )
         pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
     return found
 
@@ -193,7 +202,12 @@ def _safe_reader_class() -> type:
             for item in plan.items:
                 # One entry per call, so that a failure names its file and entry.
                 info = self.storage_data[item.storage_index]
-                entry_inside(self._directory, info.relative_path, root=self._directory, what=f"the shard file of entry {item.dest_index.fqn!r}")
+                entry_inside(
+                    self._directory,
+                    info.relative_path,
+                    root=self._directory,
+                    what=f"the shard file of entry {item.dest_index.fqn!r}",
+                )
                 try:
                     super().read_data(dataclasses.replace(plan, items=[item]), planner).wait()
                 except Exception as error:
@@ -214,8 +228,16 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
 
     directory = Path(path)
     if not is_sharded_checkpoint(directory):
-        missing = [name for name in (DCP_METADATA_FILE, META_FILE) if not (directory / name).exists()] if directory.is_dir() else []
-        detail = f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else "it is not a directory"
+        missing = (
+            [name for name in (DCP_METADATA_FILE, META_FILE) if not (directory / name).exists()]
+            if directory.is_dir()
+            else []
+        )
+        detail = (
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+            if missing
+            else "it is not a directory"
+        )
         raise CheckpointError(f"{directory} is not a sharded phalanx checkpoint: {detail}.")
     file = entry_inside(directory, META_FILE, root=directory, what="phalanx's state file")
     meta = load_bytes(file.read_bytes(), str(directory / META_FILE))
@@ -227,21 +249,43 @@ def _check_meta(meta: dict[str, Any], source: Path) -> None:
     sharded = meta.get("sharded_tensors")
     model = sharded.get("model") if isinstance(sharded, dict) else None
     optimizer = sharded.get("optimizer") if isinstance(sharded, dict) else None
-    if not isinstance(model, list) or not all(isinstance(name, str) for name in model) or not isinstance(optimizer, list):
-        raise CheckpointError(f"{source} is damaged: it has no valid 'sharded_tensors' list (the names of the tensors stored through DCP).")
+    if (
+        not isinstance(model, list)
+        or not all(isinstance(name, str) for name in model)
+        or not isinstance(optimizer, list)
+    ):
+        raise CheckpointError(
+            f"{source} is damaged: it has no valid 'sharded_tensors' list (the names of the tensors stored through DCP)."
+        )
     states = meta.get("optimizer_states")
     for entry in optimizer:
-        ok = isinstance(entry, (list, tuple)) and len(entry) == 3 and type(entry[0]) is int and isinstance(entry[1], (int, str)) and isinstance(entry[2], str)
+        ok = (
+            isinstance(entry, (list, tuple))
+            and len(entry) == 3
+            and type(entry[0]) is int
+            and isinstance(entry[1], (int, str))
+            and isinstance(entry[2], str)
+        )
         if ok:
             index, pid, _ = entry
-            ok = isinstance(states, list) and 0 <= index < len(states) and isinstance(states[index], dict) and isinstance(states[index].get("state"), dict) and isinstance(states[index]["state"].get(pid), dict)
+            ok = (
+                isinstance(states, list)
+                and 0 <= index < len(states)
+                and isinstance(states[index], dict)
+                and isinstance(states[index].get("state"), dict)
+                and isinstance(states[index]["state"].get(pid), dict)
+            )
         if not ok:
-            raise CheckpointError(f"{source} is damaged: its sharded optimizer entry {entry!r} names no optimizer state in the file.")
+            raise CheckpointError(
+                f"{source} is damaged: its sharded optimizer entry {entry!r} names no optimizer state in the file."
+            )
 
 
 def _tensor_keys(meta: dict[str, Any]) -> list[str]:
     sharded = meta["sharded_tensors"]
-    return [_MODEL_PREFIX + name for name in sharded["model"]] + [f"{_OPTIMIZER_PREFIX}{i}/{pid}/{name}" for i, pid, name in sharded["optimizer"]]
+    return [_MODEL_PREFIX + name for name in sharded["model"]] + [
+        f"{_OPTIMIZER_PREFIX}{i}/{pid}/{name}" for i, pid, name in sharded["optimizer"]
+    ]
 
 
 def _checked_metadata(directory: Path, meta: dict[str, Any]) -> Any:
@@ -252,12 +296,16 @@ def _checked_metadata(directory: Path, meta: dict[str, Any]) -> Any:
     saved_id = meta.get(_SAVE_ID)
     found_id = getattr(metadata.storage_meta, "save_id", None)
     if saved_id is not None and found_id != saved_id:
-        raise CheckpointError(f"{directory / DCP_METADATA_FILE} belongs to another checkpoint: it was written by save {found_id!r}, {META_FILE} by save {saved_id!r}.")
+        raise CheckpointError(
+            f"{directory / DCP_METADATA_FILE} belongs to another checkpoint: it was written by save {found_id!r}, {META_FILE} by save {saved_id!r}."
+        )
     for key in _tensor_keys(meta):
         entry = metadata.state_dict_metadata.get(key)
         if not isinstance(entry, TensorStorageMetadata):
             state = "missing from" if entry is None else "not a tensor entry in"
-            raise CheckpointError(f"{directory}: entry {key!r}, listed in {META_FILE}, is {state} {DCP_METADATA_FILE} (damaged, or the files come from different checkpoints).")
+            raise CheckpointError(
+                f"{directory}: entry {key!r}, listed in {META_FILE}, is {state} {DCP_METADATA_FILE} (damaged, or the files come from different checkpoints)."
+            )
     return metadata
 
 
@@ -266,7 +314,9 @@ def tensor_entries(path: str | os.PathLike) -> dict[str, Any]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = read_metadata(Path(path))
-    return {key: entry for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+    return {
+        key: entry for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)
+    }
 
 
 def _load(tensors: dict[str, Tensor], directory: Path, metadata: Any, no_dist: bool) -> None:
@@ -288,7 +338,9 @@ def _load(tensors: dict[str, Tensor], directory: Path, metadata: Any, no_dist: b
         raised = next((e for e in _causes(error) if isinstance(e, CheckpointError)), None)
         if raised is not None:
             raise type(raised)(str(raised)) from None
-        raise CheckpointError(f"{directory} cannot be read (damaged, or its files come from different checkpoints): {_describe(_root_cause(error))}") from None
+        raise CheckpointError(
+            f"{directory} cannot be read (damaged, or its files come from different checkpoints): {_describe(_root_cause(error))}"
+        ) from None
 
 
 def load_whole(path: str | os.PathLike) -> dict[str, Any]:
@@ -297,7 +349,9 @@ def load_whole(path: str | os.PathLike) -> dict[str, Any]:
     meta = read_meta(directory)
     metadata = _checked_metadata(directory, meta)
     entries = metadata.state_dict_metadata
-    tensors = {key: torch.empty(tuple(entries[key].size), dtype=entries[key].properties.dtype) for key in _tensor_keys(meta)}
+    tensors = {
+        key: torch.empty(tuple(entries[key].size), dtype=entries[key].properties.dtype) for key in _tensor_keys(meta)
+    }
     _load(tensors, directory, metadata, no_dist=True)
     return _reassemble(meta, tensors)
 
@@ -324,13 +378,21 @@ def load_into(path: str | os.PathLike, module_state: dict[str, Tensor], optimize
             if index >= len(optimizers):
                 continue
             parameters = [p for group in optimizers[index].param_groups for p in group["params"]]
-            saved_ids = [i for group in meta["optimizer_states"][index].get("param_groups", []) for i in group.get("params", [])]
+            saved_ids = [
+                i for group in meta["optimizer_states"][index].get("param_groups", []) for i in group.get("params", [])
+            ]
             entry = entries[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"]
-            parameter = parameters[saved_ids.index(pid)] if pid in saved_ids and len(saved_ids) == len(parameters) else None
+            parameter = (
+                parameters[saved_ids.index(pid)] if pid in saved_ids and len(saved_ids) == len(parameters) else None
+            )
             if parameter is not None and is_dtensor(parameter) and tuple(entry.size) == tuple(parameter.shape):
-                tensors[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"] = torch.empty_like(parameter, dtype=entry.properties.dtype)
+                tensors[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"] = torch.empty_like(
+                    parameter, dtype=entry.properties.dtype
+                )
             else:
-                tensors[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+                tensors[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"] = torch.empty(
+                    tuple(entry.size), dtype=entry.properties.dtype
+                )
     _load(tensors, directory, metadata, no_dist=False)
     return _reassemble(meta, tensors)
 
@@ -338,7 +400,9 @@ def load_into(path: str | os.PathLike, module_state: dict[str, Tensor], optimize
 def _reassemble(meta: dict[str, Any], tensors: dict[str, Tensor]) -> dict[str, Any]:
     sharded = meta.pop("sharded_tensors")
     meta.pop(_SAVE_ID, None)
-    meta["state_dict"] = {name: tensors[_MODEL_PREFIX + name] for name in sharded["model"] if _MODEL_PREFIX + name in tensors}
+    meta["state_dict"] = {
+        name: tensors[_MODEL_PREFIX + name] for name in sharded["model"] if _MODEL_PREFIX + name in tensors
+    }
     for index, pid, name in sharded["optimizer"]:  # each names an existing state (checked by _check_meta)
         key = f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"
         if key in tensors:
@@ -352,7 +416,11 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
     if is_sharded_checkpoint(directory):
         return load_whole(directory)
     try:
-        from phalanx.strategies.deepspeed_checkpoint import STATE_FILE, is_deepspeed_checkpoint, load_deepspeed_checkpoint_as_full
+        from phalanx.strategies.deepspeed_checkpoint import (
+            STATE_FILE,
+            is_deepspeed_checkpoint,
+            load_deepspeed_checkpoint_as_full,
+        )
     except ImportError:
         is_deepspeed_checkpoint = None  # type: ignore[assignment]
         STATE_FILE = None  # type: ignore[assignment]
@@ -362,5 +430,9 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
         present = [name for name in files if name is not None and (directory / name).exists()]
         if present and len(present) < len(files):
             missing = [name for name in files if name not in present]
-            raise CheckpointError(f"{directory} looks like a {layout} checkpoint ({', '.join(present)}) but is missing {', '.join(map(str, missing))}: it is incomplete or damaged.")
-    raise CheckpointError(f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a DeepSpeed one.")
+            raise CheckpointError(
+                f"{directory} looks like a {layout} checkpoint ({', '.join(present)}) but is missing {', '.join(map(str, missing))}: it is incomplete or damaged."
+            )
+    raise CheckpointError(
+        f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a DeepSpeed one."
+    )

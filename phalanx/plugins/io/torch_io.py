@@ -87,9 +87,13 @@ def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any |
                 f"Refusing to load {source}: it references {', '.join(names)}, which is not a tensor or plain value"
                 f" and loads only with weights_only=False, i.e. by running arbitrary code. {_UNSAFE_HINT}"
             ) from None
-        raise CheckpointError(f"{source} is not a checkpoint torch can read (corrupted or not written by torch.save): {_first_line(error)}") from None
+        raise CheckpointError(
+            f"{source} is not a checkpoint torch can read (corrupted or not written by torch.save): {_first_line(error)}"
+        ) from None
     except Exception as error:  # torch raises many types for bytes it cannot parse (IndexError, EOFError, ...)
-        raise CheckpointError(f"{source} is not a checkpoint torch can read (truncated or not written by torch.save): {_first_line(error)}") from None
+        raise CheckpointError(
+            f"{source} is not a checkpoint torch can read (truncated or not written by torch.save): {_first_line(error)}"
+        ) from None
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{source} holds a {type(checkpoint).__name__}, not a checkpoint dictionary.")
     return checkpoint
@@ -153,7 +157,9 @@ def _first_line(error: BaseException) -> str:
     """The informative line of ``error``'s message, after its type name."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     # torch's weights-only errors bury the cause ("Unsupported operand 0") below a paragraph of general advice.
-    detail = next((line for line in lines if "Unsupported" in line or "Trying to load" in line), lines[0] if lines else "")
+    detail = next(
+        (line for line in lines if "Unsupported" in line or "Trying to load" in line), lines[0] if lines else ""
+    )
     return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
 

@@ -15,7 +15,9 @@ from phalanx.plugins.precision.precision import BeforeStep, Precision
 class MixedPrecision(Precision):
     """Runs forward passes under ``torch.autocast``; float16 on CUDA also scales the loss with a GradScaler."""
 
-    def __init__(self, precision: str = "bf16-mixed", device: str = "cuda", scaler: torch.amp.GradScaler | None = None) -> None:
+    def __init__(
+        self, precision: str = "bf16-mixed", device: str = "cuda", scaler: torch.amp.GradScaler | None = None
+    ) -> None:
         if precision not in ("16-mixed", "bf16-mixed"):
             raise ValueError(f"MixedPrecision supports '16-mixed' and 'bf16-mixed', got precision={precision!r}.")
         if scaler is not None and precision == "bf16-mixed":
@@ -40,13 +42,21 @@ class MixedPrecision(Precision):
         return tensor
 
     def optimizer_step(
-        self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], *, before_step: BeforeStep | None = None, **kwargs: Any
+        self,
+        optimizer: Optimizer,
+        model: nn.Module | None,
+        closure: Callable[[], Any],
+        *,
+        before_step: BeforeStep | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Without a scaler, as the base; with one, run the closure, unscale, ``before_step``, then ``scaler.step``."""
         if self.scaler is None:
             return super().optimizer_step(optimizer, model, closure, before_step=before_step, **kwargs)
         if isinstance(optimizer, LBFGS):
-            raise TypeError("LBFGS needs its closure re-evaluated, which a GradScaler cannot do: use '32-true' or 'bf16-mixed'.")
+            raise TypeError(
+                "LBFGS needs its closure re-evaluated, which a GradScaler cannot do: use '32-true' or 'bf16-mixed'."
+            )
         closure_result = closure()
         skipped = closure_result is None and getattr(model, "automatic_optimization", True)
         if not skipped:
@@ -70,7 +80,9 @@ class MixedPrecision(Precision):
             self.scaler.unscale_(optimizer)
             self._unscaled.add(id(optimizer))
 
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm") -> Tensor | None:
+    def clip_gradients(
+        self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm"
+    ) -> Tensor | None:
         """Unscale first, so that the threshold applies to the true gradients, then clip as the base does."""
         self._check_clip_algorithm(gradient_clip_algorithm)
         if clip_val > 0:

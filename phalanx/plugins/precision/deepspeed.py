@@ -63,21 +63,37 @@ class DeepSpeedPrecision(Precision):
 
     def tensor_init_context(self) -> AbstractContextManager:
         """With '-true', new floating tensors default to the half dtype."""
-        return default_dtype(self.dtype) if self.precision.endswith("-true") and self.dtype is not torch.float32 else nullcontext()
+        return (
+            default_dtype(self.dtype)
+            if self.precision.endswith("-true") and self.dtype is not torch.float32
+            else nullcontext()
+        )
 
     def forward_context(self) -> AbstractContextManager:
         """With '-true', tensors created inside a step default to the half dtype; no autocast in any case."""
         return self.tensor_init_context()
 
     # ------------------------------------------------------------------ backward and step go through the engine
-    def backward(self, tensor: Tensor, module: nn.Module | None, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> None:
+    def backward(
+        self, tensor: Tensor, module: nn.Module | None, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> None:
         """``engine.backward(loss)``: the engine scales the loss (accumulation, float16) and reduces gradients."""
         backward = getattr(module, "backward", None)
         if module is None or not hasattr(module, "is_gradient_accumulation_boundary") or backward is None:
-            raise RuntimeError("DeepSpeedPrecision.backward needs the DeepSpeed engine; it is created by DeepSpeedStrategy.setup() when fitting.")
+            raise RuntimeError(
+                "DeepSpeedPrecision.backward needs the DeepSpeed engine; it is created by DeepSpeedStrategy.setup() when fitting."
+            )
         backward(tensor, *args, **kwargs)
 
-    def optimizer_step(self, optimizer: Any, model: nn.Module | None, closure: Callable[[], Any], *, before_step: BeforeStep | None = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Any,
+        model: nn.Module | None,
+        closure: Callable[[], Any],
+        *,
+        before_step: BeforeStep | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run the closure (forward and backward), ``before_step`` (hooks, clipping checks), then ``engine.step()``."""
         if model is None or not hasattr(model, "is_gradient_accumulation_boundary"):
             raise RuntimeError("DeepSpeedPrecision.optimizer_step needs the DeepSpeed engine as `model`.")
@@ -92,7 +108,9 @@ class DeepSpeedPrecision(Precision):
         model.step(**kwargs)
         return result
 
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm") -> Tensor | None:
+    def clip_gradients(
+        self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm"
+    ) -> Tensor | None:
         """DeepSpeed clips by norm inside ``engine.step()`` with the config's 'gradient_clipping'; nothing to do here.
 
         Asking for anything else (by value, or another threshold) is refused rather than silently ignored.

@@ -23,9 +23,13 @@ class FSDPPrecision(Precision):
     each layer, and reduces gradients in float32. ``"*-true"`` casts the whole model.
     """
 
-    def __init__(self, precision: str = "32-true", device: str = "cpu", scaler: torch.amp.GradScaler | None = None) -> None:
+    def __init__(
+        self, precision: str = "32-true", device: str = "cpu", scaler: torch.amp.GradScaler | None = None
+    ) -> None:
         if precision not in FSDP_PRECISIONS:
-            raise ValueError(f"FSDPPrecision does not support precision={precision!r}; choose one of {list(FSDP_PRECISIONS)}.")
+            raise ValueError(
+                f"FSDPPrecision does not support precision={precision!r}; choose one of {list(FSDP_PRECISIONS)}."
+            )
         self.precision = precision
         self.device = device
         # The plain plugin of the same precision does the per-step work (autocast, loss scaling, casting).
@@ -71,7 +75,13 @@ class FSDPPrecision(Precision):
         return self._inner.pre_backward(tensor, module)
 
     def optimizer_step(
-        self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], *, before_step: BeforeStep | None = None, **kwargs: Any
+        self,
+        optimizer: Optimizer,
+        model: nn.Module | None,
+        closure: Callable[[], Any],
+        *,
+        before_step: BeforeStep | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Step through the plain plugin (unscaling first under a GradScaler)."""
         return self._inner.optimizer_step(optimizer, model, closure, before_step=before_step, **kwargs)
@@ -80,7 +90,9 @@ class FSDPPrecision(Precision):
         """Unscale gradients under a GradScaler."""
         self._inner.unscale_gradients(optimizer)
 
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm") -> Tensor | None:
+    def clip_gradients(
+        self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm"
+    ) -> Tensor | None:
         """Clip sharded gradients; the norm is over the whole model (torch reduces it across shards)."""
         norm = self._inner.clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
         full_tensor = getattr(norm, "full_tensor", None)

@@ -86,7 +86,9 @@ class Precision:
         """Called before ``backward``; may transform the loss (e.g. scale it)."""
         return tensor
 
-    def backward(self, tensor: Tensor, module: nn.Module | None, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> None:
+    def backward(
+        self, tensor: Tensor, module: nn.Module | None, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> None:
         """Run backward on ``tensor`` (the module's ``backward`` hook if it defines one)."""
         backward = getattr(module, "backward", None)
         if backward is not None:
@@ -99,7 +101,13 @@ class Precision:
         return tensor
 
     def optimizer_step(
-        self, optimizer: Optimizer, model: nn.Module | None, closure: Callable[[], Any], *, before_step: BeforeStep | None = None, **kwargs: Any
+        self,
+        optimizer: Optimizer,
+        model: nn.Module | None,
+        closure: Callable[[], Any],
+        *,
+        before_step: BeforeStep | None = None,
+        **kwargs: Any,
     ) -> Any:
         """Step ``optimizer``: ``closure`` (loss and gradients, passed on so LBFGS-like optimizers work), ``before_step``, the update."""
         if evaluates_closure_once(optimizer):
@@ -110,7 +118,9 @@ class Precision:
             return result
         return optimizer.step(closure=self._wrap_closure(optimizer, closure, before_step), **kwargs)
 
-    def _wrap_closure(self, optimizer: Optimizer, closure: Callable[[], Any], before_step: BeforeStep | None) -> Callable[[], Any]:
+    def _wrap_closure(
+        self, optimizer: Optimizer, closure: Callable[[], Any], before_step: BeforeStep | None
+    ) -> Callable[[], Any]:
         def closure_then_prepare_step() -> Any:
             result = closure()
             self._after_closure(optimizer, before_step)
@@ -126,7 +136,9 @@ class Precision:
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Bring gradients back to their true scale (no-op without loss scaling)."""
 
-    def clip_gradients(self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm") -> Tensor | None:
+    def clip_gradients(
+        self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm"
+    ) -> Tensor | None:
         """Clip the gradients of ``optimizer``'s parameters by total norm or by value; returns the norm when clipping by norm."""
         # Check the algorithm first: a typo must fail on the first step, not only once gradients exist.
         self._check_clip_algorithm(gradient_clip_algorithm)
@@ -142,7 +154,9 @@ class Precision:
     def _check_clip_algorithm(gradient_clip_algorithm: str) -> None:
         """Raise ValueError unless ``gradient_clip_algorithm`` is 'norm' or 'value'."""
         if gradient_clip_algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not valid; choose 'norm' or 'value'.")
+            raise ValueError(
+                f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not valid; choose 'norm' or 'value'."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Return the plugin's state for a checkpoint (e.g. the loss scaler)."""

@@ -27,9 +27,13 @@ class MultiProcessingLauncher(Launcher):
 
     def __init__(self, strategy: Any, start_method: str = "spawn") -> None:
         if start_method not in START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not valid for the multiprocessing launcher; choose one of {START_METHODS}.")
+            raise ValueError(
+                f"start_method={start_method!r} is not valid for the multiprocessing launcher; choose one of {START_METHODS}."
+            )
         if start_method not in multiprocessing.get_all_start_methods():
-            raise ValueError(f"start_method={start_method!r} is not available on this platform; available: {multiprocessing.get_all_start_methods()}.")
+            raise ValueError(
+                f"start_method={start_method!r} is not available on this platform; available: {multiprocessing.get_all_start_methods()}."
+            )
         self._strategy = strategy
         self._start_method = start_method
 
@@ -38,14 +42,16 @@ class MultiProcessingLauncher(Launcher):
         """Fork works from a notebook; spawn needs importable code."""
         return self._start_method == "fork"
 
-    def launch(self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any
+    ) -> Any:
         """Run ``function`` in ``num_processes`` new processes, restore rank 0's ``worker_state`` here, return its result."""
         # A spawned worker re-imports the main script while `_inheriting` is set: an unguarded fit() lands here.
         bootstrapping = getattr(multiprocessing.current_process(), "_inheriting", False)
         if (bootstrapping or multiprocessing.parent_process() is not None) and self._start_method != "fork":
             raise RuntimeError(
                 f"strategy with start_method={self._start_method!r} was asked to start processes from inside a worker"
-                " process. Your script is missing an `if __name__ == \"__main__\":` guard around the code that calls"
+                ' process. Your script is missing an `if __name__ == "__main__":` guard around the code that calls'
                 " Trainer.fit (each spawned process imports the script again)."
             )
         if self._start_method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -67,7 +73,16 @@ class MultiProcessingLauncher(Launcher):
             torch.multiprocessing.start_processes(
                 _run_rank,
                 # One pickle for all of them: in a worker, the strategy is the one `function` and `worker_state` use.
-                args=(self._strategy, function, args, kwargs, results_path, self._start_method, _global_settings(), worker_state),
+                args=(
+                    self._strategy,
+                    function,
+                    args,
+                    kwargs,
+                    results_path,
+                    self._start_method,
+                    _global_settings(),
+                    worker_state,
+                ),
                 nprocs=self._strategy.num_processes,
                 start_method=self._start_method,
                 join=True,
@@ -104,8 +119,15 @@ def _apply_global_settings(settings: dict[str, Any]) -> None:
 
 
 def _run_rank(
-    local_rank: int, strategy: Any, function: Callable[..., Any], args: tuple, kwargs: dict, results_path: str, start_method: str,
-    settings: dict[str, Any], worker_state: WorkerState | None,
+    local_rank: int,
+    strategy: Any,
+    function: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    results_path: str,
+    start_method: str,
+    settings: dict[str, Any],
+    worker_state: WorkerState | None,
 ) -> None:
     os.environ["LOCAL_RANK"] = str(local_rank)
     _apply_global_settings(settings)
@@ -155,7 +177,9 @@ def _read_results(path: str) -> dict[str, Any]:
     with open(path, "rb") as results:
         info = os.fstat(results.fileno())
         if hasattr(os, "getuid") and info.st_uid != os.getuid():
-            raise RuntimeError(f"{path} belongs to user id {info.st_uid}, not to this process's user: refusing to unpickle it.")
+            raise RuntimeError(
+                f"{path} belongs to user id {info.st_uid}, not to this process's user: refusing to unpickle it."
+            )
         return _from_bytes(results.read())
 
 

@@ -56,7 +56,9 @@ class SubprocessScriptLauncher(Launcher):
         """A notebook has no script to re-run."""
         return False
 
-    def launch(self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any
+    ) -> Any:
         """Start the children (once), then run ``function`` in this process (which keeps its state: nothing to carry back)."""
         if not self.cluster_environment.creates_processes_externally and not self.procs:
             self._start_children()
@@ -83,7 +85,11 @@ class SubprocessScriptLauncher(Launcher):
                 code = proc.poll()
                 if code is not None and code not in (0, _PREEMPTED):
                     self._stopping = True
-                    print(f"[phalanx] a process of this job exited with status {code}; stopping the others.", file=sys.stderr, flush=True)
+                    print(
+                        f"[phalanx] a process of this job exited with status {code}; stopping the others.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     self.kill()
                     os._exit(1)
             time.sleep(_POLL_SECONDS)

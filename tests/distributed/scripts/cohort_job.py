@@ -86,7 +86,16 @@ def run_ddp(out: Path) -> None:
     # The Trainer on the same strategy, with the same module and data: Net's training_step is the same loss.
     phalanx.seed_everything(0)
     net = Net(lr=0.05)
-    trainer = phalanx.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=STEPS, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = phalanx.Trainer(
+        strategy="ddp",
+        devices=2,
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(net, DataLoader(IndexedRegression(n=800), batch_size=8, shuffle=True))
     result["trainer_equals_cohort"] = equal([p.detach() for p in net.parameters()], ours)
     trainer.save_checkpoint(str(out / "trainer.ckpt"))
@@ -106,7 +115,16 @@ def run_ddp(out: Path) -> None:
     result["training_step_equals_cohort"] = equal([p.detach() for p in net2.parameters()], ours)
     second.save(checkpoint, {"model": model, "optimizer": optimizer})
     resumed = Net(lr=0.05)
-    trainer = phalanx.Trainer(strategy=CountingDDP(), devices=2, accelerator="cpu", max_steps=STEPS + 5, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = phalanx.Trainer(
+        strategy=CountingDDP(),
+        devices=2,
+        accelerator="cpu",
+        max_steps=STEPS + 5,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(resumed, DataLoader(IndexedRegression(n=800), batch_size=8, shuffle=True), ckpt_path=checkpoint)
     result["trainer_resumed_global_step"] = trainer.global_step
     result["configure_ddp_calls"] = CountingDDP.calls
@@ -163,12 +181,30 @@ def run_sharded(out: Path, strategy: str) -> None:
     cohort.save(checkpoint, {"model": model, "optimizer": optimizer})
     phalanx.seed_everything(0)
     fitted = Net(lr=0.05)
-    trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=STEPS, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = phalanx.Trainer(
+        strategy=strategy,
+        devices=2,
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(fitted, DataLoader(IndexedRegression(n=800), batch_size=8, shuffle=True))
     theirs = full_weights(fitted)
     result = {"max_difference_to_trainer": max(float((a - b).abs().max()) for a, b in zip(ours, theirs))}
     resumed = Net(lr=0.05)
-    trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=STEPS + 2, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = phalanx.Trainer(
+        strategy=strategy,
+        devices=2,
+        accelerator="cpu",
+        max_steps=STEPS + 2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(resumed, DataLoader(IndexedRegression(n=800), batch_size=8, shuffle=True), ckpt_path=str(checkpoint))
     result["trainer_resumed_global_step"] = trainer.global_step
     if cohort.is_global_zero:

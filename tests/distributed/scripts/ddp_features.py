@@ -34,9 +34,17 @@ def main() -> None:
     checkpoint = ModelCheckpoint(dirpath=out / "checkpoints", monitor="val_loss", save_top_k=2, save_last=True)
     early = EarlyStopping(monitor="val_loss", patience=100)
     trainer = phalanx.Trainer(
-        strategy=strategy, devices=2, accelerator="cpu", max_epochs=3, plugins=[io],
-        callbacks=[checkpoint, early], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, default_root_dir=out,
+        strategy=strategy,
+        devices=2,
+        accelerator="cpu",
+        max_epochs=3,
+        plugins=[io],
+        callbacks=[checkpoint, early],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=out,
     )
     data = IndexedRegression(n=51)  # odd: the training sampler pads, evaluation must not
     train = DataLoader(data, batch_size=13, shuffle=True)
@@ -58,27 +66,31 @@ def main() -> None:
     decision_any = trainer.strategy.reduce_boolean_decision(rank == 0, all=False)
     calls = []
     rank_zero_only(lambda: calls.append(1))()
-    write_json(out, f"rank{rank}.json", {
-        "world_size": trainer.world_size,
-        "global_step": trainer.global_step,
-        "seen_train_epoch_total": len(model.seen_train),
-        "seen_train": model.seen_train,
-        "sampler_orders": order_epoch,
-        "val_count": fit_metrics["val_count"],
-        "val_loss_fit": fit_metrics["val_loss"],
-        "validated": validated,
-        "tested": tested,
-        "predictions": torch.cat(predictions).flatten().tolist(),
-        "prediction_batches": [len(p) for p in predictions],
-        "gathered": gathered.flatten().tolist(),
-        "decision_all": decision_all,
-        "decision_any": decision_any,
-        "rank_zero_calls": len(calls),
-        "io_saved": io.saved,
-        "best_model_path": checkpoint.best_model_path,
-        "best_k": sorted(checkpoint.best_k_models),
-        "weights": [p.detach().flatten().tolist() for p in model.parameters()],
-    })
+    write_json(
+        out,
+        f"rank{rank}.json",
+        {
+            "world_size": trainer.world_size,
+            "global_step": trainer.global_step,
+            "seen_train_epoch_total": len(model.seen_train),
+            "seen_train": model.seen_train,
+            "sampler_orders": order_epoch,
+            "val_count": fit_metrics["val_count"],
+            "val_loss_fit": fit_metrics["val_loss"],
+            "validated": validated,
+            "tested": tested,
+            "predictions": torch.cat(predictions).flatten().tolist(),
+            "prediction_batches": [len(p) for p in predictions],
+            "gathered": gathered.flatten().tolist(),
+            "decision_all": decision_all,
+            "decision_any": decision_any,
+            "rank_zero_calls": len(calls),
+            "io_saved": io.saved,
+            "best_model_path": checkpoint.best_model_path,
+            "best_k": sorted(checkpoint.best_k_models),
+            "weights": [p.detach().flatten().tolist() for p in model.parameters()],
+        },
+    )
     torch.save({"x": data.x, "y": data.y, "state_dict": model.state_dict()}, out / f"state{rank}.pt")
 
 

@@ -61,8 +61,16 @@ class Unused(Net):
 
 def fit(module, strategy, steps=6):
     phalanx.seed_everything(11)
-    trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
-                              enable_model_summary=False, enable_checkpointing=False)
+    trainer = phalanx.Trainer(
+        strategy=strategy,
+        devices=2,
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(module, DataLoader(IndexedRegression(n=96), batch_size=4, shuffle=True))
     return trainer, [p.detach().flatten().tolist() for p in module.parameters()]
 
@@ -81,11 +89,15 @@ def main() -> None:
     trainer, results["automatic"] = fit(fresh(), "ddp")
     rank = trainer.global_rank
     _, results["manual"] = fit(fresh(Manual), "ddp")
-    _, results["comm_hook"] = fit(fresh(), DDPStrategy(ddp_comm_hook=counting_hook, ddp_comm_wrapper=default_hooks.fp16_compress_wrapper))
+    _, results["comm_hook"] = fit(
+        fresh(), DDPStrategy(ddp_comm_hook=counting_hook, ddp_comm_wrapper=default_hooks.fp16_compress_wrapper)
+    )
     results["hook_calls"] = len(HOOK_CALLS)
     _, results["static_graph"] = fit(fresh(), DDPStrategy(static_graph=True))
     state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=2)
-    averaged_trainer, results["averaging"] = fit(fresh(), DDPStrategy(ddp_comm_state=state, ddp_comm_hook=post_localSGD_hook, model_averaging_period=2), steps=8)
+    averaged_trainer, results["averaging"] = fit(
+        fresh(), DDPStrategy(ddp_comm_state=state, ddp_comm_hook=post_localSGD_hook, model_averaging_period=2), steps=8
+    )
     results["averaging_optimizer"] = type(averaged_trainer.optimizers[0]).__name__
     for name, zero in (("adam", False), ("zero", True)):
         zero_trainer, results[name] = fit(fresh(partial(AdamNet, zero=zero)), "ddp")

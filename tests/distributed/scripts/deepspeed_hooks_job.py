@@ -56,19 +56,36 @@ def fit(kind: type[Net], mode: str, root: str, strategy: str, accumulate: int) -
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
     trainer = phalanx.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_epochs=1, accumulate_grad_batches=accumulate, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=os.path.join(root, f"{mode}-{strategy}-{accumulate}"),
-    )  # fmt: skip
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=os.path.join(root, f"{mode}-{strategy}-{accumulate}"),
+    )
     try:
         trainer.fit(model, data)
     except MisconfigurationError as error:
         return {"error": str(error), "calls": model.calls}
-    return {"calls": model.calls, "weights": model.layer.weight.detach().flatten().tolist(), "global_step": trainer.global_step}
+    return {
+        "calls": model.calls,
+        "weights": model.layer.weight.detach().flatten().tolist(),
+        "global_step": trainer.global_step,
+    }
 
 
 def main(root: str) -> None:
     results = {"reference_warmup": fit(Net, "warmup", root, "auto", 1)}
-    for name, kind, mode, accumulate in (("plain", Plain, "plain", 2), ("default", Net, "default", 2), ("warmup", Net, "warmup", 1), ("no_closure", Net, "no_closure", 1)):
+    for name, kind, mode, accumulate in (
+        ("plain", Plain, "plain", 2),
+        ("default", Net, "default", 2),
+        ("warmup", Net, "warmup", 1),
+        ("no_closure", Net, "no_closure", 1),
+    ):
         results[name] = fit(kind, mode, root, "deepspeed_stage_2", accumulate)
     print("RESULTS " + json.dumps(results))
 

@@ -33,7 +33,10 @@ from torch.utils.data import DataLoader, Dataset
 import phalanx
 from phalanx.callbacks import Callback, ModelCheckpoint
 
-FEATURES, WIDTH = 256, 512  # the two big weight matrices (>100k elements) are partitioned by ZeRO-3; smaller tensors stay whole
+FEATURES, WIDTH = (
+    256,
+    512,
+)  # the two big weight matrices (>100k elements) are partitioned by ZeRO-3; smaller tensors stay whole
 TRAIN_SAMPLES, VAL_SAMPLES, BATCH = 320, 51, 8  # 2 ranks x batch 8: 20 steps an epoch; 51: unpadded validation
 
 
@@ -66,7 +69,9 @@ class DSNet(phalanx.TrainingModule):
     def configure_model(self) -> None:
         if self.net is not None:
             return
-        self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1))
+        self.net = nn.Sequential(
+            nn.Linear(FEATURES, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 1)
+        )
         self.created_partitioned = [hasattr(p, "ds_id") and p.data.numel() == 0 for p in self.net.parameters()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +100,9 @@ class DSNet(phalanx.TrainingModule):
     def configure_optimizers(self) -> Any:
         if self.hparams.optimizer == "sgd":
             optimizer: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
-        elif self.hparams.optimizer == "cpu_adam":  # what ZeRO-Offload steps on the CPU (its C++ op compiles on first use)
+        elif (
+            self.hparams.optimizer == "cpu_adam"
+        ):  # what ZeRO-Offload steps on the CPU (its C++ op compiles on first use)
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             optimizer = DeepSpeedCPUAdam(self.parameters(), lr=self.hparams.lr)
@@ -123,8 +130,14 @@ class Recorder(Callback):
             self.memory = strategy.memory_footprint()
         else:  # DDP: every rank holds everything
             optimizer = trainer.optimizers[0]
-            states = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
-            self.memory = {"parameters": sum(p.numel() * p.element_size() for p in module.parameters()), "optimizer_states": states, "master_weights": 0}
+            states = sum(
+                v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+            )
+            self.memory = {
+                "parameters": sum(p.numel() * p.element_size() for p in module.parameters()),
+                "optimizer_states": states,
+                "master_weights": 0,
+            }
 
 
 def loaders() -> tuple[DataLoader, DataLoader]:
@@ -134,7 +147,14 @@ def loaders() -> tuple[DataLoader, DataLoader]:
 
 
 def make_trainer(strategy: Any, out: Path, **kwargs: Any) -> phalanx.Trainer:
-    options = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False, "enable_checkpointing": False, "num_sanity_val_steps": 0, "default_root_dir": out}
+    options = {
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+        "default_root_dir": out,
+    }
     options.update(kwargs)
     return phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", **options)
 
@@ -165,11 +185,17 @@ def main() -> None:
     train, val = loaders()
     trainer.fit(model, train, val)
     report["full"] = {
-        "losses": recorder.losses, "lrs": recorder.lrs, "memory": recorder.memory, "global_step": trainer.global_step,
-        "num_parameters": sum(math_numel(p) for p in model.parameters()), "created_partitioned": model.created_partitioned,
-        "val_loss": float(trainer.callback_metrics["val_loss"]), "val_count": float(trainer.callback_metrics["val_count"]),
-        "last_model_path": checkpointing.last_model_path, "handles_accumulation": trainer.strategy.handles_gradient_accumulation,
-    }  # fmt: skip
+        "losses": recorder.losses,
+        "lrs": recorder.lrs,
+        "memory": recorder.memory,
+        "global_step": trainer.global_step,
+        "num_parameters": sum(math_numel(p) for p in model.parameters()),
+        "created_partitioned": model.created_partitioned,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "val_count": float(trainer.callback_metrics["val_count"]),
+        "last_model_path": checkpointing.last_model_path,
+        "handles_accumulation": trainer.strategy.handles_gradient_accumulation,
+    }
     if deepspeed:
         report["full"]["config"] = trainer.strategy.config
     save_weights(trainer, out, "full")
@@ -185,7 +211,9 @@ def main() -> None:
     report["validate_part"] = trainer.validate(model, val, verbose=False)
 
     # resumed from the directory
-    phalanx.seed_everything(0)  # the DistributedSampler shuffles with this seed (the batch order within the epoch comes from the checkpoint)
+    phalanx.seed_everything(
+        0
+    )  # the DistributedSampler shuffles with this seed (the batch order within the epoch comes from the checkpoint)
     model = DSNet()
     recorder = Recorder()
     trainer = make_trainer(strategy, out, max_steps=40, callbacks=[recorder])
@@ -218,12 +246,17 @@ def main() -> None:
     model = DSNet(optimizer="sgd", lr=0.02)
     recorder = Recorder()
     batches = 24 if deepspeed else 12
-    trainer = make_trainer(strategy, out, max_steps=batches, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[recorder])
+    trainer = make_trainer(
+        strategy, out, max_steps=batches, accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[recorder]
+    )
     train, val = loaders()
     trainer.fit(model, train)
     report["accumulate"] = {"losses": recorder.losses, "lrs": recorder.lrs, "global_step": trainer.global_step}
     if deepspeed:
-        report["accumulate"]["config"] = {k: trainer.strategy.config[k] for k in ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu")}
+        report["accumulate"]["config"] = {
+            k: trainer.strategy.config[k]
+            for k in ("gradient_accumulation_steps", "gradient_clipping", "train_micro_batch_size_per_gpu")
+        }
     save_weights(trainer, out, "accumulate")
 
     # manual optimization
@@ -270,7 +303,10 @@ def config_optimizer_run(out: Path) -> dict[str, Any]:
     config = {
         "zero_optimization": {"stage": 1},
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"},
+        },
     }
     phalanx.seed_everything(0)
     model = NoOptimizer()
@@ -283,10 +319,14 @@ def config_optimizer_run(out: Path) -> dict[str, Any]:
     final = full_weights(trainer)
     engine_optimizer = trainer.optimizers[0].optimizer
     return {
-        "losses": recorder.losses, "lrs": recorder.lrs, "global_step": trainer.global_step,
-        "optimizer": type(engine_optimizer).__name__, "base_optimizer": type(engine_optimizer.optimizer).__name__,
-        "schedulers": len(trainer.lr_scheduler_configs), "weights_changed": all(not torch.equal(initial[k], final[k]) for k in initial),
-    }  # fmt: skip
+        "losses": recorder.losses,
+        "lrs": recorder.lrs,
+        "global_step": trainer.global_step,
+        "optimizer": type(engine_optimizer).__name__,
+        "base_optimizer": type(engine_optimizer.optimizer).__name__,
+        "schedulers": len(trainer.lr_scheduler_configs),
+        "weights_changed": all(not torch.equal(initial[k], final[k]) for k in initial),
+    }
 
 
 def offload_run(out: Path, strategy: str) -> dict[str, Any]:
@@ -298,7 +338,12 @@ def offload_run(out: Path, strategy: str) -> dict[str, Any]:
     train, _ = loaders()
     trainer.fit(model, train)
     zero = trainer.strategy.config["zero_optimization"]
-    return {"losses": recorder.losses, "global_step": trainer.global_step, "offload_optimizer": zero.get("offload_optimizer", {}).get("device"), "offload_param": zero.get("offload_param", {}).get("device")}
+    return {
+        "losses": recorder.losses,
+        "global_step": trainer.global_step,
+        "offload_optimizer": zero.get("offload_optimizer", {}).get("device"),
+        "offload_param": zero.get("offload_param", {}).get("device"),
+    }
 
 
 def bf16_run(out: Path) -> dict[str, Any]:

@@ -40,6 +40,14 @@ if __name__ == "__main__":
     strategy_name, failing_rank, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     start_method = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork"}[strategy_name]
     strategy = DDPStrategy(start_method=start_method, timeout=timedelta(seconds=float(sys.argv[4])))
-    trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_epochs=50, logger=False, enable_progress_bar=False,
-                              enable_model_summary=False, enable_checkpointing=False)
+    trainer = phalanx.Trainer(
+        strategy=strategy,
+        devices=2,
+        accelerator="cpu",
+        max_epochs=50,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Failing(failing_rank, mode), DataLoader(IndexedRegression(n=64), batch_size=4))

@@ -21,7 +21,12 @@ if __name__ == "__main__":
         trainer = quiet(strategy=strategy, accelerator="cuda", devices=devices, precision="bf16-mixed", max_steps=30)
         trainer.fit(module, loader(devices))
         local = next(module.parameters()).to_local()
-        results[name] = {"first": module.losses[0], "last": module.losses[-1], "param_device": local.device.type, "peak_bytes": torch.cuda.max_memory_allocated()}
+        results[name] = {
+            "first": module.losses[0],
+            "last": module.losses[-1],
+            "param_device": local.device.type,
+            "peak_bytes": torch.cuda.max_memory_allocated(),
+        }
     if trainer.is_global_zero:
         with open(sys.argv[1], "w") as handle:
             json.dump(results, handle)

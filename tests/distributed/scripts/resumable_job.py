@@ -41,15 +41,25 @@ class Net(phalanx.TrainingModule):
 class Faults(phalanx.Callback):
     def __init__(self, args, out):
         self.args, self.out = args, out
-        self.first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not (out / "attempted").exists()
+        self.first_attempt = (
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not (out / "attempted").exists()
+        )
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if not self.first_attempt:
             return
-        if self.args.signal and trainer.global_rank == int(self.args.signal[0]) and trainer.global_step == int(self.args.signal[1]):
+        if (
+            self.args.signal
+            and trainer.global_rank == int(self.args.signal[0])
+            and trainer.global_step == int(self.args.signal[1])
+        ):
             (self.out / "attempted").touch()
             os.kill(os.getpid(), getattr(signal, self.args.signal[2]))
-        if self.args.kill and trainer.global_rank == int(self.args.kill[0]) and trainer.global_step == int(self.args.kill[1]):
+        if (
+            self.args.kill
+            and trainer.global_rank == int(self.args.kill[0])
+            and trainer.global_step == int(self.args.kill[1])
+        ):
             (self.out / "attempted").touch()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -94,10 +104,21 @@ def main() -> None:
     model = Net()
     plugins = [SlowIO(out, args.slow_save)] if args.slow_save else []
     trainer = phalanx.Trainer(
-        strategy=args.strategy or ("ddp" if args.devices > 1 else "auto"), devices=args.devices, accelerator="cpu", max_epochs=3,
-        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=4, save_top_k=-1), Faults(args, out)],
-        plugins=plugins, preemption=Preemption(check_every_n_steps=1), logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=out, deterministic=True,
+        strategy=args.strategy or ("ddp" if args.devices > 1 else "auto"),
+        devices=args.devices,
+        accelerator="cpu",
+        max_epochs=3,
+        callbacks=[
+            ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=4, save_top_k=-1),
+            Faults(args, out),
+        ],
+        plugins=plugins,
+        preemption=Preemption(check_every_n_steps=1),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        deterministic=True,
     )
     trainer.fit(model, DataLoader(IndexedRegression(n=60), batch_size=4, shuffle=True), ckpt_path="auto")
     state = trainer.strategy.module_state_dict()  # whole tensors (a collective under the sharded strategies)

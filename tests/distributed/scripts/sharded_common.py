@@ -42,7 +42,9 @@ class Block(nn.Module):
 class MLP(phalanx.TrainingModule):
     """Input layer, ``depth`` blocks, output layer; Adam; records its per-step training loss."""
 
-    def __init__(self, width: int = 32, depth: int = 2, lr: float = 0.01, build_in_configure_model: bool = False) -> None:
+    def __init__(
+        self, width: int = 32, depth: int = 2, lr: float = 0.01, build_in_configure_model: bool = False
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.losses: list[float] = []
@@ -99,7 +101,14 @@ class TransformerBlock(phalanx.TrainingModule):
             return
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+        plan = {
+            "q": ColwiseParallel(),
+            "k": ColwiseParallel(),
+            "v": ColwiseParallel(),
+            "o": RowwiseParallel(),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(),
+        }
         parallelize_module(self, mesh["tensor_parallel"], plan)
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,6 +141,13 @@ def sequences(n: int = 64, length: int = 6, dim: int = 32, seed: int = 5) -> Ten
 
 
 def quiet(**kwargs: Any) -> phalanx.Trainer:
-    options = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    options = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
     options.update(kwargs)
     return phalanx.Trainer(**options)

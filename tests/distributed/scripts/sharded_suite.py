@@ -31,7 +31,16 @@ def whole_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return full_module_state(module, keep=True)
 
 
-def fit(name: str, strategy: Any, module: phalanx.TrainingModule | None = None, *, steps: int = STEPS, ckpt_path: str | None = None, callbacks: list | None = None, **trainer_kwargs: Any) -> tuple[phalanx.TrainingModule, phalanx.Trainer]:
+def fit(
+    name: str,
+    strategy: Any,
+    module: phalanx.TrainingModule | None = None,
+    *,
+    steps: int = STEPS,
+    ckpt_path: str | None = None,
+    callbacks: list | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[phalanx.TrainingModule, phalanx.Trainer]:
     phalanx.seed_everything(7)
     module = module if module is not None else MLP()
     trainer = quiet(strategy=strategy, devices=2, max_steps=steps, callbacks=callbacks, **trainer_kwargs)
@@ -67,12 +76,23 @@ class MemoryProbe(phalanx.Callback):
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     # ------------------------------------------------------------- loss parity across sharding strategies and DDP
-    ddp_checkpoints = ModelCheckpoint(dirpath=OUT / "ddp_ckpt", every_n_train_steps=10, save_top_k=-1, filename="{step}")
+    ddp_checkpoints = ModelCheckpoint(
+        dirpath=OUT / "ddp_ckpt", every_n_train_steps=10, save_top_k=-1, filename="{step}"
+    )
     fit("ddp", "ddp", callbacks=[ddp_checkpoints], enable_checkpointing=True)
-    full_checkpoints = ModelCheckpoint(dirpath=OUT / "fsdp_full_ckpt", every_n_train_steps=10, save_top_k=-1, filename="{step}")
+    full_checkpoints = ModelCheckpoint(
+        dirpath=OUT / "fsdp_full_ckpt", every_n_train_steps=10, save_top_k=-1, filename="{step}"
+    )
     fit("fsdp", FSDPStrategy(state_dict_type="full"), callbacks=[full_checkpoints], enable_checkpointing=True)
-    sharded_checkpoints = ModelCheckpoint(dirpath=OUT / "fsdp_sharded_ckpt", every_n_train_steps=10, save_top_k=-1, filename="{step}")
-    fit("fsdp_sharded_save", FSDPStrategy(state_dict_type="sharded"), callbacks=[sharded_checkpoints], enable_checkpointing=True)
+    sharded_checkpoints = ModelCheckpoint(
+        dirpath=OUT / "fsdp_sharded_ckpt", every_n_train_steps=10, save_top_k=-1, filename="{step}"
+    )
+    fit(
+        "fsdp_sharded_save",
+        FSDPStrategy(state_dict_type="sharded"),
+        callbacks=[sharded_checkpoints],
+        enable_checkpointing=True,
+    )
     for sharding in ("SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
         fit(f"fsdp_{sharding}", FSDPStrategy(sharding_strategy=sharding))
     fit("fsdp_wrap_blocks", FSDPStrategy(auto_wrap_policy={nn.Linear}))
@@ -90,13 +110,20 @@ if __name__ == "__main__":
     everyone = torch.distributed.new_group([0, 1])  # every rank creates every group, in the same order
     alone = [torch.distributed.new_group([0]), torch.distributed.new_group([1])]
     seed_strategy = FSDPStrategy(
-        sharding_strategy=ShardingStrategy.FULL_SHARD, process_group=everyone, cpu_offload=CPUOffload(offload_params=False),
-        auto_wrap_policy=ModuleWrapPolicy({Block}), activation_checkpointing_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-        use_orig_params=True, limit_all_gathers=True, sync_module_states=True,
-    )  # fmt: skip
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        process_group=everyone,
+        cpu_offload=CPUOffload(offload_params=False),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        activation_checkpointing_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
+        use_orig_params=True,
+        limit_all_gathers=True,
+        sync_module_states=True,
+    )
     module, _ = fit("fsdp_seed_arguments", seed_strategy)
     results["fsdp_seed_arguments"]["block_calls"] = [block.calls for block in module.blocks]
-    hybrid = FSDPStrategy(sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(everyone, alone[torch.distributed.get_rank()]))
+    hybrid = FSDPStrategy(
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(everyone, alone[torch.distributed.get_rank()])
+    )
     _, trainer = fit("fsdp_hybrid_process_groups", hybrid)
     results["fsdp_hybrid_process_groups"]["mesh"] = list(trainer.strategy.device_mesh.shape)
     _, trainer = fit("fsdp_hybrid_zero2", FSDPStrategy(sharding_strategy="_HYBRID_SHARD_ZERO2", device_mesh=(2, 1)))
@@ -121,7 +148,10 @@ if __name__ == "__main__":
     results["fsdp_self_sharded"]["warnings"] = [str(w.message) for w in caught if "already sharded" in str(w.message)]
 
     # ------------------------------------------------------------- activation checkpointing: same losses, blocks run twice
-    module, _ = fit("fsdp_activation_checkpointing", FSDPStrategy(auto_wrap_policy={nn.Linear}, activation_checkpointing_policy={type(MLP().blocks[0])}))
+    module, _ = fit(
+        "fsdp_activation_checkpointing",
+        FSDPStrategy(auto_wrap_policy={nn.Linear}, activation_checkpointing_policy={type(MLP().blocks[0])}),
+    )
     results["fsdp_activation_checkpointing"]["block_calls"] = [block.calls for block in module.blocks]
     module, _ = fit("fsdp_plain_calls", "fsdp", steps=STEPS)
     results["fsdp_plain_calls"]["block_calls"] = [block.calls for block in module.blocks]
@@ -143,26 +173,41 @@ if __name__ == "__main__":
 
     trainer = quiet(strategy="fsdp", devices=2, max_steps=3, callbacks=[Initial()])
     trainer.fit(meta_module, loader(2))
-    results["meta_init"] = {"meta_left": probe["meta_left"], "losses": trainer.strategy.all_gather_object(meta_module.losses)}
+    results["meta_init"] = {
+        "meta_left": probe["meta_left"],
+        "losses": trainer.strategy.all_gather_object(meta_module.losses),
+    }
     if trainer.is_global_zero:
         torch.save(probe["weights"], OUT / "meta_init_weights.pt")
 
     # ------------------------------------------------------------- memory: ZeRO-3 (FULL_SHARD) and ZeRO-2 (SHARD_GRAD_OP)
     for sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
         memory = MemoryProbe()
-        fit(f"memory_{sharding}", FSDPStrategy(sharding_strategy=sharding, auto_wrap_policy={nn.Linear}), MLP(width=256, depth=3), steps=3, callbacks=[memory])
+        fit(
+            f"memory_{sharding}",
+            FSDPStrategy(sharding_strategy=sharding, auto_wrap_policy={nn.Linear}),
+            MLP(width=256, depth=3),
+            steps=3,
+            callbacks=[memory],
+        )
         results[f"memory_{sharding}"]["figures"] = memory.figures
 
     # ------------------------------------------------------------- resumes, across strategies and sizes
     fit("fsdp_from_fsdp_full", "fsdp", ckpt_path=str(OUT / "fsdp_full_ckpt" / "step=10.ckpt"))
-    fit("fsdp_from_fsdp_sharded", FSDPStrategy(state_dict_type="sharded"), ckpt_path=str(OUT / "fsdp_sharded_ckpt" / "step=10.ckpt"))
+    fit(
+        "fsdp_from_fsdp_sharded",
+        FSDPStrategy(state_dict_type="sharded"),
+        ckpt_path=str(OUT / "fsdp_sharded_ckpt" / "step=10.ckpt"),
+    )
     fit("ddp_from_fsdp_sharded", "ddp", ckpt_path=str(OUT / "fsdp_sharded_ckpt" / "step=10.ckpt"))
     fit("fsdp_from_ddp", "fsdp", ckpt_path=str(OUT / "ddp_ckpt" / "step=10.ckpt"))
     fit("fsdp_from_single", "fsdp", ckpt_path=SINGLE_CKPT)
 
     # ------------------------------------------------------------- evaluation and prediction on sharded models
     module, trainer = fit("fsdp_eval", "fsdp", steps=4)
-    odd = DataLoader(torch.utils.data.TensorDataset(*loader(1).dataset[:45]), batch_size=8)  # 45 samples: ranks get 23 and 22
+    odd = DataLoader(
+        torch.utils.data.TensorDataset(*loader(1).dataset[:45]), batch_size=8
+    )  # 45 samples: ranks get 23 and 22
     results["fsdp_eval"]["validated"] = trainer.validate(module, odd, verbose=False)
     predictions = trainer.predict(module, odd)
     results["fsdp_eval"]["predictions"] = torch.cat(predictions).flatten().tolist()
@@ -175,9 +220,18 @@ if __name__ == "__main__":
     phalanx.seed_everything(13)
     block = TransformerBlock()
     tp_checkpoints = ModelCheckpoint(dirpath=OUT / "tp_ckpt", every_n_train_steps=5, save_top_k=-1, filename="{step}")
-    trainer = quiet(strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), devices=2, max_steps=10, callbacks=[tp_checkpoints], enable_checkpointing=True)
+    trainer = quiet(
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+        devices=2,
+        max_steps=10,
+        callbacks=[tp_checkpoints],
+        enable_checkpointing=True,
+    )
     trainer.fit(block, DataLoader(sequences(), batch_size=8))
-    results["tp"] = {"losses": trainer.strategy.all_gather_object(block.losses), "sharded": sorted(name for name, p in block.named_parameters() if is_dtensor(p))}
+    results["tp"] = {
+        "losses": trainer.strategy.all_gather_object(block.losses),
+        "sharded": sorted(name for name, p in block.named_parameters() if is_dtensor(p)),
+    }
     tp_weights = whole_weights(block)
     if trainer.is_global_zero:
         torch.save(tp_weights, OUT / "tp.pt")

@@ -23,12 +23,16 @@ class LateLayers(phalanx.TrainingModule):
             self.head = nn.Linear(4, 1)
 
     def on_fit_start(self) -> None:
-        write_json(self.out, f"rank{self.global_rank}.json", {
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
-            "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-            "cudnn_deterministic": torch.backends.cudnn.deterministic,
-            "matmul_precision": torch.get_float32_matmul_precision(),
-        })
+        write_json(
+            self.out,
+            f"rank{self.global_rank}.json",
+            {
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+                "cudnn_deterministic": torch.backends.cudnn.deterministic,
+                "matmul_precision": torch.get_float32_matmul_precision(),
+            },
+        )
 
     def training_step(self, batch, batch_idx):
         x, y, _ = batch
@@ -46,9 +50,25 @@ if __name__ == "__main__":
     out, strategy = Path(sys.argv[1]), sys.argv[2]
     torch.set_float32_matmul_precision("medium")
     model = LateLayers(out)
-    trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_steps=4, deterministic="warn", logger=False,
-                              enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = phalanx.Trainer(
+        strategy=strategy,
+        devices=2,
+        accelerator="cpu",
+        max_steps=4,
+        deterministic="warn",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(model, DataLoader(IndexedRegression(n=32), batch_size=4))
     final = torch.load(out / "rank0_final.pt", weights_only=True)
-    write_json(out, "main.json", {"has_head": model.head is not None,
-                                  "same_as_rank0": model.head is not None and all(torch.equal(v, final[k]) for k, v in model.state_dict().items())})
+    write_json(
+        out,
+        "main.json",
+        {
+            "has_head": model.head is not None,
+            "same_as_rank0": model.head is not None
+            and all(torch.equal(v, final[k]) for k, v in model.state_dict().items()),
+        },
+    )

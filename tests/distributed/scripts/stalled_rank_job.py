@@ -48,6 +48,14 @@ if __name__ == "__main__":
     if point == "start" and os.environ.get("LOCAL_RANK") == "1":
         time.sleep(8)
     strategy = DDPStrategy(timeout=timeout) if name == "ddp" else FSDPStrategy(timeout=timeout)
-    trainer = phalanx.Trainer(strategy=strategy, devices=2, accelerator="cpu", max_epochs=5, logger=False, enable_progress_bar=False,
-                              enable_model_summary=False, enable_checkpointing=False)
+    trainer = phalanx.Trainer(
+        strategy=strategy,
+        devices=2,
+        accelerator="cpu",
+        max_epochs=5,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(Stalling(point), DataLoader(IndexedRegression(n=64), batch_size=4))

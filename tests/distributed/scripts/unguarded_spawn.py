@@ -5,6 +5,14 @@ from torch.utils.data import DataLoader
 
 import phalanx
 
-trainer = phalanx.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
-                          enable_model_summary=False, enable_checkpointing=False)
+trainer = phalanx.Trainer(
+    strategy="ddp_spawn",
+    devices=2,
+    accelerator="cpu",
+    max_steps=2,
+    logger=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    enable_checkpointing=False,
+)
 trainer.fit(Net(), DataLoader(IndexedRegression(n=16), batch_size=4))

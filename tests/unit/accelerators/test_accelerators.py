@@ -17,7 +17,9 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------ CPU
 
 
-@pytest.mark.parametrize(("devices", "expected"), [("auto", 1), (1, 1), (3, 3), ("2", 2), (" 4 ", 4), (-1, 1), ("-1", 1)])
+@pytest.mark.parametrize(
+    ("devices", "expected"), [("auto", 1), (1, 1), (3, 3), ("2", 2), (" 4 ", 4), (-1, 1), ("-1", 1)]
+)
 def test_cpu_parse_devices(devices: object, expected: int) -> None:
     assert CPUAccelerator.parse_devices(devices) == expected
 
@@ -53,7 +55,20 @@ def test_cpu_parallel_devices_and_availability() -> None:
 
 @pytest.mark.parametrize(
     ("devices", "expected"),
-    [([0, 1], [0, 1]), ([1], [1]), ((1, 0), [1, 0]), ("0,1", [0, 1]), ("1,", [1]), (" 0, 1 ", [0, 1]), (-1, [0, 1]), ("-1", [0, 1]), ("auto", [0, 1]), (1, [0]), (2, [0, 1]), ("2", [0, 1])],
+    [
+        ([0, 1], [0, 1]),
+        ([1], [1]),
+        ((1, 0), [1, 0]),
+        ("0,1", [0, 1]),
+        ("1,", [1]),
+        (" 0, 1 ", [0, 1]),
+        (-1, [0, 1]),
+        ("-1", [0, 1]),
+        ("auto", [0, 1]),
+        (1, [0]),
+        (2, [0, 1]),
+        ("2", [0, 1]),
+    ],
 )
 def test_cuda_parse_devices(two_gpus: None, devices: object, expected: list[int]) -> None:
     assert CUDAAccelerator.parse_devices(devices) == expected

@@ -175,7 +175,9 @@ def test_where_the_check_runs():
     assert callback.best_score.item() == 3.0
 
 
-@pytest.mark.parametrize("change", [{"sanity_checking": True}, {"state": SimpleNamespace(fn="validate")}, {"fast_dev_run": 1}])
+@pytest.mark.parametrize(
+    "change", [{"sanity_checking": True}, {"state": SimpleNamespace(fn="validate")}, {"fast_dev_run": 1}]
+)
 def test_no_check_during_sanity_check_or_outside_fit(change):
     callback = EarlyStopping(monitor="val_loss", patience=0)
     trainer = make_trainer(callback_metrics={"val_loss": torch.tensor(math.nan)}, **change)

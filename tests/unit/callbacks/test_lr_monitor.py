@@ -67,7 +67,9 @@ def test_names_duplicates_param_groups_and_config_name():
 
 
 def test_param_group_names_are_used():
-    optimizer = torch.optim.SGD([{"params": params(), "name": "backbone"}, {"params": params(), "name": "head"}], lr=0.1)
+    optimizer = torch.optim.SGD(
+        [{"params": params(), "name": "backbone"}, {"params": params(), "name": "head"}], lr=0.1
+    )
     trainer = make_trainer([optimizer])
     monitor = LearningRateMonitor(logging_interval="epoch")
     monitor.on_train_start(trainer, None)

@@ -193,7 +193,9 @@ def test_dirpath_taken_from_rank_zero(tmp_path):
 )
 def test_top_k_files_on_disk(tmp_path, mode, values, expected_kept, best):
     trainer = FakeTrainer(tmp_path)
-    callback = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}-{val_loss:.1f}", monitor="val_loss", mode=mode, save_top_k=2)
+    callback = ModelCheckpoint(
+        dirpath=tmp_path, filename="{epoch}-{val_loss:.1f}", monitor="val_loss", mode=mode, save_top_k=2
+    )
     callback.setup(trainer, None, "fit")
     run_validation_epochs(trainer, callback, values)
 
@@ -490,6 +492,8 @@ def test_resume_continues_top_k_and_overwrites_last(tmp_path):
 
     second = ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True, filename="{epoch}-{val_loss:.2f}")
     with pytest.warns(UserWarning, match="not empty"):
-        make_real_trainer(tmp_path, [second], max_epochs=6).fit(ScriptedValLoss(losses), ckpt_path=first.last_model_path)
+        make_real_trainer(tmp_path, [second], max_epochs=6).fit(
+            ScriptedValLoss(losses), ckpt_path=first.last_model_path
+        )
     assert ckpt_files(second.dirpath) == ["epoch=3-val_loss=0.20.ckpt", "epoch=5-val_loss=0.10.ckpt", "last.ckpt"]
     assert second.best_model_score.item() == pytest.approx(0.1)

@@ -75,8 +75,13 @@ class DecreasingValLoss(phalanx.TrainingModule):
 def fit(root, dirpath, monitor, max_epochs, ckpt_path=None):
     callback = ModelCheckpoint(dirpath=dirpath, monitor=monitor, save_top_k=1, save_last=True, filename="{epoch}")
     trainer = phalanx.Trainer(
-        max_epochs=max_epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=root, callbacks=[callback],
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        callbacks=[callback],
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -159,7 +164,11 @@ HOSTILE = {
     "url elsewhere": lambda t, d, o: "memory://attack-target/victim.ckpt",
 }
 # Entries that pass the path check (a *.ckpt name directly inside dirpath) and are refused when removal is attempted.
-REFUSED_AT_REMOVAL = {"link inside to a file outside", "link inside to a directory outside", "directory without marker inside"}
+REFUSED_AT_REMOVAL = {
+    "link inside to a file outside",
+    "link inside to a directory outside",
+    "directory without marker inside",
+}
 
 
 @pytest.fixture
@@ -225,9 +234,19 @@ class RemovingStrategy:
 class FakeTrainer(SimpleNamespace):
     def __init__(self, root):
         super().__init__(
-            callback_metrics={}, global_step=0, current_epoch=0, sanity_checking=False, fast_dev_run=False,
-            state=SimpleNamespace(fn="fit"), validation_enabled=True, loggers=[], log_dir=None,
-            default_root_dir=str(root), is_global_zero=True, strategy=RemovingStrategy(), ckpt_path=None,
+            callback_metrics={},
+            global_step=0,
+            current_epoch=0,
+            sanity_checking=False,
+            fast_dev_run=False,
+            state=SimpleNamespace(fn="fit"),
+            validation_enabled=True,
+            loggers=[],
+            log_dir=None,
+            default_root_dir=str(root),
+            is_global_zero=True,
+            strategy=RemovingStrategy(),
+            ckpt_path=None,
         )
 
     def save_checkpoint(self, filepath, weights_only=False):
@@ -244,8 +263,13 @@ def run_epochs(trainer, callback, epochs):
 # Each field alone, with the monitor setting under which the callback removes what it names.
 @pytest.mark.parametrize(
     ("field", "monitor"),
-    [("best_k_models", "val_loss"), ("kth_best_model_path", "val_loss"), ("best_model_path", "val_loss"),
-     ("best_model_path", None), ("last_model_path", None)],
+    [
+        ("best_k_models", "val_loss"),
+        ("kth_best_model_path", "val_loss"),
+        ("best_model_path", "val_loss"),
+        ("best_model_path", None),
+        ("last_model_path", None),
+    ],
 )
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_load_state_dict_with_hostile_paths(tmp_path, case, field, monitor, memory_victim):

@@ -19,7 +19,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("checkpoint_options", "trainer_options"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+@pytest.mark.parametrize(
+    ("checkpoint_options", "trainer_options"), [case[1:] for case in CASES], ids=[case[0] for case in CASES]
+)
 def test_last_checkpoint_holds_the_final_state(tmp_path, checkpoint_options, trainer_options):
     callback = ModelCheckpoint(dirpath=tmp_path, save_last=True, **checkpoint_options)
     trainer = quiet_trainer(callbacks=[callback], enable_checkpointing=True, **trainer_options)

@@ -104,7 +104,9 @@ def test_format_error_at_save_names_the_template(tmp_path):
 )
 def test_bad_arguments_are_refused_at_construction(tmp_path, kwargs, error, match):
     (tmp_path / "file").write_text("not a folder")
-    kwargs = {k: (v.format(file=tmp_path / "file") if isinstance(v, str) and "{file}" in v else v) for k, v in kwargs.items()}
+    kwargs = {
+        k: (v.format(file=tmp_path / "file") if isinstance(v, str) and "{file}" in v else v) for k, v in kwargs.items()
+    }
     with pytest.raises(error, match=match):
         ModelCheckpoint(**kwargs)
 
@@ -136,16 +138,28 @@ class RunTrainer(SimpleNamespace):
     def __init__(self, root, run, delay=0.0, strategy=None):
         strategy = strategy or Strategy()
         super().__init__(
-            callback_metrics={}, global_step=10, current_epoch=0, sanity_checking=False, fast_dev_run=False,
-            state=SimpleNamespace(fn="fit"), validation_enabled=True, loggers=[], log_dir=None,
-            default_root_dir=str(root), is_global_zero=strategy.is_global_zero, strategy=strategy, ckpt_path=None,
+            callback_metrics={},
+            global_step=10,
+            current_epoch=0,
+            sanity_checking=False,
+            fast_dev_run=False,
+            state=SimpleNamespace(fn="fit"),
+            validation_enabled=True,
+            loggers=[],
+            log_dir=None,
+            default_root_dir=str(root),
+            is_global_zero=strategy.is_global_zero,
+            strategy=strategy,
+            ckpt_path=None,
         )
         self.run, self.delay = run, delay
 
     def save_checkpoint(self, filepath, weights_only=False):
         time.sleep(self.delay)  # serialising: the window in which a check-then-write name is taken by another run
         if self.is_global_zero:
-            TorchCheckpointIO().save_checkpoint({"run": self.run, "state_dict": {"w": torch.full((3,), float(self.run))}}, filepath)
+            TorchCheckpointIO().save_checkpoint(
+                {"run": self.run, "state_dict": {"w": torch.full((3,), float(self.run))}}, filepath
+            )
 
 
 def save_once(dirpath, run, barrier, delay=0.05):
@@ -174,8 +188,12 @@ def test_threads_saving_together_claim_distinct_names(tmp_path):
     results = in_threads(lambda run, barrier: save_once(str(tmp_path), run, barrier), runs)
     assert_each_run_has_its_own_files(results, runs)
     names = sorted(os.listdir(tmp_path))
-    assert names == sorted(["epoch=0-step=10.ckpt"] + [f"epoch=0-step=10-v{v}.ckpt" for v in range(1, runs)]
-                           + ["last.ckpt"] + [f"last-v{v}.ckpt" for v in range(1, runs)])
+    assert names == sorted(
+        ["epoch=0-step=10.ckpt"]
+        + [f"epoch=0-step=10-v{v}.ckpt" for v in range(1, runs)]
+        + ["last.ckpt"]
+        + [f"last-v{v}.ckpt" for v in range(1, runs)]
+    )
 
 
 def test_processes_saving_together_claim_distinct_names(tmp_path):
@@ -233,7 +251,9 @@ def test_fsspec_names_are_claimed_too():
         paths = []
         for run, callback in enumerate((first, second)):
             trainer = RunTrainer(folder, run)
-            trainer.save_checkpoint = lambda path, weights_only=False, run=run: TorchCheckpointIO().save_checkpoint({"run": run}, path)
+            trainer.save_checkpoint = lambda path, weights_only=False, run=run: TorchCheckpointIO().save_checkpoint(
+                {"run": run}, path
+            )
             callback.setup(trainer, None, "fit")
             callback.on_validation_end(trainer, None)
             paths.append(callback.best_model_path)

@@ -46,8 +46,13 @@ class NanAfter(phalanx.TrainingModule):
 
 def fit(tmp_path, callback, max_epochs=2, k=4):
     trainer = phalanx.Trainer(
-        max_epochs=max_epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=tmp_path, callbacks=[callback],
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        callbacks=[callback],
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -92,7 +97,9 @@ def test_nan_parameters_never_replace_good_checkpoints(tmp_path, options, expect
 
 
 def test_save_on_nonfinite_saves_anyway(tmp_path):
-    callback = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_last=True, save_on_nonfinite=True)
+    callback = ModelCheckpoint(
+        dirpath=tmp_path / "ckpts", every_n_train_steps=2, save_last=True, save_on_nonfinite=True
+    )
     _, messages = fit(tmp_path, callback)
     assert messages == []
     last = load(callback.last_model_path)
@@ -121,9 +128,19 @@ class Strategy:
 class Trainer(SimpleNamespace):
     def __init__(self, root, strategy):
         super().__init__(
-            callback_metrics={}, global_step=0, current_epoch=0, sanity_checking=False, fast_dev_run=False,
-            state=SimpleNamespace(fn="fit"), validation_enabled=False, loggers=[], log_dir=None,
-            default_root_dir=str(root), is_global_zero=True, strategy=strategy, ckpt_path=None,
+            callback_metrics={},
+            global_step=0,
+            current_epoch=0,
+            sanity_checking=False,
+            fast_dev_run=False,
+            state=SimpleNamespace(fn="fit"),
+            validation_enabled=False,
+            loggers=[],
+            log_dir=None,
+            default_root_dir=str(root),
+            is_global_zero=True,
+            strategy=strategy,
+            ckpt_path=None,
         )
 
     def save_checkpoint(self, filepath, weights_only=False):

@@ -19,7 +19,9 @@ from phalanx.callbacks import ModelCheckpoint
 class Failing(Regressor):
     """Raises ``error`` in training_step once ``fail_at`` optimizer steps were taken; logs a score that improves."""
 
-    def __init__(self, fail_at: int | None = None, error: type[BaseException] = RuntimeError, where: str = "training_step") -> None:
+    def __init__(
+        self, fail_at: int | None = None, error: type[BaseException] = RuntimeError, where: str = "training_step"
+    ) -> None:
         super().__init__()
         self.fail_at, self.error, self.where = fail_at, error, where
 
@@ -58,10 +60,38 @@ def fit(callback: ModelCheckpoint, model: Any, val: bool = False, **options: Any
 EXCEPTION_CASES = [
     # (id, callback options, model options, trainer options, files expected after the failure, step in the new file)
     ("error after 3 steps", dict(), dict(fail_at=3), dict(max_epochs=2), ["epoch=0-step=3.ckpt"], 3),
-    ("KeyboardInterrupt", dict(), dict(fail_at=5, error=KeyboardInterrupt), dict(max_epochs=2), ["epoch=0-step=5.ckpt"], 5),
-    ("taken name gets -v1", dict(filename="fixed", every_n_train_steps=2), dict(fail_at=3), dict(max_epochs=2), ["fixed-v1.ckpt", "fixed.ckpt"], 3),
-    ("last follows it", dict(save_last=True, every_n_train_steps=2), dict(fail_at=3), dict(max_epochs=2), ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"], 3),
-    ("already saved at this step", dict(every_n_train_steps=1, filename="{step}"), dict(fail_at=4), dict(max_epochs=2), ["step=4.ckpt"], None),
+    (
+        "KeyboardInterrupt",
+        dict(),
+        dict(fail_at=5, error=KeyboardInterrupt),
+        dict(max_epochs=2),
+        ["epoch=0-step=5.ckpt"],
+        5,
+    ),
+    (
+        "taken name gets -v1",
+        dict(filename="fixed", every_n_train_steps=2),
+        dict(fail_at=3),
+        dict(max_epochs=2),
+        ["fixed-v1.ckpt", "fixed.ckpt"],
+        3,
+    ),
+    (
+        "last follows it",
+        dict(save_last=True, every_n_train_steps=2),
+        dict(fail_at=3),
+        dict(max_epochs=2),
+        ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"],
+        3,
+    ),
+    (
+        "already saved at this step",
+        dict(every_n_train_steps=1, filename="{step}"),
+        dict(fail_at=4),
+        dict(max_epochs=2),
+        ["step=4.ckpt"],
+        None,
+    ),
     ("off", dict(save_on_exception=False), dict(fail_at=3), dict(max_epochs=2), [], None),
     ("in the sanity check", dict(), dict(where="validation_step", fail_at=0), dict(max_epochs=2, val=True), [], None),
     ("before the first step", dict(), dict(where="on_train_start"), dict(max_epochs=2), [], None),
@@ -69,8 +99,14 @@ EXCEPTION_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("callback_options", "model_options", "trainer_options", "files", "step"), [c[1:] for c in EXCEPTION_CASES], ids=[c[0] for c in EXCEPTION_CASES])
-def test_save_on_exception_keeps_the_state_of_a_failed_fit(tmp_path, callback_options, model_options, trainer_options, files, step):
+@pytest.mark.parametrize(
+    ("callback_options", "model_options", "trainer_options", "files", "step"),
+    [c[1:] for c in EXCEPTION_CASES],
+    ids=[c[0] for c in EXCEPTION_CASES],
+)
+def test_save_on_exception_keeps_the_state_of_a_failed_fit(
+    tmp_path, callback_options, model_options, trainer_options, files, step
+):
     callback = ModelCheckpoint(dirpath=tmp_path, **{"save_on_exception": True, **callback_options})
     model = Failing(**model_options)
     error = model_options.get("error", RuntimeError)
@@ -111,29 +147,91 @@ def test_a_failing_exception_save_only_warns_and_the_original_error_is_raised(tm
         raise OSError("No space left on device")
 
     monkeypatch.setattr(trainer, "save_checkpoint", disk_full)
-    with pytest.warns(UserWarning, match="could not save after RuntimeError: OSError: No space left"), pytest.raises(RuntimeError, match="^boom$"):
+    with (
+        pytest.warns(UserWarning, match="could not save after RuntimeError: OSError: No space left"),
+        pytest.raises(RuntimeError, match="^boom$"),
+    ):
         trainer.fit(Failing(fail_at=2), loaders()[0])
     assert entries(tmp_path) == []  # and the claimed name was released
 
 
 def test_save_on_exception_is_ignored_with_several_processes(tmp_path):
     callback = ModelCheckpoint(dirpath=tmp_path, save_on_exception=True)
-    fake = SimpleNamespace(world_size=2, is_global_zero=True, strategy=SimpleNamespace(broadcast=lambda obj, src=0: obj), loggers=[], default_root_dir=str(tmp_path))
+    fake = SimpleNamespace(
+        world_size=2,
+        is_global_zero=True,
+        strategy=SimpleNamespace(broadcast=lambda obj, src=0: obj),
+        loggers=[],
+        default_root_dir=str(tmp_path),
+    )
     with pytest.warns(UserWarning, match=r"save_on_exception=True\) is ignored with 2 processes"):
         callback.setup(fake, None, "fit")
-    assert callback._should_save_on_exception(SimpleNamespace(world_size=2, fast_dev_run=False, global_step=3, state=SimpleNamespace(fn="fit"), strategy=SimpleNamespace(module=object()))) is False
+    assert (
+        callback._should_save_on_exception(
+            SimpleNamespace(
+                world_size=2,
+                fast_dev_run=False,
+                global_step=3,
+                state=SimpleNamespace(fn="fit"),
+                strategy=SimpleNamespace(module=object()),
+            )
+        )
+        is False
+    )
 
 
 # ---------------------------------------------------------------------------- save_last="link"
 LINK_CASES = [
     # (id, callback options, trainer options, expected entries, what last.ckpt is: a link target name or "file", its step)
-    ("newest of top-1", dict(every_n_train_steps=2), dict(max_steps=6), ["epoch=0-step=6.ckpt", "last.ckpt"], "epoch=0-step=6.ckpt", 6),
-    ("newest of top-2 by score", dict(monitor="score", mode="max", save_top_k=2, every_n_train_steps=2), dict(max_steps=4), ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"], "epoch=0-step=4.ckpt", 4),
+    (
+        "newest of top-1",
+        dict(every_n_train_steps=2),
+        dict(max_steps=6),
+        ["epoch=0-step=6.ckpt", "last.ckpt"],
+        "epoch=0-step=6.ckpt",
+        6,
+    ),
+    (
+        "newest of top-2 by score",
+        dict(monitor="score", mode="max", save_top_k=2, every_n_train_steps=2),
+        dict(max_steps=4),
+        ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"],
+        "epoch=0-step=4.ckpt",
+        4,
+    ),
     # At step 6 the score is not among the best two: no checkpoint holds that state, so last.ckpt is written as a file.
-    ("not among the top-2", dict(monitor="score", mode="max", save_top_k=2, every_n_train_steps=2), dict(max_steps=6), ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"], "file", 6),
-    ("keep all, every epoch", dict(save_top_k=-1), dict(max_epochs=3), ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt", "last.ckpt"], "epoch=2-step=24.ckpt", 24),
-    ("final state not in a checkpoint", dict(every_n_train_steps=4), dict(max_steps=6), ["epoch=0-step=4.ckpt", "last.ckpt"], "file", 6),
-    ("save_top_k=0: nothing to link to", dict(save_top_k=0, every_n_train_steps=2), dict(max_steps=4), ["last.ckpt"], "file", 4),
+    (
+        "not among the top-2",
+        dict(monitor="score", mode="max", save_top_k=2, every_n_train_steps=2),
+        dict(max_steps=6),
+        ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"],
+        "file",
+        6,
+    ),
+    (
+        "keep all, every epoch",
+        dict(save_top_k=-1),
+        dict(max_epochs=3),
+        ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt", "last.ckpt"],
+        "epoch=2-step=24.ckpt",
+        24,
+    ),
+    (
+        "final state not in a checkpoint",
+        dict(every_n_train_steps=4),
+        dict(max_steps=6),
+        ["epoch=0-step=4.ckpt", "last.ckpt"],
+        "file",
+        6,
+    ),
+    (
+        "save_top_k=0: nothing to link to",
+        dict(save_top_k=0, every_n_train_steps=2),
+        dict(max_steps=4),
+        ["last.ckpt"],
+        "file",
+        4,
+    ),
 ]
 
 
@@ -144,8 +242,14 @@ class Scored(Regressor):
         return super().training_step(batch, batch_idx)
 
 
-@pytest.mark.parametrize(("callback_options", "trainer_options", "files", "last", "step"), [c[1:] for c in LINK_CASES], ids=[c[0] for c in LINK_CASES])
-def test_save_last_link_points_last_at_the_newest_checkpoint(tmp_path, callback_options, trainer_options, files, last, step):
+@pytest.mark.parametrize(
+    ("callback_options", "trainer_options", "files", "last", "step"),
+    [c[1:] for c in LINK_CASES],
+    ids=[c[0] for c in LINK_CASES],
+)
+def test_save_last_link_points_last_at_the_newest_checkpoint(
+    tmp_path, callback_options, trainer_options, files, last, step
+):
     callback = ModelCheckpoint(dirpath=tmp_path, save_last="link", **callback_options)
     model = Scored()
     fit(callback, model, **trainer_options)
@@ -161,7 +265,9 @@ def test_save_last_link_points_last_at_the_newest_checkpoint(tmp_path, callback_
     assert callback.last_model_path == str(link)
 
 
-@pytest.mark.parametrize("options", [dict(every_n_train_steps=2), dict(monitor="score", mode="max", save_top_k=1, every_n_train_steps=1)])
+@pytest.mark.parametrize(
+    "options", [dict(every_n_train_steps=2), dict(monitor="score", mode="max", save_top_k=1, every_n_train_steps=1)]
+)
 def test_last_link_leaves_a_checkpoint_before_it_is_removed(tmp_path, options):
     callback = ModelCheckpoint(dirpath=tmp_path, save_last="link", **options)
     trainer = quiet_trainer(callbacks=[callback], enable_checkpointing=True, max_steps=4)
@@ -205,7 +311,9 @@ def test_ckpt_path_last_follows_the_link_and_only_to_a_complete_checkpoint(tmp_p
     assert os.readlink(tmp_path / "last.ckpt") == "epoch=1-step=9.ckpt"
     (tmp_path / "epoch=1-step=9.ckpt").unlink()  # the link now dangles: it names no checkpoint
     with pytest.raises(ValueError, match="ckpt_path='last': no last checkpoint was found"):
-        quiet_trainer(callbacks=[ModelCheckpoint(dirpath=tmp_path)], enable_checkpointing=True)._checkpoint_connector.resolve_path("last")
+        quiet_trainer(
+            callbacks=[ModelCheckpoint(dirpath=tmp_path)], enable_checkpointing=True
+        )._checkpoint_connector.resolve_path("last")
 
 
 def test_where_links_cannot_be_made_last_is_a_regular_copy(tmp_path, monkeypatch):
@@ -228,7 +336,10 @@ def test_a_last_name_that_changes_removes_the_old_link_only(tmp_path):
 
 
 def test_save_last_link_needs_a_local_folder():
-    with pytest.raises(ValueError, match=r"save_last='link'\) makes a symbolic link, which needs a local folder; dirpath='memory://ckpts'"):
+    with pytest.raises(
+        ValueError,
+        match=r"save_last='link'\) makes a symbolic link, which needs a local folder; dirpath='memory://ckpts'",
+    ):
         fit(ModelCheckpoint(dirpath="memory://ckpts", save_last="link"), Regressor(), max_steps=1)
 
 
@@ -283,13 +394,23 @@ def test_train_time_decision_is_rank_zeros(tmp_path):
 
 @pytest.mark.parametrize(
     ("options", "error", "match"),
-    [({"train_time_interval": 60}, TypeError, "must be a datetime.timedelta"),
-     ({"train_time_interval": timedelta(seconds=-1)}, ValueError, "must not be negative"),
-     ({"train_time_interval": timedelta(minutes=1), "every_n_train_steps": 5}, ValueError, "every_n_train_steps=5` are mutually exclusive"),
-     ({"train_time_interval": timedelta(minutes=1), "every_n_epochs": 1}, ValueError, "every_n_epochs=1` are mutually exclusive"),
-     ({"save_on_exception": "yes"}, TypeError, "save_on_exception"),
-     ({"save_last": "links"}, TypeError, "save_last` must be True, False, None or 'link'")],
-)  # fmt: skip
+    [
+        ({"train_time_interval": 60}, TypeError, "must be a datetime.timedelta"),
+        ({"train_time_interval": timedelta(seconds=-1)}, ValueError, "must not be negative"),
+        (
+            {"train_time_interval": timedelta(minutes=1), "every_n_train_steps": 5},
+            ValueError,
+            "every_n_train_steps=5` are mutually exclusive",
+        ),
+        (
+            {"train_time_interval": timedelta(minutes=1), "every_n_epochs": 1},
+            ValueError,
+            "every_n_epochs=1` are mutually exclusive",
+        ),
+        ({"save_on_exception": "yes"}, TypeError, "save_on_exception"),
+        ({"save_last": "links"}, TypeError, "save_last` must be True, False, None or 'link'"),
+    ],
+)
 def test_bad_new_options_are_refused_at_construction(options, error, match):
     with pytest.raises(error, match=match):
         ModelCheckpoint(**options)
@@ -298,15 +419,37 @@ def test_bad_new_options_are_refused_at_construction(options, error, match):
 # ---------------------------------------------------------------------------- -vN when a name repeats
 VERSION_CASES = [
     # (id, callback options, steps, files)
-    ("keep all, same name", dict(filename="{epoch}", save_top_k=-1, monitor="score", mode="max"), 3, ["epoch=0-v1.ckpt", "epoch=0-v2.ckpt", "epoch=0.ckpt"]),
-    ("best two, same name", dict(filename="{epoch}", save_top_k=2, monitor="score", mode="max"), 3, ["epoch=0-v1.ckpt", "epoch=0.ckpt"]),
+    (
+        "keep all, same name",
+        dict(filename="{epoch}", save_top_k=-1, monitor="score", mode="max"),
+        3,
+        ["epoch=0-v1.ckpt", "epoch=0-v2.ckpt", "epoch=0.ckpt"],
+    ),
+    (
+        "best two, same name",
+        dict(filename="{epoch}", save_top_k=2, monitor="score", mode="max"),
+        3,
+        ["epoch=0-v1.ckpt", "epoch=0.ckpt"],
+    ),
     ("newest only: the name is reused", dict(filename="{epoch}"), 3, ["epoch=0.ckpt"]),
-    ("version counter off: overwritten", dict(filename="{epoch}", save_top_k=-1, monitor="score", mode="max", enable_version_counter=False), 3, ["epoch=0.ckpt"]),
-    ("a file of another run is kept", dict(filename="{epoch}", save_top_k=-1, monitor="score", mode="max"), 1, ["epoch=0-v1.ckpt", "epoch=0.ckpt"]),
+    (
+        "version counter off: overwritten",
+        dict(filename="{epoch}", save_top_k=-1, monitor="score", mode="max", enable_version_counter=False),
+        3,
+        ["epoch=0.ckpt"],
+    ),
+    (
+        "a file of another run is kept",
+        dict(filename="{epoch}", save_top_k=-1, monitor="score", mode="max"),
+        1,
+        ["epoch=0-v1.ckpt", "epoch=0.ckpt"],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("options", "steps", "files"), [c[1:] for c in VERSION_CASES], ids=[c[0] for c in VERSION_CASES])
+@pytest.mark.parametrize(
+    ("options", "steps", "files"), [c[1:] for c in VERSION_CASES], ids=[c[0] for c in VERSION_CASES]
+)
 def test_a_repeated_name_gets_a_version_suffix(tmp_path, options, steps, files):
     if steps == 1:
         (tmp_path / "epoch=0.ckpt").write_bytes(b"another run's")
@@ -317,7 +460,9 @@ def test_a_repeated_name_gets_a_version_suffix(tmp_path, options, steps, files):
         assert (tmp_path / "epoch=0.ckpt").read_bytes() == b"another run's"
     assert set(callback.best_k_models) <= {str(tmp_path / name) for name in files}
     if callback.save_top_k == -1 and callback.enable_version_counter:
-        assert sorted(step_of(tmp_path / name) for name in files if step_of_safe(tmp_path / name)) == list(range(1, steps + 1))
+        assert sorted(step_of(tmp_path / name) for name in files if step_of_safe(tmp_path / name)) == list(
+            range(1, steps + 1)
+        )
 
 
 def step_of_safe(path) -> bool:

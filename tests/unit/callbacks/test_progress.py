@@ -51,7 +51,11 @@ def test_base_enable_disable_and_get_metrics():
     assert bar.is_enabled
 
     trainer = make_trainer(
-        progress_bar_metrics={"loss": torch.tensor(0.25), "acc": torch.tensor(0.5, dtype=torch.float64), "n": torch.tensor(3)}
+        progress_bar_metrics={
+            "loss": torch.tensor(0.25),
+            "acc": torch.tensor(0.5, dtype=torch.float64),
+            "n": torch.tensor(3),
+        }
     )
     metrics = bar.get_metrics(trainer, None)
     assert metrics == {"loss": 0.25, "acc": 0.5, "n": 3}

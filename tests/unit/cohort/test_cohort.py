@@ -55,8 +55,16 @@ def _cohort_steps(cohort: phalanx.Cohort, module: Regressor, steps: int) -> tupl
 
 
 def _trainer(tmp_path, max_steps: int) -> phalanx.Trainer:
-    return phalanx.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                           enable_checkpointing=False, default_root_dir=str(tmp_path))  # fmt: skip
+    return phalanx.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=str(tmp_path),
+    )
 
 
 def _weights(module: nn.Module) -> list[torch.Tensor]:
@@ -95,7 +103,9 @@ def test_save_load_round_trip_restores_weights_optimizer_scheduler_and_objects(t
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     scheduler.step()
     path = tmp_path / "cohort.ckpt"
-    cohort.save(path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "note": "hello", "extra": [1, 2]})
+    cohort.save(
+        path, {"model": model, "optimizer": optimizer, "scheduler": scheduler, "note": "hello", "extra": [1, 2]}
+    )
     saved_weights, saved_optimizer = _weights(module), copy.deepcopy(optimizer.state_dict())
 
     _cohort_steps_more(cohort, model, optimizer)
@@ -186,7 +196,12 @@ def test_launch_runs_the_function_with_the_cohort_in_this_process():
 
 def test_collectives_ranks_print_and_init_module_on_one_process(capsys):
     cohort = _cohort()
-    assert (cohort.global_rank, cohort.world_size, cohort.is_global_zero, cohort.device) == (0, 1, True, torch.device("cpu"))
+    assert (cohort.global_rank, cohort.world_size, cohort.is_global_zero, cohort.device) == (
+        0,
+        1,
+        True,
+        torch.device("cpu"),
+    )
     assert cohort.all_reduce(3) == torch.tensor(3) and torch.equal(cohort.all_gather(torch.ones(2)), torch.ones(2))
     assert cohort.broadcast({"a": 1}) == {"a": 1}
     cohort.barrier()
@@ -204,7 +219,11 @@ def test_collectives_ranks_print_and_init_module_on_one_process(capsys):
     [
         (lambda c, m, o: c.setup("not a module"), TypeError, "torch.nn.Module"),
         (lambda c, m, o: c.setup(m, "sgd"), TypeError, r"optimizers\[0\] must be a torch.optim.Optimizer"),
-        (lambda c, m, o: c.setup(m, torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1)), ValueError, "not a parameter of the module"),
+        (
+            lambda c, m, o: c.setup(m, torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1)),
+            ValueError,
+            "not a parameter of the module",
+        ),
         (lambda c, m, o: c.backward(torch.ones(())), RuntimeError, "call cohort.setup"),
         (lambda c, m, o: c.setup_optimizers(o), RuntimeError, "setup_module"),
         (lambda c, m, o: c.save(1, {}), TypeError, "path must be a str or os.PathLike"),
@@ -225,11 +244,19 @@ def test_bad_calls_before_setup(call, error, match):
         (lambda c, m, o, p: c.backward(1.0), TypeError, "takes a tensor"),
         (lambda c, m, o, p: c.clip_gradients(m, o), ValueError, "exactly one of max_norm"),
         (lambda c, m, o, p: c.clip_gradients(m, o, max_norm=1, clip_val=1), ValueError, "exactly one of max_norm"),
-        (lambda c, m, o, p: c.clip_gradients(nn.Linear(1, 1), o, max_norm=1), ValueError, "module returned by cohort.setup"),
+        (
+            lambda c, m, o, p: c.clip_gradients(nn.Linear(1, 1), o, max_norm=1),
+            ValueError,
+            "module returned by cohort.setup",
+        ),
         (lambda c, m, o, p: c.no_backward_sync(nn.Linear(1, 1)), ValueError, "module returned by cohort.setup"),
         (lambda c, m, o, p: c.save(p, {"optimizer": o}), ValueError, "holds no module"),
         (lambda c, m, o, p: c.save(p, {"model": m, "other": nn.Linear(1, 1)}), ValueError, "did not set up"),
-        (lambda c, m, o, p: c.save(p, {"model": m, "optimizer": torch.optim.SGD(m.parameters(), lr=1)}), ValueError, "optimizer this Cohort did not set up"),
+        (
+            lambda c, m, o, p: c.save(p, {"model": m, "optimizer": torch.optim.SGD(m.parameters(), lr=1)}),
+            ValueError,
+            "optimizer this Cohort did not set up",
+        ),
         (lambda c, m, o, p: c.save(p, {"model": m, "thing": object()}), TypeError, "holds a builtins.object"),
         (lambda c, m, o, p: c.save(p, ["model"]), TypeError, "state must be a dict"),
         (lambda c, m, o, p: c.setup_dataloaders(), ValueError, "at least one dataloader"),
@@ -274,4 +301,3 @@ def test_load_refuses_optimizer_states_of_another_shape(tmp_path):
     other.save(tmp_path / "small.ckpt", {"model": small_model, "optimizer": small_optimizer})
     with pytest.raises(CheckpointError, match="optimizer_states"):
         cohort.load(tmp_path / "small.ckpt", {"optimizer": optimizer})
-

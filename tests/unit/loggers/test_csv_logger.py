@@ -211,7 +211,7 @@ def test_hparams_yaml_round_trips():
         "neg": -2,
         "ok": False,
         "none": None,
-        "strs": ["on", "null", "1e3", "a b", "", "quote\"s", "multi\nline", "path/to.file"],
+        "strs": ["on", "null", "1e3", "a b", "", 'quote"s', "multi\nline", "path/to.file"],
         "nested": {"x": [[1, 2], {"y": "z"}], "e": []},
         "inf": float("inf"),
     }

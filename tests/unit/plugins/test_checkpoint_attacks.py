@@ -21,7 +21,17 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from checkpoint_attacks import CliError, consolidate_through_cli, SENTINEL, OpenedFiles, bare, payloads, splice, text, torch_file
+from checkpoint_attacks import (
+    CliError,
+    consolidate_through_cli,
+    SENTINEL,
+    OpenedFiles,
+    bare,
+    payloads,
+    splice,
+    text,
+    torch_file,
+)
 from phalanx_testing import Regressor, loaders, quiet_trainer
 
 from phalanx.plugins.io.distributed_checkpoint import load_into, load_whole, read_meta, save_sharded, tensor_entries
@@ -29,7 +39,10 @@ from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 # Reading and writing without a process group is what these tests do on purpose; DCP says so each time.
-pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:Detected pickle protocol 4"),
+]
 
 PAYLOADS = list(payloads(Path("marker")))
 
@@ -71,8 +84,6 @@ def _refusal(reader: str) -> type[CheckpointError]:
     return CliError if reader == "cli consolidate" else UnsafeCheckpointError  # the CLI prints the message only
 
 
-
-
 def _fit(path: Path, tmp_path: Path) -> None:
     quiet_trainer(max_steps=3, default_root_dir=tmp_path / "run").fit(Regressor(), loaders()[0], ckpt_path=str(path))
 
@@ -96,7 +107,12 @@ READERS: dict[str, Callable[[Path, Path], Any]] = {
 }
 METADATA_READERS = [name for name in READERS if name != "read_meta"]  # read_meta reads phalanx_meta.pt only
 META_FILE_READERS = [name for name in READERS if name != "tensor_entries"]  # tensor_entries reads .metadata only
-FILE_READERS = ["TorchCheckpointIO", "Trainer.fit(ckpt_path=path)", "Trainer.fit(ckpt_path='auto')", "load_from_checkpoint"]
+FILE_READERS = [
+    "TorchCheckpointIO",
+    "Trainer.fit(ckpt_path=path)",
+    "Trainer.fit(ckpt_path='auto')",
+    "load_from_checkpoint",
+]
 
 
 def test_every_reader_reads_the_untouched_checkpoints(base, tmp_path):
@@ -204,7 +220,9 @@ def test_byte_entries_are_never_unpickled(base, tmp_path):
     metadata.state_dict_metadata["model/net.0.weight"] = BytesStorageMetadata()
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
     for reader in ("load_whole", "load_into"):
-        with pytest.raises(CheckpointError, match="'model/net.0.weight', listed in phalanx_meta.pt, is not a tensor entry in .metadata"):
+        with pytest.raises(
+            CheckpointError, match="'model/net.0.weight', listed in phalanx_meta.pt, is not a tensor entry in .metadata"
+        ):
             READERS[reader](directory, tmp_path)
 
 
@@ -219,7 +237,14 @@ def test_a_read_that_asks_for_byte_entries_is_refused_by_the_reader_itself(base,
     directory = _copy(base["sharded"], tmp_path)
     reader = _safe_reader_class()(directory, read_metadata(directory))
     index = MetadataIndex("model/net.0.weight", torch.Size([0, 0]))
-    item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=torch.Size([0]), storage_index=index, storage_offsets=torch.Size([0]), lengths=torch.Size([0]))
+    item = ReadItem(
+        type=LoadItemType.BYTE_IO,
+        dest_index=index,
+        dest_offsets=torch.Size([0]),
+        storage_index=index,
+        storage_offsets=torch.Size([0]),
+        lengths=torch.Size([0]),
+    )
     with pytest.raises(UnsafeCheckpointError, match="'model/net.0.weight' is stored as pickled bytes"):
         reader.read_data(LoadPlan([item]), planner=None)
 
@@ -252,7 +277,9 @@ HOSTILE_SHARD_NAMES: dict[str, Callable[[Path, Path], Any]] = {
     "backslash": lambda directory, outside: "..\\__0_0.distcp",
     "nul": lambda directory, outside: "__0_0.distcp\0.txt",
     "not a string": lambda directory, outside: Path("__0_0.distcp"),
-    "symlink to outside": lambda directory, outside: (directory / "link.distcp").symlink_to(outside / "__0_0.distcp") or "link.distcp",
+    "symlink to outside": lambda directory, outside: (
+        (directory / "link.distcp").symlink_to(outside / "__0_0.distcp") or "link.distcp"
+    ),
 }
 
 
@@ -275,13 +302,26 @@ def test_shard_names_leading_outside_are_refused(base, tmp_path, outside, name, 
 
 
 @pytest.mark.parametrize("file", [".metadata", "phalanx_meta.pt", "__0_0.distcp"])
-@pytest.mark.parametrize("reader", ["load_whole", "load_into", "TorchCheckpointIO", "Trainer.fit(ckpt_path=path)", "load_from_checkpoint", "cli consolidate"])
+@pytest.mark.parametrize(
+    "reader",
+    [
+        "load_whole",
+        "load_into",
+        "TorchCheckpointIO",
+        "Trainer.fit(ckpt_path=path)",
+        "load_from_checkpoint",
+        "cli consolidate",
+    ],
+)
 def test_files_that_are_links_to_outside_are_refused(base, tmp_path, outside, file, reader):
     directory = _copy(base["sharded"], tmp_path)
     (directory / file).unlink()
     (directory / file).symlink_to(outside / file)
     before = _fingerprint(outside)
-    with OpenedFiles() as opened, pytest.raises(_refusal(reader), match=rf"leads to {outside / file}, outside the checkpoint directory"):
+    with (
+        OpenedFiles() as opened,
+        pytest.raises(_refusal(reader), match=rf"leads to {outside / file}, outside the checkpoint directory"),
+    ):
         READERS[reader](directory, tmp_path)
     _assert_outside_untouched(opened, outside, before)
 

@@ -58,7 +58,11 @@ def _cli(path: Path) -> None:
     raise CheckpointError(err.getvalue())
 
 
-READERS = {"load_whole": load_whole, "TorchCheckpointIO": lambda path: TorchCheckpointIO().load_checkpoint(path), "cli consolidate": _cli}
+READERS = {
+    "load_whole": load_whole,
+    "TorchCheckpointIO": lambda path: TorchCheckpointIO().load_checkpoint(path),
+    "cli consolidate": _cli,
+}
 
 
 @pytest.mark.parametrize("reader", list(READERS))
@@ -80,9 +84,21 @@ def test_a_damaged_file_gives_one_checkpoint_error_naming_it(sources, tmp_path, 
     ("source", "file", "expected"),
     [
         ("same model, another save", ".metadata", r"\.metadata belongs to another checkpoint: it was written by save"),
-        ("same model, another save", "phalanx_meta.pt", r"\.metadata belongs to another checkpoint: it was written by save"),
-        ("another model", ".metadata", r"__0_0.distcp is truncated or belongs to another checkpoint: entry 'model/1.bias'"),
-        ("another model", "__0_0.distcp", r"__0_0.distcp is (truncated|damaged) or belongs to another checkpoint: entry 'model/"),
+        (
+            "same model, another save",
+            "phalanx_meta.pt",
+            r"\.metadata belongs to another checkpoint: it was written by save",
+        ),
+        (
+            "another model",
+            ".metadata",
+            r"__0_0.distcp is truncated or belongs to another checkpoint: entry 'model/1.bias'",
+        ),
+        (
+            "another model",
+            "__0_0.distcp",
+            r"__0_0.distcp is (truncated|damaged) or belongs to another checkpoint: entry 'model/",
+        ),
         ("another model", "phalanx_meta.pt", r"\.metadata belongs to another checkpoint"),
     ],
 )
@@ -102,7 +118,10 @@ def test_metadata_claiming_a_huge_tensor_is_refused_before_allocating(sources, t
     entry.size = torch.Size([2**40, 2**20])
     entry.chunks[0].sizes = torch.Size([2**40, 2**20])
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(CheckpointError, match=r"entry 'model/0.weight' claims 1152921504606846976 elements of torch.float32 in \d+ bytes of __0_0.distcp"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"entry 'model/0.weight' claims 1152921504606846976 elements of torch.float32 in \d+ bytes of __0_0.distcp",
+    ):
         load_whole(directory)
 
 
@@ -127,16 +146,23 @@ def _fail_dcp_write(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> No
     ("where", "expected"),
     [
         ("shard", r"No space left on device \[ENOSPC\] \(.*__0_0.distcp\)"),
-        ("zip writer", r"RuntimeError: \[enforce fail at inline_container.cc:664\] . unexpected pos 704 vs 598; \d+ bytes are free"),
+        (
+            "zip writer",
+            r"RuntimeError: \[enforce fail at inline_container.cc:664\] . unexpected pos 704 vs 598; \d+ bytes are free",
+        ),
         ("meta file", r"No space left on device \[ENOSPC\] \(.*phalanx_meta.pt\)"),
     ],
 )
-def test_a_save_that_runs_out_of_space_names_the_directory_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, where, expected):
+def test_a_save_that_runs_out_of_space_names_the_directory_and_keeps_the_previous_checkpoint(
+    tmp_path, monkeypatch, where, expected
+):
     target = _save(_checkpoint(1), tmp_path / "last.ckpt")
     if where == "shard":
         _fail_dcp_write(monkeypatch, _no_space(tmp_path / ".last.ckpt.tmp" / "__0_0.distcp"))
     elif where == "zip writer":
-        _fail_dcp_write(monkeypatch, RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598"))
+        _fail_dcp_write(
+            monkeypatch, RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
+        )
     else:
         import phalanx.plugins.io.distributed_checkpoint as module
 
@@ -145,7 +171,9 @@ def test_a_save_that_runs_out_of_space_names_the_directory_and_keeps_the_previou
             raise _no_space(path)
 
         monkeypatch.setattr(module, "write_synced", full)
-    with pytest.raises(CheckpointWriteError, match=rf"Could not write the sharded checkpoint {target}: {expected}") as failed:
+    with pytest.raises(
+        CheckpointWriteError, match=rf"Could not write the sharded checkpoint {target}: {expected}"
+    ) as failed:
         _save(_checkpoint(2), target)
     assert isinstance(failed.value, Exception) and "the previous checkpoint at" in str(failed.value)
     monkeypatch.undo()

@@ -76,7 +76,9 @@ def _stage(root, step: int):
     """A finished but unpublished staging directory for ``last.ckpt``, written as a real save would."""
     target = root / "last.ckpt"
     staging = directory.staging_directory(target, is_global_zero=True, broadcast=lambda value: value)
-    save_sharded(_checkpoint(step), staging / "inner.ckpt", is_global_zero=True, broadcast=lambda v: v, barrier=lambda n: None)
+    save_sharded(
+        _checkpoint(step), staging / "inner.ckpt", is_global_zero=True, broadcast=lambda v: v, barrier=lambda n: None
+    )
     for entry in (staging / "inner.ckpt").iterdir():
         entry.rename(staging / entry.name)
     (staging / "inner.ckpt").rmdir()
@@ -98,7 +100,9 @@ def test_a_kill_at_any_point_of_a_replacing_save_leaves_a_complete_checkpoint(tm
         assert status in (0, _KILLED), f"the child failed at operation {kill_at} (status {status})"
         finished = status == 0
         found = newest_complete_checkpoint([root])
-        assert found is not None, f"no complete checkpoint visible after a kill at operation {kill_at}: {sorted(p.name for p in root.iterdir())}"
+        assert found is not None, (
+            f"no complete checkpoint visible after a kill at operation {kill_at}: {sorted(p.name for p in root.iterdir())}"
+        )
         step = load_whole(found)["global_step"]
         assert step in (1, 2)
         if (root / "last.ckpt" / COMPLETE_MARKER).exists() and load_whole(root / "last.ckpt")["global_step"] == 2:
@@ -123,7 +127,13 @@ def test_a_retired_copy_left_by_a_kill_is_resumed_and_removed_by_the_next_save(t
 
 @pytest.mark.parametrize(
     "name",
-    [".last.ckpt.retired", f".last.ckpt.{'a' * 31}.retired", f"last.ckpt.{'a' * 32}.retired", f".last.ckpt.{'g' * 32}.retired", f".last.ckpt.{'a' * 32}.tmp"],
+    [
+        ".last.ckpt.retired",
+        f".last.ckpt.{'a' * 31}.retired",
+        f"last.ckpt.{'a' * 32}.retired",
+        f".last.ckpt.{'g' * 32}.retired",
+        f".last.ckpt.{'a' * 32}.tmp",
+    ],
 )
 def test_only_well_formed_retired_copies_with_their_marker_count(tmp_path, name):
     path = tmp_path / name
@@ -158,7 +168,13 @@ class _CountSteps(phalanx.Callback):
 
 def test_fit_resumes_from_the_retired_copy_a_kill_left(tmp_path):
     train, _ = loaders()
-    options = dict(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    options = dict(
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     trainer = phalanx.Trainer(max_steps=4, **options)
     trainer.fit(Regressor(), train)
     _save(trainer._checkpoint_connector.dump(), tmp_path / "last.ckpt")

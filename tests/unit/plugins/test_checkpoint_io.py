@@ -37,7 +37,9 @@ def _checkpoint(value: float = 1.0) -> dict[str, Any]:
 
 def _assert_same(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
     torch.testing.assert_close(loaded["state_dict"], expected["state_dict"])
-    assert {k: v for k, v in loaded.items() if k != "state_dict"} == {k: v for k, v in expected.items() if k != "state_dict"}
+    assert {k: v for k, v in loaded.items() if k != "state_dict"} == {
+        k: v for k, v in expected.items() if k != "state_dict"
+    }
 
 
 @pytest.fixture
@@ -97,7 +99,9 @@ def test_storage_options_are_refused_for_local_paths(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ atomic writes
 
 
-def test_failed_rename_keeps_previous_checkpoint_and_leaves_no_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_rename_keeps_previous_checkpoint_and_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "last.ckpt"
     io = TorchCheckpointIO()
     io.save_checkpoint(_checkpoint(1.0), path)
@@ -113,7 +117,9 @@ def test_failed_rename_keeps_previous_checkpoint_and_leaves_no_temporary(tmp_pat
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
 
-def test_failed_write_keeps_previous_checkpoint_and_leaves_no_temporary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_keeps_previous_checkpoint_and_leaves_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "last.ckpt"
     io = TorchCheckpointIO()
     io.save_checkpoint(_checkpoint(1.0), path)
@@ -141,7 +147,9 @@ def test_interrupted_save_leaves_previous_checkpoint(tmp_path: Path, monkeypatch
     assert os.listdir(tmp_path) == ["last.ckpt"]
 
 
-def test_failed_fsspec_move_keeps_previous_checkpoint_and_leaves_no_temporary(memory_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_fsspec_move_keeps_previous_checkpoint_and_leaves_no_temporary(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     io = TorchCheckpointIO()
     io.save_checkpoint(_checkpoint(1.0), memory_url)
     fs_class = type(fsspec.filesystem("memory"))

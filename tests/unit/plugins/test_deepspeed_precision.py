@@ -31,9 +31,14 @@ class FakeEngine(nn.Module):
 
 def test_precision_names_dtypes_and_config_sections():
     assert DeepSpeedPrecision().precision == "32-true" and DeepSpeedPrecision().deepspeed_config() == {}
-    assert DeepSpeedPrecision("16-mixed").dtype is torch.float16 and DeepSpeedPrecision("16-true").deepspeed_config() == {"fp16": {"enabled": True}}
+    assert DeepSpeedPrecision("16-mixed").dtype is torch.float16 and DeepSpeedPrecision(
+        "16-true"
+    ).deepspeed_config() == {"fp16": {"enabled": True}}
     assert DeepSpeedPrecision("bf16-mixed").deepspeed_config() == {"bf16": {"enabled": True}}
-    with pytest.raises(ValueError, match=r"supports \['32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true'\], got precision='64-true'"):
+    with pytest.raises(
+        ValueError,
+        match=r"supports \['32-true', '16-mixed', 'bf16-mixed', '16-true', 'bf16-true'\], got precision='64-true'",
+    ):
         DeepSpeedPrecision("64-true")
 
 
@@ -56,7 +61,9 @@ def test_zero3_partitioned_modules_and_float32_are_left_alone():
     module = nn.Linear(2, 2)
     assert DeepSpeedPrecision().convert_module(module).weight.dtype is torch.float32
     assert torch.equal(DeepSpeedPrecision().convert_input(torch.ones(2)), torch.ones(2))
-    module.weight.ds_id = 0  # a ZeRO-3 parameter: casting .data would miss its shards; DeepSpeed created them in the right dtype
+    module.weight.ds_id = (
+        0  # a ZeRO-3 parameter: casting .data would miss its shards; DeepSpeed created them in the right dtype
+    )
     assert DeepSpeedPrecision("bf16-mixed").convert_module(module).weight.dtype is torch.float32
 
 
@@ -90,7 +97,9 @@ def test_the_before_step_callback_runs_before_the_engine_steps():
     engine = FakeEngine(module)
     seen = []
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    plugin.optimizer_step(optimizer, engine, lambda: torch.ones(()), before_step=lambda opt: seen.append((opt, list(engine.calls))))
+    plugin.optimizer_step(
+        optimizer, engine, lambda: torch.ones(()), before_step=lambda opt: seen.append((opt, list(engine.calls)))
+    )
     assert seen == [(optimizer, [])] and engine.calls == ["step"]
 
 
@@ -102,7 +111,9 @@ def test_clipping_is_the_engines_and_other_requests_are_refused():
     assert plugin.clip_gradients(optimizer, 0.5, "norm") is None  # the engine clips inside step()
     with pytest.raises(ValueError, match="clips gradients by norm only"):
         plugin.clip_gradients(optimizer, 0.5, "value")
-    with pytest.raises(ValueError, match=r"with the config's 'gradient_clipping' \(0.5\); clipping to 2.0 here cannot work"):
+    with pytest.raises(
+        ValueError, match=r"with the config's 'gradient_clipping' \(0.5\); clipping to 2.0 here cannot work"
+    ):
         plugin.clip_gradients(optimizer, 2.0)
     with pytest.raises(ValueError, match="choose 'norm' or 'value'"):
         plugin.clip_gradients(optimizer, 0.5, "l2")

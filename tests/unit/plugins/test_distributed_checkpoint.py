@@ -8,7 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.plugins.io.distributed_checkpoint import consolidate, is_sharded_checkpoint, load_whole, read_meta, save_sharded, split_checkpoint
+from phalanx.plugins.io.distributed_checkpoint import (
+    consolidate,
+    is_sharded_checkpoint,
+    load_whole,
+    read_meta,
+    save_sharded,
+    split_checkpoint,
+)
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.strategies.dtensor_state import full_optimizer_state, load_module_state, load_optimizer_state
 from phalanx.trainer.checkpoint import COMPLETE_MARKER, is_complete_checkpoint, newest_complete_checkpoint
@@ -24,7 +31,12 @@ def _checkpoint(step: int = 3) -> dict:
     optimizer = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 3)).sum().backward()
     optimizer.step()
-    return {"global_step": step, "state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "loops": {"fit_loop": {"epoch": 0}}}
+    return {
+        "global_step": step,
+        "state_dict": model.state_dict(),
+        "optimizer_states": [optimizer.state_dict()],
+        "loops": {"fit_loop": {"epoch": 0}},
+    }
 
 
 def _save(checkpoint: dict, path) -> None:
@@ -41,9 +53,13 @@ def test_round_trip_of_plain_tensors(tmp_path):
     assert loaded["global_step"] == 3 and "sharded_tensors" not in loaded
     for name, value in checkpoint["state_dict"].items():
         assert torch.equal(loaded["state_dict"][name], value)
-    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["exp_avg"], checkpoint["optimizer_states"][0]["state"][0]["exp_avg"])
+    assert torch.equal(
+        loaded["optimizer_states"][0]["state"][0]["exp_avg"], checkpoint["optimizer_states"][0]["state"][0]["exp_avg"]
+    )
     # TorchCheckpointIO reads a directory whole, so any strategy can resume from it
-    assert torch.equal(TorchCheckpointIO().load_checkpoint(path)["state_dict"]["1.bias"], checkpoint["state_dict"]["1.bias"])
+    assert torch.equal(
+        TorchCheckpointIO().load_checkpoint(path)["state_dict"]["1.bias"], checkpoint["state_dict"]["1.bias"]
+    )
 
 
 def test_only_tensors_go_to_dcp_and_everything_else_stays_plain():
@@ -67,7 +83,9 @@ def test_a_second_save_replaces_the_first_and_a_failed_save_leaves_it(tmp_path, 
         raise OSError("disk full")
 
     monkeypatch.setattr(dcp, "save", broken_save)
-    with pytest.raises(CheckpointWriteError, match=r"Could not write the sharded checkpoint .*last.ckpt: OSError: disk full"):
+    with pytest.raises(
+        CheckpointWriteError, match=r"Could not write the sharded checkpoint .*last.ckpt: OSError: disk full"
+    ):
         _save(_checkpoint(3), path)
     assert load_whole(path)["global_step"] == 2
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

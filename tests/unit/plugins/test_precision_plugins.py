@@ -14,7 +14,9 @@ from phalanx.plugins.precision import DoublePrecision, HalfPrecision, MixedPreci
 class _RecordingBeforeStep:
     """The ``before_step`` callback a strategy passes on: records its calls and what the gradients looked like."""
 
-    def __init__(self, events: list, model: nn.Module, clip: tuple | None = None, plugin: Precision | None = None) -> None:
+    def __init__(
+        self, events: list, model: nn.Module, clip: tuple | None = None, plugin: Precision | None = None
+    ) -> None:
         self.events = events
         self.model = model
         self.clip = clip
@@ -52,9 +54,15 @@ def _backward_closure(plugin: Precision, model: nn.Module, optimizer: torch.opti
 
 @pytest.mark.parametrize(
     ("plugin", "dtype"),
-    [(DoublePrecision(), torch.float64), (HalfPrecision("16-true"), torch.float16), (HalfPrecision("bf16-true"), torch.bfloat16)],
+    [
+        (DoublePrecision(), torch.float64),
+        (HalfPrecision("16-true"), torch.float16),
+        (HalfPrecision("bf16-true"), torch.bfloat16),
+    ],
 )
-def test_true_precision_convert_module_casts_parameters_and_floating_buffers(plugin: Precision, dtype: torch.dtype) -> None:
+def test_true_precision_convert_module_casts_parameters_and_floating_buffers(
+    plugin: Precision, dtype: torch.dtype
+) -> None:
     module = nn.BatchNorm1d(3)
     converted = plugin.convert_module(module)
     assert converted.weight.dtype == dtype
@@ -82,7 +90,9 @@ def test_convert_input_casts_only_floating_tensors_and_keeps_containers() -> Non
     assert HalfPrecision("bf16-true").convert_input(torch.ones(1, dtype=torch.float64)).dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize(("plugin", "dtype"), [(DoublePrecision(), torch.float64), (HalfPrecision("bf16-true"), torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("plugin", "dtype"), [(DoublePrecision(), torch.float64), (HalfPrecision("bf16-true"), torch.bfloat16)]
+)
 def test_tensor_init_context_sets_and_restores_default_dtype(plugin: Precision, dtype: torch.dtype) -> None:
     assert torch.get_default_dtype() == torch.float32
     with plugin.tensor_init_context():
@@ -117,7 +127,13 @@ def test_bf16_mixed_autocast_on_cpu_gives_bf16_matmuls_inside_forward_context_on
     assert plugin.scaler is None
     model = nn.Linear(4, 3)
     x = torch.randn(2, 4)
-    for context in (plugin.forward_context, plugin.train_step_context, plugin.val_step_context, plugin.test_step_context, plugin.predict_step_context):
+    for context in (
+        plugin.forward_context,
+        plugin.train_step_context,
+        plugin.val_step_context,
+        plugin.test_step_context,
+        plugin.predict_step_context,
+    ):
         with context():
             assert model(x).dtype == torch.bfloat16
             assert (x @ x.T).dtype == torch.bfloat16
@@ -223,7 +239,9 @@ def test_clipping_inside_the_before_optimizer_step_hook_sees_and_clips_unscaled_
     before = model.weight.detach().clone()
     for _ in range(3):  # several steps: the "already unscaled" bookkeeping must reset after each update()
         before = model.weight.detach().clone()
-        plugin.optimizer_step(optimizer, model, _backward_closure(plugin, model, optimizer, torch.ones(1, 4)), before_step=before_step)
+        plugin.optimizer_step(
+            optimizer, model, _backward_closure(plugin, model, optimizer, torch.ones(1, 4)), before_step=before_step
+        )
         torch.testing.assert_close(model.weight.detach(), before - 0.5, rtol=1e-4, atol=1e-4)
     assert events == ["before_optimizer_step"] * 3
 
@@ -241,11 +259,16 @@ def test_closure_returning_none_skips_the_step_in_automatic_mode_and_the_next_st
         _backward_closure(plugin, model, optimizer, torch.ones(1, 4))()
         return None
 
-    assert plugin.optimizer_step(optimizer, model, closure_with_backward_but_returning_none, before_step=before_step) is None
+    assert (
+        plugin.optimizer_step(optimizer, model, closure_with_backward_but_returning_none, before_step=before_step)
+        is None
+    )
     torch.testing.assert_close(model.weight.detach(), before)  # no step
     assert events == ["before_optimizer_step"]  # hooks still ran
     # The hook clipped (and so unscaled) during the skipped step: the next step must still be able to unscale.
-    plugin.optimizer_step(optimizer, model, _backward_closure(plugin, model, optimizer, torch.ones(1, 4)), before_step=before_step)
+    plugin.optimizer_step(
+        optimizer, model, _backward_closure(plugin, model, optimizer, torch.ones(1, 4)), before_step=before_step
+    )
     torch.testing.assert_close(model.weight.detach(), before - 1.0)
 
 
@@ -375,7 +398,9 @@ def test_optimizer_step_without_a_before_step_callback_and_with_bf16_mixed_works
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     before = model.weight.detach().clone()
-    MixedPrecision("bf16-mixed", device="cpu").optimizer_step(optimizer, model, _backward_closure(Precision(), model, optimizer, torch.ones(1, 4)))
+    MixedPrecision("bf16-mixed", device="cpu").optimizer_step(
+        optimizer, model, _backward_closure(Precision(), model, optimizer, torch.ones(1, 4))
+    )
     torch.testing.assert_close(model.weight.detach(), before - 1.0)
 
 

@@ -23,14 +23,19 @@ def test_registry_names_and_their_options():
     for base in list(names):
         names |= {f"{base}_find_unused_parameters_true", f"{base}_find_unused_parameters_false"}
     assert names <= set(STRATEGY_REGISTRY.available())
-    assert STRATEGY_REGISTRY.init_params("ddp_spawn_find_unused_parameters_true") == {"start_method": "spawn", "find_unused_parameters": True}
+    assert STRATEGY_REGISTRY.init_params("ddp_spawn_find_unused_parameters_true") == {
+        "start_method": "spawn",
+        "find_unused_parameters": True,
+    }
     assert STRATEGY_REGISTRY.init_params("ddp_notebook") == {"start_method": "fork"}
 
 
 def test_trainer_resolves_ddp_with_devices_environment_and_launcher(monkeypatch):
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
-    trainer = phalanx.Trainer(strategy="ddp_find_unused_parameters_true", devices=3, num_nodes=2, accelerator="cpu", logger=False)
+    trainer = phalanx.Trainer(
+        strategy="ddp_find_unused_parameters_true", devices=3, num_nodes=2, accelerator="cpu", logger=False
+    )
     strategy = trainer.strategy
     assert isinstance(strategy, DDPStrategy)
     assert strategy.parallel_devices == [torch.device("cpu")] * 3 and strategy.num_nodes == 2
@@ -38,12 +43,24 @@ def test_trainer_resolves_ddp_with_devices_environment_and_launcher(monkeypatch)
     assert isinstance(strategy.launcher, SubprocessScriptLauncher)
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 6, "rank": 0}
     assert strategy._ddp_kwargs == {"find_unused_parameters": True}
-    assert isinstance(phalanx.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", logger=False).strategy.launcher, MultiProcessingLauncher)
+    assert isinstance(
+        phalanx.Trainer(strategy="ddp_spawn", devices=2, accelerator="cpu", logger=False).strategy.launcher,
+        MultiProcessingLauncher,
+    )
     assert isinstance(phalanx.Trainer(devices=2, accelerator="cpu", logger=False).strategy, DDPStrategy)  # 'auto'
 
 
 def test_torchrun_environment_is_detected_and_validated(monkeypatch):
-    variables = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}
+    variables = {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_RUN_ID": "x",
+    }
     for key, value in variables.items():
         monkeypatch.setenv(key, value)
     strategy = phalanx.Trainer(strategy="ddp", devices=2, accelerator="cpu", logger=False).strategy
@@ -116,7 +133,9 @@ def test_seed_everything_workers_injects_a_rank_aware_worker_init_fn(monkeypatch
     assert trainer._prepare_dataloader(fresh, training=True).worker_init_fn is None
 
 
-@pytest.mark.parametrize(("node_rank", "local_rank", "expected"), [("1", None, 2), ("1", "1", 3), ("0", "1", 1), (None, None, 0)])
+@pytest.mark.parametrize(
+    ("node_rank", "local_rank", "expected"), [("1", None, 2), ("1", "1", 3), ("0", "1", 1), (None, None, 0)]
+)
 def test_ranks_are_known_from_construction_not_only_from_fit(monkeypatch, node_rank, local_rank, expected):
     from phalanx.utilities import rank_zero
 
@@ -137,9 +156,15 @@ def test_ranks_are_known_from_construction_not_only_from_fit(monkeypatch, node_r
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"find_unused_paramters": True}, r"unknown keyword argument\(s\) 'find_unused_paramters' \(did you mean 'find_unused_parameters'\?\)"),
+        (
+            {"find_unused_paramters": True},
+            r"unknown keyword argument\(s\) 'find_unused_paramters' \(did you mean 'find_unused_parameters'\?\)",
+        ),
         ({"bucket_cap": 25}, r"'bucket_cap' \(did you mean 'bucket_cap_mb'\?\)"),
-        ({"zzz": 1}, r"unknown keyword argument\(s\) 'zzz'; it passes extra keywords to DistributedDataParallel, which accepts \[.*'static_graph'"),
+        (
+            {"zzz": 1},
+            r"unknown keyword argument\(s\) 'zzz'; it passes extra keywords to DistributedDataParallel, which accepts \[.*'static_graph'",
+        ),
         ({"device_ids": [0]}, r"DDPStrategy sets \['device_ids'\] itself"),
         ({"output_device": 0}, r"DDPStrategy sets \['output_device'\] itself"),
     ],
@@ -150,7 +175,13 @@ def test_a_misspelt_ddp_option_is_refused_at_construction(kwargs, message):
 
 
 def test_every_distributed_data_parallel_option_is_accepted():
-    options = {"find_unused_parameters": True, "static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 10, "broadcast_buffers": False}
+    options = {
+        "find_unused_parameters": True,
+        "static_graph": True,
+        "gradient_as_bucket_view": True,
+        "bucket_cap_mb": 10,
+        "broadcast_buffers": False,
+    }
     assert DDPStrategy(**options)._ddp_kwargs == options
 
 

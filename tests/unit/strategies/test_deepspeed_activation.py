@@ -28,7 +28,10 @@ GENERATED = [
     # (arguments, the activation_checkpointing section of the generated config; None: no section)
     ({}, None),
     ({"partition_activations": True}, {"partition_activations": True}),
-    ({"partition_activations": True, "cpu_checkpointing": True}, {"partition_activations": True, "cpu_checkpointing": True}),
+    (
+        {"partition_activations": True, "cpu_checkpointing": True},
+        {"partition_activations": True, "cpu_checkpointing": True},
+    ),
     ({"synchronize_checkpoint_boundary": True}, {"synchronize_checkpoint_boundary": True}),
     ({"cpu_checkpointing": False, "partition_activations": False}, None),
 ]
@@ -44,10 +47,22 @@ def test_arguments_make_the_config_section(arguments, section):
 
 EXPLICIT = [
     # (arguments, explicit config section, the section handed to DeepSpeed)
-    ({}, {"partition_activations": True, "number_checkpoints": 4}, {"partition_activations": True, "number_checkpoints": 4}),  # the config wins
+    (
+        {},
+        {"partition_activations": True, "number_checkpoints": 4},
+        {"partition_activations": True, "number_checkpoints": 4},
+    ),  # the config wins
     ({"cpu_checkpointing": True}, None, {"cpu_checkpointing": True}),  # added where the config is silent
-    ({"cpu_checkpointing": True}, {"partition_activations": True}, {"partition_activations": True, "cpu_checkpointing": True}),
-    ({"partition_activations": True}, {"partition_activations": True}, {"partition_activations": True}),  # agreeing is fine
+    (
+        {"cpu_checkpointing": True},
+        {"partition_activations": True},
+        {"partition_activations": True, "cpu_checkpointing": True},
+    ),
+    (
+        {"partition_activations": True},
+        {"partition_activations": True},
+        {"partition_activations": True},
+    ),  # agreeing is fine
     (
         {"partition_activations": True, "contiguous_memory_optimization": True},
         {"number_checkpoints": 2},
@@ -67,11 +82,36 @@ def test_an_explicit_config_keeps_its_values_and_gains_the_arguments(arguments, 
 
 
 REFUSED = [
-    ({"partition_activations": True}, {"activation_checkpointing": {"partition_activations": False}}, ValueError, r"partition_activations=True\) conflicts with the config's activation_checkpointing\['partition_activations'\]=False"),
-    ({"cpu_checkpointing": True}, {"activation_checkpointing": [1]}, ValueError, "activation_checkpointing=\\[1\\]; it must be a dict"),
-    ({"contiguous_memory_optimization": True}, None, ValueError, "contiguous_memory_optimization=True needs partition_activations=True"),
-    ({"contiguous_memory_optimization": True, "partition_activations": True}, None, ValueError, "needs the number of checkpointed layers.*number_checkpoints"),
-    ({}, {"activation_checkpointing": {"contiguous_memory_optimization": True}}, ValueError, "needs partition_activations=True"),
+    (
+        {"partition_activations": True},
+        {"activation_checkpointing": {"partition_activations": False}},
+        ValueError,
+        r"partition_activations=True\) conflicts with the config's activation_checkpointing\['partition_activations'\]=False",
+    ),
+    (
+        {"cpu_checkpointing": True},
+        {"activation_checkpointing": [1]},
+        ValueError,
+        "activation_checkpointing=\\[1\\]; it must be a dict",
+    ),
+    (
+        {"contiguous_memory_optimization": True},
+        None,
+        ValueError,
+        "contiguous_memory_optimization=True needs partition_activations=True",
+    ),
+    (
+        {"contiguous_memory_optimization": True, "partition_activations": True},
+        None,
+        ValueError,
+        "needs the number of checkpointed layers.*number_checkpoints",
+    ),
+    (
+        {},
+        {"activation_checkpointing": {"contiguous_memory_optimization": True}},
+        ValueError,
+        "needs partition_activations=True",
+    ),
     ({"partition_activations": "yes"}, None, TypeError, "partition_activations='yes' is not valid; pass True or False"),
     ({"synchronize_checkpoint_boundary": 1}, None, TypeError, "synchronize_checkpoint_boundary=1"),
 ]
@@ -93,12 +133,39 @@ class FakeCheckpointing:
 
 @pytest.mark.parametrize(
     ("section", "expected"),
-    [(None, None),
-     ({"partition_activations": True, "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True},
-      {"mpu_": None, "partition_activations": True, "contiguous_checkpointing": None, "num_checkpoints": None, "checkpoint_in_cpu": True, "synchronize": True, "profile": None}),
-     ({"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 3, "profile": True},
-      {"mpu_": None, "partition_activations": True, "contiguous_checkpointing": True, "num_checkpoints": 3, "checkpoint_in_cpu": None, "synchronize": None, "profile": True})],
-)  # fmt: skip
+    [
+        (None, None),
+        (
+            {"partition_activations": True, "cpu_checkpointing": True, "synchronize_checkpoint_boundary": True},
+            {
+                "mpu_": None,
+                "partition_activations": True,
+                "contiguous_checkpointing": None,
+                "num_checkpoints": None,
+                "checkpoint_in_cpu": True,
+                "synchronize": True,
+                "profile": None,
+            },
+        ),
+        (
+            {
+                "partition_activations": True,
+                "contiguous_memory_optimization": True,
+                "number_checkpoints": 3,
+                "profile": True,
+            },
+            {
+                "mpu_": None,
+                "partition_activations": True,
+                "contiguous_checkpointing": True,
+                "num_checkpoints": 3,
+                "checkpoint_in_cpu": None,
+                "synchronize": None,
+                "profile": True,
+            },
+        ),
+    ],
+)
 def test_deepspeed_checkpointing_is_configured_from_the_section(section, expected):
     deepspeed = SimpleNamespace(checkpointing=FakeCheckpointing())
     config = {} if section is None else {"activation_checkpointing": section}

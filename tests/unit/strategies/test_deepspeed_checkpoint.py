@@ -19,7 +19,12 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.strategies.deepspeed_checkpoint import STATE_FILE, is_deepspeed_checkpoint, load_deepspeed_checkpoint_as_full, read_trainer_state
+from phalanx.strategies.deepspeed_checkpoint import (
+    STATE_FILE,
+    is_deepspeed_checkpoint,
+    load_deepspeed_checkpoint_as_full,
+    read_trainer_state,
+)
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 WORLD = 2
@@ -83,7 +88,10 @@ class Model(nn.Module):
 
 def _groups(model: Model) -> list[OrderedDict[str, torch.Tensor]]:
     named = dict(model.named_parameters())
-    return [OrderedDict((n, named[n]) for n in ("a.weight", "a.bias")), OrderedDict((n, named[n]) for n in ("b.weight", "b.bias"))]
+    return [
+        OrderedDict((n, named[n]) for n in ("a.weight", "a.bias")),
+        OrderedDict((n, named[n]) for n in ("b.weight", "b.bias")),
+    ]
 
 
 def _moments(model: Model) -> dict[str, torch.Tensor]:
@@ -92,7 +100,10 @@ def _moments(model: Model) -> dict[str, torch.Tensor]:
 
 
 def _model_states(model: Model, groups: list[OrderedDict[str, torch.Tensor]], **extra: object) -> dict:
-    module = OrderedDict((name, value.detach().to(torch.bfloat16) if value.is_floating_point() else value) for name, value in model.state_dict().items())
+    module = OrderedDict(
+        (name, value.detach().to(torch.bfloat16) if value.is_floating_point() else value)
+        for name, value in model.state_dict().items()
+    )
     return {
         "module": module, "buffer_names": ["count", "scale"], "optimizer": None,
         "param_shapes": [OrderedDict((name, p.shape) for name, p in group.items()) for group in groups],
@@ -100,14 +111,28 @@ def _model_states(model: Model, groups: list[OrderedDict[str, torch.Tensor]], **
     }  # fmt: skip
 
 
-def _write_directory(directory: Path, model_files: dict[str, dict], optim_files: dict[str, dict], trainer_state: dict | None = None) -> Path:
+def _write_directory(
+    directory: Path, model_files: dict[str, dict], optim_files: dict[str, dict], trainer_state: dict | None = None
+) -> Path:
     tag = directory / "checkpoint"
     tag.mkdir(parents=True)
     for name, content in {**model_files, **optim_files}.items():
         torch.save(content, tag / name)
     (directory / "latest").write_text("checkpoint")
-    state = trainer_state if trainer_state is not None else {"epoch": 1, "global_step": 3, "loops": {"fit_loop": {"epoch": 1}}, "optimizer_states": [{"stored_by": "deepspeed"}], "lr_schedulers": [{"last_epoch": 3}]}
-    torch.save({**state, "deepspeed": {"tag": "checkpoint", "zero_stage": 2, "world_size": WORLD}}, directory / STATE_FILE)
+    state = (
+        trainer_state
+        if trainer_state is not None
+        else {
+            "epoch": 1,
+            "global_step": 3,
+            "loops": {"fit_loop": {"epoch": 1}},
+            "optimizer_states": [{"stored_by": "deepspeed"}],
+            "lr_schedulers": [{"last_epoch": 3}],
+        }
+    )
+    torch.save(
+        {**state, "deepspeed": {"tag": "checkpoint", "zero_stage": 2, "world_size": WORLD}}, directory / STATE_FILE
+    )
     return directory
 
 
@@ -116,7 +141,9 @@ def _zero2_directory(directory: Path, model: Model, types_: types.SimpleNamespac
     partition is saved without its padding, the optimizer state with it."""
     groups, moments = _groups(model), _moments(model)
     optim = {}
-    per_rank: list[dict] = [{"single_partition_of_fp32_groups": [], "group_paddings": [], "state": [], "mappings": []} for _ in range(WORLD)]
+    per_rank: list[dict] = [
+        {"single_partition_of_fp32_groups": [], "group_paddings": [], "state": [], "mappings": []} for _ in range(WORLD)
+    ]
     for group in groups:
         flat = torch.cat([p.detach().reshape(-1) for p in group.values()])
         flat_avg = torch.cat([moments[n].reshape(-1) for n in group])
@@ -136,16 +163,26 @@ def _zero2_directory(directory: Path, model: Model, types_: types.SimpleNamespac
         if lean_state:
             base = parts["state"]
         else:
-            base = {"state": dict(enumerate(parts["state"])), "param_groups": [{"lr": 0.1 * (g + 1), "betas": (0.9, 0.999), "params": [g]} for g in range(len(groups))]}
+            base = {
+                "state": dict(enumerate(parts["state"])),
+                "param_groups": [
+                    {"lr": 0.1 * (g + 1), "betas": (0.9, 0.999), "params": [g]} for g in range(len(groups))
+                ],
+            }
         optim[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = {
             "optimizer_state_dict": {
-                "loss_scaler": types_.LossScaler(), "dynamic_loss_scale": False, "zero_stage": types_.ZeroStageEnum.gradients,
-                "base_optimizer_state": base, "single_partition_of_fp32_groups": parts["single_partition_of_fp32_groups"],
-                "group_paddings": parts["group_paddings"], "partition_count": [WORLD] * len(groups),
-                "param_alignment_paddings": [[0] * len(group) for group in groups], "param_slice_mappings": parts["mappings"],
+                "loss_scaler": types_.LossScaler(),
+                "dynamic_loss_scale": False,
+                "zero_stage": types_.ZeroStageEnum.gradients,
+                "base_optimizer_state": base,
+                "single_partition_of_fp32_groups": parts["single_partition_of_fp32_groups"],
+                "group_paddings": parts["group_paddings"],
+                "partition_count": [WORLD] * len(groups),
+                "param_alignment_paddings": [[0] * len(group) for group in groups],
+                "param_slice_mappings": parts["mappings"],
             },
             "ds_version": "0.19.8",
-        }  # fmt: skip
+        }
     return _write_directory(directory, {"mp_rank_00_model_states.pt": _model_states(model, groups)}, optim)
 
 
@@ -158,22 +195,39 @@ def _zero3_directory(directory: Path, model: Model, types_: types.SimpleNamespac
 
     def shard(tensor: torch.Tensor, rank: int) -> torch.Tensor:
         part = math.ceil(tensor.numel() / WORLD)
-        return nn.functional.pad(tensor.detach().reshape(-1), (0, part * WORLD - tensor.numel()))[rank * part : (rank + 1) * part]
+        return nn.functional.pad(tensor.detach().reshape(-1), (0, part * WORLD - tensor.numel()))[
+            rank * part : (rank + 1) * part
+        ]
 
     frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     model_files, optim_files = {}, {}
     for rank in range(WORLD):
         flats = [torch.cat([shard(named[n], rank) for n in names]) for names in sub_groups]
-        states = {i: {"step": torch.tensor(3.0), "exp_avg": torch.cat([shard(moments[n], rank) for n in names])} for i, names in enumerate(sub_groups)}
+        states = {
+            i: {"step": torch.tensor(3.0), "exp_avg": torch.cat([shard(moments[n], rank) for n in names])}
+            for i, names in enumerate(sub_groups)
+        }
         optim_files[f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"] = {
             "optimizer_state_dict": {
-                "zero_stage": types_.ZeroStageEnum.weights, "loss_scaler": types_.LossScaler(), "partition_count": WORLD,
-                "optimizer_state_dict": {"state": states, "param_groups": [{"lr": 0.1, "params": [i]} for i in range(len(sub_groups))]},
+                "zero_stage": types_.ZeroStageEnum.weights,
+                "loss_scaler": types_.LossScaler(),
+                "partition_count": WORLD,
+                "optimizer_state_dict": {
+                    "state": states,
+                    "param_groups": [{"lr": 0.1, "params": [i]} for i in range(len(sub_groups))],
+                },
                 "fp32_flat_groups": flats,
             }
-        }  # fmt: skip
-        files = _model_states(model, groups, frozen_param_shapes=OrderedDict((n, p.shape) for n, p in frozen.items()), frozen_param_fragments=OrderedDict((n, shard(p, rank).clone()) for n, p in frozen.items()))
-        files["module"] = OrderedDict((n, torch.empty(0) if n in named or n in frozen else v) for n, v in files["module"].items())
+        }
+        files = _model_states(
+            model,
+            groups,
+            frozen_param_shapes=OrderedDict((n, p.shape) for n, p in frozen.items()),
+            frozen_param_fragments=OrderedDict((n, shard(p, rank).clone()) for n, p in frozen.items()),
+        )
+        files["module"] = OrderedDict(
+            (n, torch.empty(0) if n in named or n in frozen else v) for n, v in files["module"].items()
+        )
         model_files[f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"] = files
     return _write_directory(directory, model_files, optim_files)
 
@@ -190,7 +244,9 @@ def test_zero2_directory_becomes_full_weights_and_per_parameter_optimizer_state(
     directory = _zero2_directory(tmp_path / "z2.ckpt", model, deepspeed_types, lean_state=lean_state)
     assert is_deepspeed_checkpoint(directory)
     full = load_deepspeed_checkpoint_as_full(directory)
-    expected = {name: value.float() if value.dtype is torch.bfloat16 else value for name, value in model.state_dict().items()}
+    expected = {
+        name: value.float() if value.dtype is torch.bfloat16 else value for name, value in model.state_dict().items()
+    }
     # frozen weights come from the module file (bfloat16 there); the trainable ones from the float32 masters
     expected["frozen.weight"] = model.frozen.weight.detach().to(torch.bfloat16).float()
     expected["frozen.bias"] = model.frozen.bias.detach().to(torch.bfloat16).float()
@@ -209,7 +265,9 @@ def test_zero2_directory_becomes_full_weights_and_per_parameter_optimizer_state(
         assert torch.equal(optimizer["state"][index]["exp_avg_sq"], moments[name] * 2)
         assert float(optimizer["state"][index]["step"]) == 3.0
     # the result is an ordinary checkpoint: a torch optimizer over the same parameters takes the state
-    target = torch.optim.Adam([{"params": [model.a.weight, model.a.bias]}, {"params": [model.b.weight, model.b.bias]}], lr=0.1)
+    target = torch.optim.Adam(
+        [{"params": [model.a.weight, model.a.bias]}, {"params": [model.b.weight, model.b.bias]}], lr=0.1
+    )
     target.load_state_dict(optimizer)
     assert torch.equal(target.state[model.b.weight]["exp_avg"], moments["b.weight"])
 
@@ -217,7 +275,9 @@ def test_zero2_directory_becomes_full_weights_and_per_parameter_optimizer_state(
 def test_zero3_directory_with_sub_groups_and_frozen_parameters(tmp_path, deepspeed_types):
     model = Model()
     full = load_deepspeed_checkpoint_as_full(_zero3_directory(tmp_path / "z3.ckpt", model, deepspeed_types))
-    expected = {name: value.float() if value.dtype is torch.bfloat16 else value for name, value in model.state_dict().items()}
+    expected = {
+        name: value.float() if value.dtype is torch.bfloat16 else value for name, value in model.state_dict().items()
+    }
     _assert_equal(full["state_dict"], expected)
     optimizer = full["optimizer_states"][0]
     moments = _moments(model)
@@ -261,7 +321,10 @@ def test_only_deepspeeds_inert_record_types_are_accepted(tmp_path, deepspeed_typ
     optim["optimizer_state_dict"]["extra"] = Settings() if kind == "other DeepSpeed class" else _RunsCode()
     torch.save(optim, path)
     named = "deepspeed.runtime.settings.Settings" if kind == "other DeepSpeed class" else "builtins.print"
-    with pytest.raises(UnsafeCheckpointError, match=rf"Refusing to load .*zero_pp_rank_1_mp_rank_00_optim_states.pt: it references {named}"):
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=rf"Refusing to load .*zero_pp_rank_1_mp_rank_00_optim_states.pt: it references {named}",
+    ):
         load_deepspeed_checkpoint_as_full(directory)
 
 

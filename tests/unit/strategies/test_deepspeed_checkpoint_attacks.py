@@ -22,7 +22,17 @@ import torch
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 
-from checkpoint_attacks import CliError, consolidate_through_cli, DAMAGE_KINDS, SENTINEL, OpenedFiles, damage, payloads, splice, torch_file  # noqa: E402
+from checkpoint_attacks import (
+    CliError,
+    consolidate_through_cli,
+    DAMAGE_KINDS,
+    SENTINEL,
+    OpenedFiles,
+    damage,
+    payloads,
+    splice,
+    torch_file,
+)  # noqa: E402
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine  # noqa: E402
 from deepspeed.runtime.fp16.loss_scaler import LossScaler  # noqa: E402
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
@@ -79,7 +89,9 @@ class _Engine:
     def load_checkpoint(self, load_dir: str, tag: str, **kwargs: Any) -> tuple[str, dict]:
         folder = os.path.join(load_dir, tag)
         for name in sorted(os.listdir(folder)):
-            self.loaded[name] = self.checkpoint_engine.load(os.path.join(folder, name), map_location=torch.device("cpu"))
+            self.loaded[name] = self.checkpoint_engine.load(
+                os.path.join(folder, name), map_location=torch.device("cpu")
+            )
         return folder, {}
 
 
@@ -91,16 +103,16 @@ def _resume(directory: Path, engine: _Engine | None = None, **options: Any) -> _
     return engine
 
 
-
-
-
-
 READERS: dict[str, Callable[[Path, Path], Any]] = {
     "load_deepspeed_checkpoint_as_full": lambda path, tmp: load_deepspeed_checkpoint_as_full(path),
     "consolidate": lambda path, tmp: consolidate(path),
     "TorchCheckpointIO": lambda path, tmp: TorchCheckpointIO().load_checkpoint(path),
-    "Trainer.fit(ckpt_path=path)": lambda path, tmp: quiet_trainer(max_steps=1, default_root_dir=tmp / "run").fit(Regressor(), loaders()[0], ckpt_path=str(path)),
-    "Trainer.fit(ckpt_path='auto')": lambda path, tmp: quiet_trainer(max_steps=1, default_root_dir=tmp / "run").fit(Regressor(), loaders()[0], ckpt_path="auto"),
+    "Trainer.fit(ckpt_path=path)": lambda path, tmp: quiet_trainer(max_steps=1, default_root_dir=tmp / "run").fit(
+        Regressor(), loaders()[0], ckpt_path=str(path)
+    ),
+    "Trainer.fit(ckpt_path='auto')": lambda path, tmp: quiet_trainer(max_steps=1, default_root_dir=tmp / "run").fit(
+        Regressor(), loaders()[0], ckpt_path="auto"
+    ),
     "load_from_checkpoint": lambda path, tmp: Regressor.load_from_checkpoint(path),
     "cli consolidate": consolidate_through_cli,
     "resume through the engine": lambda path, tmp: _resume(path),
@@ -127,7 +139,9 @@ def test_the_untouched_directory_is_read_and_resumed_with_deepspeeds_own_records
     assert type(optim["loss_scaler"]) is LossScaler and optim["zero_stage"] is ZeroStageEnum.gradients
     assert type(optim["param_slice_mappings"][0]["a.weight"]) is fragment_address
     assert engine.checkpoint_engine is original  # DeepSpeed's reader is back once the resume is done
-    assert not any("deepspeed" in str(entry) for entry in torch.serialization.get_safe_globals())  # the allow-list was scoped
+    assert not any(
+        "deepspeed" in str(entry) for entry in torch.serialization.get_safe_globals()
+    )  # the allow-list was scoped
 
 
 # ---------------------------------------------------------------------------- item 1: hostile pickles
@@ -158,13 +172,23 @@ def test_the_inert_stand_ins_run_no_code(base, tmp_path):
 
     marker = tmp_path / "marker"
     directory = _copy(base, tmp_path)
-    scaler_with_arguments = call(old_global("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), text(f"touch {marker}", legacy=True))
-    (directory / OPTIM_FILE).write_bytes(torch_file(splice({"optimizer_state_dict": {"x": SENTINEL}}, scaler_with_arguments, legacy=True)))
-    with pytest.raises(CheckpointError, match="do not fit together"):  # the file reads as data; it is just not a partition
+    scaler_with_arguments = call(
+        old_global("deepspeed.runtime.fp16.loss_scaler", "LossScaler"), text(f"touch {marker}", legacy=True)
+    )
+    (directory / OPTIM_FILE).write_bytes(
+        torch_file(splice({"optimizer_state_dict": {"x": SENTINEL}}, scaler_with_arguments, legacy=True))
+    )
+    with pytest.raises(
+        CheckpointError, match="do not fit together"
+    ):  # the file reads as data; it is just not a partition
         load_deepspeed_checkpoint_as_full(directory)
     enum_of_a_list = call(old_global("deepspeed.runtime.zero.config", "ZeroStageEnum"), b"]")
-    (directory / OPTIM_FILE).write_bytes(torch_file(splice({"optimizer_state_dict": {"x": SENTINEL}}, enum_of_a_list, legacy=True)))
-    with pytest.raises(CheckpointError, match=f"{OPTIM_FILE}.*TypeError: a DeepSpeed enum value is an int or a str, not a list"):
+    (directory / OPTIM_FILE).write_bytes(
+        torch_file(splice({"optimizer_state_dict": {"x": SENTINEL}}, enum_of_a_list, legacy=True))
+    )
+    with pytest.raises(
+        CheckpointError, match=f"{OPTIM_FILE}.*TypeError: a DeepSpeed enum value is an int or a str, not a list"
+    ):
         load_deepspeed_checkpoint_as_full(directory)
     assert not marker.exists()
 
@@ -174,7 +198,9 @@ def test_resumes_deepspeed_would_read_past_its_checkpoint_engine_need_the_opt_in
     directory = _copy(base, tmp_path)
     engine = _Engine(universal=reason == "universal")
     engine.has_moe_layers = reason == "moe"
-    with pytest.raises(UnsafeCheckpointError, match=r"weights_only=False.*DeepSpeedStrategy\(allow_unsafe_checkpoint_load=True\)"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"weights_only=False.*DeepSpeedStrategy\(allow_unsafe_checkpoint_load=True\)"
+    ):
         _resume(directory, engine)
     assert engine.loaded == {}
     opted_in = _Engine(universal=reason == "universal")
@@ -187,7 +213,11 @@ def test_resumes_deepspeed_would_read_past_its_checkpoint_engine_need_the_opt_in
 
 # ---------------------------------------------------------------------------- item 6: names leading outside
 def _fingerprint(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _set_tag(directory: Path, tag: Any) -> None:
@@ -215,7 +245,13 @@ HOSTILE = {
     "model file linked outside": lambda d, out: _link(d / MODEL_FILE, out / MODEL_FILE),
     "state file linked outside": lambda d, out: _link(d / STATE_FILE, out / STATE_FILE),
 }
-NAME_READERS = ["load_deepspeed_checkpoint_as_full", "TorchCheckpointIO", "Trainer.fit(ckpt_path=path)", "cli consolidate", "resume through the engine"]
+NAME_READERS = [
+    "load_deepspeed_checkpoint_as_full",
+    "TorchCheckpointIO",
+    "Trainer.fit(ckpt_path=path)",
+    "cli consolidate",
+    "resume through the engine",
+]
 
 
 @pytest.mark.parametrize("reader", NAME_READERS)
@@ -226,14 +262,22 @@ def test_names_leading_outside_the_directory_are_refused(base, tmp_path, attack,
     directory = _copy(base, tmp_path)
     HOSTILE[attack](directory, outside)
     before = _fingerprint(outside)
-    with OpenedFiles() as opened, pytest.raises(_refusal(reader), match=r"Refusing to read the checkpoint .*(not a plain file name|outside the checkpoint directory)"):
+    with (
+        OpenedFiles() as opened,
+        pytest.raises(
+            _refusal(reader),
+            match=r"Refusing to read the checkpoint .*(not a plain file name|outside the checkpoint directory)",
+        ),
+    ):
         READERS[reader](directory, tmp_path)
     assert not [path for path in opened if path.startswith(str(outside.resolve()))]
     assert _fingerprint(outside) == before
 
 
 # ---------------------------------------------------------------------------- item 8: damaged directories
-@pytest.mark.parametrize("reader", ["load_deepspeed_checkpoint_as_full", "cli consolidate", "resume through the engine"])
+@pytest.mark.parametrize(
+    "reader", ["load_deepspeed_checkpoint_as_full", "cli consolidate", "resume through the engine"]
+)
 @pytest.mark.parametrize("kind", DAMAGE_KINDS)
 @pytest.mark.parametrize("file", [MODEL_FILE, OPTIM_FILE, STATE_FILE])
 def test_a_damaged_file_gives_one_checkpoint_error_naming_it(base, tmp_path, file, kind, reader):
@@ -262,7 +306,10 @@ def test_files_of_another_checkpoint_are_recognised(base, tmp_path, file):
     _zero2_directory(other, model, REAL_TYPES)
     directory = _copy(base, tmp_path)
     shutil.copyfile(other / file, directory / file)
-    with pytest.raises(CheckpointError, match=r"ds.ckpt/checkpoint: .*(lies beyond the saved partitions|hold \[10, 14\] elements).*come from different checkpoints"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"ds.ckpt/checkpoint: .*(lies beyond the saved partitions|hold \[10, 14\] elements).*come from different checkpoints",
+    ):
         load_deepspeed_checkpoint_as_full(directory)
 
 

@@ -10,8 +10,22 @@ from functools import partial
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, CPUOffloadPolicy, FSDPModule, MixedPrecision, MixedPrecisionPolicy, ShardingStrategy
-from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, _recursive_wrap, size_based_auto_wrap_policy, transformer_auto_wrap_policy
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    ShardingStrategy,
+)
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    _recursive_wrap,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
@@ -64,7 +78,13 @@ def test_explicit_reshard_after_forward_wins_over_the_sharding_strategy():
 
 @pytest.mark.parametrize(
     ("cpu_offload", "expected"),
-    [(None, False), (False, False), (True, True), (CPUOffload(offload_params=False), False), (CPUOffload(offload_params=True), CPUOffloadPolicy)],
+    [
+        (None, False),
+        (False, False),
+        (True, True),
+        (CPUOffload(offload_params=False), False),
+        (CPUOffload(offload_params=True), CPUOffloadPolicy),
+    ],
 )
 def test_cpu_offload_forms(cpu_offload, expected):
     strategy, caught = _construct(cpu_offload=cpu_offload)
@@ -86,8 +106,18 @@ def test_the_seeds_default_cpu_offload_none_is_accepted():
     [
         (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), torch.bfloat16, torch.float32, None),
         (MixedPrecision(param_dtype=torch.float16), torch.float16, None, None),
-        (MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16), torch.bfloat16, torch.bfloat16, "FSDP2 does not cast buffers"),
-        (MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True), torch.bfloat16, None, "keeps the sharded gradients in the parameters' dtype"),
+        (
+            MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16),
+            torch.bfloat16,
+            torch.bfloat16,
+            "FSDP2 does not cast buffers",
+        ),
+        (
+            MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True),
+            torch.bfloat16,
+            None,
+            "keeps the sharded gradients in the parameters' dtype",
+        ),
         (MixedPrecisionPolicy(param_dtype=torch.bfloat16), torch.bfloat16, None, None),
     ],
 )
@@ -113,7 +143,10 @@ def test_mixed_precision_becomes_a_mixed_precision_policy(mixed_precision, param
         ({"forward_prefetch": False}, None),
         ({"forward_prefetch": True}, "forward_prefetch=True): FSDP2 overlaps the next layer's all-gather implicitly"),
         ({"backward_prefetch": BackwardPrefetch.BACKWARD_PRE}, None),
-        ({"backward_prefetch": BackwardPrefetch.BACKWARD_POST}, "backward_prefetch=BACKWARD_POST): FSDP2 always prefetches"),
+        (
+            {"backward_prefetch": BackwardPrefetch.BACKWARD_POST},
+            "backward_prefetch=BACKWARD_POST): FSDP2 always prefetches",
+        ),
         ({"backward_prefetch": None}, "backward_prefetch=None): FSDP2 always prefetches"),
         ({"sync_module_states": True}, None),
         ({"sync_module_states": False}, "broadcasts rank 0's initial weights before sharding anyway"),
@@ -158,14 +191,42 @@ def test_a_name_neither_fully_shard_nor_fsdp1_knows_is_refused_with_the_valid_na
     ("kwargs", "error", "match"),
     [
         ({"sharding_strategy": 3}, ValueError, r"sharding_strategy=3.*_HYBRID_SHARD_ZERO2.*ShardingStrategy member"),
-        ({"cpu_offload": "yes"}, TypeError, "cpu_offload must be a bool, None, a torch.distributed.fsdp.CPUOffloadPolicy or an FSDP1 CPUOffload"),
-        ({"mixed_precision": "bf16"}, TypeError, "mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy or an FSDP1 MixedPrecision"),
-        ({"auto_wrap_policy": lambda module, recurse: True}, TypeError, r"auto_wrap_policy=.* can be called neither as \(module\) nor as \(module, recurse, nonwrapped_numel\)"),
-        ({"activation_checkpointing_policy": lambda a, b: True}, TypeError, r"activation_checkpointing_policy=.* can be called neither"),
-        ({"activation_checkpointing": nn.Linear, "activation_checkpointing_policy": {nn.Linear}}, ValueError, "Pass activation_checkpointing_policy= only"),
-        ({"activation_checkpointing": "Linear"}, TypeError, "activation_checkpointing must be an nn.Module subclass or a list"),
+        (
+            {"cpu_offload": "yes"},
+            TypeError,
+            "cpu_offload must be a bool, None, a torch.distributed.fsdp.CPUOffloadPolicy or an FSDP1 CPUOffload",
+        ),
+        (
+            {"mixed_precision": "bf16"},
+            TypeError,
+            "mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy or an FSDP1 MixedPrecision",
+        ),
+        (
+            {"auto_wrap_policy": lambda module, recurse: True},
+            TypeError,
+            r"auto_wrap_policy=.* can be called neither as \(module\) nor as \(module, recurse, nonwrapped_numel\)",
+        ),
+        (
+            {"activation_checkpointing_policy": lambda a, b: True},
+            TypeError,
+            r"activation_checkpointing_policy=.* can be called neither",
+        ),
+        (
+            {"activation_checkpointing": nn.Linear, "activation_checkpointing_policy": {nn.Linear}},
+            ValueError,
+            "Pass activation_checkpointing_policy= only",
+        ),
+        (
+            {"activation_checkpointing": "Linear"},
+            TypeError,
+            "activation_checkpointing must be an nn.Module subclass or a list",
+        ),
         ({"process_group": object()}, ValueError, "process_group must be one ProcessGroup"),
-        ({"sharding_strategy": "HYBRID_SHARD", "process_group": object()}, ValueError, r"process_group=\(shard_group, replicate_group\)"),
+        (
+            {"sharding_strategy": "HYBRID_SHARD", "process_group": object()},
+            ValueError,
+            r"process_group=\(shard_group, replicate_group\)",
+        ),
         ({"device_mesh": 4}, TypeError, r"device_mesh must be a tuple \(replicas, shard size\)"),
         ({"device_mesh": (0,)}, ValueError, r"device_mesh=\(0,\) must be \(processes,\)"),
     ],
@@ -212,7 +273,9 @@ class Net(phalanx.TrainingModule):
         if hasattr(self, "head"):
             output = self.head(output)
         if self.norm is not None and not self.training:
-            output = self.norm(output)  # evaluation mode only: then SyncBatchNorm runs without a collective, also on the CPU
+            output = self.norm(
+                output
+            )  # evaluation mode only: then SyncBatchNorm runs without a collective, also on the CPU
         return output
 
     def training_step(self, batch, batch_idx):
@@ -246,7 +309,14 @@ def _fsdp1_choice(policy, root):
     # What FSDP1's own auto wrapping wraps, the root excluded (a recording "wrapper" that wraps nothing).
     chosen = []
     by_keyword = lambda module, recurse, nonwrapped_numel: policy(module, recurse, nonwrapped_numel)  # noqa: E731 - how torch calls it
-    _recursive_wrap(root, by_keyword, wrapper_cls=lambda module, **kwargs: chosen.append(module) or module, ignored_modules=set(), ignored_params=set(), only_wrap_children=True)
+    _recursive_wrap(
+        root,
+        by_keyword,
+        wrapper_cls=lambda module, **kwargs: chosen.append(module) or module,
+        ignored_modules=set(),
+        ignored_params=set(),
+        only_wrap_children=True,
+    )
     return chosen
 
 
@@ -260,7 +330,16 @@ def test_fsdp1_policies_pick_what_fsdp1_would_wrap(name):
 
 
 @pytest.mark.parametrize(
-    "policy", [{Block}, [Block], (Block,), Block, lambda module: isinstance(module, Block), CustomPolicy(lambda module: isinstance(module, Block)), ModuleWrapPolicy([Block])]
+    "policy",
+    [
+        {Block},
+        [Block],
+        (Block,),
+        Block,
+        lambda module: isinstance(module, Block),
+        CustomPolicy(lambda module: isinstance(module, Block)),
+        ModuleWrapPolicy([Block]),
+    ],
 )
 def test_every_policy_form_selects_the_blocks(policy):
     model = Net()
@@ -290,28 +369,51 @@ def _fit(module, strategy, **trainer_kwargs):
     return trainer
 
 
-def test_a_lightning_fsdp1_configuration_shards_the_chosen_layers_first_then_places_them(one_process_group, monkeypatch):
+def test_a_lightning_fsdp1_configuration_shards_the_chosen_layers_first_then_places_them(
+    one_process_group, monkeypatch
+):
     import torch.distributed.fsdp as fsdp
 
     events = []
     real_fully_shard, real_to_device = fsdp.fully_shard, FSDPStrategy.model_to_device
-    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kwargs: events.append(("shard", type(module).__name__)) or real_fully_shard(module, **kwargs))
-    monkeypatch.setattr(FSDPStrategy, "model_to_device", lambda self: events.append(("to_device", None)) or real_to_device(self))
+    monkeypatch.setattr(
+        fsdp,
+        "fully_shard",
+        lambda module, **kwargs: events.append(("shard", type(module).__name__)) or real_fully_shard(module, **kwargs),
+    )
+    monkeypatch.setattr(
+        FSDPStrategy, "model_to_device", lambda self: events.append(("to_device", None)) or real_to_device(self)
+    )
     module = Net(wrap_in_configure_model=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         strategy = FSDPStrategy(
-            auto_wrap_policy=ModuleWrapPolicy({Block}), activation_checkpointing=[Block], sharding_strategy=ShardingStrategy.FULL_SHARD,
-            cpu_offload=None, process_group=torch.distributed.group.WORLD, use_orig_params=True, limit_all_gathers=True, sync_module_states=True,
-        )  # fmt: skip
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            activation_checkpointing=[Block],
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            cpu_offload=None,
+            process_group=torch.distributed.group.WORLD,
+            use_orig_params=True,
+            limit_all_gathers=True,
+            sync_module_states=True,
+        )
         trainer = _fit(module, strategy)
     assert trainer.global_step == 2
-    assert [isinstance(m, FSDPModule) for m in (module, module.blocks[0], module.blocks[1], module.head, module.inp, module.blocks[0].inner)] == [True] * 4 + [False] * 2
+    assert [
+        isinstance(m, FSDPModule)
+        for m in (module, module.blocks[0], module.blocks[1], module.head, module.inp, module.blocks[0].inner)
+    ] == [True] * 4 + [False] * 2
     assert all("_phalanx_checkpointed_forward" in block.__dict__ for block in module.blocks)
     assert [str(w.message) for w in caught if "FSDPStrategy(" in str(w.message)] == [
         "FSDPStrategy(activation_checkpointing=...) is deprecated; pass activation_checkpointing_policy={Block} instead."
     ]  # the other seed arguments ask for what FSDP2 does: nothing to explain
-    assert events == [("shard", "Block"), ("shard", "Block"), ("shard", "Linear"), ("shard", "Net"), ("to_device", None)]  # never moved before sharding
+    assert events == [
+        ("shard", "Block"),
+        ("shard", "Block"),
+        ("shard", "Linear"),
+        ("shard", "Net"),
+        ("to_device", None),
+    ]  # never moved before sharding
     assert strategy.device_mesh.ndim == 1
 
 
@@ -348,7 +450,10 @@ def test_configure_model_layers_are_created_in_host_memory_not_on_the_device():
 )
 def test_process_group_and_device_mesh_forms_become_the_mesh(one_process_group, kwargs, shape):
     world = torch.distributed.group.WORLD
-    kwargs = {name: (world, world) if value == ("world", "world") else world if value == "world" else value for name, value in kwargs.items()}
+    kwargs = {
+        name: (world, world) if value == ("world", "world") else world if value == "world" else value
+        for name, value in kwargs.items()
+    }
     strategy = FSDPStrategy(parallel_devices=[torch.device("cpu")], **kwargs)
     assert tuple(strategy._build_mesh().shape) == shape
 

@@ -20,7 +20,10 @@ def test_registry_names_and_trainer_resolution():
     trainer = phalanx.Trainer(strategy="fsdp", accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
     plugin = trainer.strategy.precision_plugin
     assert isinstance(plugin, FSDPPrecision) and plugin.precision == "bf16-mixed"
-    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and trainer.strategy.pads_evaluation
+    assert (
+        trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+        and trainer.strategy.pads_evaluation
+    )
 
 
 def test_fsdp_precision_maps_names_to_a_mixed_precision_policy():
@@ -103,22 +106,36 @@ def test_model_parallel_needs_configure_model():
 
 @pytest.mark.parametrize(
     ("dp", "tp", "devices", "num_nodes", "shape"),
-    [("auto", "auto", 4, 1, (1, 4)), ("auto", "auto", 2, 2, (2, 2)), (2, "auto", 4, 1, (2, 2)), ("auto", 1, 4, 1, (4, 1)), (1, 2, 2, 1, (1, 2))],
+    [
+        ("auto", "auto", 4, 1, (1, 4)),
+        ("auto", "auto", 2, 2, (2, 2)),
+        (2, "auto", 4, 1, (2, 2)),
+        ("auto", 1, 4, 1, (4, 1)),
+        (1, 2, 2, 1, (1, 2)),
+    ],
 )
 def test_model_parallel_mesh_shape(dp, tp, devices, num_nodes, shape):
-    strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, parallel_devices=[torch.device("cpu")] * devices)
+    strategy = ModelParallelStrategy(
+        data_parallel_size=dp, tensor_parallel_size=tp, parallel_devices=[torch.device("cpu")] * devices
+    )
     strategy.num_nodes = num_nodes
     assert strategy.mesh_shape() == shape
 
 
 def test_model_parallel_refuses_sizes_that_do_not_match_the_processes():
-    strategy = ModelParallelStrategy(data_parallel_size=3, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4)
-    with pytest.raises(ValueError, match=r"data_parallel_size=3 x tensor_parallel_size=2 must equal the number of processes \(4"):
+    strategy = ModelParallelStrategy(
+        data_parallel_size=3, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4
+    )
+    with pytest.raises(
+        ValueError, match=r"data_parallel_size=3 x tensor_parallel_size=2 must equal the number of processes \(4"
+    ):
         strategy.mesh_shape()
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         ModelParallelStrategy(tensor_parallel_size=0)
 
 
 def test_model_parallel_shards_data_over_the_data_parallel_ranks_only():
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4)
+    strategy = ModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4
+    )
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and strategy.pads_evaluation

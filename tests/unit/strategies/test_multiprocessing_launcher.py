@@ -17,7 +17,9 @@ from phalanx.strategies.launchers.multiprocessing import MultiProcessingLauncher
 
 
 def _strategy() -> Any:
-    return SimpleNamespace(cluster_environment=SimpleNamespace(main_address="127.0.0.1", main_port=29500), num_processes=2, global_rank=0)
+    return SimpleNamespace(
+        cluster_environment=SimpleNamespace(main_address="127.0.0.1", main_port=29500), num_processes=2, global_rank=0
+    )
 
 
 def test_results_travel_through_a_private_directory_that_is_removed_afterwards(monkeypatch, tmp_path):
@@ -42,7 +44,9 @@ def test_a_results_file_owned_by_another_user_is_not_unpickled(tmp_path):
     path = tmp_path / "results.pt"
     path.write_bytes(_to_bytes({"result": 1}))
     os.chown(path, 12345, -1)
-    with pytest.raises(RuntimeError, match="belongs to user id 12345, not to this process's user: refusing to unpickle it"):
+    with pytest.raises(
+        RuntimeError, match="belongs to user id 12345, not to this process's user: refusing to unpickle it"
+    ):
         _read_results(str(path))
 
 
@@ -78,6 +82,12 @@ def test_rank_zero_runs_with_the_launchers_strategy_and_its_worker_state_comes_b
     assert MultiProcessingLauncher(strategy, start_method="spawn").launch(work, 7, worker_state=state, scale=3) == 21
     assert seen["launched_rank"] == 0
     (restored,) = state.restored
-    assert restored["steps"] == 3 and torch.equal(restored["weights"], torch.ones(2)) and not restored["weights"].requires_grad
-    assert MultiProcessingLauncher(strategy, start_method="spawn").launch(work, 2, scale=2) == 4  # no state: nothing restored
+    assert (
+        restored["steps"] == 3
+        and torch.equal(restored["weights"], torch.ones(2))
+        and not restored["weights"].requires_grad
+    )
+    assert (
+        MultiProcessingLauncher(strategy, start_method="spawn").launch(work, 2, scale=2) == 4
+    )  # no state: nothing restored
     assert len(state.restored) == 1

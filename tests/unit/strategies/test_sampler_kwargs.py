@@ -8,7 +8,13 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 import phalanx
 
-STRATEGIES = [("ddp", False), ("ddp_spawn", False), ("fsdp", True), ("deepspeed_stage_2", False), ("deepspeed_stage_3", True)]
+STRATEGIES = [
+    ("ddp", False),
+    ("ddp_spawn", False),
+    ("fsdp", True),
+    ("deepspeed_stage_2", False),
+    ("deepspeed_stage_3", True),
+]
 
 
 @pytest.mark.parametrize(("name", "padded"), STRATEGIES)
@@ -24,6 +30,8 @@ def test_sampler_kwargs_build_a_distributed_sampler(name, padded, monkeypatch):
 def test_model_parallel_samples_over_its_data_parallel_ranks():
     from phalanx.strategies import ModelParallelStrategy
 
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4)
+    strategy = ModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4
+    )
     sampler = DistributedSampler(TensorDataset(torch.arange(10)), **strategy.distributed_sampler_kwargs)
     assert sampler.num_replicas == 2 and strategy.pads_evaluation

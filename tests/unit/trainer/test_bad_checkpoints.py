@@ -81,52 +81,174 @@ LOOP = ("loops", "fit_loop")
 RNG = ("rng_states", 0)
 # (name, change, fragment of the message after the file name, refused before the weights are loaded)
 DAMAGE = [
-    ("global_step a string", _set("global_step", value="5"), "checkpoint['global_step'] holds str '5'; expected an int >= 0"),
+    (
+        "global_step a string",
+        _set("global_step", value="5"),
+        "checkpoint['global_step'] holds str '5'; expected an int >= 0",
+    ),
     ("negative epoch", _set("epoch", value=-1), "checkpoint['epoch'] holds int -1"),
-    ("top-level step disagrees with the loop", _set("global_step", value=999), "checkpoint['global_step'] is 999, but checkpoint['loops']['fit_loop']['global_step'] is"),
+    (
+        "top-level step disagrees with the loop",
+        _set("global_step", value=999),
+        "checkpoint['global_step'] is 999, but checkpoint['loops']['fit_loop']['global_step'] is",
+    ),
     ("loops missing", _drop("loops"), "checkpoint['loops'] holds None; expected a dict"),
     ("fit_loop missing", _set("loops", value={}), "checkpoint['loops']['fit_loop'] holds None"),
     ("loop epoch missing", _drop(*LOOP, "epoch"), "checkpoint['loops']['fit_loop']['epoch'] is missing"),
     ("loop global_step a float", _set(*LOOP, "global_step", value=2.5), "['fit_loop']['global_step'] holds float 2.5"),
     ("loop batches_done negative", _set(*LOOP, "batches_done", value=-3), "['batches_done'] holds int -3"),
-    ("loop phase unknown", _set(*LOOP, "phase", value="middle"), "['phase'] holds str 'middle'; expected one of ['batches'"),
-    ("loop epoch_start_rng garbage", _set(*LOOP, "epoch_start_rng", value={"torch": 1}), "['epoch_start_rng']['python'] is missing"),
-    ("loop callback_metrics a list", _set(*LOOP, "callback_metrics", value=[1, 2]), "['callback_metrics'] holds list; expected a dict"),
+    (
+        "loop phase unknown",
+        _set(*LOOP, "phase", value="middle"),
+        "['phase'] holds str 'middle'; expected one of ['batches'",
+    ),
+    (
+        "loop epoch_start_rng garbage",
+        _set(*LOOP, "epoch_start_rng", value={"torch": 1}),
+        "['epoch_start_rng']['python'] is missing",
+    ),
+    (
+        "loop callback_metrics a list",
+        _set(*LOOP, "callback_metrics", value=[1, 2]),
+        "['callback_metrics'] holds list; expected a dict",
+    ),
     ("rng_states missing", _drop("rng_states"), "checkpoint['rng_states'] is missing"),
-    ("rng_states a string", _set("rng_states", value="garbage"), "checkpoint['rng_states'] holds str 'garbage'; expected a list"),
+    (
+        "rng_states a string",
+        _set("rng_states", value="garbage"),
+        "checkpoint['rng_states'] holds str 'garbage'; expected a list",
+    ),
     ("rng_states empty", _set("rng_states", value=[]), "checkpoint['rng_states'] is an empty list"),
-    ("torch generator state too short", _set(*RNG, "torch", value=torch.zeros(10, dtype=torch.uint8)), "['rng_states'][0]['torch'] is not a torch generator state"),
-    ("torch generator state not a tensor", _set(*RNG, "torch", value="abc"), "['torch'] holds str 'abc'; expected a uint8 tensor"),
-    ("python generator state garbage", _set(*RNG, "python", value=[3, [1, 2], None]), "['rng_states'][0]['python'] is not a state of Python's random module"),
+    (
+        "torch generator state too short",
+        _set(*RNG, "torch", value=torch.zeros(10, dtype=torch.uint8)),
+        "['rng_states'][0]['torch'] is not a torch generator state",
+    ),
+    (
+        "torch generator state not a tensor",
+        _set(*RNG, "torch", value="abc"),
+        "['torch'] holds str 'abc'; expected a uint8 tensor",
+    ),
+    (
+        "python generator state garbage",
+        _set(*RNG, "python", value=[3, [1, 2], None]),
+        "['rng_states'][0]['python'] is not a state of Python's random module",
+    ),
     ("python generator state missing", _drop(*RNG, "python"), "['rng_states'][0]['python'] is missing"),
-    ("numpy generator state garbage", _set(*RNG, "numpy", value=["MT19937", [1], 0, 0, 0.0]), "['rng_states'][0]['numpy'] is not a state of numpy's random generator"),
+    (
+        "numpy generator state garbage",
+        _set(*RNG, "numpy", value=["MT19937", [1], 0, 0, 0.0]),
+        "['rng_states'][0]['numpy'] is not a state of numpy's random generator",
+    ),
     ("cuda generator states garbage", _set(*RNG, "torch.cuda", value=[3]), "['torch.cuda'][0] holds int 3"),
-    ("optimizer_states a string", _set("optimizer_states", value="x"), "checkpoint['optimizer_states'] holds str 'x'; expected a list"),
-    ("no optimizer state", _set("optimizer_states", value=[]), "holds 0 optimizer state(s), but configure_optimizers created 1"),
-    ("another optimizer class", _set("optimizer_states", 0, value=_adam_state()), "is the state of another optimizer class than SGD"),
-    ("two parameter groups", _apply(lambda c: c["optimizer_states"][0]["param_groups"].append(dict(c["optimizer_states"][0]["param_groups"][0]))), "holds 2 parameter group(s), but the SGD has 1"),
-    ("a parameter too few", _apply(lambda c: c["optimizer_states"][0]["param_groups"][0]["params"].pop()), "lists 3 parameter(s), but that group of the SGD has 4"),
-    ("lr a string", _set(*GROUP, "lr", value="fast"), "['param_groups'][0]['lr'] holds str 'fast', but the SGD has float"),
+    (
+        "optimizer_states a string",
+        _set("optimizer_states", value="x"),
+        "checkpoint['optimizer_states'] holds str 'x'; expected a list",
+    ),
+    (
+        "no optimizer state",
+        _set("optimizer_states", value=[]),
+        "holds 0 optimizer state(s), but configure_optimizers created 1",
+    ),
+    (
+        "another optimizer class",
+        _set("optimizer_states", 0, value=_adam_state()),
+        "is the state of another optimizer class than SGD",
+    ),
+    (
+        "two parameter groups",
+        _apply(
+            lambda c: c["optimizer_states"][0]["param_groups"].append(dict(c["optimizer_states"][0]["param_groups"][0]))
+        ),
+        "holds 2 parameter group(s), but the SGD has 1",
+    ),
+    (
+        "a parameter too few",
+        _apply(lambda c: c["optimizer_states"][0]["param_groups"][0]["params"].pop()),
+        "lists 3 parameter(s), but that group of the SGD has 4",
+    ),
+    (
+        "lr a string",
+        _set(*GROUP, "lr", value="fast"),
+        "['param_groups'][0]['lr'] holds str 'fast', but the SGD has float",
+    ),
     ("lr NaN", _set(*GROUP, "lr", value=math.nan), "['lr'] holds float nan"),
-    ("momentum buffer of another shape", _set("optimizer_states", 0, "state", 0, "momentum_buffer", value=torch.zeros(3, 3)), "['state'][0]['momentum_buffer'] has shape [3, 3], but its parameter has [16, 4]"),
-    ("state of an unknown parameter", _set("optimizer_states", 0, "state", 99, value={"momentum_buffer": torch.zeros(1)}), "['state'][99] belongs to no parameter"),
-    ("optimizer state without 'state'", _drop("optimizer_states", 0, "state"), "['optimizer_states'][0]['state'] holds None; expected a dict"),
-    ("no scheduler state", _set("lr_schedulers", value=[]), "holds 0 LR scheduler state(s), but configure_optimizers created 1"),
-    ("another scheduler class", _set("lr_schedulers", 0, value=_cosine_state()), "is the state of another scheduler than StepLR"),
-    ("scheduler last_epoch a string", _set("lr_schedulers", 0, "last_epoch", value="1"), "['lr_schedulers'][0]['last_epoch'] holds str '1'; expected an int"),
-    ("lr_schedulers a dict", _set("lr_schedulers", value={"a": 1}), "checkpoint['lr_schedulers'] holds dict; expected a list"),
-    ("weights lack a key", _drop("state_dict", "net.0.weight"), "checkpoint['state_dict'] lacks 1 key(s): 'net.0.weight' (strict loading into Resumable)"),
-    ("weights have an extra key", _set("state_dict", "extra", value=torch.ones(1)), "has 1 key(s): 'extra', which Resumable does not have"),
-    ("weights of another shape", _set("state_dict", "net.0.weight", value=torch.zeros(16, 5)), "['state_dict']['net.0.weight'] has shape [16, 5], but Resumable has [16, 4] there"),
-    ("a weight not a tensor", _set("state_dict", "net.0.bias", value="zeros"), "['state_dict']['net.0.bias'] holds str 'zeros'; expected a tensor"),
+    (
+        "momentum buffer of another shape",
+        _set("optimizer_states", 0, "state", 0, "momentum_buffer", value=torch.zeros(3, 3)),
+        "['state'][0]['momentum_buffer'] has shape [3, 3], but its parameter has [16, 4]",
+    ),
+    (
+        "state of an unknown parameter",
+        _set("optimizer_states", 0, "state", 99, value={"momentum_buffer": torch.zeros(1)}),
+        "['state'][99] belongs to no parameter",
+    ),
+    (
+        "optimizer state without 'state'",
+        _drop("optimizer_states", 0, "state"),
+        "['optimizer_states'][0]['state'] holds None; expected a dict",
+    ),
+    (
+        "no scheduler state",
+        _set("lr_schedulers", value=[]),
+        "holds 0 LR scheduler state(s), but configure_optimizers created 1",
+    ),
+    (
+        "another scheduler class",
+        _set("lr_schedulers", 0, value=_cosine_state()),
+        "is the state of another scheduler than StepLR",
+    ),
+    (
+        "scheduler last_epoch a string",
+        _set("lr_schedulers", 0, "last_epoch", value="1"),
+        "['lr_schedulers'][0]['last_epoch'] holds str '1'; expected an int",
+    ),
+    (
+        "lr_schedulers a dict",
+        _set("lr_schedulers", value={"a": 1}),
+        "checkpoint['lr_schedulers'] holds dict; expected a list",
+    ),
+    (
+        "weights lack a key",
+        _drop("state_dict", "net.0.weight"),
+        "checkpoint['state_dict'] lacks 1 key(s): 'net.0.weight' (strict loading into Resumable)",
+    ),
+    (
+        "weights have an extra key",
+        _set("state_dict", "extra", value=torch.ones(1)),
+        "has 1 key(s): 'extra', which Resumable does not have",
+    ),
+    (
+        "weights of another shape",
+        _set("state_dict", "net.0.weight", value=torch.zeros(16, 5)),
+        "['state_dict']['net.0.weight'] has shape [16, 5], but Resumable has [16, 4] there",
+    ),
+    (
+        "a weight not a tensor",
+        _set("state_dict", "net.0.bias", value="zeros"),
+        "['state_dict']['net.0.bias'] holds str 'zeros'; expected a tensor",
+    ),
     ("state_dict a list", _set("state_dict", value=[1, 2]), "checkpoint['state_dict'] holds list; expected a dict"),
     ("state_dict missing", _drop("state_dict"), "has no 'state_dict' entry"),
     ("callbacks a list", _set("callbacks", value=[]), "checkpoint['callbacks'] holds list; expected a dict"),
     ("a callback state a string", _set("callbacks", EARLY_STOPPING_KEY, value="x"), "holds str 'x'; expected a dict"),
-    ("precision_plugin a string", _set("precision_plugin", value="x"), "checkpoint['precision_plugin'] holds str 'x'; expected a dict"),
+    (
+        "precision_plugin a string",
+        _set("precision_plugin", value="x"),
+        "checkpoint['precision_plugin'] holds str 'x'; expected a dict",
+    ),
     ("datamodule state an int", _set("datamodule", value=5), "checkpoint['datamodule'] holds int 5; expected a dict"),
-    ("hyper_parameters a list", _set("hyper_parameters", value=[1]), "checkpoint['hyper_parameters'] holds list; expected a dict"),
-    ("no optimizer states at all", _drop("optimizer_states"), "was saved with weights_only=True and holds no optimizer or loop state"),
+    (
+        "hyper_parameters a list",
+        _set("hyper_parameters", value=[1]),
+        "checkpoint['hyper_parameters'] holds list; expected a dict",
+    ),
+    (
+        "no optimizer states at all",
+        _drop("optimizer_states"),
+        "was saved with weights_only=True and holds no optimizer or loop state",
+    ),
 ]
 
 
@@ -164,7 +286,10 @@ def test_fit_refuses_a_damaged_checkpoint_before_changing_anything(saved, tmp_pa
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [
-        (_set("callbacks", EARLY_STOPPING_KEY, "wait_count", value=-1), f"checkpoint['callbacks'][\"{EARLY_STOPPING_KEY}\"] could not be restored"),
+        (
+            _set("callbacks", EARLY_STOPPING_KEY, "wait_count", value=-1),
+            f"checkpoint['callbacks'][\"{EARLY_STOPPING_KEY}\"] could not be restored",
+        ),
         (_drop("callbacks", EARLY_STOPPING_KEY, "best_score"), "the EarlyStopping state lacks ['best_score']"),
     ],
 )
@@ -180,7 +305,9 @@ def test_a_damaged_callback_state_names_its_entry(saved, tmp_path, change, fragm
 
 def test_a_checkpoint_taken_further_into_an_epoch_than_the_data_reaches_is_refused(saved, tmp_path):
     path = _write(saved, _set(*LOOP, "batches_done", value=50), tmp_path / "far.ckpt")
-    with pytest.raises(CheckpointError, match="resumes after batch 50 of epoch 1, but the training data has only 4 batches"):
+    with pytest.raises(
+        CheckpointError, match="resumes after batch 50 of epoch 1, but the training data has only 4 batches"
+    ):
         make_trainer().fit(Resumable(), loaders(n=32)[0], ckpt_path=path)
 
 
@@ -193,7 +320,17 @@ def test_a_checkpoint_holding_a_list_is_refused(tmp_path):
         Resumable.load_from_checkpoint(path)
 
 
-LOAD_NAMES = ("global_step a string", "negative epoch", "hyper_parameters a list", "state_dict a list", "state_dict missing", "a weight not a tensor", "weights lack a key", "weights have an extra key", "weights of another shape")
+LOAD_NAMES = (
+    "global_step a string",
+    "negative epoch",
+    "hyper_parameters a list",
+    "state_dict a list",
+    "state_dict missing",
+    "a weight not a tensor",
+    "weights lack a key",
+    "weights have an extra key",
+    "weights of another shape",
+)
 LOAD_DAMAGE = [row for row in DAMAGE if row[0] in LOAD_NAMES]
 
 

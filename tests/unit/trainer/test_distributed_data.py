@@ -86,7 +86,10 @@ def _worker_init(worker_id: int) -> None:
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize(("n", "num_replicas"), [(12, 3), (10, 3), (7, 2), (2, 5), (1, 1), (0, 2)])
 def test_unrepeated_covers_every_index_exactly_once(n: int, num_replicas: int, shuffle: bool) -> None:
-    samplers = [UnrepeatedDistributedSampler(Indices(n), num_replicas=num_replicas, rank=r, shuffle=shuffle, seed=3) for r in range(num_replicas)]
+    samplers = [
+        UnrepeatedDistributedSampler(Indices(n), num_replicas=num_replicas, rank=r, shuffle=shuffle, seed=3)
+        for r in range(num_replicas)
+    ]
     shares = [list(s) for s in samplers]
     assert sorted(i for share in shares for i in share) == list(range(n))
     assert [len(s) for s in samplers] == [len(share) for share in shares]
@@ -171,7 +174,10 @@ def test_wrapper_draw_changes_with_epoch_and_restores_the_users_generator() -> N
 
 def test_wrapper_without_repeat_deals_each_draw_once() -> None:
     n, replicas = 10, 3
-    shares = [list(DistributedSamplerWrapper(_weighted(n), num_replicas=replicas, rank=r, seed=2, repeat=False)) for r in range(replicas)]
+    shares = [
+        list(DistributedSamplerWrapper(_weighted(n), num_replicas=replicas, rank=r, seed=2, repeat=False))
+        for r in range(replicas)
+    ]
     assert [len(s) for s in shares] == [4, 3, 3]
     inner = _expected_inner(n, 2, 0)
     assert shares == [inner[r::replicas] for r in range(replicas)]
@@ -238,7 +244,9 @@ def test_with_sampler_batches_the_new_sampler_like_the_old_loader() -> None:
 
 
 def test_with_sampler_unpacks_a_plain_batch_sampler() -> None:
-    loader = DataLoader(Indices(7), batch_sampler=BatchSampler(SequentialSampler(range(7)), batch_size=2, drop_last=True))
+    loader = DataLoader(
+        Indices(7), batch_sampler=BatchSampler(SequentialSampler(range(7)), batch_size=2, drop_last=True)
+    )
     new = with_sampler(loader, Reversed(7))
     assert (new.batch_size, new.drop_last) == (2, True)
     assert [b.tolist() for b in new] == [[6, 5], [4, 3], [2, 1]]
@@ -281,7 +289,13 @@ def test_training_policy_for_random_and_sequential_samplers() -> None:
     shuffled = _dist(DataLoader(Indices(10), batch_size=2, shuffle=True, drop_last=True), training=True)
     sampler = shuffled.sampler
     assert type(sampler) is DistributedSampler
-    assert (sampler.shuffle, sampler.seed, sampler.drop_last, sampler.num_replicas, sampler.rank) == (True, 9, True, 3, 1)
+    assert (sampler.shuffle, sampler.seed, sampler.drop_last, sampler.num_replicas, sampler.rank) == (
+        True,
+        9,
+        True,
+        3,
+        1,
+    )
     assert shuffled.drop_last is True and shuffled.batch_size == 2
     ordered = _dist(DataLoader(Indices(10), batch_size=2), training=True).sampler
     assert type(ordered) is DistributedSampler and ordered.shuffle is False and ordered.drop_last is False
@@ -300,7 +314,9 @@ def test_training_policy_wraps_other_samplers() -> None:
 
 def test_evaluation_policy_never_repeats() -> None:
     for shuffle in (False, True):
-        loaders = [_dist(DataLoader(Indices(10), batch_size=3, shuffle=shuffle), training=False, rank=r) for r in range(3)]
+        loaders = [
+            _dist(DataLoader(Indices(10), batch_size=3, shuffle=shuffle), training=False, rank=r) for r in range(3)
+        ]
         assert all(type(l.sampler) is UnrepeatedDistributedSampler and l.sampler.shuffle is False for l in loaders)
         assert sorted(int(x) for l in loaders for batch in l for x in batch) == list(range(10))
     custom = _dist(DataLoader(Indices(10), sampler=Reversed(10)), training=False).sampler
@@ -310,7 +326,9 @@ def test_evaluation_policy_never_repeats() -> None:
 def test_policy_leaves_distributed_iterable_and_foreign_loaders_alone() -> None:
     already = DataLoader(Indices(10), sampler=DistributedSampler(Indices(10), num_replicas=2, rank=0))
     assert _dist(already, training=True) is already
-    batched = DataLoader(Indices(10), batch_sampler=BatchSampler(UnrepeatedDistributedSampler(Indices(10), 2, 0), 2, False))
+    batched = DataLoader(
+        Indices(10), batch_sampler=BatchSampler(UnrepeatedDistributedSampler(Indices(10), 2, 0), 2, False)
+    )
     assert _dist(batched, training=False) is batched
     stream = DataLoader(Stream(), batch_size=2)
     assert _dist(stream, training=True) is stream
@@ -325,8 +343,10 @@ def test_policy_leaves_distributed_iterable_and_foreign_loaders_alone() -> None:
 
 def _rank_loaders(n: int, batch_size: int, replicas: int, shuffle: bool = False) -> list[DataLoader]:
     return [
-        with_sampler(DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size),
-                     UnrepeatedDistributedSampler(TensorDataset(torch.arange(n)), replicas, rank, shuffle=shuffle, seed=5))
+        with_sampler(
+            DataLoader(TensorDataset(torch.arange(n)), batch_size=batch_size),
+            UnrepeatedDistributedSampler(TensorDataset(torch.arange(n)), replicas, rank, shuffle=shuffle, seed=5),
+        )
         for rank in range(replicas)
     ]
 
@@ -354,7 +374,9 @@ def _predict(batch: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def _distributed_predictions(n: int, batch_size: int, replicas: int, shuffle: bool, predict: Any) -> list[list[tuple[list[int], Any]]]:
+def _distributed_predictions(
+    n: int, batch_size: int, replicas: int, shuffle: bool, predict: Any
+) -> list[list[tuple[list[int], Any]]]:
     per_rank = []
     for loader in _rank_loaders(n, batch_size, replicas, shuffle):
         batches = [batch[0] for batch in loader]
@@ -419,7 +441,17 @@ def test_reassembly_rejects_bad_batch_size() -> None:
 def test_padded_evaluation_gives_every_rank_as_many_batches_and_prediction_drops_the_repeats() -> None:
     # Sharded models (FSDP, tensor parallelism) run a collective in every forward pass: ranks must see equally many
     # batches even when the data does not divide.
-    loaders = [distributed_dataloader(DataLoader(TensorDataset(torch.arange(11)), batch_size=2, shuffle=True), num_replicas=3, rank=r, training=False, seed=0, pad_evaluation=True) for r in range(3)]
+    loaders = [
+        distributed_dataloader(
+            DataLoader(TensorDataset(torch.arange(11)), batch_size=2, shuffle=True),
+            num_replicas=3,
+            rank=r,
+            training=False,
+            seed=0,
+            pad_evaluation=True,
+        )
+        for r in range(3)
+    ]
     assert [len(loader) for loader in loaders] == [2, 2, 2]
     seen = [int(x) for loader in loaders for (batch,) in loader for x in batch]
     assert len(seen) == 12 and sorted(set(seen)) == list(range(11))  # one index twice, none missing, no shuffling

@@ -52,13 +52,37 @@ def empty_tensor_dataset() -> TensorDataset:
 
 DATA = {
     "DataLoader over an empty list": (lambda: DataLoader([], batch_size=4), {}, "dataset (list) is empty"),
-    "DataLoader over an empty dataset": (lambda: DataLoader(empty_tensor_dataset(), batch_size=4), {}, "TensorDataset) is empty"),
-    "limit_train_batches=0": (lambda: DataLoader(regression_data(16), batch_size=4), {"limit_train_batches": 0}, "limit_train_batches=0"),
-    "limit_train_batches=0.0": (lambda: DataLoader(regression_data(16), batch_size=4), {"limit_train_batches": 0.0}, "limit_train_batches=0.0"),
-    "IterableDataset that yields nothing": (lambda: DataLoader(NothingIterable(), batch_size=4), {}, "over NothingIterable) yielded nothing"),
-    "limit 0.0 on data without a length": (lambda: DataLoader(NothingIterable(), batch_size=4), {"limit_train_batches": 0.0}, "limit_train_batches=0.0"),
+    "DataLoader over an empty dataset": (
+        lambda: DataLoader(empty_tensor_dataset(), batch_size=4),
+        {},
+        "TensorDataset) is empty",
+    ),
+    "limit_train_batches=0": (
+        lambda: DataLoader(regression_data(16), batch_size=4),
+        {"limit_train_batches": 0},
+        "limit_train_batches=0",
+    ),
+    "limit_train_batches=0.0": (
+        lambda: DataLoader(regression_data(16), batch_size=4),
+        {"limit_train_batches": 0.0},
+        "limit_train_batches=0.0",
+    ),
+    "IterableDataset that yields nothing": (
+        lambda: DataLoader(NothingIterable(), batch_size=4),
+        {},
+        "over NothingIterable) yielded nothing",
+    ),
+    "limit 0.0 on data without a length": (
+        lambda: DataLoader(NothingIterable(), batch_size=4),
+        {"limit_train_batches": 0.0},
+        "limit_train_batches=0.0",
+    ),
     "empty generator": (lambda: (batch for batch in []), {}, "generator, an iterator"),
-    "drop_last, fewer samples than a batch": (lambda: DataLoader(regression_data(3), batch_size=4, drop_last=True), {}, "drop_last=True drops the only, partial batch"),
+    "drop_last, fewer samples than a batch": (
+        lambda: DataLoader(regression_data(3), batch_size=4, drop_last=True),
+        {},
+        "drop_last=True drops the only, partial batch",
+    ),
 }
 STOPS = {
     "max_steps, max_epochs=-1": {"max_steps": 5, "max_epochs": -1},
@@ -89,7 +113,10 @@ def test_fit_on_data_without_batches_warns_and_returns(make_data, limits, cause,
 def test_a_generator_is_used_up_after_one_epoch_and_fit_stops_there():
     batches = [(torch.randn(4, 4), torch.randn(4, 1)) for _ in range(3)]
     trainer = quiet_trainer(max_steps=100, max_epochs=-1)
-    with pytest.warns(UserWarning, match=r"Epoch 1 trained no batch \(the training data is a generator, an iterator"), time_limit(TIME_LIMIT_S):
+    with (
+        pytest.warns(UserWarning, match=r"Epoch 1 trained no batch \(the training data is a generator, an iterator"),
+        time_limit(TIME_LIMIT_S),
+    ):
         trainer.fit(Regressor(), (batch for batch in batches))
     assert trainer.global_step == 3
 

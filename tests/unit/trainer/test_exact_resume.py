@@ -14,7 +14,10 @@ import phalanx
 class AdamWithScheduler(Regressor):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8),
+        }
 
 
 class Interrupt(phalanx.Callback):
@@ -30,7 +33,9 @@ class Interrupt(phalanx.Callback):
             raise KeyboardInterrupt
 
 
-def _train(ckpt_path: str | None = None, callbacks: list | None = None, seed: int = 7, num_workers: int = 0, **options: Any) -> tuple[list[torch.Tensor], Any]:
+def _train(
+    ckpt_path: str | None = None, callbacks: list | None = None, seed: int = 7, num_workers: int = 0, **options: Any
+) -> tuple[list[torch.Tensor], Any]:
     phalanx.seed_everything(seed)
     model = AdamWithScheduler(dropout=0.3)
     train, val = loaders(n=100, batch_size=8, shuffle=True, num_workers=num_workers)  # 13 batches, the last one short
@@ -92,9 +97,19 @@ def test_resume_from_last_checkpoint_of_model_checkpoint(tmp_path):
     reference, _ = _train(max_epochs=3)
     checkpointing = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=4, save_top_k=-1)
     with pytest.raises(KeyboardInterrupt):
-        _train(callbacks=[checkpointing, Interrupt(18, str(tmp_path / "unused.ckpt"))], enable_checkpointing=True, max_epochs=3)
+        _train(
+            callbacks=[checkpointing, Interrupt(18, str(tmp_path / "unused.ckpt"))],
+            enable_checkpointing=True,
+            max_epochs=3,
+        )
     # last.ckpt was written at step 16; a fresh Trainer with a ModelCheckpoint on the same directory finds it.
-    resumed, trainer = _train(ckpt_path="last", callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], enable_checkpointing=True, seed=5, max_epochs=3)
+    resumed, trainer = _train(
+        ckpt_path="last",
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        enable_checkpointing=True,
+        seed=5,
+        max_epochs=3,
+    )
     assert trainer.global_step == 39
     assert same_parameters(resumed, reference)
 
@@ -117,7 +132,9 @@ class InterruptAfterValidation(phalanx.Callback):
             raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("at_step", [6, 12])  # after a mid-epoch validation; after the epoch-end validation (12 batches)
+@pytest.mark.parametrize(
+    "at_step", [6, 12]
+)  # after a mid-epoch validation; after the epoch-end validation (12 batches)
 def test_resume_from_a_checkpoint_saved_at_validation_end_with_a_plateau_scheduler(tmp_path, at_step):
     def train(**kwargs: Any) -> tuple[list[torch.Tensor], Any]:
         seed = kwargs.pop("seed", 7)

@@ -7,7 +7,12 @@ from phalanx_testing import Regressor, loaders, quiet_trainer
 
 import phalanx
 
-MODULE_HOOKS = [("on_train_epoch_end", ()), ("on_train_batch_end", ("outputs", "batch", "batch_idx")), ("on_fit_start", ()), ("on_validation_epoch_end", ())]
+MODULE_HOOKS = [
+    ("on_train_epoch_end", ()),
+    ("on_train_batch_end", ("outputs", "batch", "batch_idx")),
+    ("on_fit_start", ()),
+    ("on_validation_epoch_end", ()),
+]
 
 
 @pytest.mark.parametrize(("name", "arguments"), MODULE_HOOKS)
@@ -23,7 +28,11 @@ def test_a_hook_assigned_on_the_module_runs(name, arguments):
 def test_a_hook_assigned_on_a_callback_runs_with_trainer_and_module(name, arguments):
     calls = []
     callback = phalanx.Callback()
-    setattr(callback, name, lambda trainer, module, *args: calls.append((trainer.__class__.__name__, type(module).__name__, len(args))))
+    setattr(
+        callback,
+        name,
+        lambda trainer, module, *args: calls.append((trainer.__class__.__name__, type(module).__name__, len(args))),
+    )
     quiet_trainer(max_epochs=2, num_sanity_val_steps=0, callbacks=[callback]).fit(Regressor(), *loaders(n=16))
     assert calls and set(calls) == {("Trainer", "Regressor", len(arguments))}
 

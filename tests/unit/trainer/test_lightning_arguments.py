@@ -67,7 +67,9 @@ class StopAtOnce(phalanx.Callback):
         trainer.should_stop = True
 
 
-@pytest.mark.parametrize(("min_steps", "min_epochs", "expected_steps"), [(None, None, 1), (11, None, 11), (3, 2, 16), (20, 1, 20)])
+@pytest.mark.parametrize(
+    ("min_steps", "min_epochs", "expected_steps"), [(None, None, 1), (11, None, 11), (3, 2, 16), (20, 1, 20)]
+)
 def test_a_stop_request_waits_for_min_steps_and_min_epochs(min_steps, min_epochs, expected_steps):
     train, _ = loaders(n=64, batch_size=8)  # 8 batches an epoch
     trainer = quiet_trainer(max_epochs=10, min_steps=min_steps, min_epochs=min_epochs, callbacks=[StopAtOnce()])

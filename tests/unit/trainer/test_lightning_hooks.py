@@ -47,7 +47,9 @@ class WarmUp(Regressor):
         optimizer.step(closure=optimizer_closure)
 
 
-def _reference_warm_up(model: Regressor, loader: DataLoader, epochs: int, accumulate: int, warmup: int) -> list[torch.Tensor]:
+def _reference_warm_up(
+    model: Regressor, loader: DataLoader, epochs: int, accumulate: int, warmup: int
+) -> list[torch.Tensor]:
     """The same training written as a plain PyTorch loop."""
     optimizer = torch.optim.SGD(model.parameters(), lr=model.hparams.lr)
     batches = list(loader)
@@ -81,7 +83,9 @@ def test_a_warm_up_in_optimizer_step_is_applied_on_each_stepping_batch(tmp_path,
 
 class LogsWarmUp(WarmUp):
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-        self.log("scale", min(1.0, (self.trainer.global_step + 1) / self.warmup))  # per step by default, as in Lightning
+        self.log(
+            "scale", min(1.0, (self.trainer.global_step + 1) / self.warmup)
+        )  # per step by default, as in Lightning
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
 
 
@@ -121,7 +125,13 @@ class Recorder(Regressor):
 def test_optimizer_step_wraps_training_step_and_the_strategy_step_in_lightnings_order(tmp_path):
     model = Recorder()
     _trainer(tmp_path, max_steps=2).fit(model, _train_loader())
-    one_step = ["optimizer_step", "training_step", "on_before_optimizer_step", "on_before_zero_grad", "optimizer_zero_grad"]
+    one_step = [
+        "optimizer_step",
+        "training_step",
+        "on_before_optimizer_step",
+        "on_before_zero_grad",
+        "optimizer_zero_grad",
+    ]
     assert model.events == one_step * 2
 
 
@@ -131,8 +141,12 @@ def test_overriding_the_step_hooks_with_their_defaults_changes_nothing(tmp_path,
     hooked, plain = Recorder(), Regressor()
     plain.load_state_dict(hooked.state_dict())
     for model, root in ((hooked, "hooked"), (plain, "plain")):
-        _trainer(tmp_path / root, max_epochs=2, accumulate_grad_batches=accumulate, gradient_clip_val=clip).fit(model, _train_loader(40))
-    assert same_parameters(parameters_of(hooked), parameters_of(plain))  # clipping and accumulation went through the handle
+        _trainer(tmp_path / root, max_epochs=2, accumulate_grad_batches=accumulate, gradient_clip_val=clip).fit(
+            model, _train_loader(40)
+        )
+    assert same_parameters(
+        parameters_of(hooked), parameters_of(plain)
+    )  # clipping and accumulation went through the handle
     windows = -(-5 // accumulate)  # 5 batches an epoch; the last window may be short
     assert hooked.events.count("optimizer_step") == hooked.events.count("optimizer_zero_grad") == 2 * windows
 
@@ -143,7 +157,10 @@ class NoClosure(Regressor):
 
 
 def test_an_optimizer_step_that_never_runs_the_closure_is_refused(tmp_path):
-    with pytest.raises(MisconfigurationError, match=r"NoClosure.optimizer_step did not run the optimizer_closure.*batch_idx 0.*optimizer.step\(closure=optimizer_closure\)"):
+    with pytest.raises(
+        MisconfigurationError,
+        match=r"NoClosure.optimizer_step did not run the optimizer_closure.*batch_idx 0.*optimizer.step\(closure=optimizer_closure\)",
+    ):
         _trainer(tmp_path).fit(NoClosure(), _train_loader())
 
 
@@ -174,7 +191,11 @@ def test_running_the_closure_then_stepping_without_it_trains_as_the_default(tmp_
     before = parameters_of(model)
     for trained, root in ((model, "a"), (plain, "b")):
         if precision.startswith("16-mixed"):  # the scaler skips a step whose closure gave no loss: here it has one
-            options = {"plugins": [MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))]}
+            options = {
+                "plugins": [
+                    MixedPrecision("16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
+                ]
+            }
         else:
             options = {"precision": precision}
         _trainer(tmp_path / root, gradient_clip_val=0.05, **options).fit(trained, _train_loader())
@@ -192,13 +213,18 @@ def test_running_the_closure_without_stepping_trains_nothing_but_counts_the_step
 
 
 class OldSignature(Regressor):
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_idx, optimizer_closure, on_tpu=False, using_lbfgs=False):
+    def optimizer_step(
+        self, epoch, batch_idx, optimizer, optimizer_idx, optimizer_closure, on_tpu=False, using_lbfgs=False
+    ):
         optimizer.step(closure=optimizer_closure)
 
 
 def test_lightning_1_signature_of_optimizer_step_is_refused_before_training(tmp_path):
     model = OldSignature()
-    with pytest.raises(MisconfigurationError, match=r"OldSignature.optimizer_step takes optimizer_idx.*optimizer_step\(self, epoch, batch_idx, optimizer, optimizer_closure=None\)"):
+    with pytest.raises(
+        MisconfigurationError,
+        match=r"OldSignature.optimizer_step takes optimizer_idx.*optimizer_step\(self, epoch, batch_idx, optimizer, optimizer_closure=None\)",
+    ):
         _trainer(tmp_path).fit(model, _train_loader())
     assert model.global_step == 0
 
@@ -224,7 +250,10 @@ class ManualWithStepHook(Regressor):
 def test_manual_optimization_does_not_call_optimizer_step_and_says_so(tmp_path):
     model = ManualWithStepHook()
     trainer = _trainer(tmp_path)
-    with pytest.warns(UserWarning, match="ManualWithStepHook overrides optimizer_step, which the training loop calls only with automatic optimization"):
+    with pytest.warns(
+        UserWarning,
+        match="ManualWithStepHook overrides optimizer_step, which the training loop calls only with automatic optimization",
+    ):
         trainer.fit(model, _train_loader())
     assert model.hook_calls == 0 and trainer.global_step == 6  # the handle's step() counts in manual optimization
 
@@ -297,7 +326,10 @@ class Tagged(Regressor):
 
 
 TRANSFER_CASES = [
-    (("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"), ("before{}", "transfer", "after")),
+    (
+        ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer"),
+        ("before{}", "transfer", "after"),
+    ),
     (("on_before_batch_transfer",), ("before{}",)),
     (("transfer_batch_to_device",), ("transfer",)),
     (("on_after_batch_transfer",), ("after",)),
@@ -310,7 +342,9 @@ def test_batch_transfer_hooks_shape_what_every_step_receives(tmp_path, hooks, ta
     model = Tagged(hooks)
     train, val = loaders(n=16)
     second = DataLoader(regression_data(8), batch_size=8)
-    trainer = _trainer(tmp_path, max_steps=1, limit_val_batches=1, num_sanity_val_steps=1 if stage == "sanity_check" else 0)
+    trainer = _trainer(
+        tmp_path, max_steps=1, limit_val_batches=1, num_sanity_val_steps=1 if stage == "sanity_check" else 0
+    )
     if stage in ("fit", "sanity_check"):
         trainer.fit(model, train, val if stage == "sanity_check" else None)
         expected = [("validate", tuple(t.format(0) for t in tags))] if stage == "sanity_check" else []
@@ -338,10 +372,15 @@ class TransferData(phalanx.DataModule):
 def test_a_datamodules_transfer_hook_wins_over_the_modules_with_a_warning(tmp_path):
     model = Tagged(("on_after_batch_transfer", "on_before_batch_transfer"))
     trainer, data = _trainer(tmp_path, max_steps=1), TransferData()
-    with pytest.warns(UserWarning, match="Tagged and TransferData both override on_after_batch_transfer: the DataModule's is used") as caught:
+    with pytest.warns(
+        UserWarning, match="Tagged and TransferData both override on_after_batch_transfer: the DataModule's is used"
+    ) as caught:
         trainer.fit(model, datamodule=data)
         trainer.predict(model, DataLoader(regression_data(8), batch_size=8))  # no DataModule: the module's hooks
-    assert model.seen == [("train", ("before0", "datamodule")), ("predict", ("before0", "after"))]  # the module's on_before runs: only it defines it
+    assert model.seen == [
+        ("train", ("before0", "datamodule")),
+        ("predict", ("before0", "after")),
+    ]  # the module's on_before runs: only it defines it
     assert sum("both override" in str(w.message) for w in caught) == 1
 
 
@@ -376,14 +415,18 @@ class Modes(Regressor):
         self.events.append("on_validation_end")
 
 
-@pytest.mark.parametrize("overridden", [(), ("on_{}_model_eval",), ("on_{}_model_train",), ("on_{}_model_eval", "on_{}_model_train")])
+@pytest.mark.parametrize(
+    "overridden", [(), ("on_{}_model_eval",), ("on_{}_model_train",), ("on_{}_model_eval", "on_{}_model_train")]
+)
 @pytest.mark.parametrize("stage", ["validation", "test", "predict"])
 def test_mode_hooks_replace_the_eval_switch_and_its_restore(tmp_path, stage, overridden):
     eval_hook, train_hook = f"on_{stage}_model_eval", f"on_{stage}_model_train"
     model = Modes(tuple(name.format(stage) for name in overridden))
     model.net[2].eval()  # a submodule in eval mode of its own: the default restore keeps it so
     method = {"validation": "validate", "test": "test", "predict": "predict"}[stage]
-    getattr(_trainer(tmp_path, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1), method)(model, loaders(n=16)[1])
+    getattr(_trainer(tmp_path, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1), method)(
+        model, loaders(n=16)[1]
+    )
     eval_overridden, train_overridden = eval_hook in model.__dict__, train_hook in model.__dict__
     # These overrides do nothing: a model never switched to eval mode runs its step in train mode.
     expected = [eval_hook] if eval_overridden else []
@@ -401,8 +444,16 @@ def test_during_fit_validation_switches_through_the_hooks_and_training_resumes_i
     model.on_validation_model_eval = lambda: (model.events.append("on_validation_model_eval"), model.eval())
     model.on_validation_model_train = lambda: (model.events.append("on_validation_model_train"), model.train())
     train, val = loaders(n=16)
-    _trainer(tmp_path, max_epochs=1, limit_val_batches=1, num_sanity_val_steps=1, val_check_interval=1).fit(model, train, val)
-    validation = ["on_validation_model_eval", "on_validation_start", "validate:False", "on_validation_end", "on_validation_model_train"]
+    _trainer(tmp_path, max_epochs=1, limit_val_batches=1, num_sanity_val_steps=1, val_check_interval=1).fit(
+        model, train, val
+    )
+    validation = [
+        "on_validation_model_eval",
+        "on_validation_start",
+        "validate:False",
+        "on_validation_end",
+        "on_validation_model_train",
+    ]
     assert model.events == validation + ["train:True:True"] + validation + ["train:True:True"] + validation
 
 
@@ -421,7 +472,9 @@ class ReleaseBeforeValidation(Regressor):
 def test_on_validation_model_zero_grad_runs_before_validation_in_fit_at_window_ends(tmp_path, accumulate, released_at):
     model = ReleaseBeforeValidation()
     train, val = loaders(n=32)  # 4 training batches, validated after each; the sanity check does not call it
-    _trainer(tmp_path, val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=1, accumulate_grad_batches=accumulate).fit(model, train, val)
+    _trainer(
+        tmp_path, val_check_interval=1, limit_val_batches=1, num_sanity_val_steps=1, accumulate_grad_batches=accumulate
+    ).fit(model, train, val)
     assert model.released_at == released_at  # never inside an accumulation window, whose gradients are still needed
     _trainer(tmp_path).validate(model, val, verbose=False)
     assert model.released_at == released_at  # nor in a validate() call
@@ -450,5 +503,17 @@ def test_without_overrides_the_loop_calls_the_strategy_directly(tmp_path):
     trainer.fit(model, _train_loader())
     hooks = trainer._hooks
     assert hooks.move_batch == trainer.strategy.batch_to_device
-    assert all(not hooks[name] for name in ("optimizer_step", "optimizer_zero_grad", "on_validation_model_eval", "on_validation_model_zero_grad"))
-    assert trainer.fit_loop._step_hook is None and trainer.fit_loop._zero_grad_hook is None and trainer.fit_loop._release_grads is None
+    assert all(
+        not hooks[name]
+        for name in (
+            "optimizer_step",
+            "optimizer_zero_grad",
+            "on_validation_model_eval",
+            "on_validation_model_zero_grad",
+        )
+    )
+    assert (
+        trainer.fit_loop._step_hook is None
+        and trainer.fit_loop._zero_grad_hook is None
+        and trainer.fit_loop._release_grads is None
+    )

@@ -27,8 +27,17 @@ def _resident_bytes() -> int:
 
 def _fit(root, steps: int, every: int) -> int:
     data = TensorDataset(torch.randn(256, 4), torch.randn(256, 1))
-    checkpoints = ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=2, monitor="train_loss", save_last=True)
-    trainer = quiet_trainer(max_steps=steps, callbacks=[checkpoints], enable_checkpointing=True, default_root_dir=root, logger=True, log_every_n_steps=50)
+    checkpoints = ModelCheckpoint(
+        dirpath=root, every_n_train_steps=every, save_top_k=2, monitor="train_loss", save_last=True
+    )
+    trainer = quiet_trainer(
+        max_steps=steps,
+        callbacks=[checkpoints],
+        enable_checkpointing=True,
+        default_root_dir=root,
+        logger=True,
+        log_every_n_steps=50,
+    )
     # 330 kB of weights: 200 leaked copies of a checkpoint would be 64 MiB, over the bound below.
     trainer.fit(Regressor(hidden=16384, lr=1e-4), DataLoader(data, batch_size=8, shuffle=True))
     return trainer.global_step

@@ -12,7 +12,11 @@ from torch import nn
 from phalanx.trainer.optimizer import ManualOptimizer
 
 
-@pytest.mark.parametrize("duplicate", [copy.deepcopy, copy.copy, lambda handle: pickle.loads(pickle.dumps(handle))], ids=["deepcopy", "copy", "pickle"])
+@pytest.mark.parametrize(
+    "duplicate",
+    [copy.deepcopy, copy.copy, lambda handle: pickle.loads(pickle.dumps(handle))],
+    ids=["deepcopy", "copy", "pickle"],
+)
 def test_a_copied_handle_keeps_the_optimizer_state_and_refuses_to_step(duplicate):
     model = nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

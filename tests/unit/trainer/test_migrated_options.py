@@ -78,14 +78,20 @@ OVERFIT = [
 
 
 @pytest.mark.parametrize(("overfit", "options", "train_batches", "val_batches"), OVERFIT)
-def test_overfit_batches_train_and_validate_on_the_same_first_batches_every_epoch(overfit, options, train_batches, val_batches):
+def test_overfit_batches_train_and_validate_on_the_same_first_batches_every_epoch(
+    overfit, options, train_batches, val_batches
+):
     train = DataLoader(numbered(64), batch_size=8, shuffle=True)
     val = DataLoader(numbered(32, offset=500), batch_size=8, sampler=RandomSampler(numbered(32, offset=500)))
     model = Recorder()
     trainer = quiet_trainer(overfit_batches=overfit, max_epochs=3, num_sanity_val_steps=0, **options)
     with pytest.warns(UserWarning, match="overfit_batches") as caught:
         trainer.fit(model, train, val)
-    stages = {stage for stage in ("training", "validation") if any(f"the {stage} DataLoader" in str(w.message) for w in caught)}
+    stages = {
+        stage
+        for stage in ("training", "validation")
+        if any(f"the {stage} DataLoader" in str(w.message) for w in caught)
+    }
     assert stages == {"training", "validation"}  # both shuffled loaders were replaced, each with a warning
     epochs = sorted(model.seen["train"])
     expected_train = [list(range(8 * b, 8 * b + 8)) for b in range(train_batches)]
@@ -100,19 +106,28 @@ def test_overfit_batches_leave_sequential_loaders_alone_and_off_means_shuffling(
     model = Recorder()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no replacement warning for loaders already in order
-        quiet_trainer(overfit_batches=2, max_epochs=1, num_sanity_val_steps=0).fit(model, DataLoader(numbered(64), batch_size=8))
+        quiet_trainer(overfit_batches=2, max_epochs=1, num_sanity_val_steps=0).fit(
+            model, DataLoader(numbered(64), batch_size=8)
+        )
     assert model.seen["train"][0] == [list(range(8)), list(range(8, 16))]
     torch.manual_seed(0)
     shuffled = Recorder()
-    quiet_trainer(max_epochs=2, limit_train_batches=2).fit(shuffled, DataLoader(numbered(64), batch_size=8, shuffle=True))
+    quiet_trainer(max_epochs=2, limit_train_batches=2).fit(
+        shuffled, DataLoader(numbered(64), batch_size=8, shuffle=True)
+    )
     assert shuffled.seen["train"][0] != shuffled.seen["train"][1]  # overfit_batches=0 (default) keeps the shuffle
 
 
 @pytest.mark.parametrize(
     ("value", "error", "match"),
-    [(-1, ValueError, r"overfit_batches=-1 must be >= 0"), (1.5, ValueError, r"overfit_batches=1.5 must be in \[0.0, 1.0\]"),
-     ("2", TypeError, r"overfit_batches='2' must be an int"), (True, TypeError, "overfit_batches=True"), (None, TypeError, "overfit_batches=None")],
-)  # fmt: skip
+    [
+        (-1, ValueError, r"overfit_batches=-1 must be >= 0"),
+        (1.5, ValueError, r"overfit_batches=1.5 must be in \[0.0, 1.0\]"),
+        ("2", TypeError, r"overfit_batches='2' must be an int"),
+        (True, TypeError, "overfit_batches=True"),
+        (None, TypeError, "overfit_batches=None"),
+    ],
+)
 def test_bad_overfit_batches_name_the_argument_and_the_valid_range(value, error, match):
     with pytest.raises(error, match=match):
         quiet_trainer(overfit_batches=value)
@@ -142,7 +157,9 @@ RELOAD = [
 @pytest.mark.parametrize(("every", "epochs", "check_val", "train_calls", "val_calls"), RELOAD)
 def test_reload_dataloaders_asks_the_source_again_every_n_epochs(every, epochs, check_val, train_calls, val_calls):
     model = Reloading()
-    trainer = quiet_trainer(reload_dataloaders_every_n_epochs=every, max_epochs=epochs, check_val_every_n_epoch=check_val)
+    trainer = quiet_trainer(
+        reload_dataloaders_every_n_epochs=every, max_epochs=epochs, check_val_every_n_epoch=check_val
+    )
     trainer.fit(model)
     assert model.requests == {"train": train_calls, "val": val_calls}
     for epoch, batches in model.seen["train"].items():
@@ -193,7 +210,11 @@ REFUSED_WITH_BAREBONES = [
 
 @pytest.mark.parametrize(("options", "match"), REFUSED_WITH_BAREBONES)
 def test_barebones_refuses_a_feature_turned_on_explicitly(tmp_path, options, match):
-    named = {"csv-logger": CSVLogger(save_dir=tmp_path), "checkpoint": [ModelCheckpoint(dirpath=tmp_path)], "progress": TQDMProgressBar()}
+    named = {
+        "csv-logger": CSVLogger(save_dir=tmp_path),
+        "checkpoint": [ModelCheckpoint(dirpath=tmp_path)],
+        "progress": TQDMProgressBar(),
+    }
     options = {key: named.get(value, value) if isinstance(value, str) else value for key, value in options.items()}
     with pytest.raises(ValueError, match=rf"barebones=True.*{match}|{match}.*barebones"):
         phalanx.Trainer(barebones=True, accelerator="cpu", default_root_dir=tmp_path, **options)
@@ -201,9 +222,13 @@ def test_barebones_refuses_a_feature_turned_on_explicitly(tmp_path, options, mat
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"enable_checkpointing": False, "logger": False, "enable_progress_bar": False, "enable_model_summary": False},
-     {"num_sanity_val_steps": 0, "log_every_n_steps": None, "fast_dev_run": False, "logger": None}, {"callbacks": [ModelSummary()]}],
-)  # fmt: skip
+    [
+        {},
+        {"enable_checkpointing": False, "logger": False, "enable_progress_bar": False, "enable_model_summary": False},
+        {"num_sanity_val_steps": 0, "log_every_n_steps": None, "fast_dev_run": False, "logger": None},
+        {"callbacks": [ModelSummary()]},
+    ],
+)
 def test_barebones_turns_every_overhead_off(tmp_path, options):
     trainer = phalanx.Trainer(barebones=True, accelerator="cpu", default_root_dir=tmp_path, max_epochs=2, **options)
     assert trainer.barebones is True and trainer.loggers == [] and trainer.checkpoint_callback is None
@@ -219,13 +244,18 @@ def test_barebones_turns_every_overhead_off(tmp_path, options):
 
 def test_barebones_makes_self_log_raise(tmp_path):
     trainer = phalanx.Trainer(barebones=True, accelerator="cpu", default_root_dir=tmp_path, max_epochs=1)
-    with pytest.raises(MisconfigurationError, match=r"self.log\('train_loss', ...\) was called in training_step, but Trainer\(barebones=True\)"):
+    with pytest.raises(
+        MisconfigurationError,
+        match=r"self.log\('train_loss', ...\) was called in training_step, but Trainer\(barebones=True\)",
+    ):
         trainer.fit(Recorder(log=True), DataLoader(numbered(8), batch_size=4))
     assert issubclass(MisconfigurationError, ValueError)
 
 
 def test_logger_none_is_the_default_logger_as_in_lightning(tmp_path):
-    assert [type(logger) for logger in phalanx.Trainer(logger=None, accelerator="cpu", default_root_dir=tmp_path).loggers] == [CSVLogger]
+    assert [
+        type(logger) for logger in phalanx.Trainer(logger=None, accelerator="cpu", default_root_dir=tmp_path).loggers
+    ] == [CSVLogger]
     assert phalanx.Trainer(logger=False, accelerator="cpu", default_root_dir=tmp_path).loggers == []
 
 

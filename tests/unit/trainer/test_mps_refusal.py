@@ -11,7 +11,17 @@ from phalanx.strategies import DDPStrategy, FSDPStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.trainer.setup import resolve_strategy
 
-PARALLEL = ["ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "ddp_find_unused_parameters_true", "fsdp", "deepspeed", "deepspeed_stage_3", "model_parallel"]
+PARALLEL = [
+    "ddp",
+    "ddp_spawn",
+    "ddp_fork",
+    "ddp_notebook",
+    "ddp_find_unused_parameters_true",
+    "fsdp",
+    "deepspeed",
+    "deepspeed_stage_3",
+    "model_parallel",
+]
 
 
 @pytest.fixture
@@ -22,7 +32,9 @@ def mps_available(monkeypatch):
 @pytest.mark.parametrize("accelerator", ["mps", "gpu", "auto", MPSAccelerator()])
 @pytest.mark.parametrize("strategy", PARALLEL)
 def test_parallel_strategy_names_are_refused_on_mps(mps_available, strategy, accelerator):
-    with pytest.raises(ValueError, match=rf"strategy='{strategy}' runs several processes .* MPS accelerator .* accelerator='cpu'"):
+    with pytest.raises(
+        ValueError, match=rf"strategy='{strategy}' runs several processes .* MPS accelerator .* accelerator='cpu'"
+    ):
         resolve_strategy(accelerator=accelerator, strategy=strategy)
 
 

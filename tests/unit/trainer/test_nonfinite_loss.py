@@ -85,7 +85,10 @@ def test_each_mode_on_a_loss_that_turns_non_finite_at_step_k(mode, value):
         assert len(warned) == 1 and "training stops" in warned[0]
     elif mode == "warn":
         assert trainer.global_step == BATCHES  # trained on, with NaN weights from step K
-        assert len(warned) == 1 and f"at least once in the {BATCHES} batches between global step 0 and {BATCHES}" in warned[0]
+        assert (
+            len(warned) == 1
+            and f"at least once in the {BATCHES} batches between global step 0 and {BATCHES}" in warned[0]
+        )
     else:
         assert trainer.global_step == BATCHES and warned == []
 
@@ -197,7 +200,9 @@ def test_detect_anomaly_names_the_operation_whose_backward_is_nan():
             warnings.simplefilter("ignore")  # torch's "Anomaly Detection has been enabled"
             quiet_trainer(max_epochs=1, detect_anomaly=True).fit(NaNBackward(), loader(batches()))
     trainer = quiet_trainer(max_epochs=1)
-    with pytest.warns(UserWarning, match="The training loss was NaN or infinite"):  # without it: only the default warning
+    with pytest.warns(
+        UserWarning, match="The training loss was NaN or infinite"
+    ):  # without it: only the default warning
         trainer.fit(NaNBackward(), loader(batches()))
     assert trainer.global_step == BATCHES
     assert not torch.is_anomaly_enabled()

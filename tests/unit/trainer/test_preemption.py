@@ -63,7 +63,9 @@ def test_preemption_without_exit_returns_and_can_be_disabled(tmp_path):
 def test_slurm_requeue_runs_the_configured_command(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "777")
     monkeypatch.setenv("PHALANX_REQUEUE_COMMAND", f"touch {tmp_path}/requeued-{{job_id}}")
-    _, trainer = _fit(tmp_path / "run", callbacks=[SignalAt(2, signal.SIGTERM)], preemption=Preemption(exit=False, requeue=True))
+    _, trainer = _fit(
+        tmp_path / "run", callbacks=[SignalAt(2, signal.SIGTERM)], preemption=Preemption(exit=False, requeue=True)
+    )
     assert trainer.preempted
     assert (tmp_path / "requeued-777").exists()
 

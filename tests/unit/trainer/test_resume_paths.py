@@ -24,7 +24,12 @@ def test_last_skips_an_empty_reservation_and_a_truncated_file_left_by_killed_sav
     assert good.exists()
     (directory / "last-v1.ckpt").write_bytes(b"")  # a name claimed by a save that was killed before writing
     (directory / "last-v2.ckpt").write_bytes(good.read_bytes()[:100])  # a file cut short by a full disk
-    trainer = quiet_trainer(default_root_dir=tmp_path, max_steps=10, callbacks=[ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0)], enable_checkpointing=True)
+    trainer = quiet_trainer(
+        default_root_dir=tmp_path,
+        max_steps=10,
+        callbacks=[ModelCheckpoint(dirpath=directory, save_last=True, save_top_k=0)],
+        enable_checkpointing=True,
+    )
     trainer.fit(Regressor(), loaders()[0], ckpt_path="last")
     assert trainer.ckpt_path == str(good)
     assert trainer.global_step == 10
@@ -36,7 +41,9 @@ def test_the_checkpoint_a_run_resumed_from_is_never_removed_by_top_k(tmp_path):
     before = resumed_from.read_bytes()
     # The resumed run's callback ranks by mode="min": its later saves beat the file it resumed from, which top-1
     # would therefore remove if it did not know where the run started.
-    newer = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_top_k=1, monitor="train_loss", mode="min", every_n_train_steps=2)
+    newer = ModelCheckpoint(
+        dirpath=tmp_path / "checkpoints", save_top_k=1, monitor="train_loss", mode="min", every_n_train_steps=2
+    )
     trainer = quiet_trainer(default_root_dir=tmp_path, max_steps=16, callbacks=[newer], enable_checkpointing=True)
     trainer.fit(Regressor(), loaders()[0], ckpt_path=str(resumed_from))
     assert trainer.ckpt_path == str(resumed_from)

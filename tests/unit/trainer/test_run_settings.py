@@ -186,9 +186,22 @@ def test_an_accelerator_written_for_the_old_contract_is_refused_at_construction(
 
 
 LIFECYCLE = (
-    "connect", "setup_environment", "setup", "teardown", "on_train_start", "on_train_end", "on_train_batch_start", "training_step",
-    "backward", "optimizer_step", "on_validation_start", "on_validation_end", "validation_step", "block_backward_sync", "batch_to_device",
-)  # fmt: skip
+    "connect",
+    "setup_environment",
+    "setup",
+    "teardown",
+    "on_train_start",
+    "on_train_end",
+    "on_train_batch_start",
+    "training_step",
+    "backward",
+    "optimizer_step",
+    "on_validation_start",
+    "on_validation_end",
+    "validation_step",
+    "block_backward_sync",
+    "batch_to_device",
+)
 
 
 class LifecycleStrategy(SingleDeviceStrategy):
@@ -232,5 +245,15 @@ def test_the_trainer_calls_the_strategy_contract_in_order(accumulate: int) -> No
     window = [*move, "block_backward_sync", "training_step", "backward"] * (accumulate - 1)
     validation = ["on_validation_start", "batch_to_device", "validation_step", "on_validation_end"]
     assert _fit_calls(accumulate) == [
-        "connect", "setup_environment", "setup", "on_train_start", *window, *step, *window, *step, *validation, "on_train_end", "teardown",
-    ]  # fmt: skip
+        "connect",
+        "setup_environment",
+        "setup",
+        "on_train_start",
+        *window,
+        *step,
+        *window,
+        *step,
+        *validation,
+        "on_train_end",
+        "teardown",
+    ]

@@ -16,7 +16,14 @@ from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 @pytest.mark.parametrize(
     ("given", "expected"),
-    [(32, "32-true"), ("32", "32-true"), (64, "64-true"), (16, "16-mixed"), ("bf16", "bf16-mixed"), ("bf16-true", "bf16-true")],
+    [
+        (32, "32-true"),
+        ("32", "32-true"),
+        (64, "64-true"),
+        (16, "16-mixed"),
+        ("bf16", "bf16-mixed"),
+        ("bf16-true", "bf16-true"),
+    ],
 )
 def test_precision_aliases(given, expected):
     assert normalize_precision(given) == expected
@@ -24,7 +31,13 @@ def test_precision_aliases(given, expected):
 
 @pytest.mark.parametrize(
     ("precision", "plugin_type", "dtype"),
-    [("32-true", Precision, torch.float32), ("64-true", DoublePrecision, torch.float64), ("bf16-mixed", MixedPrecision, torch.float32), ("bf16-true", HalfPrecision, torch.bfloat16), ("16-true", HalfPrecision, torch.float16)],
+    [
+        ("32-true", Precision, torch.float32),
+        ("64-true", DoublePrecision, torch.float64),
+        ("bf16-mixed", MixedPrecision, torch.float32),
+        ("bf16-true", HalfPrecision, torch.bfloat16),
+        ("16-true", HalfPrecision, torch.float16),
+    ],
 )
 def test_each_precision_trains_on_cpu(precision, plugin_type, dtype):
     trainer = quiet_trainer(max_steps=2, precision=precision)

@@ -26,7 +26,12 @@ BAD_ARGUMENTS = [
     ("accelerator", CPUAccelerator, TypeError, "pass an instance, e.g. CPUAccelerator()"),
     ("precision", DoublePrecision, TypeError, "plugins=[DoublePrecision()]"),
     ("precision", DoublePrecision(), TypeError, "plugins=[DoublePrecision()]"),
-    ("plugins", DoublePrecision, TypeError, "plugins=DoublePrecision is a class, not an instance; pass an instance, e.g. DoublePrecision()"),
+    (
+        "plugins",
+        DoublePrecision,
+        TypeError,
+        "plugins=DoublePrecision is a class, not an instance; pass an instance, e.g. DoublePrecision()",
+    ),
     ("plugins", [TorchCheckpointIO], TypeError, "plugins[0]=TorchCheckpointIO is a class"),
     ("callbacks", EarlyStopping, TypeError, "pass an instance, e.g. EarlyStopping()"),
     ("callbacks", [ModelCheckpoint], TypeError, "callbacks[0]=ModelCheckpoint is a class"),
@@ -89,7 +94,9 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.mark.parametrize(("argument", "value", "error", "fragment"), BAD_ARGUMENTS, ids=[f"{a}={v!r}"[:60] for a, v, _, _ in BAD_ARGUMENTS])
+@pytest.mark.parametrize(
+    ("argument", "value", "error", "fragment"), BAD_ARGUMENTS, ids=[f"{a}={v!r}"[:60] for a, v, _, _ in BAD_ARGUMENTS]
+)
 def test_a_bad_argument_is_refused_with_its_name_value_and_choices(argument, value, error, fragment):
     kwargs = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, argument: value}
     with pytest.raises(error) as raised:

@@ -118,7 +118,9 @@ def test_limits_and_val_check_interval_count_batches():
             calls.append((self.trainer.global_step, batch_idx))
 
     train, val = loaders(n=80, batch_size=8)  # 10 batches
-    trainer = quiet_trainer(max_epochs=1, limit_train_batches=0.8, limit_val_batches=2, val_check_interval=0.25, num_sanity_val_steps=1)
+    trainer = quiet_trainer(
+        max_epochs=1, limit_train_batches=0.8, limit_val_batches=2, val_check_interval=0.25, num_sanity_val_steps=1
+    )
     trainer.fit(Counting(), train, val)
     assert trainer.global_step == 8
     # sanity check (1 batch), then validation after batches 2, 4, 6 and at the end (8): 2 batches each
@@ -148,7 +150,9 @@ def test_int_val_check_interval_across_epochs():
             steps.append(self.global_step)
 
     train, val = loaders(n=24, batch_size=8)  # 3 batches an epoch
-    quiet_trainer(max_epochs=3, val_check_interval=4, check_val_every_n_epoch=None, num_sanity_val_steps=0).fit(Counting(), train, val)
+    quiet_trainer(max_epochs=3, val_check_interval=4, check_val_every_n_epoch=None, num_sanity_val_steps=0).fit(
+        Counting(), train, val
+    )
     assert steps == [4, 8]
 
 
@@ -176,7 +180,9 @@ def test_max_time_stops_training():
 
 def test_fast_dev_run_runs_one_batch_of_each_and_saves_nothing(tmp_path):
     train, val = loaders()
-    trainer = phalanx.Trainer(accelerator="cpu", fast_dev_run=True, default_root_dir=tmp_path, enable_progress_bar=False)
+    trainer = phalanx.Trainer(
+        accelerator="cpu", fast_dev_run=True, default_root_dir=tmp_path, enable_progress_bar=False
+    )
     trainer.fit(Regressor(), train, val)
     assert trainer.global_step == 1
     assert trainer.num_val_batches == [1]
@@ -207,7 +213,9 @@ def test_gradient_clipping_by_norm_and_value():
     train, _ = loaders()
     quiet_trainer(max_steps=1, gradient_clip_val=0.01, callbacks=[Inspect()]).fit(Regressor(), train)
     assert seen["norm"] == pytest.approx(0.01, rel=1e-3)
-    quiet_trainer(max_steps=1, gradient_clip_val=0.001, gradient_clip_algorithm="value", callbacks=[Inspect()]).fit(Regressor(), train)
+    quiet_trainer(max_steps=1, gradient_clip_val=0.001, gradient_clip_algorithm="value", callbacks=[Inspect()]).fit(
+        Regressor(), train
+    )
     assert seen["max"] <= 0.001 + 1e-9
 
 
@@ -263,7 +271,10 @@ def test_manual_optimization_with_two_optimizers():
             self.log("loss", loss)
 
         def configure_optimizers(self):
-            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[3].parameters(), lr=0.1)]
+            return [
+                torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                torch.optim.SGD(self.net[3].parameters(), lr=0.1),
+            ]
 
     model = TwoOptimizers()
     before = parameters_of(model)
@@ -446,7 +457,15 @@ def test_save_checkpoint_after_fit_and_before_any_run(tmp_path):
     trainer.save_checkpoint(tmp_path / "after.ckpt")
     checkpoint = torch.load(tmp_path / "after.ckpt", weights_only=True)
     assert checkpoint["global_step"] == 8 and checkpoint["epoch"] == 1
-    assert {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "rng_states", "hyper_parameters"} <= set(checkpoint)
+    assert {
+        "state_dict",
+        "optimizer_states",
+        "lr_schedulers",
+        "loops",
+        "callbacks",
+        "rng_states",
+        "hyper_parameters",
+    } <= set(checkpoint)
     assert checkpoint["hyper_parameters"] == {"features": 4, "hidden": 16, "lr": 0.05, "dropout": 0.0}
 
 

@@ -53,11 +53,23 @@ UNKNOWN = [
     ("module", "on_train_epoch_ends", "did you mean on_train_epoch_end?"),
     ("module", "on_validaton_epoch_end", "did you mean on_validation_epoch_end?"),
     ("module", "on_sanity_check_start", ": it is a Callback hook, not called on a TrainingModule."),
-    ("module", "on_new_best_model", "of that name. If it is not meant as a hook, give it a name that does not start with 'on_'"),
+    (
+        "module",
+        "on_new_best_model",
+        "of that name. If it is not meant as a hook, give it a name that does not start with 'on_'",
+    ),
     ("callback", "on_train_batch_ended", "did you mean on_train_batch_end?"),
     ("callback", "on_after_batch_transfer", ": it is a TrainingModule and DataModule hook, not called on a Callback."),
-    ("callback", "on_epoch_end", ": Lightning 2 removed it; use on_train_epoch_end, on_validation_epoch_end or on_test_epoch_end."),
-    ("callback", "on_before_optimizer_setup", ": phalanx does not call this Lightning hook; use configure_model or setup"),
+    (
+        "callback",
+        "on_epoch_end",
+        ": Lightning 2 removed it; use on_train_epoch_end, on_validation_epoch_end or on_test_epoch_end.",
+    ),
+    (
+        "callback",
+        "on_before_optimizer_setup",
+        ": phalanx does not call this Lightning hook; use configure_model or setup",
+    ),
     ("datamodule", "on_before_batch_transfers", "did you mean on_before_batch_transfer?"),
 ]
 
@@ -78,7 +90,10 @@ def test_a_method_named_like_an_unknown_hook_is_warned_about_once(tmp_path, owne
     found = _hook_warnings(caught)
     assert len(found) == 1, found  # once per Trainer, not once per run
     kind = {"module": "TrainingModule", "callback": "Callback", "datamodule": "DataModule"}[owner]
-    assert f"{type(obj).__name__}.{name} looks like a hook, but phalanx never calls a {kind} method of that name" in found[0]
+    assert (
+        f"{type(obj).__name__}.{name} looks like a hook, but phalanx never calls a {kind} method of that name"
+        in found[0]
+    )
     assert says in found[0]
 
 
@@ -98,8 +113,12 @@ def _delegating(base: type, names: frozenset[str]) -> dict[str, Any]:
 
 
 def test_no_warning_for_any_hook_phalanx_calls(tmp_path):
-    module = type("EveryModuleHook", (Regressor,), _delegating(phalanx.TrainingModule, KNOWN_HOOKS[phalanx.TrainingModule]))()
-    callback = type("EveryCallbackHook", (phalanx.Callback,), _delegating(phalanx.Callback, KNOWN_HOOKS[phalanx.Callback]))()
+    module = type(
+        "EveryModuleHook", (Regressor,), _delegating(phalanx.TrainingModule, KNOWN_HOOKS[phalanx.TrainingModule])
+    )()
+    callback = type(
+        "EveryCallbackHook", (phalanx.Callback,), _delegating(phalanx.Callback, KNOWN_HOOKS[phalanx.Callback])
+    )()
     data = type("EveryDataHook", (Data,), _delegating(phalanx.DataModule, KNOWN_HOOKS[phalanx.DataModule]))()
     for obj in (module, callback, data):
         obj.called = set()
@@ -112,6 +131,18 @@ def test_no_warning_for_any_hook_phalanx_calls(tmp_path):
         trainer.predict(module, datamodule=data)
     assert _hook_warnings(caught) == []
     # The overrides ran: these are hooks the loops call, not names merely tolerated.
-    assert {"optimizer_step", "optimizer_zero_grad", "on_validation_model_eval", "on_test_model_train", "on_predict_model_eval", "on_save_checkpoint"} <= module.called
+    assert {
+        "optimizer_step",
+        "optimizer_zero_grad",
+        "on_validation_model_eval",
+        "on_test_model_train",
+        "on_predict_model_eval",
+        "on_save_checkpoint",
+    } <= module.called
     assert {"on_sanity_check_start", "on_train_batch_end", "on_save_checkpoint", "on_predict_end"} <= callback.called
-    assert {"on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer", "on_save_checkpoint"} <= data.called
+    assert {
+        "on_before_batch_transfer",
+        "transfer_batch_to_device",
+        "on_after_batch_transfer",
+        "on_save_checkpoint",
+    } <= data.called

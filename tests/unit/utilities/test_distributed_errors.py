@@ -29,7 +29,9 @@ GLOO_PEER = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connecti
 )
 def test_only_collective_failures_are_renamed(raised, transport_only, expected):
     with pytest.raises(type(raised) if expected is None else CollectiveError) as caught:
-        with naming_collective_failures("DDP gradient all-reduce (backward)", 0, timedelta(seconds=10), transport_only=transport_only):
+        with naming_collective_failures(
+            "DDP gradient all-reduce (backward)", 0, timedelta(seconds=10), transport_only=transport_only
+        ):
             raise raised
     if expected is None:
         assert caught.value is raised

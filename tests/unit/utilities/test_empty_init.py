@@ -57,7 +57,19 @@ def test_initialisers_that_dispatch_return_the_tensor_unchanged() -> None:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(
     "initialiser",
-    ["xavier_uniform_", "xavier_normal_", "kaiming_normal_", "kaiming_uniform_", "trunc_normal_", "orthogonal_", "normal_", "uniform_", "zeros_", "ones_", "eye_"],
+    [
+        "xavier_uniform_",
+        "xavier_normal_",
+        "kaiming_normal_",
+        "kaiming_uniform_",
+        "trunc_normal_",
+        "orthogonal_",
+        "normal_",
+        "uniform_",
+        "zeros_",
+        "ones_",
+        "eye_",
+    ],
 )
 @pytest.mark.parametrize("shape", [(3, 5), (5, 3)])
 def test_no_initialiser_consumes_the_rng_inside_the_context(initialiser: str, shape: tuple[int, int]) -> None:

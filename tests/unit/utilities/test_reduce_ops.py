@@ -13,10 +13,21 @@ from phalanx.utilities.distributed import normalize_reduce_op
 @pytest.mark.parametrize(
     ("given", "expected"),
     [
-        ("mean", "mean"), ("MEAN", "mean"), ("avg", "mean"), ("Avg", "mean"), (None, "mean"), ("sum", "sum"), ("Sum", "sum"),
-        ("max", "max"), ("MIN", "min"), (ReduceOp.SUM, "sum"), (ReduceOp.AVG, "mean"), (ReduceOp.MAX, "max"), (ReduceOp.MIN, "min"),
+        ("mean", "mean"),
+        ("MEAN", "mean"),
+        ("avg", "mean"),
+        ("Avg", "mean"),
+        (None, "mean"),
+        ("sum", "sum"),
+        ("Sum", "sum"),
+        ("max", "max"),
+        ("MIN", "min"),
+        (ReduceOp.SUM, "sum"),
+        (ReduceOp.AVG, "mean"),
+        (ReduceOp.MAX, "max"),
+        (ReduceOp.MIN, "min"),
     ],
-)  # fmt: skip
+)
 def test_accepted_reduce_ops(given, expected):
     assert normalize_reduce_op(given) == expected
 
@@ -27,7 +38,9 @@ def test_other_reduce_ops_are_refused_with_the_choices(given):
         normalize_reduce_op(given)
 
 
-@pytest.mark.parametrize("strategy", [SingleDeviceStrategy(device=torch.device("cpu")), DDPStrategy()], ids=["single", "ddp-without-group"])
+@pytest.mark.parametrize(
+    "strategy", [SingleDeviceStrategy(device=torch.device("cpu")), DDPStrategy()], ids=["single", "ddp-without-group"]
+)
 def test_strategies_check_the_op_even_when_nothing_is_reduced(strategy):
     value = torch.tensor(2.0)
     assert strategy.reduce(value, reduce_op=ReduceOp.AVG) is value
