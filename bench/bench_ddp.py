@@ -100,17 +100,20 @@ def main() -> None:
         f"torchrun + raw DDP  best {best_raw:.3f} s  median {median_raw:.3f} s  all {[round(t, 3) for t in raw_times]}"
     )
     print(
-        f"phalanx ddp         best {best_phalanx:.3f} s  median {median_phalanx:.3f} s  all {[round(t, 3) for t in phalanx_times]}"
+        f"phalanx ddp         best {best_phalanx:.3f} s  median {median_phalanx:.3f} s  all"
+        f" {[round(t, 3) for t in phalanx_times]}"
     )
     print(f"identical final weights on rank 0: {same}")
     if not same:
         diff = max((a - b).abs().max().item() for a, b in zip(raw_weights, phalanx_weights))
         print(f"  largest absolute difference: {diff:.3e}")
     print(
-        f"jobs re-run after aborting at exit ({EXIT_ABORT!r}): raw {exit_aborts['raw']}, phalanx {exit_aborts['phalanx']}"
+        f"jobs re-run after aborting at exit ({EXIT_ABORT!r}): raw {exit_aborts['raw']}, phalanx"
+        f" {exit_aborts['phalanx']}"
     )
     print(
-        f"job-time ratio (best/best): {best_phalanx / best_raw:.3f}   (median/median: {median_phalanx / median_raw:.3f})  target <= 1.15"
+        f"job-time ratio (best/best): {best_phalanx / best_raw:.3f}   (median/median:"
+        f" {median_phalanx / median_raw:.3f})  target <= 1.15"
     )
 
 

@@ -55,7 +55,10 @@ def main() -> None:
         ranks = [json.loads((Path(directory) / f"rank{rank}.json").read_text()) for rank in range(2)]
     parameters, world = ranks[0]["parameters"], ranks[0]["world_size"]
     print(f"model: {parameters:,} parameters ({4 * parameters / MIB:.2f} MiB float32), Adam, {world} processes")
-    header = f"{'strategy':<18} {'precision':<10} {'rank':>4} {'params MiB':>10} {'pred':>7} {'ratio':>6} {'optim MiB':>9} {'(master)':>8} {'pred':>7} {'ratio':>6} {'ms/step':>8}"
+    header = (
+        f"{'strategy':<18} {'precision':<10} {'rank':>4} {'params MiB':>10} {'pred':>7} {'ratio':>6}"
+        f" {'optim MiB':>9} {'(master)':>8} {'pred':>7} {'ratio':>6} {'ms/step':>8}"
+    )
     print(header)
     for run in (key for key in ranks[0] if " " in key):
         strategy, precision = run.split(" ")
@@ -63,9 +66,11 @@ def main() -> None:
         for rank, figures in enumerate(ranks):
             measured = figures[run]
             print(
-                f"{strategy:<18} {precision:<10} {rank:>4} {measured['parameters'] / MIB:>10.2f} {predicted_parameters / MIB:>7.2f}"
+                f"{strategy:<18} {precision:<10} {rank:>4} {measured['parameters'] / MIB:>10.2f}"
+                f" {predicted_parameters / MIB:>7.2f}"
                 f" {measured['parameters'] / predicted_parameters:>6.3f} {measured['optimizer_states'] / MIB:>9.2f}"
-                f" {measured['master_weights'] / MIB:>8.2f} {predicted_states / MIB:>7.2f} {measured['optimizer_states'] / predicted_states:>6.3f}"
+                f" {measured['master_weights'] / MIB:>8.2f} {predicted_states / MIB:>7.2f}"
+                f" {measured['optimizer_states'] / predicted_states:>6.3f}"
                 f" {1000 * measured['seconds_per_step']:>8.1f}"
             )
 

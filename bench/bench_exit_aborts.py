@@ -37,7 +37,8 @@ def main() -> None:
             tally[1] += aborted
     for mode, (failed, aborted) in counts.items():
         print(
-            f"{mode:9s}: {args.jobs} jobs, {failed} failed, {aborted} aborted at exit ({100 * aborted / args.jobs:.1f}%)"
+            f"{mode:9s}: {args.jobs} jobs, {failed} failed, {aborted} aborted at exit"
+            f" ({100 * aborted / args.jobs:.1f}%)"
         )
 
 

@@ -95,14 +95,17 @@ def main() -> None:
     best_raw, best_fit = min(raw_times), min(phalanx_times)
     print(f"steps={args.steps} repeats={args.repeats} torch={torch.__version__} threads=1")
     print(
-        f"raw loop      best {best_raw:.3f} s  median {statistics.median(raw_times):.3f} s  ({best_raw / args.steps * 1e6:.1f} us/step)"
+        f"raw loop      best {best_raw:.3f} s  median {statistics.median(raw_times):.3f} s "
+        f" ({best_raw / args.steps * 1e6:.1f} us/step)"
     )
     print(
-        f"phalanx fit   best {best_fit:.3f} s  median {statistics.median(phalanx_times):.3f} s  ({best_fit / args.steps * 1e6:.1f} us/step)"
+        f"phalanx fit   best {best_fit:.3f} s  median {statistics.median(phalanx_times):.3f} s "
+        f" ({best_fit / args.steps * 1e6:.1f} us/step)"
     )
     print(f"identical final weights: {same}")
     print(
-        f"fit-time ratio (best/best): {best_fit / best_raw:.3f}   (median/median: {statistics.median(phalanx_times) / statistics.median(raw_times):.3f})  target <= 1.10"
+        f"fit-time ratio (best/best): {best_fit / best_raw:.3f}   (median/median:"
+        f" {statistics.median(phalanx_times) / statistics.median(raw_times):.3f})  target <= 1.10"
     )
 
 

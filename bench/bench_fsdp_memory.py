@@ -37,14 +37,16 @@ def main() -> None:
         f"model: {total / 2**20:.2f} MiB of float32 parameters; one process with Adam holds {4 * total / 2**20:.2f} MiB"
     )
     print(
-        f"{'sharding':<14} {'rank':>4} {'params MiB':>11} {'grads MiB':>10} {'adam MiB':>9} {'sum MiB':>8} {'predicted':>10} {'ratio':>6}"
+        f"{'sharding':<14} {'rank':>4} {'params MiB':>11} {'grads MiB':>10} {'adam MiB':>9} {'sum MiB':>8}"
+        f" {'predicted':>10} {'ratio':>6}"
     )
     for sharding, prediction in predictions.items():
         for rank, measured in enumerate(figures[sharding]):
             held = measured["parameters"] + measured["gradients"] + measured["optimizer"]
             expected = sum(prediction.values())
             print(
-                f"{sharding:<14} {rank:>4} {measured['parameters'] / 2**20:>11.2f} {measured['gradients'] / 2**20:>10.2f} {measured['optimizer'] / 2**20:>9.2f}"
+                f"{sharding:<14} {rank:>4} {measured['parameters'] / 2**20:>11.2f}"
+                f" {measured['gradients'] / 2**20:>10.2f} {measured['optimizer'] / 2**20:>9.2f}"
                 f" {held / 2**20:>8.2f} {expected / 2**20:>10.2f} {held / expected:>6.3f}"
             )
 

@@ -13,7 +13,10 @@ import sys
 
 # phalanx's public names load lazily, so the fair figure is the import of what a training script uses, plus the
 # callbacks and loggers that constructing a Trainer loads.
-_PHALANX = "from phalanx import Trainer, TrainingModule, DataModule, Callback, seed_everything; import phalanx.callbacks, phalanx.loggers"
+_PHALANX = (
+    "from phalanx import Trainer, TrainingModule, DataModule, Callback, seed_everything; import"
+    " phalanx.callbacks, phalanx.loggers"
+)
 _TIMED = "import time; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
 
 

@@ -39,7 +39,8 @@ def main() -> None:
         for mode in modes:
             median = statistics.median(times[mode])
             print(
-                f"  {mode:>4}: median {median:8.1f} us/step  ratio to off {median / base:.3f}  (runs: {', '.join(f'{t:.0f}' for t in times[mode])})"
+                f"  {mode:>4}: median {median:8.1f} us/step  ratio to off {median / base:.3f}  (runs:"
+                f" {', '.join(f'{t:.0f}' for t in times[mode])})"
             )
 
 

@@ -153,9 +153,15 @@ def _consolidate_output_problem(directory: Any, output: Any, overwrite: bool) ->
     """Why ``output`` cannot receive the consolidated ``directory`` (None: it can); nothing is written."""
     target = output.absolute()
     if target.resolve() == directory.resolve():
-        return f"the output {output} is the input directory itself; name a new file, e.g. {directory.name}.consolidated.ckpt"
+        return (
+            f"the output {output} is the input directory itself; name a new file, e.g."
+            f" {directory.name}.consolidated.ckpt"
+        )
     if directory.resolve() in target.resolve().parents:
-        return f"the output {output} is inside the input directory {directory}, which must stay unchanged; write it elsewhere"
+        return (
+            f"the output {output} is inside the input directory {directory}, which must stay unchanged; write it"
+            " elsewhere"
+        )
     if target.is_dir():
         return f"the output {output} is an existing directory; name a file to write, e.g. {output / 'model.ckpt'}"
     for parent in target.parents:
@@ -197,7 +203,8 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
             return _error(name, str(err))
         return _error(
             name,
-            f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a DeepSpeed one",
+            f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor"
+            " a DeepSpeed one",
         )
     problem = _consolidate_output_problem(directory, output, args.overwrite)
     if problem is not None:

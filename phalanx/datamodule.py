@@ -118,7 +118,8 @@ def _loaders_of(datasets: Any, argument: str, *, shuffle: bool, batch_size: int,
     def loader(dataset: Any) -> DataLoader:
         if not isinstance(dataset, Dataset) and not hasattr(dataset, "__getitem__"):
             raise TypeError(
-                f"{argument} must hold torch Datasets (or objects with __getitem__ and __len__), got {type(dataset).__name__}."
+                f"{argument} must hold torch Datasets (or objects with __getitem__ and __len__), got"
+                f" {type(dataset).__name__}."
             )
         # An IterableDataset has no indices to shuffle.
         return DataLoader(

@@ -480,7 +480,8 @@ class TrainingModule(nn.Module):
         strategy = self.__dict__.get("_strategy")
         if strategy is None:
             raise RuntimeError(
-                f"{type(self).__name__}.clip_gradients needs the strategy that runs this module (its precision decides how to"
+                f"{type(self).__name__}.clip_gradients needs the strategy that runs this module (its precision decides"
+                " how to"
                 " clip): call it while Trainer.fit runs, or after strategy.connect(module) in your own loop."
             )
         if algorithm == "norm":
@@ -512,7 +513,8 @@ class TrainingModule(nn.Module):
         except (TypeError, ValueError, RuntimeError) as error:
             raise CheckpointError(
                 f"{source}: {cls.__name__}(**checkpoint['hyper_parameters']) failed ({type(error).__name__}: {error})."
-                f" Saved hyper-parameters: {sorted(hparams)}; pass corrected values as keyword arguments to load_from_checkpoint."
+                f" Saved hyper-parameters: {sorted(hparams)}; pass corrected values as keyword arguments to"
+                " load_from_checkpoint."
             ) from error
         module.configure_model()
         module.on_load_checkpoint(checkpoint)

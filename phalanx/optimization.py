@@ -62,7 +62,8 @@ def _scheduler_config(value: Any, monitor: str | None) -> LRSchedulerConfig:
         config = LRSchedulerConfig(scheduler=value, monitor=monitor)
     if not (hasattr(config.scheduler, "step") and hasattr(config.scheduler, "state_dict")):
         raise TypeError(
-            f"configure_optimizers returned {type(config.scheduler).__name__} as a scheduler; a scheduler needs step() and state_dict()."
+            f"configure_optimizers returned {type(config.scheduler).__name__} as a scheduler; a scheduler needs step()"
+            " and state_dict()."
         )
     if config.interval not in ("step", "epoch"):
         raise ValueError(f"lr_scheduler interval={config.interval!r} is not valid; choose 'step' or 'epoch'.")
@@ -104,12 +105,14 @@ def _parse_dicts(dicts: list[Mapping[str, Any]]) -> tuple[list[Optimizer], list[
         unknown = set(entry) - {"optimizer", "lr_scheduler", "monitor"}
         if unknown:
             raise ValueError(
-                f"Unknown key(s) {sorted(unknown)} in the dict from configure_optimizers; valid keys: 'optimizer', 'lr_scheduler', 'monitor'."
+                f"Unknown key(s) {sorted(unknown)} in the dict from configure_optimizers; valid keys: 'optimizer',"
+                " 'lr_scheduler', 'monitor'."
             )
         optimizer = entry.get("optimizer")
         if not _is_optimizer(optimizer):
             raise TypeError(
-                f"The dict from configure_optimizers must hold a torch optimizer under 'optimizer', got {_describe(optimizer)}."
+                "The dict from configure_optimizers must hold a torch optimizer under 'optimizer', got"
+                f" {_describe(optimizer)}."
             )
         optimizers.append(optimizer)
         if entry.get("lr_scheduler") is not None:
@@ -132,6 +135,7 @@ def init_optimizers_and_schedulers(module: TrainingModule) -> tuple[list[Optimiz
         scheduled = getattr(config.scheduler, "optimizer", None)
         if scheduled is not None and not any(scheduled is optimizer for optimizer in optimizers):
             raise ValueError(
-                f"The scheduler {type(config.scheduler).__name__} drives an optimizer that configure_optimizers did not return."
+                f"The scheduler {type(config.scheduler).__name__} drives an optimizer that configure_optimizers did"
+                " not return."
             )
     return optimizers, configs

@@ -67,5 +67,6 @@ if __name__ == "__main__":
     trainer.fit(module, DataLoader(Indexed(), batch_size=4, shuffle=True))
     weights = [p.detach().flatten().tolist() for p in module.parameters()]
     print(
-        f"rank {trainer.global_rank}: step {trainer.global_step}, {len(module.seen)} samples, {sum(map(len, weights))} weights"
+        f"rank {trainer.global_rank}: step {trainer.global_step}, {len(module.seen)} samples, {sum(map(len, weights))}"
+        " weights"
     )

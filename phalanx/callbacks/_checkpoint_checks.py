@@ -44,7 +44,8 @@ def fill_template(template: str, metrics: dict[str, Any], equals: str | None) ->
             text = format_field(conversion, spec, value)
         except (ValueError, TypeError) as error:
             raise ValueError(
-                f"ModelCheckpoint(filename={template!r}) cannot format {key}={value!r} with {match.group(0)!r}: {error}."
+                f"ModelCheckpoint(filename={template!r}) cannot format {key}={value!r} with {match.group(0)!r}:"
+                f" {error}."
             ) from None
         return f"{key}{equals}{text}" if equals is not None else text
 
@@ -81,7 +82,8 @@ def check_template(template: str, argument: str = "filename") -> None:
         )
     if len(f"{name}-v99{FILE_EXTENSION}".encode()) > _MAX_NAME_BYTES:
         raise ValueError(
-            f"{where}: a name made from it (e.g. {name!r}) is longer than the {_MAX_NAME_BYTES} bytes file systems accept."
+            f"{where}: a name made from it (e.g. {name!r}) is longer than the {_MAX_NAME_BYTES} bytes file systems"
+            " accept."
         )
 
 
@@ -197,7 +199,8 @@ def check_flags(**flags: Any) -> None:
             if value is None or isinstance(value, bool) or (isinstance(value, str) and value == "link"):
                 continue
             raise TypeError(
-                f"`save_last` must be True, False, None or 'link' (last.ckpt as a symbolic link to the newest checkpoint), got {value!r}."
+                "`save_last` must be True, False, None or 'link' (last.ckpt as a symbolic link to the newest"
+                f" checkpoint), got {value!r}."
             )
         allow_none = name == "save_on_train_epoch_end"
         if not isinstance(value, bool) and not (allow_none and value is None):

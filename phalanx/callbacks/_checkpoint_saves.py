@@ -72,7 +72,8 @@ class CheckpointSaves:
             self._save_exception_checkpoint(trainer, exception)
         except Exception as error:  # the original exception is the one to report: never replace it with this one
             rank_zero_warn(
-                f"ModelCheckpoint(save_on_exception=True) could not save after {type(exception).__name__}: {type(error).__name__}: {error}"
+                f"ModelCheckpoint(save_on_exception=True) could not save after {type(exception).__name__}:"
+                f" {type(error).__name__}: {error}"
             )
 
     def _should_save_on_exception(self, trainer: Trainer) -> bool:
@@ -142,7 +143,8 @@ class CheckpointSaves:
         if outcome == "unsupported":  # the name stays claimed: the regular save that follows replaces the placeholder
             self._links_unsupported = True
             rank_zero_warn(
-                f"ModelCheckpoint(save_last='link'): this file system cannot make symbolic links; writing {filepath} as a regular checkpoint instead."
+                f"ModelCheckpoint(save_last='link'): this file system cannot make symbolic links; writing {filepath}"
+                " as a regular checkpoint instead."
             )
             return False
         if outcome != "linked":

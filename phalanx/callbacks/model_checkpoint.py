@@ -224,7 +224,8 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
             self.load_state_dict(state)
         if self.save_last == "link" and is_url(dirpath):
             raise ValueError(
-                f"ModelCheckpoint(save_last='link') makes a symbolic link, which needs a local folder; dirpath={dirpath!r} is a URL. Use save_last=True there."
+                "ModelCheckpoint(save_last='link') makes a symbolic link, which needs a local folder;"
+                f" dirpath={dirpath!r} is a URL. Use save_last=True there."
             )
         if stage == "fit" and self.save_on_exception and trainer.world_size > 1:
             rank_zero_warn(
@@ -327,8 +328,10 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
             self.best_model_score = score if best and score is not None and bool(torch.isfinite(score)) else None
         if dropped:
             rank_zero_warn(
-                f"ModelCheckpoint ignored paths in the resumed checkpoint's callback state that are not '*{FILE_EXTENSION}'"
-                f" entries directly inside dirpath {self.dirpath!r}: {', '.join(dropped)}. The callback never overwrites"
+                "ModelCheckpoint ignored paths in the resumed checkpoint's callback state that are not"
+                f" '*{FILE_EXTENSION}'"
+                f" entries directly inside dirpath {self.dirpath!r}: {', '.join(dropped)}. The callback never"
+                " overwrites"
                 " or removes anything outside its folder."
             )
 

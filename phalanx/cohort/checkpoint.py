@@ -45,7 +45,8 @@ class _Sorted:
             module = value.module if isinstance(value, CohortModule) else value
             if module is not strategy.module:
                 raise ValueError(
-                    f"Cohort.{method}: state[{key!r}] is a module this Cohort did not set up; pass the module returned by Cohort.setup."
+                    f"Cohort.{method}: state[{key!r}] is a module this Cohort did not set up; pass the module returned"
+                    " by Cohort.setup."
                 )
             if self.module_key is not None:
                 raise ValueError(
@@ -57,7 +58,8 @@ class _Sorted:
             index = _index_of(value, strategy)
             if index is None:
                 raise ValueError(
-                    f"Cohort.{method}: state[{key!r}] is an optimizer this Cohort did not set up; pass one returned by Cohort.setup."
+                    f"Cohort.{method}: state[{key!r}] is an optimizer this Cohort did not set up; pass one returned by"
+                    " Cohort.setup."
                 )
             self.optimizer_keys[key] = index
         elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
@@ -72,7 +74,8 @@ class _Sorted:
         missing = len(strategy.optimizers) - len(set(self.optimizer_keys.values()))
         if missing:
             raise ValueError(
-                f"Cohort.{method}: the state names {len(self.optimizer_keys)} of the {len(strategy.optimizers)} optimizers set up; a"
+                f"Cohort.{method}: the state names {len(self.optimizer_keys)} of the {len(strategy.optimizers)}"
+                " optimizers set up; a"
                 " checkpoint holds the states of all of them (as Trainer checkpoints do): add the others to the state."
             )
         return True
@@ -154,7 +157,8 @@ def restore_checkpoint(
     if entries.check_optimizers(strategy, "load") and not strategy.restores_optimizer:
         if "optimizer_states" not in checkpoint:
             raise CheckpointError(
-                f"{source} holds no optimizer states (saved without optimizers, or with weights_only=True); leave the optimizers out of the state to load only the weights."
+                f"{source} holds no optimizer states (saved without optimizers, or with weights_only=True); leave the"
+                " optimizers out of the state to load only the weights."
             )
         check_optimizer_states(
             source, checkpoint["optimizer_states"], [unwrap_optimizer(o) for o in strategy.optimizers]
@@ -187,5 +191,6 @@ def _check_present(
     if missing:
         available = sorted({*objects, *(key for key in checkpoint if key != COHORT_ENTRY)})
         raise CheckpointError(
-            f"{source} has no entry {missing[0]!r} asked for in the state; it holds {available} (pass strict=False to skip missing entries)."
+            f"{source} has no entry {missing[0]!r} asked for in the state; it holds {available} (pass strict=False to"
+            " skip missing entries)."
         )

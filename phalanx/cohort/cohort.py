@@ -122,7 +122,8 @@ class Cohort:
         """
         if function is not None and not callable(function):
             raise TypeError(
-                f"Cohort.launch(function) takes a callable (called as function(cohort, *args)), got {type(function).__name__}."
+                "Cohort.launch(function) takes a callable (called as function(cohort, *args)), got"
+                f" {type(function).__name__}."
             )
         if self._launched:
             raise RuntimeError("Cohort.launch() was already called; launch once per Cohort.")
@@ -130,7 +131,8 @@ class Cohort:
         start_method = getattr(self._strategy, "_start_method", "popen")
         if function is None and launcher is not None and start_method != "popen":
             raise TypeError(
-                f"Cohort.launch() needs a function with start_method={start_method!r}: the new processes run function(cohort, *args), not the rest of your script."
+                f"Cohort.launch() needs a function with start_method={start_method!r}: the new processes run"
+                " function(cohort, *args), not the rest of your script."
             )
         self._launched = True
         if launcher is None:
@@ -147,7 +149,8 @@ class Cohort:
             return
         if self._strategy.launcher is not None and not self._launched:
             raise RuntimeError(
-                f"{type(self._strategy).__name__} starts its processes itself: call cohort.launch() (or cohort.launch(fn)) before"
+                f"{type(self._strategy).__name__} starts its processes itself: call cohort.launch() (or"
+                " cohort.launch(fn)) before"
                 " setup, collectives or init_module; under torchrun or a cluster scheduler it does nothing extra."
             )
         self._environment_ready = True
@@ -178,7 +181,8 @@ class Cohort:
         self._check_module(module, "setup_module")
         if _is_deepspeed(self._strategy):
             raise RuntimeError(
-                "DeepSpeed builds its engine from the module and the optimizer together: call cohort.setup(module, optimizer) instead of setup_module."
+                "DeepSpeed builds its engine from the module and the optimizer together: call cohort.setup(module,"
+                " optimizer) instead of setup_module."
             )
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
@@ -224,7 +228,8 @@ class Cohort:
             raise ValueError(f"Cohort.{method}: this module was already set up by a Cohort; pass the plain module.")
         if self._module is not None:
             raise RuntimeError(
-                f"Cohort.{method}: this Cohort already set up a module; one Cohort runs one module (put several in one nn.Module, e.g. nn.ModuleDict)."
+                f"Cohort.{method}: this Cohort already set up a module; one Cohort runs one module (put several in one"
+                " nn.Module, e.g. nn.ModuleDict)."
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"Cohort.{method}(module) takes a torch.nn.Module, got {type(module).__name__}.")
@@ -246,7 +251,8 @@ class Cohort:
             for parameter in group["params"]:
                 if id(parameter) not in self._parameter_names:
                     raise ValueError(
-                        f"Cohort.setup: optimizers[{index}].param_groups[{group_index}] holds a parameter (shape {list(parameter.shape)}) that is"
+                        f"Cohort.setup: optimizers[{index}].param_groups[{group_index}] holds a parameter (shape"
+                        f" {list(parameter.shape)}) that is"
                         " not a parameter of the module being set up; build the optimizer from module.parameters()."
                     )
 
@@ -264,8 +270,10 @@ class Cohort:
         if any(old is not new for old, new in replaced.items()) and any(optimizer.state.values()):
             # Saved per-parameter state (momentum, ...) has the whole parameter's shape, the new parameters are shards.
             raise ValueError(
-                f"Cohort.setup: {type(self._strategy).__name__} replaces the module's parameters, but the {type(optimizer).__name__} already"
-                " holds per-parameter state; set up an optimizer that has not stepped yet, and load its state with cohort.load."
+                f"Cohort.setup: {type(self._strategy).__name__} replaces the module's parameters, but the"
+                f" {type(optimizer).__name__} already"
+                " holds per-parameter state; set up an optimizer that has not stepped yet, and load its state with"
+                " cohort.load."
             )
 
     def _optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None) -> Any:
@@ -348,7 +356,8 @@ class Cohort:
     def _check_set_up(self, module: Any, method: str) -> None:
         if self._module is None or module is not self._module:
             raise ValueError(
-                f"Cohort.{method}(module, ...) takes the module returned by cohort.setup(...), got {type(module).__name__}."
+                f"Cohort.{method}(module, ...) takes the module returned by cohort.setup(...), got"
+                f" {type(module).__name__}."
             )
 
     # ------------------------------------------------------------------ collectives

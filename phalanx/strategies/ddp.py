@@ -50,7 +50,8 @@ def _check_ddp_kwargs(kwargs: dict[str, Any]) -> None:
             for name in unknown
         ]
         raise TypeError(
-            f"DDPStrategy got unknown keyword argument(s) {', '.join(hints)}; it passes extra keywords to DistributedDataParallel, which accepts {accepted}."
+            f"DDPStrategy got unknown keyword argument(s) {', '.join(hints)}; it passes extra keywords to"
+            f" DistributedDataParallel, which accepts {accepted}."
         )
 
 
@@ -97,7 +98,8 @@ class DDPStrategy(ParallelStrategy):
             raise ValueError(f"model_averaging_period={model_averaging_period!r} must be an int >= 1.")
         if model_averaging_period is None and type(ddp_comm_state).__name__ == "PostLocalSGDState":
             raise ValueError(
-                "Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (optimizer steps between model averages)."
+                "Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (optimizer steps"
+                " between model averages)."
             )
         _check_ddp_kwargs(kwargs)
         kwargs = {name: value for name, value in kwargs.items() if name not in ("device_ids", "output_device")}
@@ -168,7 +170,8 @@ class DDPStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             if isinstance(optimizer, (DistributedOptimizer, ZeroRedundancyOptimizer, PostLocalSGDOptimizer)):
                 raise ValueError(
-                    f"Model averaging cannot wrap a distributed optimizer ({type(optimizer).__name__}); use a regular torch optimizer."
+                    f"Model averaging cannot wrap a distributed optimizer ({type(optimizer).__name__}); use a regular"
+                    " torch optimizer."
                 )
         averager = PeriodicModelAverager(
             period=self._model_averaging_period, warmup_steps=self._ddp_comm_state.start_localSGD_iter

@@ -83,8 +83,10 @@ def deepspeed_available() -> bool:
 def _import_deepspeed() -> Any:
     if not deepspeed_available():
         raise ModuleNotFoundError(
-            f"The DeepSpeed strategies need the deepspeed package, which is not installed. Install it with: {INSTALL_HINT}"
-            " (DeepSpeed builds against your installed torch: add --no-build-isolation if pip tries to download another torch)."
+            "The DeepSpeed strategies need the deepspeed package, which is not installed. Install it with:"
+            f" {INSTALL_HINT}"
+            " (DeepSpeed builds against your installed torch: add --no-build-isolation if pip tries to download"
+            " another torch)."
         )
     import deepspeed
 
@@ -295,7 +297,8 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
         supported = type(accelerator).supported_precisions()
         if precision not in supported:
             raise ValueError(
-                f"precision={precision!r} cannot run on the {getattr(accelerator, 'name', '?')} accelerator here. Supported with DeepSpeed: {[p for p in DEEPSPEED_PRECISIONS if p in supported]}."
+                f"precision={precision!r} cannot run on the {getattr(accelerator, 'name', '?')} accelerator here."
+                f" Supported with DeepSpeed: {[p for p in DEEPSPEED_PRECISIONS if p in supported]}."
             )
         return DeepSpeedPrecision(precision)
 

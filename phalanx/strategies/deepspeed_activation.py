@@ -47,7 +47,8 @@ def merge_activation_section(
         section = config[SECTION] = {}
     if not isinstance(section, dict):
         raise ValueError(
-            f"The DeepSpeed {source} has {SECTION}={section!r}; it must be a dict of settings (e.g. {{'partition_activations': True}})."
+            f"The DeepSpeed {source} has {SECTION}={section!r}; it must be a dict of settings (e.g."
+            " {'partition_activations': True})."
         )
     for key, value in settings.items():
         if key in section and section[key] != value:
@@ -59,12 +60,14 @@ def merge_activation_section(
     if section.get("contiguous_memory_optimization"):
         if not section.get("partition_activations"):
             raise ValueError(
-                "contiguous_memory_optimization=True needs partition_activations=True (DeepSpeed copies partitioned activations only)."
+                "contiguous_memory_optimization=True needs partition_activations=True (DeepSpeed copies partitioned"
+                " activations only)."
             )
         if section.get("number_checkpoints") is None:
             raise ValueError(
                 "contiguous_memory_optimization=True needs the number of checkpointed layers to size its buffer: pass"
-                f" config={{'{SECTION}': {{'number_checkpoints': N, ...}}, ...}} (N: calls to deepspeed.checkpointing.checkpoint per forward)."
+                f" config={{'{SECTION}': {{'number_checkpoints': N, ...}}, ...}} (N: calls to"
+                " deepspeed.checkpointing.checkpoint per forward)."
             )
     return section
 

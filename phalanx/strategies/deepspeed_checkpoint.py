@@ -73,7 +73,8 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
         )
         detail = f"; {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else ""
         raise CheckpointError(
-            f"{directory} is not a DeepSpeed checkpoint directory written by phalanx (it needs '{STATE_FILE}' and 'latest'){detail}."
+            f"{directory} is not a DeepSpeed checkpoint directory written by phalanx (it needs '{STATE_FILE}' and"
+            f" 'latest'){detail}."
         )
     file = entry_inside(directory, STATE_FILE, root=directory, what="phalanx's state file")
     with open(file, "rb") as handle:
@@ -107,7 +108,8 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike) -> dict[str, Any]
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as error:
         # Files that each read fine but do not fit together: cut short, of another model, of another save.
         raise CheckpointError(
-            f"{files.directory}: DeepSpeed's files do not fit together (damaged, or from different checkpoints): {type(error).__name__}: {error}"
+            f"{files.directory}: DeepSpeed's files do not fit together (damaged, or from different checkpoints):"
+            f" {type(error).__name__}: {error}"
         ) from None
     full = {key: value for key, value in state.items() if key != "deepspeed"}
     full["state_dict"] = weights
@@ -145,7 +147,8 @@ def _consolidate(
         frozen = {name: tensor for name, tensor in module.items() if name not in buffer_names}
     else:
         raise CheckpointError(
-            f"{source}: the optimizer partitions hold no float32 master weights (optimizer state offloaded to NVMe?); they cannot be consolidated."
+            f"{source}: the optimizer partitions hold no float32 master weights (optimizer state offloaded to NVMe?);"
+            " they cannot be consolidated."
         )
     weights: OrderedDict[str, Tensor] = OrderedDict()
     for name, tensor in module.items():
@@ -180,7 +183,8 @@ def _zero12(
         # DeepSpeed splits a group evenly; only the last rank's part is saved shorter (without its padding).
         if any(size != sizes[0] for size in sizes[:-1]) or sizes[-1] > sizes[0]:
             raise CheckpointError(
-                f"{source}: the optimizer partitions of parameter group {group} hold {sizes} elements; DeepSpeed splits a group evenly, so they come from different checkpoints."
+                f"{source}: the optimizer partitions of parameter group {group} hold {sizes} elements; DeepSpeed"
+                " splits a group evenly, so they come from different checkpoints."
             )
         flat = torch.cat([state["single_partition_of_fp32_groups"][group].float() for state in optim_states])
         offset = 0
@@ -189,7 +193,8 @@ def _zero12(
             numel = math.prod(shape)
             if offset + numel > flat.numel():
                 raise CheckpointError(
-                    f"{source}: parameter {name!r} lies beyond the saved partitions of group {group}; the checkpoint is incomplete, or its files come from different checkpoints."
+                    f"{source}: parameter {name!r} lies beyond the saved partitions of group {group}; the checkpoint"
+                    " is incomplete, or its files come from different checkpoints."
                 )
             trainable[name] = flat[offset : offset + numel].view(shape).clone()
             group_slices.append((name, offset, numel, shape))
@@ -306,7 +311,8 @@ def _zero3(
     flats = [torch.cat([group.float().reshape(-1) for group in state["fp32_flat_groups"]]) for state in optim_states]
     if any(flat.numel() != flats[0].numel() for flat in flats):
         raise CheckpointError(
-            f"{source}: the optimizer partitions hold {[flat.numel() for flat in flats]} elements; ZeRO-3 gives every rank as many, so they come from different checkpoints."
+            f"{source}: the optimizer partitions hold {[flat.numel() for flat in flats]} elements; ZeRO-3 gives every"
+            " rank as many, so they come from different checkpoints."
         )
     layout: list[tuple[int, str, int, int, Any]] = []  # (group, name, offset in each rank's flat vector, numel, shape)
     offset = 0
@@ -317,7 +323,8 @@ def _zero3(
             part = math.ceil(numel / world_size)
             if offset + part > flats[0].numel():
                 raise CheckpointError(
-                    f"{source}: parameter {name!r} lies beyond the saved partitions; the checkpoint is incomplete, or its files come from different checkpoints."
+                    f"{source}: parameter {name!r} lies beyond the saved partitions; the checkpoint is incomplete, or"
+                    " its files come from different checkpoints."
                 )
             trainable[name] = torch.cat([flat[offset : offset + part] for flat in flats])[:numel].view(shape).clone()
             layout.append((group, name, offset, numel, shape))

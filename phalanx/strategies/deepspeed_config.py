@@ -104,7 +104,8 @@ def complete_config(
     given = config.get("gradient_accumulation_steps")
     if given is not None and given != accumulate:
         raise ValueError(
-            f"The DeepSpeed config sets gradient_accumulation_steps={given!r} but the Trainer has accumulate_grad_batches={accumulate};"
+            f"The DeepSpeed config sets gradient_accumulation_steps={given!r} but the Trainer has"
+            f" accumulate_grad_batches={accumulate};"
             " set it once, with Trainer(accumulate_grad_batches=...)."
         )
     config["gradient_accumulation_steps"] = accumulate
@@ -112,11 +113,13 @@ def complete_config(
     if clip_val:
         if settings.gradient_clip_algorithm != "norm":
             raise ValueError(
-                "DeepSpeed clips gradients by norm only: use gradient_clip_algorithm='norm' (or leave it unset) with gradient_clip_val."
+                "DeepSpeed clips gradients by norm only: use gradient_clip_algorithm='norm' (or leave it unset) with"
+                " gradient_clip_val."
             )
         if config.get("gradient_clipping") not in (None, clip_val):
             raise ValueError(
-                f"The DeepSpeed config sets gradient_clipping={config['gradient_clipping']!r} but the Trainer has gradient_clip_val={clip_val}; set it in one place."
+                f"The DeepSpeed config sets gradient_clipping={config['gradient_clipping']!r} but the Trainer has"
+                f" gradient_clip_val={clip_val}; set it in one place."
             )
         config["gradient_clipping"] = float(clip_val)
     # DeepSpeed clips to 1.0 unless told otherwise; phalanx clips only when asked.
@@ -129,7 +132,8 @@ def complete_config(
             if enabled != (key in precision_sections):
                 state = "enables" if enabled else "disables"
                 raise ValueError(
-                    f"The DeepSpeed config {state} '{key}' but the precision is {precision!r}; remove '{key}' from the config and choose the precision with Trainer(precision=...)."
+                    f"The DeepSpeed config {state} '{key}' but the precision is {precision!r}; remove '{key}' from the"
+                    " config and choose the precision with Trainer(precision=...)."
                 )
         elif key in precision_sections:
             config[key] = precision_sections[key]
@@ -154,7 +158,8 @@ def micro_batch_size(logging_batch_size_per_gpu: int | str, settings: RunSetting
     if settings.train_batch_size is not None:
         return settings.train_batch_size
     rank_zero_info(
-        "DeepSpeed: the training dataloader's batch size is unknown; DeepSpeed's throughput logs assume 1 (set DeepSpeedStrategy(logging_batch_size_per_gpu=...))."
+        "DeepSpeed: the training dataloader's batch size is unknown; DeepSpeed's throughput logs assume 1 (set"
+        " DeepSpeedStrategy(logging_batch_size_per_gpu=...))."
     )
     return 1
 

@@ -37,7 +37,8 @@ class DeepSpeedOptimizerHandle:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Refused: the DeepSpeed engine steps (``engine.step()``), through ``Trainer`` / ``strategy.optimizer_step``."""
         raise RuntimeError(
-            "Under DeepSpeed the engine steps the optimizer; in manual optimization call step() on the optimizer from self.optimizers()."
+            "Under DeepSpeed the engine steps the optimizer; in manual optimization call step() on the optimizer from"
+            " self.optimizers()."
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -87,12 +88,14 @@ def engine_optimizer(
     if "optimizer" in config:
         if overrides(module, "configure_optimizers"):
             rank_zero_info(
-                "DeepSpeed: the optimizer (and scheduler) of the DeepSpeed config are used; configure_optimizers is not called."
+                "DeepSpeed: the optimizer (and scheduler) of the DeepSpeed config are used; configure_optimizers is"
+                " not called."
             )
         return None, []
     if settings.configure_optimizers is None:
         raise ValueError(
-            "DeepSpeedStrategy.setup(RunSettings(stage='fit')) needs configure_optimizers= in the settings, or an 'optimizer' section in the DeepSpeed config."
+            "DeepSpeedStrategy.setup(RunSettings(stage='fit')) needs configure_optimizers= in the settings, or an"
+            " 'optimizer' section in the DeepSpeed config."
         )
     optimizers, scheduler_configs = settings.configure_optimizers(module)
     if len(optimizers) != 1:
@@ -169,7 +172,8 @@ class DeepSpeedEngineMixin:
         if not self._warned_backward_hook and overrides(module, "backward"):
             self._warned_backward_hook = True
             rank_zero_warn(
-                f"{type(module).__name__}.backward is overridden, but under DeepSpeed the engine runs backward (engine.backward(loss)); the override is not called."
+                f"{type(module).__name__}.backward is overridden, but under DeepSpeed the engine runs backward"
+                " (engine.backward(loss)); the override is not called."
             )
         optimizer, scheduler_configs = engine_optimizer(module, config, settings)
         parameters = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
@@ -228,7 +232,8 @@ class DeepSpeedEngineMixin:
     def _require_training_engine(self) -> Any:
         if self._engine is None or not self._engine_trains:
             raise RuntimeError(
-                "The DeepSpeed engine with its optimizer exists during and after fit; call this while fitting (or after fit)."
+                "The DeepSpeed engine with its optimizer exists during and after fit; call this while fitting (or"
+                " after fit)."
             )
         return self._engine
 

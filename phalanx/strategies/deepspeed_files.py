@@ -45,7 +45,8 @@ def tag_directory(directory: Path, tag: Any = None) -> tuple[str, Path]:
     folder = entry_inside(directory, tag, root=directory, what=what)
     if not folder.is_dir():
         raise CheckpointError(
-            f"DeepSpeed checkpoint files not found: {directory / tag} does not exist (the tag directory named by the checkpoint)."
+            f"DeepSpeed checkpoint files not found: {directory / tag} does not exist (the tag directory named by the"
+            " checkpoint)."
         )
     tree_inside(folder, root=directory, what=f"the tag directory {tag!r}")
     return tag, folder
@@ -115,7 +116,8 @@ def load_part(path: Path, root: Path, key: str) -> dict[str, Any]:
     content = load_deepspeed_file(path, root=root)
     if key not in content:
         raise CheckpointError(
-            f"{path} is not a DeepSpeed file of the kind its name says: it has no {key!r} entry (damaged, or from another program)."
+            f"{path} is not a DeepSpeed file of the kind its name says: it has no {key!r} entry (damaged, or from"
+            " another program)."
         )
     return content
 
@@ -194,7 +196,8 @@ def check_tag_files(folder: Path, *, world_size: Any, zero_stage: Any) -> None:
         files.check_world_size(world_size)
     if isinstance(zero_stage, int) and zero_stage >= 1 and not files.optim_files:
         raise CheckpointError(
-            f"{folder} is missing {_optim_name(0)} (and every other optimizer partition): the DeepSpeed checkpoint is incomplete."
+            f"{folder} is missing {_optim_name(0)} (and every other optimizer partition): the DeepSpeed checkpoint is"
+            " incomplete."
         )
 
 
@@ -228,15 +231,18 @@ def refuse_unsafe_engine_reads(engine: Any, directory: Path) -> None:
     reasons = []
     if engine.load_universal_checkpoint():
         reasons.append(
-            "the config asks for a universal checkpoint ('checkpoint': {'load_universal': true}), whose files DeepSpeed reads with torch.load(weights_only=False)"
+            "the config asks for a universal checkpoint ('checkpoint': {'load_universal': true}), whose files"
+            " DeepSpeed reads with torch.load(weights_only=False)"
         )
     if getattr(engine, "has_moe_layers", False):
         reasons.append(
-            "the model has mixture-of-experts layers, whose expert files DeepSpeed reads with torch.load(weights_only=False)"
+            "the model has mixture-of-experts layers, whose expert files DeepSpeed reads with"
+            " torch.load(weights_only=False)"
         )
     if reasons:
         raise UnsafeCheckpointError(
-            f"Refusing to resume from {directory}: {'; '.join(reasons)}, which runs any code the files' author chose. If you"
+            f"Refusing to resume from {directory}: {'; '.join(reasons)}, which runs any code the files' author chose."
+            " If you"
             " wrote this checkpoint yourself and trust it, pass DeepSpeedStrategy(allow_unsafe_checkpoint_load=True)."
         )
 

@@ -57,8 +57,10 @@ class DeepSpeedCheckpointMixin:
         if fitting:
             if not isinstance(meta, dict) or "directory" not in meta:
                 raise CheckpointError(
-                    "Resuming DeepSpeed training needs a checkpoint directory written by DeepSpeedStrategy; this checkpoint is"
-                    " an ordinary file. To start DeepSpeed training from its weights, load them into the module before fit"
+                    "Resuming DeepSpeed training needs a checkpoint directory written by DeepSpeedStrategy; this"
+                    " checkpoint is"
+                    " an ordinary file. To start DeepSpeed training from its weights, load them into the module before"
+                    " fit"
                     " (TrainingModule.load_from_checkpoint) and call fit without ckpt_path."
                 )
             self._load_engine_checkpoint(meta, strict)
@@ -74,13 +76,16 @@ class DeepSpeedCheckpointMixin:
         saved_world_size = meta.get("world_size")
         if saved_world_size is not None and saved_world_size != self.world_size:
             raise CheckpointError(
-                f"{meta['directory']} was written by {saved_world_size} processes, and DeepSpeed resumes ZeRO checkpoints only with"
-                f" the same number (now {self.world_size}). Consolidate it (phalanx checkpoint consolidate) to get its weights."
+                f"{meta['directory']} was written by {saved_world_size} processes, and DeepSpeed resumes ZeRO"
+                " checkpoints only with"
+                f" the same number (now {self.world_size}). Consolidate it (phalanx checkpoint consolidate) to get its"
+                " weights."
             )
         saved_stage = meta.get("zero_stage")
         if saved_stage is not None and saved_stage != self.zero_stage:
             raise CheckpointError(
-                f"{meta['directory']} was written with ZeRO stage {saved_stage}; resume it with the same stage (now {self.zero_stage})."
+                f"{meta['directory']} was written with ZeRO stage {saved_stage}; resume it with the same stage (now"
+                f" {self.zero_stage})."
             )
         # The tag comes from the checkpoint (its state file, else 'latest'): a plain name inside it, every file
         # DeepSpeed needs present. DeepSpeed is given the checked tag, so it never reads 'latest' itself.
@@ -120,11 +125,13 @@ class DeepSpeedCheckpointMixin:
         states = checkpoint["optimizer_states"]
         if len(states) != len(self.optimizers):
             raise ValueError(
-                f"The checkpoint holds {len(states)} optimizer state(s) but DeepSpeed drives {len(self.optimizers)}; resume with the same optimizer configuration."
+                f"The checkpoint holds {len(states)} optimizer state(s) but DeepSpeed drives {len(self.optimizers)};"
+                " resume with the same optimizer configuration."
             )
         if not all(is_optimizer_marker(state) for state in states) or not self._optimizer_restored:
             raise CheckpointError(
-                "DeepSpeed resumes its optimizer only from a DeepSpeed checkpoint directory written by DeepSpeedStrategy."
+                "DeepSpeed resumes its optimizer only from a DeepSpeed checkpoint directory written by"
+                " DeepSpeedStrategy."
             )
 
     # ------------------------------------------------------------------ checkpoint directories
@@ -136,7 +143,8 @@ class DeepSpeedCheckpointMixin:
         engine = self._require_training_engine()
         if storage_options is not None or is_url(filepath):
             raise ValueError(
-                f"DeepSpeed writes checkpoints to a local (or shared) file system path; {str(filepath)!r} with storage_options={storage_options!r} is not one."
+                f"DeepSpeed writes checkpoints to a local (or shared) file system path; {str(filepath)!r} with"
+                f" storage_options={storage_options!r} is not one."
             )
         target = Path(filepath).absolute()
         staging = staging_directory(target, is_global_zero=self.is_global_zero, broadcast=self.broadcast)

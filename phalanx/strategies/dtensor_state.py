@@ -110,7 +110,8 @@ def load_optimizer_state(optimizer: Optimizer, state: dict[str, Any]) -> None:
     saved_ids = _saved_ids_in_order(state)
     if len(saved_ids) != len(parameters):
         raise ValueError(
-            f"The checkpoint's optimizer state covers {len(saved_ids)} parameters but the optimizer has {len(parameters)};"
+            f"The checkpoint's optimizer state covers {len(saved_ids)} parameters but the optimizer has"
+            f" {len(parameters)};"
             " resume with the same model and configure_optimizers."
         )
     position = {pid: index for index, pid in enumerate(saved_ids)}
@@ -147,7 +148,8 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     ]
     if uninitialised:
         raise ValueError(
-            f"These modules were created on the meta device but have no reset_parameters() to initialise them: {uninitialised}."
+            "These modules were created on the meta device but have no reset_parameters() to initialise them:"
+            f" {uninitialised}."
             " Give them a reset_parameters() method, or create them without empty_init=True."
         )
     meta_modules = [sub for sub in module.modules() if _owns_meta_tensors(sub)]

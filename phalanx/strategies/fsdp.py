@@ -133,21 +133,26 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
             return None
         if self._process_group is not None:
             raise ValueError(
-                "FSDPStrategy(process_group=..., device_mesh=...): pass only one of them; both say which processes shard the model."
+                "FSDPStrategy(process_group=..., device_mesh=...): pass only one of them; both say which processes"
+                " shard the model."
             )
         if isinstance(device_mesh, DeviceMesh):
             if device_mesh.ndim != dims:
                 raise ValueError(
-                    f"device_mesh has {device_mesh.ndim} dimension(s), but sharding_strategy={self.sharding_strategy!r} needs a {dims}-D mesh{' (replicate, shard)' if hybrid else ''}."
+                    f"device_mesh has {device_mesh.ndim} dimension(s), but"
+                    f" sharding_strategy={self.sharding_strategy!r} needs a {dims}-D"
+                    f" mesh{' (replicate, shard)' if hybrid else ''}."
                 )
             return device_mesh
         if not isinstance(device_mesh, tuple):
             raise TypeError(
-                f"device_mesh must be a tuple (replicas, shard size) for hybrid sharding, (processes,) otherwise, or a torch DeviceMesh; got {type(device_mesh).__name__}."
+                "device_mesh must be a tuple (replicas, shard size) for hybrid sharding, (processes,) otherwise, or a"
+                f" torch DeviceMesh; got {type(device_mesh).__name__}."
             )
         if not hybrid and len(device_mesh) == 2:
             raise ValueError(
-                f"device_mesh is for sharding_strategy='HYBRID_SHARD' (replicas x shard size); got sharding_strategy={self.sharding_strategy!r}."
+                "device_mesh is for sharding_strategy='HYBRID_SHARD' (replicas x shard size); got"
+                f" sharding_strategy={self.sharding_strategy!r}."
             )
         if len(device_mesh) != dims or not all(
             isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in device_mesh
@@ -195,11 +200,13 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
                 shape = (world, 1) if self.sharding_strategy == "NO_SHARD" else (world,)
                 if self._device_mesh_spec is not None and self._device_mesh_spec[0] != world:
                     raise ValueError(
-                        f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, but the job has {world}."
+                        f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, but the job"
+                        f" has {world}."
                     )
             if hybrid and shape[0] * shape[1] != world:
                 raise ValueError(
-                    f"{self.sharding_strategy} device_mesh={shape} has {shape[0] * shape[1]} processes, but the job has {world}; pass device_mesh=(replicas, shard_size) with replicas * shard_size == {world}."
+                    f"{self.sharding_strategy} device_mesh={shape} has {shape[0] * shape[1]} processes, but the job"
+                    f" has {world}; pass device_mesh=(replicas, shard_size) with replicas * shard_size == {world}."
                 )
             return init_device_mesh(
                 device_type, shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else ("shard",)
@@ -236,7 +243,8 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         if fsdp1_arguments:
             seed.warn_once(
                 "wrap arguments",
-                f"wrap(module, {', '.join(fsdp1_arguments)}=...): FSDP2 shards the layer with the strategy's own settings; these arguments are not applied.",
+                f"wrap(module, {', '.join(fsdp1_arguments)}=...): FSDP2 shards the layer with the strategy's own"
+                " settings; these arguments are not applied.",
             )
         self._marked_for_sharding.append(module)
         return module
@@ -291,11 +299,13 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
             return
         if self._wrap_picker is not None or self._checkpoint_picker is not None:
             rank_zero_warn(
-                "The module was already sharded with fully_shard in configure_model: auto_wrap_policy and activation_checkpointing_policy are ignored."
+                "The module was already sharded with fully_shard in configure_model: auto_wrap_policy and"
+                " activation_checkpointing_policy are ignored."
             )
         if self._layer_sync is not None:
             rank_zero_warn(
-                "The module was already sharded with fully_shard in configure_model: sync_batchnorm is not applied (convert its BatchNorm layers with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fully_shard)."
+                "The module was already sharded with fully_shard in configure_model: sync_batchnorm is not applied"
+                " (convert its BatchNorm layers with torch.nn.SyncBatchNorm.convert_sync_batchnorm before fully_shard)."
             )
 
     def _broadcast_from_rank_zero(self, module: nn.Module) -> None:
@@ -337,7 +347,8 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         if self.cpu_offload:
             if self.root_device.type == "cpu":
                 rank_zero_info(
-                    "cpu_offload: the model already trains on the CPU, so parameters, gradients and optimizer state stay in host memory."
+                    "cpu_offload: the model already trains on the CPU, so parameters, gradients and optimizer state"
+                    " stay in host memory."
                 )
             else:
                 from torch.distributed.fsdp import CPUOffloadPolicy

@@ -44,8 +44,10 @@ SEED_KEYWORD_ARGUMENTS = (
     "device_id",
 )
 _POLICY_FORMS = (
-    "a set of nn.Module subclasses, a callable(module) -> bool, an FSDP1 policy callable(module, recurse, nonwrapped_numel)"
-    " -> bool (e.g. functools.partial(transformer_auto_wrap_policy, ...)), or a torch.distributed.fsdp.wrap.ModuleWrapPolicy"
+    "a set of nn.Module subclasses, a callable(module) -> bool, an FSDP1 policy callable(module, recurse,"
+    " nonwrapped_numel)"
+    " -> bool (e.g. functools.partial(transformer_auto_wrap_policy, ...)), or a"
+    " torch.distributed.fsdp.wrap.ModuleWrapPolicy"
     " or CustomPolicy"
 )
 
@@ -74,7 +76,8 @@ def sharding_strategy_name(sharding_strategy: Any) -> str:
     )
     if not isinstance(name, str) or name.upper() not in SHARDING_STRATEGIES:
         raise ValueError(
-            f"sharding_strategy={sharding_strategy!r} is not valid; choose one of {list(SHARDING_STRATEGIES)} (a string in any case, or a torch.distributed.fsdp.ShardingStrategy member)."
+            f"sharding_strategy={sharding_strategy!r} is not valid; choose one of {list(SHARDING_STRATEGIES)} (a"
+            " string in any case, or a torch.distributed.fsdp.ShardingStrategy member)."
         )
     return name.upper()
 
@@ -89,7 +92,8 @@ def cpu_offload_setting(cpu_offload: Any) -> Any:
         # FSDP1 offloads parameters and gradients and steps the optimizer on the CPU, as FSDP2's policy does.
         return CPUOffloadPolicy() if cpu_offload.offload_params else False
     raise TypeError(
-        f"cpu_offload must be a bool, None, a torch.distributed.fsdp.CPUOffloadPolicy or an FSDP1 CPUOffload, got {type(cpu_offload).__name__}."
+        "cpu_offload must be a bool, None, a torch.distributed.fsdp.CPUOffloadPolicy or an FSDP1 CPUOffload, got"
+        f" {type(cpu_offload).__name__}."
     )
 
 
@@ -101,18 +105,21 @@ def mixed_precision_policy(mixed_precision: Any) -> Any:
         return mixed_precision
     if not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(
-            f"mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy or an FSDP1 MixedPrecision, got {type(mixed_precision).__name__}."
+            "mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy or an FSDP1 MixedPrecision, got"
+            f" {type(mixed_precision).__name__}."
         )
     if mixed_precision.buffer_dtype is not None:
         warn_once(
             f"buffer_dtype={mixed_precision.buffer_dtype}",
-            f"MixedPrecision(buffer_dtype={mixed_precision.buffer_dtype}): FSDP2 does not cast buffers; they keep their own dtype"
+            f"MixedPrecision(buffer_dtype={mixed_precision.buffer_dtype}): FSDP2 does not cast buffers; they keep"
+            " their own dtype"
             " (cast them yourself in configure_model if they must be in that dtype).",
         )
     if mixed_precision.keep_low_precision_grads:
         warn_once(
             "keep_low_precision_grads",
-            "MixedPrecision(keep_low_precision_grads=True): FSDP2 keeps the sharded gradients in the parameters' dtype; reduce_dtype only sets the dtype of the reduction.",
+            "MixedPrecision(keep_low_precision_grads=True): FSDP2 keeps the sharded gradients in the parameters'"
+            " dtype; reduce_dtype only sets the dtype of the reduction.",
         )
     cast_inputs = bool(mixed_precision.cast_forward_inputs or mixed_precision.cast_root_forward_inputs)
     return MixedPrecisionPolicy(
@@ -151,16 +158,19 @@ def checkpointing_policy(
         return activation_checkpointing_policy
     if activation_checkpointing_policy is not None:
         raise ValueError(
-            "Pass activation_checkpointing_policy= only: activation_checkpointing= (deprecated) and activation_checkpointing_policy= select the same thing."
+            "Pass activation_checkpointing_policy= only: activation_checkpointing= (deprecated) and"
+            " activation_checkpointing_policy= select the same thing."
         )
     classes = [activation_checkpointing] if isinstance(activation_checkpointing, type) else activation_checkpointing
     if not isinstance(classes, (list, tuple, set, frozenset)):
         raise TypeError(
-            f"activation_checkpointing must be an nn.Module subclass or a list of them, got {type(activation_checkpointing).__name__}."
+            "activation_checkpointing must be an nn.Module subclass or a list of them, got"
+            f" {type(activation_checkpointing).__name__}."
         )
     warn_once(
         "activation_checkpointing",
-        f"FSDPStrategy(activation_checkpointing=...) is deprecated; pass activation_checkpointing_policy={{{', '.join(getattr(c, '__name__', repr(c)) for c in classes)}}} instead.",
+        "FSDPStrategy(activation_checkpointing=...) is deprecated; pass"
+        f" activation_checkpointing_policy={{{', '.join(getattr(c, '__name__', repr(c)) for c in classes)}}} instead.",
     )
     return set(classes)
 
@@ -182,7 +192,8 @@ def _pick_with_policy_object(policy: Any, root: nn.Module) -> list[nn.Module]:
     if any(targets.values()):
         warn_once(
             "CustomPolicy arguments",
-            "The auto_wrap_policy returned per-module FSDP1 arguments: FSDP2 shards every selected module with the strategy's own settings, so they are not applied.",
+            "The auto_wrap_policy returned per-module FSDP1 arguments: FSDP2 shards every selected module with the"
+            " strategy's own settings, so they are not applied.",
         )
     return _innermost_first(root, lambda module: module in targets)
 
@@ -199,7 +210,8 @@ def _takes_recurse(policy: Callable[..., Any], argument: str) -> bool:
     if _binds(signature, 3):
         return True
     raise TypeError(
-        f"{argument}={policy!r} can be called neither as (module) nor as (module, recurse, nonwrapped_numel); it must be {_POLICY_FORMS}."
+        f"{argument}={policy!r} can be called neither as (module) nor as (module, recurse, nonwrapped_numel); it must"
+        f" be {_POLICY_FORMS}."
     )
 
 
@@ -249,8 +261,10 @@ def seed_keyword_arguments(kwargs: dict[str, Any], fully_shard_names: set[str]) 
     unknown = sorted(set(kwargs) - fully_shard_names - set(SEED_KEYWORD_ARGUMENTS))
     if unknown:
         raise TypeError(
-            f"FSDPStrategy got unexpected keyword argument(s) {unknown}; extra keyword arguments go to fully_shard, which"
-            f" accepts {sorted(fully_shard_names)}, or are FSDP1 arguments of the seed: {sorted(SEED_KEYWORD_ARGUMENTS)}."
+            f"FSDPStrategy got unexpected keyword argument(s) {unknown}; extra keyword arguments go to fully_shard,"
+            " which"
+            f" accepts {sorted(fully_shard_names)}, or are FSDP1 arguments of the seed:"
+            f" {sorted(SEED_KEYWORD_ARGUMENTS)}."
         )
     fully_shard_kwargs = {name: value for name, value in kwargs.items() if name in fully_shard_names}
     for name in SEED_KEYWORD_ARGUMENTS:
@@ -278,31 +292,38 @@ def _explain_seed_option(name: str, value: Any) -> None:
         (
             "use_orig_params",
             False,
-        ): "FSDP2 has no flat parameters: optimizers always see the module's own parameters (as sharded DTensors), as with use_orig_params=True.",
+        ): "FSDP2 has no flat parameters: optimizers always see the module's own parameters (as sharded DTensors), as"
+        " with use_orig_params=True.",
         (
             "limit_all_gathers",
             False,
-        ): "FSDP2 has no all-gather rate limiter to turn off; it bounds the all-gathers in flight itself (one layer prefetched ahead).",
+        ): "FSDP2 has no all-gather rate limiter to turn off; it bounds the all-gathers in flight itself (one layer"
+        " prefetched ahead).",
         (
             "forward_prefetch",
             True,
-        ): "FSDP2 overlaps the next layer's all-gather implicitly; for explicit prefetching call set_modules_to_forward_prefetch([...]) on the sharded layers (e.g. in on_fit_start).",
+        ): "FSDP2 overlaps the next layer's all-gather implicitly; for explicit prefetching call"
+        " set_modules_to_forward_prefetch([...]) on the sharded layers (e.g. in on_fit_start).",
         (
             "sync_module_states",
             False,
-        ): "phalanx broadcasts rank 0's initial weights before sharding anyway (modules created on the meta device are initialised alike on every rank), as with sync_module_states=True.",
+        ): "phalanx broadcasts rank 0's initial weights before sharding anyway (modules created on the meta device are"
+        " initialised alike on every rank), as with sync_module_states=True.",
     }
     if name == "backward_prefetch":
         prefetch = getattr(value, "name", value)
         if prefetch != "BACKWARD_PRE":
             warn_once(
                 f"{name}={prefetch}",
-                f"FSDPStrategy(backward_prefetch={prefetch}): FSDP2 always prefetches the next layer's all-gather before computing the current layer's gradients (as BACKWARD_PRE); for explicit control call set_modules_to_backward_prefetch([...]) on the sharded layers.",
+                f"FSDPStrategy(backward_prefetch={prefetch}): FSDP2 always prefetches the next layer's all-gather"
+                " before computing the current layer's gradients (as BACKWARD_PRE); for explicit control call"
+                " set_modules_to_backward_prefetch([...]) on the sharded layers.",
             )
     elif name == "param_init_fn":
         warn_once(
             name,
-            "FSDPStrategy(param_init_fn=...): not called; phalanx materialises modules created on the meta device (tensor_init_context(empty_init=True)) with each module's reset_parameters().",
+            "FSDPStrategy(param_init_fn=...): not called; phalanx materialises modules created on the meta device"
+            " (tensor_init_context(empty_init=True)) with each module's reset_parameters().",
         )
     elif name == "device_id":
         warn_once(
@@ -322,7 +343,8 @@ def check_process_group(process_group: Any, hybrid: bool) -> None:
 
     if not hybrid and not isinstance(process_group, ProcessGroup):
         raise ValueError(
-            f"process_group must be one ProcessGroup for this sharding strategy (a pair (shard_group, replicate_group) is for hybrid sharding), got {type(process_group).__name__}."
+            "process_group must be one ProcessGroup for this sharding strategy (a pair (shard_group, replicate_group)"
+            f" is for hybrid sharding), got {type(process_group).__name__}."
         )
     if hybrid and not (
         isinstance(process_group, tuple)
@@ -330,7 +352,8 @@ def check_process_group(process_group: Any, hybrid: bool) -> None:
         and all(isinstance(g, ProcessGroup) for g in process_group)
     ):
         raise ValueError(
-            f"Hybrid sharding needs process_group=(shard_group, replicate_group), a pair of ProcessGroups, got {process_group!r}."
+            "Hybrid sharding needs process_group=(shard_group, replicate_group), a pair of ProcessGroups, got"
+            f" {process_group!r}."
         )
 
 
@@ -352,7 +375,8 @@ def mesh_from_process_group(
     column = None if mesh is None else int((mesh == get_rank()).nonzero()[0, 1])
     if mesh is None or sorted(mesh[:, column].tolist()) != sorted(get_process_group_ranks(replicate_group)):
         raise ValueError(
-            f"process_group=(shard_group, replicate_group) must split the processes into disjoint shard groups of one size (here {[list(r) for r in rows]}) whose members at the same position form the replicate groups."
+            "process_group=(shard_group, replicate_group) must split the processes into disjoint shard groups of one"
+            f" size (here {[list(r) for r in rows]}) whose members at the same position form the replicate groups."
         )
     return DeviceMesh.from_group(
         [replicate_group, shard_group], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard")

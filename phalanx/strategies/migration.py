@@ -12,9 +12,11 @@ _NEW_SIGNATURES = {
     ("launcher", "launch"): "launch(self, function, *args, worker_state: WorkerState | None = None, **kwargs)",
 }
 _WHERE = {
-    "strategy": "the run's stage, accumulation, clipping, batch size and optimizer factory are fields of settings (phalanx.strategies.RunSettings)",
+    "strategy": "the run's stage, accumulation, clipping, batch size and optimizer factory are fields of settings"
+    " (phalanx.strategies.RunSettings)",
     "accelerator": "it is called at the start of Strategy.setup and gets nothing",
-    "launcher": "a launcher that starts processes carries state back through worker_state.collect()/restore() (phalanx.strategies.launchers.WorkerState)",
+    "launcher": "a launcher that starts processes carries state back through worker_state.collect()/restore()"
+    " (phalanx.strategies.launchers.WorkerState)",
 }
 
 

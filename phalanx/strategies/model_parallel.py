@@ -81,7 +81,8 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             dp = world // tp if world % tp == 0 else 0  # type: ignore[operator]
         if dp * tp != world:  # type: ignore[operator]
             raise ValueError(
-                f"data_parallel_size={self._data_parallel_size!r} x tensor_parallel_size={self._tensor_parallel_size!r} must equal the"
+                f"data_parallel_size={self._data_parallel_size!r} x"
+                f" tensor_parallel_size={self._tensor_parallel_size!r} must equal the"
                 f" number of processes ({world} = devices {self.num_processes} x num_nodes {self.num_nodes})."
             )
         return int(dp), int(tp)  # type: ignore[arg-type]
@@ -113,7 +114,8 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         if type(model).configure_model is TrainingModule.configure_model:
             raise TypeError(
                 f"ModelParallelStrategy needs {type(model).__name__}.configure_model() to parallelise the model with"
-                " self.device_mesh (parallelize_module on device_mesh['tensor_parallel'], fully_shard on device_mesh['data_parallel'])."
+                " self.device_mesh (parallelize_module on device_mesh['tensor_parallel'], fully_shard on"
+                " device_mesh['data_parallel'])."
             )
         super().connect(model)
 
@@ -132,7 +134,8 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             )
         if not has_dtensors(module) and self.world_size > 1:
             raise ValueError(
-                "configure_model did not parallelise any parameter with self.device_mesh; the model would be replicated without synchronisation."
+                "configure_model did not parallelise any parameter with self.device_mesh; the model would be"
+                " replicated without synchronisation."
             )
         if has_meta_tensors(module):
             self._materialize(module)

@@ -116,7 +116,8 @@ class ParallelStrategy(Strategy, ABC):
             os.environ.setdefault("MASTER_ADDR", environment.main_address)
             os.environ.setdefault("MASTER_PORT", str(environment.main_port))
             rank_zero_info(
-                f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend {self.process_group_backend}"
+                f"Initialising distributed: rank {self.global_rank} of {self.world_size}, backend"
+                f" {self.process_group_backend}"
             )
             torch.distributed.init_process_group(
                 self.process_group_backend,
@@ -161,7 +162,8 @@ class ParallelStrategy(Strategy, ABC):
         if self.world_size > 1 and distributed.peer_left(exception):
             # Another process failed first and reports its own traceback; a second one here would only mislead.
             print(
-                f"[phalanx] rank {self.global_rank}: stopping because another process of this job failed (its error is shown above or by the launcher).",
+                f"[phalanx] rank {self.global_rank}: stopping because another process of this job failed (its error is"
+                " shown above or by the launcher).",
                 file=sys.stderr,
                 flush=True,
             )

@@ -109,7 +109,8 @@ class ShardedStrategyMixin:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
         if is_url(filepath) or storage_options is not None:
             raise ValueError(
-                f"state_dict_type='sharded' writes to a local (or shared) file system path, not {str(filepath)!r} with storage_options; use state_dict_type='full' for fsspec URLs."
+                f"state_dict_type='sharded' writes to a local (or shared) file system path, not {str(filepath)!r} with"
+                " storage_options; use state_dict_type='full' for fsspec URLs."
             )
         save_sharded(
             checkpoint, filepath, is_global_zero=self.is_global_zero, broadcast=self.broadcast, barrier=self.barrier
@@ -127,7 +128,8 @@ class ShardedStrategyMixin:
             configs = self.lr_scheduler_configs  # type: ignore[attr-defined]
             if len(states) != len(configs):
                 raise ValueError(
-                    f"The checkpoint holds {len(states)} LR scheduler state(s) but configure_optimizers created {len(configs)}."
+                    f"The checkpoint holds {len(states)} LR scheduler state(s) but configure_optimizers created"
+                    f" {len(configs)}."
                 )
             for config, state in zip(configs, states):
                 config.scheduler.load_state_dict(state)
@@ -143,7 +145,8 @@ class ShardedStrategyMixin:
         optimizers = self.optimizers  # type: ignore[attr-defined]
         if len(states) != len(optimizers):
             raise ValueError(
-                f"The checkpoint holds {len(states)} optimizer state(s) but configure_optimizers created {len(optimizers)}; resume with the same optimizer configuration."
+                f"The checkpoint holds {len(states)} optimizer state(s) but configure_optimizers created"
+                f" {len(optimizers)}; resume with the same optimizer configuration."
             )
         for optimizer, state in zip(optimizers, states):
             load_optimizer_state(optimizer, state)

@@ -88,7 +88,8 @@ class Strategy(ABC):
         if precision_plugin is not None and not isinstance(precision_plugin, required):
             name = required.__name__
             raise TypeError(
-                f"{type(self).__name__} runs with {name} plugins only, got {type(precision_plugin).__name__}. Pass precision= (a"
+                f"{type(self).__name__} runs with {name} plugins only, got {type(precision_plugin).__name__}. Pass"
+                " precision= (a"
                 f" precision name such as 'bf16-mixed') to the Trainer, or a {name} instance as precision_plugin."
             )
         self._precision_plugin = precision_plugin
@@ -232,7 +233,8 @@ class Strategy(ABC):
         """What every ``setup`` does first: check its arguments, keep the settings, let the accelerator prepare."""
         if not isinstance(settings, RunSettings):
             raise TypeError(
-                f"{type(self).__name__}.setup(settings) takes a phalanx.strategies.RunSettings, got {type(settings).__name__}."
+                f"{type(self).__name__}.setup(settings) takes a phalanx.strategies.RunSettings, got"
+                f" {type(settings).__name__}."
                 " Strategies no longer receive the Trainer: read the run's settings from this argument."
             )
         if self.accelerator is None:
@@ -347,7 +349,8 @@ class Strategy(ABC):
         """Clip ``optimizer``'s gradients to total norm ``max_norm`` (returns the norm) or to ``clip_val`` by value."""
         if (max_norm is None) == (clip_val is None):
             raise ValueError(
-                f"clip_gradients takes exactly one of max_norm= (clip by total norm) or clip_val= (clip by value); got max_norm={max_norm!r}, clip_val={clip_val!r}."
+                "clip_gradients takes exactly one of max_norm= (clip by total norm) or clip_val= (clip by value); got"
+                f" max_norm={max_norm!r}, clip_val={clip_val!r}."
             )
         name, value = ("max_norm", max_norm) if max_norm is not None else ("clip_val", clip_val)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -483,4 +486,7 @@ class Strategy(ABC):
         """Register this strategy's names in ``registry``."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(accelerator={type(self.accelerator).__name__}, precision={self.precision_plugin.precision!r})"
+        return (
+            f"{type(self).__name__}(accelerator={type(self.accelerator).__name__},"
+            f" precision={self.precision_plugin.precision!r})"
+        )

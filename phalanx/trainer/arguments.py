@@ -29,7 +29,8 @@ def reject_class(name: str, value: Any, base: type, choices: str) -> None:
     if isinstance(value, type) and issubclass(value, base):
         suffix = f", or {choices}" if choices else ""
         raise TypeError(
-            f"{name}={value.__qualname__} is a class, not an instance; pass an instance, e.g. {value.__qualname__}(){suffix}."
+            f"{name}={value.__qualname__} is a class, not an instance; pass an instance, e.g."
+            f" {value.__qualname__}(){suffix}."
         )
 
 
@@ -122,7 +123,8 @@ def resolve_root_dir(value: Any) -> str:
         return os.getcwd()
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(
-            f"default_root_dir={shown(value)} (of type {type(value).__name__}) is not valid; pass a path (str or pathlib.Path) to a directory, or None for the working directory."
+            f"default_root_dir={shown(value)} (of type {type(value).__name__}) is not valid; pass a path (str or"
+            " pathlib.Path) to a directory, or None for the working directory."
         )
     path = os.fspath(value)
     if not isinstance(path, str):
@@ -163,8 +165,10 @@ __all__ = [
 # Lightning Trainer arguments phalanx takes but has no integration for: accepted as None (their default), otherwise
 # refused at construction with what to do instead.
 _NOT_INTEGRATED = {
-    "profiler": "phalanx has no profiler integration; wrap trainer.fit(...) in torch.profiler.profile(...) or start one in a Callback",
-    "model_registry": "phalanx has no model registry integration; upload the checkpoint files ModelCheckpoint writes yourself",
+    "profiler": "phalanx has no profiler integration; wrap trainer.fit(...) in torch.profiler.profile(...) or start"
+    " one in a Callback",
+    "model_registry": "phalanx has no model registry integration; upload the checkpoint files ModelCheckpoint writes"
+    " yourself",
 }
 
 

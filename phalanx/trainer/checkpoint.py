@@ -59,7 +59,8 @@ def plain_hyperparameters(hparams: dict[str, Any], owner: str) -> dict[str, Any]
     if dropped:
         rank_zero_warn(
             f"{owner} hyper-parameters {dropped} are not plain values (str, int, float, bool, None, lists, dicts) and"
-            " are left out of checkpoints; pass them again as overrides to load_from_checkpoint, or save_hyperparameters(ignore=...)."
+            " are left out of checkpoints; pass them again as overrides to load_from_checkpoint, or"
+            " save_hyperparameters(ignore=...)."
         )
     return kept
 
@@ -167,19 +168,22 @@ class CheckpointConnector:
             callback = trainer.checkpoint_callback
             if callback is None:
                 raise ValueError(
-                    f"ckpt_path={ckpt_path!r} needs a ModelCheckpoint callback; none is configured (enable_checkpointing=False?)."
+                    f"ckpt_path={ckpt_path!r} needs a ModelCheckpoint callback; none is configured"
+                    " (enable_checkpointing=False?)."
                 )
             if ckpt_path == "best":
                 path = getattr(callback, "best_model_path", "")
                 if not path:
                     raise ValueError(
-                        "ckpt_path='best': the ModelCheckpoint callback has no best checkpoint yet (nothing was saved or it has no monitor)."
+                        "ckpt_path='best': the ModelCheckpoint callback has no best checkpoint yet (nothing was saved"
+                        " or it has no monitor)."
                     )
                 return str(path)
             path = getattr(callback, "last_model_path", "") or self._find_last(callback)
             if not path:
                 raise ValueError(
-                    "ckpt_path='last': no last checkpoint was found; save one with ModelCheckpoint(save_last=True) or pass a path."
+                    "ckpt_path='last': no last checkpoint was found; save one with ModelCheckpoint(save_last=True) or"
+                    " pass a path."
                 )
             return str(path)
         if not isinstance(ckpt_path, (str, Path)):

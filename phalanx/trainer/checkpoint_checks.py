@@ -39,7 +39,8 @@ _PER_PARAMETER_STATE = {
 def fail(source: str, entry: str, problem: str) -> NoReturn:
     """Raise the CheckpointError for ``checkpoint{entry}`` of the file ``source``."""
     raise CheckpointError(
-        f"{source}: checkpoint{entry} {problem}. The file is damaged, or was not written by phalanx's Trainer for this model."
+        f"{source}: checkpoint{entry} {problem}. The file is damaged, or was not written by phalanx's Trainer for this"
+        " model."
     )
 
 
@@ -234,7 +235,8 @@ def check_optimizer_states(source: str, states: Sequence[Any], optimizers: Seque
         fail(
             source,
             "['optimizer_states']",
-            f"holds {len(states)} optimizer state(s), but configure_optimizers created {len(optimizers)}; resume with the same optimizer configuration",
+            f"holds {len(states)} optimizer state(s), but configure_optimizers created {len(optimizers)}; resume with"
+            " the same optimizer configuration",
         )
     for index, (state, optimizer) in enumerate(zip(states, optimizers)):
         _check_optimizer_state(source, f"['optimizer_states'][{index}]", state, optimizer)
@@ -292,7 +294,8 @@ def _check_hyperparameters(
         fail(
             source,
             where,
-            f"{' and '.join(p for p in parts if p)}: it is the state of another optimizer class than {name} (or of other settings)",
+            f"{' and '.join(p for p in parts if p)}: it is the state of another optimizer class than {name} (or of"
+            " other settings)",
         )
     for key, value in live.items():
         if key in group and key not in ignored and not _same_kind(group[key], value):
@@ -331,7 +334,8 @@ def check_scheduler_states(source: str, states: Sequence[Any], configs: Sequence
         fail(
             source,
             "['lr_schedulers']",
-            f"holds {len(states)} LR scheduler state(s), but configure_optimizers created {len(configs)}; resume with the same schedulers",
+            f"holds {len(states)} LR scheduler state(s), but configure_optimizers created {len(configs)}; resume with"
+            " the same schedulers",
         )
     for index, (state, config) in enumerate(zip(states, configs)):
         scheduler = config.scheduler
@@ -345,7 +349,8 @@ def check_scheduler_states(source: str, states: Sequence[Any], configs: Sequence
             fail(
                 source,
                 where,
-                f"{' and '.join(p for p in parts if p)}: it is the state of another scheduler than {type(scheduler).__name__}",
+                f"{' and '.join(p for p in parts if p)}: it is the state of another scheduler than"
+                f" {type(scheduler).__name__}",
             )
         for key in ("last_epoch", "_step_count"):
             if key in live and key in state and (isinstance(state[key], bool) or not isinstance(state[key], int)):

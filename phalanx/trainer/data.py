@@ -78,12 +78,22 @@ def empty_data_reason(dataloader: Any, limit: int | float) -> str:
         if size == 0:
             return f"the training DataLoader's dataset ({type(dataset).__name__}) is empty"
         if dataloader.drop_last and dataloader.batch_size is not None and size < dataloader.batch_size:
-            return f"drop_last=True drops the only, partial batch: the dataset has {size} samples, fewer than batch_size={dataloader.batch_size}"
+            return (
+                f"drop_last=True drops the only, partial batch: the dataset has {size} samples, fewer than"
+                f" batch_size={dataloader.batch_size}"
+            )
     if length == 0:
         return f"the training data ({type(dataloader).__name__}) has length 0"
     if isinstance(dataloader, Iterator):
-        return f"the training data is a {type(dataloader).__name__}, an iterator: it yields its batches once and has none left; pass a re-iterable object such as a DataLoader"
-    return f"the training data ({type(dataloader).__name__}{' over ' + type(dataset).__name__ if dataset is not None else ''}) yielded nothing"
+        return (
+            f"the training data is a {type(dataloader).__name__}, an iterator: it yields its batches once and has"
+            " none left; pass a re-iterable object such as a DataLoader"
+        )
+    return (
+        "the training data"
+        f" ({type(dataloader).__name__}{' over ' + type(dataset).__name__ if dataset is not None else ''}) yielded"
+        " nothing"
+    )
 
 
 def as_dataloader_list(value: Any, stage: str) -> list[Any]:
@@ -165,7 +175,8 @@ def iterate_from(dataloader: Any, skip: int) -> Iterator[Any]:
     except StopIteration:
         # Only a resumed run skips batches: the checkpoint was taken further into the epoch than this data reaches.
         raise CheckpointError(
-            f"Resuming mid-epoch needs to pass {skip} batches already trained on, but the training data ends before that;"
+            f"Resuming mid-epoch needs to pass {skip} batches already trained on, but the training data ends before"
+            " that;"
             " resume with the data (and limit_train_batches) the checkpoint was saved with."
         ) from None
     return iterator

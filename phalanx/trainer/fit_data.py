@@ -36,7 +36,8 @@ def prepare_train_data(trainer: Trainer, source: DataSource) -> None:
     train = source.get("train")
     if not train:
         raise ValueError(
-            "fit() needs training data: pass train_dataloaders=, a datamodule with train_dataloader(), or define train_dataloader() on the TrainingModule."
+            "fit() needs training data: pass train_dataloaders=, a datamodule with train_dataloader(), or define"
+            " train_dataloader() on the TrainingModule."
         )
     if len(train) != 1:
         raise ValueError(
@@ -85,7 +86,8 @@ def schedule_validation(trainer: Trainer) -> None:
         if interval < 1.0:
             if math.isinf(trainer.num_training_batches):
                 raise ValueError(
-                    f"val_check_interval={interval} is a fraction of an epoch, but the training dataloader has no length; pass an int number of batches."
+                    f"val_check_interval={interval} is a fraction of an epoch, but the training dataloader has no"
+                    " length; pass an int number of batches."
                 )
             trainer._val_every_batches = max(1, int(trainer.num_training_batches * interval))
         return
@@ -94,7 +96,8 @@ def schedule_validation(trainer: Trainer) -> None:
         trainer._val_across_epochs = True
     elif interval > trainer.num_training_batches:
         raise ValueError(
-            f"val_check_interval={interval} is more than the {trainer.num_training_batches} training batches of an epoch;"
+            f"val_check_interval={interval} is more than the {trainer.num_training_batches} training batches of an"
+            " epoch;"
             " lower it, or pass check_val_every_n_epoch=None to count batches across epochs."
         )
 
@@ -129,7 +132,8 @@ def overfit_loader(loader: Any, stage: str, overfit_batches: int | float) -> Any
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         raise ValueError(
-            f"overfit_batches={overfit_batches!r} trains on the same batches every epoch, but the {stage} DataLoader uses"
+            f"overfit_batches={overfit_batches!r} trains on the same batches every epoch, but the {stage} DataLoader"
+            " uses"
             f" a custom batch_sampler ({type(batch_sampler).__name__}), which phalanx cannot make sequential. Pass a"
             " DataLoader with batch_size= (and shuffle=False), or overfit_batches=0."
         )

@@ -33,11 +33,13 @@ def extract_loss(output: Any) -> Tensor | None:
     if isinstance(output, Mapping):
         if "loss" not in output:
             raise ValueError(
-                f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}); add the loss under 'loss'."
+                f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}); add the loss under"
+                " 'loss'."
             )
         return output["loss"]
     raise TypeError(
-        f"training_step returned a {type(output).__name__}; return the loss tensor, a dict with 'loss', or None to skip the batch."
+        f"training_step returned a {type(output).__name__}; return the loss tensor, a dict with 'loss', or None to"
+        " skip the batch."
     )
 
 
@@ -171,8 +173,10 @@ class FitLoop:
             self._epoch_start_rng = collect_rng_states()
         if skip > self.num_batches:
             raise CheckpointError(
-                f"The checkpoint resumes after batch {skip} of epoch {self.current_epoch}, but the training data has only"
-                f" {self.num_batches} batches per epoch now; resume with the data (and limit_train_batches) it was saved with."
+                f"The checkpoint resumes after batch {skip} of epoch {self.current_epoch}, but the training data has"
+                " only"
+                f" {self.num_batches} batches per epoch now; resume with the data (and limit_train_batches) it was"
+                " saved with."
             )
         iterator = iterate_from(dataloader, skip)
         if skip and restored is not None and restored["rng"] is not None:
@@ -256,7 +260,8 @@ class FitLoop:
         else:
             reason = empty_data_reason(trainer._train_dataloader, trainer.limit_train_batches)
         rank_zero_warn(
-            f"Epoch {self.current_epoch} trained no batch ({reason}): fit stops at global step {self.global_step}, as no"
+            f"Epoch {self.current_epoch} trained no batch ({reason}): fit stops at global step {self.global_step}, as"
+            " no"
             " later epoch would train either."
         )
         return True
@@ -319,7 +324,8 @@ class FitLoop:
         if not self._warned_early_stop:
             self._warned_early_stop = True
             rank_zero_warn(
-                f"trainer.should_stop was set at epoch {self.current_epoch}, step {self.global_step}, but training continues"
+                f"trainer.should_stop was set at epoch {self.current_epoch}, step {self.global_step}, but training"
+                " continues"
                 f" until min_epochs={trainer.min_epochs} and min_steps={trainer.min_steps} are reached."
             )
         return False

@@ -203,7 +203,8 @@ def _data_hook(
             warn(
                 datamodule,
                 name,
-                f"{type(module).__name__} and {type(datamodule).__name__} both override {name}: the DataModule's is used, as in Lightning.",
+                f"{type(module).__name__} and {type(datamodule).__name__} both override {name}: the DataModule's is"
+                " used, as in Lightning.",
             )
         return getattr(datamodule, name)
     return getattr(module, name) if in_module else None

@@ -32,7 +32,8 @@ class ManualOptimizer:
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError(
-                "This optimizer handle is a copy (pickled or deep-copied) and is detached from the Trainer; call self.optimizers() in the TrainingModule for a handle that steps."
+                "This optimizer handle is a copy (pickled or deep-copied) and is detached from the Trainer; call"
+                " self.optimizers() in the TrainingModule for a handle that steps."
             )
         if closure is None:
             closure = self.__dict__.get("_closure_if_none") or _no_closure

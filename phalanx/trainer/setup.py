@@ -42,10 +42,12 @@ def normalize_precision(precision: Any) -> str:
     if isinstance(precision, Precision) or (isinstance(precision, type) and issubclass(precision, Precision)):
         example = precision.__qualname__ if isinstance(precision, type) else type(precision).__qualname__
         raise TypeError(
-            f"precision={shown(precision)} is a precision plugin; pass a plugin instance in plugins=[{example}()], or a name in precision= ({list(PRECISIONS)})."
+            f"precision={shown(precision)} is a precision plugin; pass a plugin instance in plugins=[{example}()], or"
+            f" a name in precision= ({list(PRECISIONS)})."
         )
     raise ValueError(
-        f"precision={shown(precision)} is not supported. Choose one of {list(PRECISIONS)} (aliases: 32, 64, 16, 'bf16')."
+        f"precision={shown(precision)} is not supported. Choose one of {list(PRECISIONS)} (aliases: 32, 64, 16,"
+        " 'bf16')."
     )
 
 
@@ -57,7 +59,8 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
     reject_class("accelerator", accelerator, Accelerator, f"a name: {names}")
     if not isinstance(accelerator, str):
         raise TypeError(
-            f"accelerator={shown(accelerator)} (of type {type(accelerator).__name__}) is not valid; pass a name ({names}) or an Accelerator instance."
+            f"accelerator={shown(accelerator)} (of type {type(accelerator).__name__}) is not valid; pass a name"
+            f" ({names}) or an Accelerator instance."
         )
     name = accelerator.lower()
     if name == "auto":
@@ -70,18 +73,21 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
             if ACCELERATOR_REGISTRY.get_class(candidate).is_available():  # type: ignore[attr-defined]
                 return ACCELERATOR_REGISTRY.get(candidate)
         raise ValueError(
-            "accelerator='gpu' was requested, but neither CUDA nor MPS is available on this machine. Use accelerator='cpu' (or 'auto')."
+            "accelerator='gpu' was requested, but neither CUDA nor MPS is available on this machine. Use"
+            " accelerator='cpu' (or 'auto')."
         )
     if name not in ACCELERATOR_REGISTRY:
         raise ValueError(
-            f"Unknown accelerator {accelerator!r}. Choose one of {['auto', 'gpu', *ACCELERATOR_REGISTRY.available()]}, or pass an Accelerator instance."
+            f"Unknown accelerator {accelerator!r}. Choose one of {['auto', 'gpu', *ACCELERATOR_REGISTRY.available()]},"
+            " or pass an Accelerator instance."
         )
     accelerator_class = ACCELERATOR_REGISTRY.get_class(name)
     if not accelerator_class.is_available():  # type: ignore[attr-defined]
         usable = [n for n in ACCELERATOR_REGISTRY.available() if ACCELERATOR_REGISTRY.get_class(n).is_available()]  # type: ignore[attr-defined]
         hint = " (torch.cuda.is_available() is False)" if name == "cuda" else ""
         raise ValueError(
-            f"accelerator={accelerator!r} was requested but is not available on this machine{hint}. Available accelerators: {usable}."
+            f"accelerator={accelerator!r} was requested but is not available on this machine{hint}. Available"
+            f" accelerators: {usable}."
         )
     return ACCELERATOR_REGISTRY.get(name)
 
@@ -133,7 +139,8 @@ def resolve_strategy(
     precision_plugin, checkpoint_io = given.precision, given.checkpoint_io
     if precision_plugin is not None and precision_name != "32-true":
         raise ValueError(
-            f"Both precision={precision!r} and a Precision plugin ({type(precision_plugin).__name__}) were given; pass only one."
+            f"Both precision={precision!r} and a Precision plugin ({type(precision_plugin).__name__}) were given; pass"
+            " only one."
         )
 
     if isinstance(strategy, Strategy):
@@ -152,7 +159,8 @@ def resolve_strategy(
     reject_class("strategy", strategy, Strategy, f"a registered name: {['auto', *STRATEGY_REGISTRY.available()]}")
     if not isinstance(strategy, str):
         raise TypeError(
-            f"strategy={shown(strategy)} (of type {type(strategy).__name__}) is not valid; pass a registered name ({['auto', *STRATEGY_REGISTRY.available()]}) or a Strategy instance."
+            f"strategy={shown(strategy)} (of type {type(strategy).__name__}) is not valid; pass a registered name"
+            f" ({['auto', *STRATEGY_REGISTRY.available()]}) or a Strategy instance."
         )
 
     accelerator_instance = resolve_accelerator(accelerator)
@@ -163,14 +171,16 @@ def resolve_strategy(
         if process_count > 1:
             if "ddp" not in STRATEGY_REGISTRY:
                 raise ValueError(
-                    f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}."
+                    f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a"
+                    f" parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}."
                 )
             name = "ddp"
         else:
             name = "single_device"
     if name not in STRATEGY_REGISTRY:
         raise ValueError(
-            f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a Strategy instance."
+            f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a"
+            " Strategy instance."
         )
 
     strategy_class = STRATEGY_REGISTRY.get_class(name)
@@ -180,7 +190,8 @@ def resolve_strategy(
     if name == "single_device" or strategy_class is SingleDeviceStrategy:
         if process_count > 1:
             raise ValueError(
-                f"strategy={strategy!r} runs one process, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count}. Use a parallel strategy such as 'ddp', or devices=1."
+                f"strategy={strategy!r} runs one process, but devices={devices!r}, num_nodes={num_nodes} asks for"
+                f" {process_count}. Use a parallel strategy such as 'ddp', or devices=1."
             )
         if sync_batchnorm:
             rank_zero_warn("sync_batchnorm=True has no effect with a single device.")
@@ -201,7 +212,8 @@ def resolve_strategy(
         _configure_parallel(built, parallel_devices, num_nodes, sync_batchnorm, given)
     elif process_count > 1:
         raise ValueError(
-            f"strategy={strategy!r} is not a parallel strategy, but devices={devices!r}, num_nodes={num_nodes} asks for {process_count} processes."
+            f"strategy={strategy!r} is not a parallel strategy, but devices={devices!r}, num_nodes={num_nodes} asks"
+            f" for {process_count} processes."
         )
     return built
 
@@ -243,7 +255,8 @@ def _configure_parallel(
     elif sync_batchnorm:
         if all(device.type == "cpu" for device in strategy.parallel_devices or []):
             raise ValueError(
-                "sync_batchnorm=True needs GPUs: torch's SyncBatchNorm does not run on the CPU. Remove it, or train with accelerator='cuda'."
+                "sync_batchnorm=True needs GPUs: torch's SyncBatchNorm does not run on the CPU. Remove it, or train"
+                " with accelerator='cuda'."
             )
         strategy.layer_sync = TorchSyncBatchNorm()
     strategy.record_global_rank()
@@ -271,7 +284,8 @@ def _complete_strategy_instance(
         and accelerator is not strategy.accelerator
     ):
         raise ValueError(
-            f"accelerator={accelerator!r} conflicts with the accelerator of the strategy instance ({type(strategy.accelerator).__name__}); set it in one place."
+            f"accelerator={accelerator!r} conflicts with the accelerator of the strategy instance"
+            f" ({type(strategy.accelerator).__name__}); set it in one place."
         )
     if strategy._precision_plugin is None:
         strategy.precision_plugin = (
@@ -281,7 +295,8 @@ def _complete_strategy_instance(
         )
     elif precision_plugin is not None or precision_name != "32-true":
         raise ValueError(
-            f"The strategy instance already has a precision plugin ({type(strategy.precision_plugin).__name__}); do not also pass precision= or a Precision plugin."
+            f"The strategy instance already has a precision plugin ({type(strategy.precision_plugin).__name__}); do"
+            " not also pass precision= or a Precision plugin."
         )
     if checkpoint_io is not None:
         if strategy._checkpoint_io is not None:

@@ -184,7 +184,8 @@ class Trainer(DeviceProperties):
             fast_dev_batches = fast_dev_run
         else:
             raise ValueError(
-                f"fast_dev_run={shown(fast_dev_run)} is not valid; it must be a bool or an int >= 0 (number of batches)."
+                f"fast_dev_run={shown(fast_dev_run)} is not valid; it must be a bool or an int >= 0 (number of"
+                " batches)."
             )
         self.fast_dev_run: bool | int = fast_dev_batches if fast_dev_batches else False
 
@@ -239,7 +240,8 @@ class Trainer(DeviceProperties):
             or (isinstance(val_check_interval, float) and not val_check_interval <= 1.0)
         ):
             raise ValueError(
-                f"val_check_interval={shown(val_check_interval)} is not valid; it must be a float in (0.0, 1.0] (fraction of an epoch) or an int >= 1 (batches)."
+                f"val_check_interval={shown(val_check_interval)} is not valid; it must be a float in (0.0, 1.0]"
+                " (fraction of an epoch) or an int >= 1 (batches)."
             )
         self.val_check_interval = val_check_interval
         if gradient_clip_val is not None:
@@ -265,7 +267,8 @@ class Trainer(DeviceProperties):
             preemption = None
         elif not isinstance(preemption, Preemption):
             raise TypeError(
-                f"preemption={shown(preemption)} (of type {type(preemption).__name__}) is not valid; pass True, False or a phalanx.trainer.Preemption instance."
+                f"preemption={shown(preemption)} (of type {type(preemption).__name__}) is not valid; pass True, False"
+                " or a phalanx.trainer.Preemption instance."
             )
         self.preemption: Preemption | None = preemption
         self.preempted = False
@@ -279,7 +282,8 @@ class Trainer(DeviceProperties):
         if benchmark is not None:
             if benchmark and deterministic:
                 rank_zero_warn(
-                    "benchmark=True picks the fastest (possibly non-deterministic) cuDNN kernels, against deterministic=True."
+                    "benchmark=True picks the fastest (possibly non-deterministic) cuDNN kernels, against"
+                    " deterministic=True."
                 )
             torch.backends.cudnn.benchmark = benchmark
         self.sync_batchnorm = sync_batchnorm
@@ -345,7 +349,8 @@ class Trainer(DeviceProperties):
             reject_class(name, item, Logger, "")
             if not isinstance(item, Logger):
                 raise TypeError(
-                    f"{name}={shown(item)} (of type {type(item).__name__}) is not valid; pass True, False, a Logger instance (e.g. CSVLogger(save_dir=...)) or a list of them."
+                    f"{name}={shown(item)} (of type {type(item).__name__}) is not valid; pass True, False, a Logger"
+                    " instance (e.g. CSVLogger(save_dir=...)) or a list of them."
                 )
         return items
 
@@ -363,13 +368,15 @@ class Trainer(DeviceProperties):
             items = list(callbacks)
         else:
             raise TypeError(
-                f"callbacks={shown(callbacks)} (of type {type(callbacks).__name__}) is not valid; pass a Callback instance or a list of them."
+                f"callbacks={shown(callbacks)} (of type {type(callbacks).__name__}) is not valid; pass a Callback"
+                " instance or a list of them."
             )
         for index, callback in enumerate(items):
             reject_class(f"callbacks[{index}]", callback, Callback, "")
             if not isinstance(callback, Callback):
                 raise TypeError(
-                    f"callbacks[{index}]={shown(callback)} (of type {type(callback).__name__}) is not a phalanx Callback; pass Callback instances."
+                    f"callbacks[{index}]={shown(callback)} (of type {type(callback).__name__}) is not a phalanx"
+                    " Callback; pass Callback instances."
                 )
         if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
             items.append(ModelCheckpoint())
@@ -791,19 +798,23 @@ class Trainer(DeviceProperties):
         if module.automatic_optimization:
             if len(optimizers) != 1:
                 raise ValueError(
-                    f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization uses exactly one."
-                    " For several optimizers (e.g. GANs) set self.automatic_optimization = False and step them in training_step."
+                    f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization uses exactly"
+                    " one."
+                    " For several optimizers (e.g. GANs) set self.automatic_optimization = False and step them in"
+                    " training_step."
                 )
             self._optimizer = optimizers[0]
             configs = strategy.lr_scheduler_configs
         else:
             if self.gradient_clip_val:
                 raise ValueError(
-                    "gradient_clip_val is for automatic optimization; with manual optimization call self.clip_gradients(optimizer, ...) in training_step."
+                    "gradient_clip_val is for automatic optimization; with manual optimization call"
+                    " self.clip_gradients(optimizer, ...) in training_step."
                 )
             if self.accumulate_grad_batches != 1:
                 raise ValueError(
-                    "accumulate_grad_batches is for automatic optimization; with manual optimization accumulate in training_step."
+                    "accumulate_grad_batches is for automatic optimization; with manual optimization accumulate in"
+                    " training_step."
                 )
             self._optimizer = None
             configs = []  # in manual optimization the user steps schedulers
@@ -926,7 +937,8 @@ class Trainer(DeviceProperties):
         dataloaders = [self._prepare_dataloader(loader, training=False) for loader in source.get(data_key)]
         if not dataloaders:
             raise ValueError(
-                f"Trainer.{fn}() needs data: pass dataloaders=, a datamodule with {'val' if stage == 'validation' else 'test'}_dataloader(), or define it on the module."
+                f"Trainer.{fn}() needs data: pass dataloaders=, a datamodule with"
+                f" {'val' if stage == 'validation' else 'test'}_dataloader(), or define it on the module."
             )
         limit = self.limit_val_batches if stage == "validation" else self.limit_test_batches
         limits = [
@@ -954,7 +966,8 @@ class Trainer(DeviceProperties):
         dataloaders = [self._prepare_dataloader(loader, training=False) for loader in source.get("predict")]
         if not dataloaders:
             raise ValueError(
-                "Trainer.predict() needs data: pass dataloaders=, a datamodule with predict_dataloader(), or define it on the module."
+                "Trainer.predict() needs data: pass dataloaders=, a datamodule with predict_dataloader(), or define it"
+                " on the module."
             )
         limits = [
             limited_batches(loader, self.limit_predict_batches, "limit_predict_batches") for loader in dataloaders
@@ -1018,7 +1031,8 @@ class Trainer(DeviceProperties):
                 if metric is None:
                     if config.strict:
                         raise ValueError(
-                            f"The LR scheduler monitors {config.monitor!r}, which was not logged. Logged metrics: {sorted(self._callback_metrics)}. Set 'strict': False to skip the step instead."
+                            f"The LR scheduler monitors {config.monitor!r}, which was not logged. Logged metrics:"
+                            f" {sorted(self._callback_metrics)}. Set 'strict': False to skip the step instead."
                         )
                     rank_zero_warn(
                         f"The LR scheduler monitors {config.monitor!r}, which was not logged; its step is skipped."

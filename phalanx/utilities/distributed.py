@@ -45,7 +45,8 @@ def normalize_reduce_op(reduce_op: Any) -> str:
         name = _REDUCE_ALIASES.get(name, name)
     if name not in REDUCE_OPS:
         raise ValueError(
-            f"reduce_op={reduce_op!r} is not supported; choose one of {REDUCE_OPS} (any case), 'avg', or the matching torch.distributed.ReduceOp member."
+            f"reduce_op={reduce_op!r} is not supported; choose one of {REDUCE_OPS} (any case), 'avg', or the matching"
+            " torch.distributed.ReduceOp member."
         )
     return name
 
@@ -94,11 +95,13 @@ def explain_collective_failure(
         return CollectiveError(
             f"The collective '{name}' on rank {rank} timed out after {timeout}: another process did not reach the"
             " same call (it may have crashed, or be stuck or much slower). If the wait is legitimate (slow data"
-            f" loading, a long checkpoint), raise the limit with the strategy's timeout= argument. Original error: {first_line}"
+            " loading, a long checkpoint), raise the limit with the strategy's timeout= argument. Original error:"
+            f" {first_line}"
         )
     if peer_left(error):
         return CollectiveError(
-            f"The collective '{name}' on rank {rank} failed because another process left the job (it crashed or was killed). Original error: {first_line}"
+            f"The collective '{name}' on rank {rank} failed because another process left the job (it crashed or was"
+            f" killed). Original error: {first_line}"
         )
     return None
 

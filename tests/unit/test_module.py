@@ -144,7 +144,8 @@ def test_import_phalanx_is_cheap():
     # Heavy optional modules must load only when used.
     code = (
         "import sys, phalanx; "
-        "heavy = [m for m in ('tensorboard', 'torch.utils.tensorboard', 'phalanx.loggers.tensorboard', 'phalanx.demo', 'deepspeed') if m in sys.modules]; "
+        "heavy = [m for m in ('tensorboard', 'torch.utils.tensorboard', 'phalanx.loggers.tensorboard', 'phalanx.demo',"
+        " 'deepspeed') if m in sys.modules]; "
         "print(','.join(heavy))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

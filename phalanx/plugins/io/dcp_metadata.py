@@ -71,14 +71,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _ALLOWED_GLOBALS:
             return getattr(importlib.import_module(module), name)
         raise UnsafeCheckpointError(
-            f"Refusing to read {self._source}: it references {module}.{name}, which is not part of DCP's metadata format"
+            f"Refusing to read {self._source}: it references {module}.{name}, which is not part of DCP's metadata"
+            " format"
             " (unpickling it could run code chosen by the file's author). Only DCP's metadata classes, torch.Size,"
             " torch dtypes and paths are accepted there."
         )
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError(
-            f"Refusing to read {self._source}: it holds a persistent reference ({pid!r}), which DCP's metadata never does."
+            f"Refusing to read {self._source}: it holds a persistent reference ({pid!r}), which DCP's metadata never"
+            " does."
         )
 
 
@@ -98,7 +100,8 @@ def read_metadata(directory: Path) -> Any:
         ) from None
     except Exception as error:  # pickle raises many types for bytes it cannot parse
         raise CheckpointError(
-            f"{directory / DCP_METADATA_FILE} is not DCP metadata phalanx can read (truncated, damaged or not written by DCP): {type(error).__name__}: {error}"
+            f"{directory / DCP_METADATA_FILE} is not DCP metadata phalanx can read (truncated, damaged or not written"
+            f" by DCP): {type(error).__name__}: {error}"
         ) from None
     if type(metadata) is not Metadata:
         raise CheckpointError(f"{directory / DCP_METADATA_FILE} holds a {type(metadata).__name__}, not DCP's Metadata.")
@@ -138,12 +141,14 @@ def _check_storage(storage: dict[Any, Any], directory: Path) -> dict[str, int]:
         path = entry_inside(directory, name, root=directory, what=f"the shard file of entry {index.fqn!r}")
         if info.transform_descriptors:
             raise UnsafeCheckpointError(
-                f"Refusing to read {source}: entry {index.fqn!r} needs the decoding transforms {list(info.transform_descriptors)}; phalanx writes none."
+                f"Refusing to read {source}: entry {index.fqn!r} needs the decoding transforms"
+                f" {list(info.transform_descriptors)}; phalanx writes none."
             )
         if name not in sizes:
             if not path.is_file():
                 raise CheckpointError(
-                    f"{directory} is missing the shard file {name} (it holds entry {index.fqn!r}): the checkpoint is incomplete."
+                    f"{directory} is missing the shard file {name} (it holds entry {index.fqn!r}): the checkpoint is"
+                    " incomplete."
                 )
             sizes[name] = path.stat().st_size
         offset, length = info.offset, info.length
@@ -155,8 +160,10 @@ def _check_storage(storage: dict[Any, Any], directory: Path) -> dict[str, int]:
             or offset + length > sizes[name]
         ):
             raise CheckpointError(
-                f"{directory / name} is truncated or belongs to another checkpoint: entry {index.fqn!r} should be at bytes"
-                f" {offset!r}..{offset + length if type(offset) is int and type(length) is int else '?'} but the file has {sizes[name]}."
+                f"{directory / name} is truncated or belongs to another checkpoint: entry {index.fqn!r} should be at"
+                " bytes"
+                f" {offset!r}..{offset + length if type(offset) is int and type(length) is int else '?'} but the file"
+                f" has {sizes[name]}."
             )
     return sizes
 
@@ -182,7 +189,8 @@ def _check_tensor(key: str, entry: Any, storage: dict[Any, Any], sizes: dict[str
             raise CheckpointError(f"{source} is damaged: a chunk of entry {key!r} has no valid offsets and sizes.")
         if any(o + s > n for o, s, n in zip(offsets, chunk_sizes, shape)):
             raise CheckpointError(
-                f"{source} is damaged: a chunk of entry {key!r} (offsets {list(offsets)}, sizes {list(chunk_sizes)}) lies outside its size {list(shape)}."
+                f"{source} is damaged: a chunk of entry {key!r} (offsets {list(offsets)}, sizes {list(chunk_sizes)})"
+                f" lies outside its size {list(shape)}."
             )
         info = storage.get(MetadataIndex(key, offsets))
         if info is None:
@@ -194,12 +202,14 @@ def _check_tensor(key: str, entry: Any, storage: dict[Any, Any], sizes: dict[str
         numel = math.prod(chunk_sizes)
         if numel * itemsize > info.length:
             raise CheckpointError(
-                f"{source} is damaged or belongs to another checkpoint: entry {key!r} claims {numel} elements of {dtype} in {info.length} bytes of {info.relative_path}."
+                f"{source} is damaged or belongs to another checkpoint: entry {key!r} claims {numel} elements of"
+                f" {dtype} in {info.length} bytes of {info.relative_path}."
             )
         covered += numel
     if covered != math.prod(shape):
         raise CheckpointError(
-            f"{source} is damaged or belongs to another checkpoint: the chunks of entry {key!r} hold {covered} of its {math.prod(shape)} elements."
+            f"{source} is damaged or belongs to another checkpoint: the chunks of entry {key!r} hold {covered} of its"
+            f" {math.prod(shape)} elements."
         )
 
 

@@ -196,8 +196,10 @@ def _safe_reader_class() -> type:
             for item in plan.items:
                 if item.type != LoadItemType.TENSOR:
                     raise UnsafeCheckpointError(
-                        f"Refusing to read {self._directory}: entry {item.dest_index.fqn!r} is stored as pickled bytes, which DCP"
-                        " unpickles with weights_only=False (running code chosen by the file's author); phalanx checkpoints hold only tensors there."
+                        f"Refusing to read {self._directory}: entry {item.dest_index.fqn!r} is stored as pickled"
+                        " bytes, which DCP"
+                        " unpickles with weights_only=False (running code chosen by the file's author); phalanx"
+                        " checkpoints hold only tensors there."
                     )
             for item in plan.items:
                 # One entry per call, so that a failure names its file and entry.
@@ -213,7 +215,8 @@ def _safe_reader_class() -> type:
                 except Exception as error:
                     raise CheckpointError(
                         f"{self._directory / info.relative_path} is damaged or belongs to another checkpoint: entry"
-                        f" {item.dest_index.fqn!r} (bytes {info.offset}..{info.offset + info.length}) cannot be read: {_describe(error)}"
+                        f" {item.dest_index.fqn!r} (bytes {info.offset}..{info.offset + info.length}) cannot be read:"
+                        f" {_describe(error)}"
                     ) from None
             done: Future = Future()
             done.set_result(None)
@@ -255,7 +258,8 @@ def _check_meta(meta: dict[str, Any], source: Path) -> None:
         or not isinstance(optimizer, list)
     ):
         raise CheckpointError(
-            f"{source} is damaged: it has no valid 'sharded_tensors' list (the names of the tensors stored through DCP)."
+            f"{source} is damaged: it has no valid 'sharded_tensors' list (the names of the tensors stored through"
+            " DCP)."
         )
     states = meta.get("optimizer_states")
     for entry in optimizer:
@@ -297,14 +301,16 @@ def _checked_metadata(directory: Path, meta: dict[str, Any]) -> Any:
     found_id = getattr(metadata.storage_meta, "save_id", None)
     if saved_id is not None and found_id != saved_id:
         raise CheckpointError(
-            f"{directory / DCP_METADATA_FILE} belongs to another checkpoint: it was written by save {found_id!r}, {META_FILE} by save {saved_id!r}."
+            f"{directory / DCP_METADATA_FILE} belongs to another checkpoint: it was written by save {found_id!r},"
+            f" {META_FILE} by save {saved_id!r}."
         )
     for key in _tensor_keys(meta):
         entry = metadata.state_dict_metadata.get(key)
         if not isinstance(entry, TensorStorageMetadata):
             state = "missing from" if entry is None else "not a tensor entry in"
             raise CheckpointError(
-                f"{directory}: entry {key!r}, listed in {META_FILE}, is {state} {DCP_METADATA_FILE} (damaged, or the files come from different checkpoints)."
+                f"{directory}: entry {key!r}, listed in {META_FILE}, is {state} {DCP_METADATA_FILE} (damaged, or the"
+                " files come from different checkpoints)."
             )
     return metadata
 
@@ -339,7 +345,8 @@ def _load(tensors: dict[str, Tensor], directory: Path, metadata: Any, no_dist: b
         if raised is not None:
             raise type(raised)(str(raised)) from None
         raise CheckpointError(
-            f"{directory} cannot be read (damaged, or its files come from different checkpoints): {_describe(_root_cause(error))}"
+            f"{directory} cannot be read (damaged, or its files come from different checkpoints):"
+            f" {_describe(_root_cause(error))}"
         ) from None
 
 
@@ -431,8 +438,10 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
         if present and len(present) < len(files):
             missing = [name for name in files if name not in present]
             raise CheckpointError(
-                f"{directory} looks like a {layout} checkpoint ({', '.join(present)}) but is missing {', '.join(map(str, missing))}: it is incomplete or damaged."
+                f"{directory} looks like a {layout} checkpoint ({', '.join(present)}) but is missing"
+                f" {', '.join(map(str, missing))}: it is incomplete or damaged."
             )
     raise CheckpointError(
-        f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a DeepSpeed one."
+        f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a"
+        " DeepSpeed one."
     )

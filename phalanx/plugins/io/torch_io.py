@@ -88,11 +88,13 @@ def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any |
                 f" and loads only with weights_only=False, i.e. by running arbitrary code. {_UNSAFE_HINT}"
             ) from None
         raise CheckpointError(
-            f"{source} is not a checkpoint torch can read (corrupted or not written by torch.save): {_first_line(error)}"
+            f"{source} is not a checkpoint torch can read (corrupted or not written by torch.save):"
+            f" {_first_line(error)}"
         ) from None
     except Exception as error:  # torch raises many types for bytes it cannot parse (IndexError, EOFError, ...)
         raise CheckpointError(
-            f"{source} is not a checkpoint torch can read (truncated or not written by torch.save): {_first_line(error)}"
+            f"{source} is not a checkpoint torch can read (truncated or not written by torch.save):"
+            f" {_first_line(error)}"
         ) from None
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{source} holds a {type(checkpoint).__name__}, not a checkpoint dictionary.")

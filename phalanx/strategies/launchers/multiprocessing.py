@@ -28,11 +28,13 @@ class MultiProcessingLauncher(Launcher):
     def __init__(self, strategy: Any, start_method: str = "spawn") -> None:
         if start_method not in START_METHODS:
             raise ValueError(
-                f"start_method={start_method!r} is not valid for the multiprocessing launcher; choose one of {START_METHODS}."
+                f"start_method={start_method!r} is not valid for the multiprocessing launcher; choose one of"
+                f" {START_METHODS}."
             )
         if start_method not in multiprocessing.get_all_start_methods():
             raise ValueError(
-                f"start_method={start_method!r} is not available on this platform; available: {multiprocessing.get_all_start_methods()}."
+                f"start_method={start_method!r} is not available on this platform; available:"
+                f" {multiprocessing.get_all_start_methods()}."
             )
         self._strategy = strategy
         self._start_method = start_method

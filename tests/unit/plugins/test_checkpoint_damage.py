@@ -120,7 +120,8 @@ def test_metadata_claiming_a_huge_tensor_is_refused_before_allocating(sources, t
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(
         CheckpointError,
-        match=r"entry 'model/0.weight' claims 1152921504606846976 elements of torch.float32 in \d+ bytes of __0_0.distcp",
+        match=r"entry 'model/0.weight' claims 1152921504606846976 elements of torch.float32 in \d+ bytes of"
+        r" __0_0.distcp",
     ):
         load_whole(directory)
 

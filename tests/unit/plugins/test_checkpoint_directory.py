@@ -101,7 +101,8 @@ def test_a_kill_at_any_point_of_a_replacing_save_leaves_a_complete_checkpoint(tm
         finished = status == 0
         found = newest_complete_checkpoint([root])
         assert found is not None, (
-            f"no complete checkpoint visible after a kill at operation {kill_at}: {sorted(p.name for p in root.iterdir())}"
+            f"no complete checkpoint visible after a kill at operation {kill_at}:"
+            f" {sorted(p.name for p in root.iterdir())}"
         )
         step = load_whole(found)["global_step"]
         assert step in (1, 2)

@@ -163,7 +163,8 @@ def test_ranks_are_known_from_construction_not_only_from_fit(monkeypatch, node_r
         ({"bucket_cap": 25}, r"'bucket_cap' \(did you mean 'bucket_cap_mb'\?\)"),
         (
             {"zzz": 1},
-            r"unknown keyword argument\(s\) 'zzz'; it passes extra keywords to DistributedDataParallel, which accepts \[.*'static_graph'",
+            r"unknown keyword argument\(s\) 'zzz'; it passes extra keywords to DistributedDataParallel, which accepts"
+            r" \[.*'static_graph'",
         ),
         ({"device_ids": [0]}, r"DDPStrategy sets \['device_ids'\] itself"),
         ({"output_device": 0}, r"DDPStrategy sets \['output_device'\] itself"),

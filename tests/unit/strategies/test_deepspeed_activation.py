@@ -86,7 +86,8 @@ REFUSED = [
         {"partition_activations": True},
         {"activation_checkpointing": {"partition_activations": False}},
         ValueError,
-        r"partition_activations=True\) conflicts with the config's activation_checkpointing\['partition_activations'\]=False",
+        r"partition_activations=True\) conflicts with the config's"
+        r" activation_checkpointing\['partition_activations'\]=False",
     ),
     (
         {"cpu_checkpointing": True},

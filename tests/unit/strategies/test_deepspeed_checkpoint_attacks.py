@@ -308,7 +308,8 @@ def test_files_of_another_checkpoint_are_recognised(base, tmp_path, file):
     shutil.copyfile(other / file, directory / file)
     with pytest.raises(
         CheckpointError,
-        match=r"ds.ckpt/checkpoint: .*(lies beyond the saved partitions|hold \[10, 14\] elements).*come from different checkpoints",
+        match=r"ds.ckpt/checkpoint: .*(lies beyond the saved partitions|hold \[10, 14\] elements).*come from different"
+        r" checkpoints",
     ):
         load_deepspeed_checkpoint_as_full(directory)
 

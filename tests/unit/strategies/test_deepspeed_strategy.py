@@ -78,7 +78,10 @@ def test_without_deepspeed_selecting_it_says_how_to_install(monkeypatch):
 
 
 def test_importing_phalanx_does_not_import_deepspeed():
-    code = "import sys, phalanx, phalanx.strategies, phalanx.plugins.precision; phalanx.Trainer; print('deepspeed' in sys.modules)"
+    code = (
+        "import sys, phalanx, phalanx.strategies, phalanx.plugins.precision; phalanx.Trainer; print('deepspeed' in"
+        " sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

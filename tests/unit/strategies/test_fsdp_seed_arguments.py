@@ -405,7 +405,8 @@ def test_a_lightning_fsdp1_configuration_shards_the_chosen_layers_first_then_pla
     ] == [True] * 4 + [False] * 2
     assert all("_phalanx_checkpointed_forward" in block.__dict__ for block in module.blocks)
     assert [str(w.message) for w in caught if "FSDPStrategy(" in str(w.message)] == [
-        "FSDPStrategy(activation_checkpointing=...) is deprecated; pass activation_checkpointing_policy={Block} instead."
+        "FSDPStrategy(activation_checkpointing=...) is deprecated; pass activation_checkpointing_policy={Block}"
+        " instead."
     ]  # the other seed arguments ask for what FSDP2 does: nothing to explain
     assert events == [
         ("shard", "Block"),

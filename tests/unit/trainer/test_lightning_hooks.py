@@ -159,7 +159,8 @@ class NoClosure(Regressor):
 def test_an_optimizer_step_that_never_runs_the_closure_is_refused(tmp_path):
     with pytest.raises(
         MisconfigurationError,
-        match=r"NoClosure.optimizer_step did not run the optimizer_closure.*batch_idx 0.*optimizer.step\(closure=optimizer_closure\)",
+        match=r"NoClosure.optimizer_step did not run the optimizer_closure.*batch_idx"
+        r" 0.*optimizer.step\(closure=optimizer_closure\)",
     ):
         _trainer(tmp_path).fit(NoClosure(), _train_loader())
 
@@ -223,7 +224,8 @@ def test_lightning_1_signature_of_optimizer_step_is_refused_before_training(tmp_
     model = OldSignature()
     with pytest.raises(
         MisconfigurationError,
-        match=r"OldSignature.optimizer_step takes optimizer_idx.*optimizer_step\(self, epoch, batch_idx, optimizer, optimizer_closure=None\)",
+        match=r"OldSignature.optimizer_step takes optimizer_idx.*optimizer_step\(self, epoch, batch_idx, optimizer,"
+        r" optimizer_closure=None\)",
     ):
         _trainer(tmp_path).fit(model, _train_loader())
     assert model.global_step == 0
@@ -252,7 +254,8 @@ def test_manual_optimization_does_not_call_optimizer_step_and_says_so(tmp_path):
     trainer = _trainer(tmp_path)
     with pytest.warns(
         UserWarning,
-        match="ManualWithStepHook overrides optimizer_step, which the training loop calls only with automatic optimization",
+        match="ManualWithStepHook overrides optimizer_step, which the training loop calls only with automatic"
+        " optimization",
     ):
         trainer.fit(model, _train_loader())
     assert model.hook_calls == 0 and trainer.global_step == 6  # the handle's step() counts in manual optimization

@@ -8,8 +8,14 @@ import pytest
 
 from phalanx.utilities.distributed import CollectiveError, naming_collective_failures, run_collective
 
-GLOO_TIMEOUT = "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv operation to complete"
-NCCL_TIMEOUT = "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600000 milliseconds"
+GLOO_TIMEOUT = (
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
+    " operation to complete"
+)
+NCCL_TIMEOUT = (
+    "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for"
+    " 600000 milliseconds"
+)
 GLOO_PEER = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500"
 
 
