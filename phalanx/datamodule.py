@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
-from functools import partial
 from collections.abc import Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any, Sequence
 
 from phalanx.utilities.hparams import AttributeDict, init_arguments_of_frame

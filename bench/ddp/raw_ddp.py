@@ -3,7 +3,6 @@
 Usage: torchrun --nproc-per-node 2 bench/ddp/raw_ddp.py OUT.pt STEPS
 """
 
-import os
 import sys
 
 import torch

@@ -164,8 +164,8 @@ class DDPStrategy(ParallelStrategy):
         if not isinstance(self._ddp_comm_state, PostLocalSGDState):
             return
         assert self._model_averaging_period is not None, "checked in __init__"
-        from torch.distributed.optim import DistributedOptimizer, PostLocalSGDOptimizer, ZeroRedundancyOptimizer
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+        from torch.distributed.optim import DistributedOptimizer, PostLocalSGDOptimizer, ZeroRedundancyOptimizer
 
         for optimizer in self.optimizers:
             if isinstance(optimizer, (DistributedOptimizer, ZeroRedundancyOptimizer, PostLocalSGDOptimizer)):

@@ -228,7 +228,7 @@ def _zero12(
                 return trainable, None
             full[key] = merged
         indices = []
-        for name, offset, numel, shape in group_slices:
+        for _name, offset, numel, shape in group_slices:
             entry = {}
             for key, value in full.items():
                 entry[key] = (

@@ -165,8 +165,9 @@ def test_consolidated_checkpoint_is_an_ordinary_one(jobs: Jobs, strategy: str, t
     path = tmp_path / "consolidated.ckpt"
     torch.save(full, path)
     torch.load(path, weights_only=True)
-    import phalanx
     from deepspeed_job import DSNet, loaders
+
+    import phalanx
 
     seen: dict[str, Any] = {}
 

@@ -10,8 +10,9 @@ import time
 
 import pytest
 import torch
-from phalanx.trainer.checkpoint import is_complete_checkpoint
 from phalanx_distributed import SCRIPTS, assert_ok, clean_environment, free_port, run, run_script
+
+from phalanx.trainer.checkpoint import is_complete_checkpoint
 
 
 def _same(a, b) -> bool:

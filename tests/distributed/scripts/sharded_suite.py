@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sharded_common import STEPS, MLP, TransformerBlock, loader, quiet, sequences
+from sharded_common import MLP, STEPS, TransformerBlock, loader, quiet, sequences
 from torch import nn
 from torch.utils.data import DataLoader
 
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
-from phalanx.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.dtensor_state import full_module_state, is_dtensor
 
 OUT = Path(sys.argv[1])

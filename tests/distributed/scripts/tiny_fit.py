@@ -6,7 +6,6 @@ Usage: python tiny_fit.py OUT_DIR DEVICES NUM_NODES [module-mode marker ignored]
 import sys
 from pathlib import Path
 
-import torch
 from ddp_common import IndexedRegression, Net, write_json
 from torch.utils.data import DataLoader
 

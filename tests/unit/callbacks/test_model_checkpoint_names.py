@@ -6,8 +6,8 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from phalanx_concurrency import in_processes, in_threads
 import torch
+from phalanx_concurrency import in_processes, in_threads
 
 from phalanx.callbacks import ModelCheckpoint
 from phalanx.plugins.io.torch_io import TorchCheckpointIO

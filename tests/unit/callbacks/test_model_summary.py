@@ -84,8 +84,9 @@ def test_callback_prints_on_rank_zero_only(capsys):
 
 
 def test_summary_printed_by_the_trainer(tmp_path, capsys):
-    import phalanx
     from torch.utils.data import DataLoader, TensorDataset
+
+    import phalanx
 
     class Tiny(phalanx.TrainingModule):
         def __init__(self):

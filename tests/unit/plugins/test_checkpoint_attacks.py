@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import pickle
 import shutil
 import time
@@ -22,11 +21,11 @@ from typing import Any, Callable
 import pytest
 import torch
 from checkpoint_attacks import (
-    CliError,
-    consolidate_through_cli,
     SENTINEL,
+    CliError,
     OpenedFiles,
     bare,
+    consolidate_through_cli,
     payloads,
     splice,
     text,
@@ -231,8 +230,8 @@ def test_a_read_that_asks_for_byte_entries_is_refused_by_the_reader_itself(base,
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    from phalanx.plugins.io.distributed_checkpoint import _safe_reader_class
     from phalanx.plugins.io.dcp_metadata import read_metadata
+    from phalanx.plugins.io.distributed_checkpoint import _safe_reader_class
 
     directory = _copy(base["sharded"], tmp_path)
     reader = _safe_reader_class()(directory, read_metadata(directory))

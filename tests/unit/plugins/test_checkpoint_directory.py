@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from phalanx_testing import Regressor, loaders
 from torch import nn
 
 import phalanx
@@ -19,7 +20,6 @@ from phalanx.plugins.io import directory
 from phalanx.plugins.io.distributed_checkpoint import load_whole, save_sharded
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.trainer.checkpoint import COMPLETE_MARKER, is_complete_checkpoint, newest_complete_checkpoint
-from phalanx_testing import Regressor, loaders
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),

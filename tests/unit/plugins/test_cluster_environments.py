@@ -384,9 +384,9 @@ def test_slurm_missing_nodelist_and_job_id(monkeypatch: pytest.MonkeyPatch) -> N
     _slurm(monkeypatch, SLURM_NODELIST=None, SLURM_JOB_ID=None)
     env = SLURMEnvironment()
     with pytest.raises(ValueError, match="SLURM_NODELIST.*export MASTER_ADDR"):
-        env.main_address
+        env.main_address  # noqa: B018 - the property raises
     with pytest.raises(ValueError, match="SLURM_JOB_ID is not set.*export MASTER_PORT"):
-        env.main_port
+        env.main_port  # noqa: B018 - the property raises
 
 
 def test_slurm_setters_warn_and_ignore(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -458,7 +458,7 @@ def test_lsf_overrides_and_unknown_host(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_lsf_missing_or_empty_rankfile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _lsf(monkeypatch, tmp_path / "does-not-exist")
     with pytest.raises(ValueError, match="Cannot read the LSF rank file"):
-        LSFEnvironment().main_address
+        LSFEnvironment().main_address  # noqa: B018 - the property raises
     _lsf(monkeypatch, _rankfile(tmp_path, ["batch1"]))
     with pytest.raises(ValueError, match="lists no compute host"):
         LSFEnvironment().node_rank()
@@ -516,9 +516,9 @@ def test_mpi_without_mpi4py_and_master_variables_raises(monkeypatch: pytest.Monk
     _forbid_mpi4py(monkeypatch)
     env = MPIEnvironment()
     with pytest.raises(ValueError, match="export MASTER_ADDR.*MASTER_PORT.*install mpi4py"):
-        env.main_address
+        env.main_address  # noqa: B018 - the property raises
     with pytest.raises(ValueError, match="install mpi4py"):
-        env.main_port
+        env.main_port  # noqa: B018 - the property raises
 
 
 class _FakeComm:

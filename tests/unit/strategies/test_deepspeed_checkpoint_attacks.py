@@ -7,9 +7,7 @@ does: through ``engine.checkpoint_engine.load``, DeepSpeed's own ``TorchCheckpoi
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import os
 import shutil
 from pathlib import Path
@@ -23,11 +21,11 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 
 from checkpoint_attacks import (
-    CliError,
-    consolidate_through_cli,
     DAMAGE_KINDS,
     SENTINEL,
+    CliError,
     OpenedFiles,
+    consolidate_through_cli,
     damage,
     payloads,
     splice,

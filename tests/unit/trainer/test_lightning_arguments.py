@@ -95,4 +95,4 @@ def test_a_lightning_attribute_name_says_what_to_use():
     with pytest.raises(AttributeError, match=r"^'Trainer' object has no attribute 'no_such_thing'$"):
         trainer.no_such_thing  # noqa: B018
     assert not hasattr(trainer, "lightning_module")
-    assert getattr(trainer, "max_epochs") == 1000  # normal lookups are untouched
+    assert trainer.max_epochs == 1000  # normal lookups are untouched
