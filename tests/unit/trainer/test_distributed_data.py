@@ -317,7 +317,10 @@ def test_evaluation_policy_never_repeats() -> None:
         loaders = [
             _dist(DataLoader(Indices(10), batch_size=3, shuffle=shuffle), training=False, rank=r) for r in range(3)
         ]
-        assert all(type(loader.sampler) is UnrepeatedDistributedSampler and loader.sampler.shuffle is False for loader in loaders)
+        assert all(
+            type(loader.sampler) is UnrepeatedDistributedSampler and loader.sampler.shuffle is False
+            for loader in loaders
+        )
         assert sorted(int(x) for loader in loaders for batch in loader for x in batch) == list(range(10))
     custom = _dist(DataLoader(Indices(10), sampler=Reversed(10)), training=False).sampler
     assert type(custom) is DistributedSamplerWrapper and custom.repeat is False and list(custom) == [8, 5, 2]
