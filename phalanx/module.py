@@ -56,14 +56,16 @@ class TrainingModule(nn.Module):
         return self(batch)
 
     def configure_optimizers(self) -> Any:
-        """Return an optimizer, a list of them, ``(optimizers, schedulers)`` or dicts with 'optimizer' and 'lr_scheduler'."""
+        """Return an optimizer, a list of them, ``(optimizers, schedulers)`` or dicts with 'optimizer' and
+        'lr_scheduler'."""
         raise NotImplementedError(
             f"{type(self).__name__} has no configure_optimizers(): define it to return an optimizer (or see the"
             " TrainingModule documentation for lists, schedulers and dicts)."
         )
 
     def configure_model(self) -> None:
-        """Create layers here to have them built on the right device, in the right dtype, or sharded (must be idempotent)."""
+        """Create layers here to have them built on the right device, in the right dtype, or sharded (must be
+        idempotent)."""
 
     def configure_callbacks(self) -> Sequence[Any] | Any:
         """Return callbacks to add to the Trainer's (a callback of the same type replaces the Trainer's)."""

@@ -1,4 +1,5 @@
-"""``Cohort.save`` / ``Cohort.load``: a state dict of modules, optimizers and objects in the Trainer's checkpoint layout.
+"""``Cohort.save`` / ``Cohort.load``: a state dict of modules, optimizers and objects in the Trainer's checkpoint
+layout.
 
 A Cohort checkpoint is a Trainer checkpoint: the set-up module's weights in ``'state_dict'``, every optimizer of the
 strategy in ``'optimizer_states'``, ``'global_step'`` (the Cohort's optimizer steps), the fit loop's position
@@ -146,7 +147,8 @@ def _loop_state(epoch: int, global_step: int) -> dict[str, Any]:
 def restore_checkpoint(
     checkpoint: Any, state: Any, strategy: Strategy, source: str, *, strict: bool = True
 ) -> dict[str, Any]:
-    """Load ``checkpoint`` into the objects of ``state`` (plain values are replaced in ``state``); returns the unread objects."""
+    """Load ``checkpoint`` into the objects of ``state`` (plain values are replaced in ``state``); returns the unread
+    objects."""
     from phalanx.trainer.checkpoint_checks import check_checkpoint, check_optimizer_states
 
     check_checkpoint(checkpoint, source, fitting=False)

@@ -115,7 +115,8 @@ class Cohort:
 
     # ------------------------------------------------------------------ processes
     def launch(self, function: Callable[..., _T] | None = None, *args: Any, **kwargs: Any) -> _T | None:
-        """Start the strategy's processes and run ``function(cohort, *args, **kwargs)`` in each; returns this process's (or rank 0's) result.
+        """Start the strategy's processes and run ``function(cohort, *args, **kwargs)`` in each; returns this process's
+        (or rank 0's) result.
 
         Strategies that re-run the script (``ddp``) start the other ranks here and go on in this process, so
         ``launch()`` without a function is enough for them; spawn/fork strategies need a function (picklable for spawn).
@@ -158,7 +159,8 @@ class Cohort:
 
     # ------------------------------------------------------------------ model and optimizers
     def setup(self, module: nn.Module, *optimizers: Optimizer) -> Any:
-        """Set up ``module`` and its ``optimizers`` on the strategy; returns the wrapped module, then the wrapped optimizers."""
+        """Set up ``module`` and its ``optimizers`` on the strategy; returns the wrapped module, then the wrapped
+        optimizers."""
         self._check_module(module, "setup")
         originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
         self._parameter_names = {
@@ -257,7 +259,8 @@ class Cohort:
                     )
 
     def _rebind(self, optimizer: Optimizer, set_up: nn.Module) -> None:
-        """Point ``optimizer`` at ``set_up``'s parameters of the same names (the same objects unless the strategy replaced them)."""
+        """Point ``optimizer`` at ``set_up``'s parameters of the same names (the same objects unless the strategy
+        replaced them)."""
         by_name = dict(set_up.named_parameters(remove_duplicate=False))
         replaced: dict[Tensor, Tensor] = {}
         for group in optimizer.param_groups:
@@ -346,7 +349,8 @@ class Cohort:
 
     @contextmanager
     def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
-        """Create a module's tensors on ``device`` in the precision's dtype (sharded where the strategy shards); ``empty_init`` skips initialisation."""
+        """Create a module's tensors on ``device`` in the precision's dtype (sharded where the strategy shards);
+        ``empty_init`` skips initialisation."""
         self._ensure_environment()
         with ExitStack() as stack:
             stack.enter_context(self._strategy.tensor_init_context(empty_init=empty_init))
@@ -362,7 +366,8 @@ class Cohort:
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, data: Any, group: Any | None = None, reduce_op: str = "mean") -> Any:
-        """Reduce every tensor (and number) in ``data`` across processes with ``reduce_op`` ('mean', 'sum', 'max', 'min')."""
+        """Reduce every tensor (and number) in ``data`` across processes with ``reduce_op`` ('mean', 'sum', 'max',
+        'min')."""
         self._ensure_environment()
         return apply_to_tensors(
             self._as_tensors(data), lambda tensor: self._strategy.reduce(tensor, group=group, reduce_op=reduce_op)
@@ -392,7 +397,8 @@ class Cohort:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | PathLike, state: dict[str, Any]) -> None:
-        """Write ``state`` (modules, optimizers, objects) in the Trainer's checkpoint format, full or sharded as the strategy does."""
+        """Write ``state`` (modules, optimizers, objects) in the Trainer's checkpoint format, full or sharded as the
+        strategy does."""
         _check_path(path, "save")
         if self._module is None:
             raise RuntimeError("Cohort.save needs a set-up module: call cohort.setup(...) first.")
@@ -401,7 +407,8 @@ class Cohort:
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
 
     def load(self, path: str | PathLike, state: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
-        """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``); returns unread objects."""
+        """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``); returns
+        unread objects."""
         _check_path(path, "load")
         if self._module is None:
             raise RuntimeError(

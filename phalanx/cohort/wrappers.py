@@ -60,7 +60,8 @@ class CohortModule(nn.Module):
 
 
 class _OptimizerView:
-    """Mixed into a subclass of the optimizer's class: every attribute is the optimizer's, ``step`` goes through the strategy.
+    """Mixed into a subclass of the optimizer's class: every attribute is the optimizer's, ``step`` goes through the
+    strategy.
 
     The view keeps its own ``__dict__`` for what is set on it (an LR scheduler patches ``step`` there), so nothing it
     is given lands on the optimizer, which the strategy steps with its own class's ``step``.

@@ -136,7 +136,8 @@ class DDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def configure_ddp(self) -> None:
-        """Wrap ``self.module`` in DistributedDataParallel as ``self.model`` and register the comm hook (override to customise)."""
+        """Wrap ``self.module`` in DistributedDataParallel as ``self.model`` and register the comm hook (override to
+        customise)."""
         assert self._module is not None
         self._model = self._wrap(self._module)
         self._register_comm_hook()

@@ -94,7 +94,8 @@ def _import_deepspeed() -> Any:
 
 
 class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, ParallelStrategy):
-    """ZeRO data parallelism through DeepSpeed: stage 1 partitions optimizer states, 2 also gradients, 3 also parameters.
+    """ZeRO data parallelism through DeepSpeed: stage 1 partitions optimizer states, 2 also gradients, 3 also
+    parameters.
 
     Args:
         stage: ZeRO stage 0 (plain data parallelism through the engine), 1, 2 or 3.
@@ -340,7 +341,8 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
         return sections
 
     def _build_config(self, settings: RunSettings) -> dict[str, Any]:
-        """The config handed to DeepSpeed: the given (or generated) one, completed from the run's settings and precision."""
+        """The config handed to DeepSpeed: the given (or generated) one, completed from the run's settings and
+        precision."""
         config = copy.deepcopy(self._user_config) if self._user_config is not None else self._generated_config()
         merge_activation_section(config, self._activation)
         config.setdefault("zero_allow_untested_optimizer", self._zero_allow_untested_optimizer)
@@ -380,7 +382,8 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
 
     # ------------------------------------------------------------------ set-up
     def setup(self, settings: RunSettings) -> None:
-        """Convert the module and build the engine: with the optimizer when fitting, parameter gathering only for ZeRO-3 evaluation."""
+        """Convert the module and build the engine: with the optimizer when fitting, parameter gathering only for ZeRO-3
+        evaluation."""
         self._begin_setup(settings)
         assert self._module is not None
         fitting = settings.fitting

@@ -1,4 +1,5 @@
-"""DeepSpeed checkpoint directories written by ``DeepSpeedStrategy``, and turning one into an ordinary phalanx checkpoint.
+"""DeepSpeed checkpoint directories written by ``DeepSpeedStrategy``, and turning one into an ordinary phalanx
+checkpoint.
 
 Layout of ``NAME.ckpt/``::
 
@@ -6,7 +7,8 @@ Layout of ``NAME.ckpt/``::
     checkpoint/                     DeepSpeed's own files: every rank writes its ZeRO partitions
         mp_rank_00_model_states.pt                   stages 0-2: the module (in the training dtype), parameter shapes
         zero_pp_rank_R_mp_rank_00_model_states.pt    stage 3: buffers, shapes, frozen-parameter shards of rank R
-        [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   stages 1-3: rank R's float32 master weights and optimizer state
+        [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   stages 1-3: rank R's float32 master weights and optimizer
+        state
     phalanx_deepspeed_state.pt     the Trainer's state (loops, callbacks, RNG states, schedulers, hyper-parameters),
                                     plain values, loadable with weights_only=True
     .complete                       written last, once every rank has finished

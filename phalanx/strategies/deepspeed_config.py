@@ -141,7 +141,8 @@ def complete_config(
 
 
 def partitioning_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The part of ``config`` that partitions parameters (ZeRO-3 creation and evaluation engines), without training settings."""
+    """The part of ``config`` that partitions parameters (ZeRO-3 creation and evaluation engines), without training
+    settings."""
     partitioning = {
         key: config[key]
         for key in ("zero_optimization", "fp16", "bf16", "zero_allow_untested_optimizer")
@@ -152,7 +153,8 @@ def partitioning_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def micro_batch_size(logging_batch_size_per_gpu: int | str, settings: RunSettings) -> int:
-    """The per-process batch size DeepSpeed's config (and throughput logs) wants: the argument's, else the training data's."""
+    """The per-process batch size DeepSpeed's config (and throughput logs) wants: the argument's, else the training
+    data's."""
     if isinstance(logging_batch_size_per_gpu, int):
         return logging_batch_size_per_gpu
     if settings.train_batch_size is not None:

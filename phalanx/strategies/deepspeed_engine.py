@@ -111,7 +111,8 @@ def engine_optimizer(
 def scheduler_configs_for_engine(
     configs: list[LRSchedulerConfig], engine_scheduler: Any, accumulation: int, updated_last_step: Callable[[], bool]
 ) -> list[LRSchedulerConfig]:
-    """What the loops step: a config scheduler (the engine steps it), or step schedulers held back to one step per update."""
+    """What the loops step: a config scheduler (the engine steps it), or step schedulers held back to one step per
+    update."""
     if engine_scheduler is not None:
         return [LRSchedulerConfig(SchedulerProxy(engine_scheduler, None), interval="step")]
     if accumulation > 1:
@@ -122,7 +123,8 @@ def scheduler_configs_for_engine(
 
 
 def memory_footprint(module: nn.Module, engine: Any, engine_trains: bool) -> dict[str, int]:
-    """Bytes this process holds for the model: its share of the parameters, and of the optimizer states (see the strategy's method)."""
+    """Bytes this process holds for the model: its share of the parameters, and of the optimizer states (see the
+    strategy's method)."""
     # A ZeRO-3 parameter holds its shard (ds_tensor) and, while gathered or when small enough to stay
     # gathered (stage3_param_persistence_threshold), the whole tensor as well.
     parameters = sum(tensor_bytes(p.ds_tensor) if hasattr(p, "ds_tensor") else 0 for p in module.parameters())
@@ -147,7 +149,8 @@ def memory_footprint(module: nn.Module, engine: Any, engine_trains: bool) -> dic
 
 
 class DeepSpeedEngineMixin:
-    """Building and releasing the engine, for ``DeepSpeedStrategy`` (which provides the module, the ranks and ``_deepspeed()``)."""
+    """Building and releasing the engine, for ``DeepSpeedStrategy`` (which provides the module, the ranks and
+    ``_deepspeed()``)."""
 
     _module: Any
     _model: Any

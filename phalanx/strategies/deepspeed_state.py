@@ -51,7 +51,8 @@ class DeepSpeedCheckpointMixin:
             return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        """Fitting from a DeepSpeed directory: the engine loads weights and optimizer partitions. Otherwise: full weights."""
+        """Fitting from a DeepSpeed directory: the engine loads weights and optimizer partitions. Otherwise: full
+        weights."""
         meta = checkpoint.get("deepspeed")
         fitting = self._engine is not None and self._engine_trains
         if fitting:
@@ -121,7 +122,8 @@ class DeepSpeedCheckpointMixin:
             module.load_state_dict(weights, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Nothing left to read: the engine restored its optimizer partitions with the weights (``load_model_state_dict``)."""
+        """Nothing left to read: the engine restored its optimizer partitions with the weights
+        (``load_model_state_dict``)."""
         states = checkpoint["optimizer_states"]
         if len(states) != len(self.optimizers):
             raise ValueError(
@@ -136,7 +138,8 @@ class DeepSpeedCheckpointMixin:
 
     # ------------------------------------------------------------------ checkpoint directories
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank writes its partitions into a hidden directory; rank 0 adds the Trainer's state and ``.complete``, then renames it into place."""
+        """Every rank writes its partitions into a hidden directory; rank 0 adds the Trainer's state and ``.complete``,
+        then renames it into place."""
         from phalanx.plugins.io.directory import publish_directory, staging_directory
         from phalanx.plugins.io.torch_io import TorchCheckpointIO
 
@@ -166,7 +169,8 @@ class DeepSpeedCheckpointMixin:
         self.barrier("DeepSpeedStrategy.save_checkpoint(renamed)")
 
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
-        """A DeepSpeed directory: the Trainer's state (its weights stay in DeepSpeed's files, see ``load_model_state_dict``)."""
+        """A DeepSpeed directory: the Trainer's state (its weights stay in DeepSpeed's files, see
+        ``load_model_state_dict``)."""
         if (
             isinstance(checkpoint_path, (str, os.PathLike))
             and not is_url(checkpoint_path)

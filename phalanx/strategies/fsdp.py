@@ -1,4 +1,5 @@
-"""FSDPStrategy: parameters, gradients and optimizer state sharded across processes with torch's FSDP2 (``fully_shard``).
+"""FSDPStrategy: parameters, gradients and optimizer state sharded across processes with torch's FSDP2
+(``fully_shard``).
 
 Runs on CUDA with NCCL and on the CPU with gloo. ``torch.distributed.fsdp`` is imported only when an FSDPStrategy is
 constructed, so ``import phalanx`` stays cheap.
@@ -219,7 +220,8 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     # ------------------------------------------------------------------ creating and sharding the module
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
-        """``empty_init=True``: on the meta device; otherwise in host memory, where ``setup`` shards it onto the devices."""
+        """``empty_init=True``: on the meta device; otherwise in host memory, where ``setup`` shards it onto the
+        devices."""
         if empty_init:
             with super().tensor_init_context(empty_init):
                 yield
@@ -232,7 +234,8 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
 
     @contextmanager
     def model_sharded_context(self) -> Iterator[None]:
-        """Around configure_model: ``torch.distributed.fsdp.wrap.wrap(layer)`` marks a layer as its own shard group, as in FSDP1."""
+        """Around configure_model: ``torch.distributed.fsdp.wrap.wrap(layer)`` marks a layer as its own shard group, as
+        in FSDP1."""
         from torch.distributed.fsdp.wrap import enable_wrap
 
         with enable_wrap(wrapper_cls=self._mark_for_sharding):

@@ -235,7 +235,8 @@ def _call_recursive_policy(policy: Callable[..., Any], module: nn.Module, recurs
 
 
 def _pick_recursively(policy: Callable[..., Any], root: nn.Module) -> list[nn.Module]:
-    """The modules FSDP1's auto wrapping would wrap: asked top-down whether to descend, bottom-up whether to wrap what is left."""
+    """The modules FSDP1's auto wrapping would wrap: asked top-down whether to descend, bottom-up whether to wrap what
+    is left."""
     picked: list[nn.Module] = []
 
     def visit(module: nn.Module, is_root: bool) -> int:
@@ -254,7 +255,8 @@ def _pick_recursively(policy: Callable[..., Any], root: nn.Module) -> list[nn.Mo
 
 # ---------------------------------------------------------------------------- FSDP1 keyword arguments
 def seed_keyword_arguments(kwargs: dict[str, Any], fully_shard_names: set[str]) -> tuple[dict[str, Any], Any]:
-    """Split ``kwargs`` into ``fully_shard`` arguments and the FSDP1 ``process_group``; warn about FSDP1 options FSDP2 lacks.
+    """Split ``kwargs`` into ``fully_shard`` arguments and the FSDP1 ``process_group``; warn about FSDP1 options FSDP2
+    lacks.
 
     A name neither ``fully_shard`` nor FSDP1 knows raises TypeError.
     """
@@ -287,7 +289,8 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def _explain_seed_option(name: str, value: Any) -> None:
-    """Warn where FSDP2 does something else than the FSDP1 option ``name=value`` asks for (silent where it does the same)."""
+    """Warn where FSDP2 does something else than the FSDP1 option ``name=value`` asks for (silent where it does the
+    same)."""
     fsdp2 = {
         (
             "use_orig_params",
@@ -360,7 +363,8 @@ def check_process_group(process_group: Any, hybrid: bool) -> None:
 def mesh_from_process_group(
     process_group: Any, hybrid: bool, device_type: str, gather: Callable[[Any], list[Any]]
 ) -> Any:
-    """A DeviceMesh over FSDP1's ``process_group`` (see check_process_group); ``gather`` is all_gather_object over every process."""
+    """A DeviceMesh over FSDP1's ``process_group`` (see check_process_group); ``gather`` is all_gather_object over every
+    process."""
     from torch.distributed import get_process_group_ranks, get_rank
     from torch.distributed.device_mesh import DeviceMesh
 

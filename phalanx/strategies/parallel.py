@@ -32,7 +32,8 @@ JOIN_TIMEOUT = timedelta(minutes=5)
 
 
 class ParallelStrategy(Strategy, ABC):
-    """Ranks come from a ClusterEnvironment; processes start through a launcher; collectives go through torch.distributed."""
+    """Ranks come from a ClusterEnvironment; processes start through a launcher; collectives go through
+    torch.distributed."""
 
     def __init__(
         self,
@@ -237,7 +238,8 @@ class ParallelStrategy(Strategy, ABC):
         )
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Tensor | Any:
-        """All-reduce ``tensor`` with ``reduce_op`` ('mean'/'avg', 'sum', 'max', 'min' or a ReduceOp); others pass through."""
+        """All-reduce ``tensor`` with ``reduce_op`` ('mean'/'avg', 'sum', 'max', 'min' or a ReduceOp); others pass
+        through."""
         reduce_op = distributed.normalize_reduce_op(reduce_op)
         if not isinstance(tensor, Tensor) or not distributed.is_initialized():
             return tensor

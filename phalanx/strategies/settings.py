@@ -1,4 +1,5 @@
-"""RunSettings: everything a strategy learns about the run it serves, given by whoever drives it (the Trainer or your loop)."""
+"""RunSettings: everything a strategy learns about the run it serves, given by whoever drives it (the Trainer or your
+loop)."""
 
 from __future__ import annotations
 

@@ -196,7 +196,8 @@ class Strategy(ABC):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
-        """Arguments for ``DistributedSampler(dataset, **kwargs)`` (``num_replicas``, ``rank``), or None when data is not split."""
+        """Arguments for ``DistributedSampler(dataset, **kwargs)`` (``num_replicas``, ``rank``), or None when data is
+        not split."""
         return None
 
     @property
@@ -437,7 +438,8 @@ class Strategy(ABC):
 
     @property
     def handles_gradient_accumulation(self) -> bool:
-        """Whether the strategy accumulates gradients itself (the loops then step every batch, see ``block_backward_sync``)."""
+        """Whether the strategy accumulates gradients itself (the loops then step every batch, see
+        ``block_backward_sync``)."""
         return False
 
     @property
@@ -447,7 +449,8 @@ class Strategy(ABC):
 
     @property
     def requires_equal_batches(self) -> bool:
-        """Whether every process must run as many evaluation batches (each forward pass runs collectives); the driver checks."""
+        """Whether every process must run as many evaluation batches (each forward pass runs collectives); the driver
+        checks."""
         return False
 
     # ------------------------------------------------------------------ hooks

@@ -38,7 +38,8 @@ _WHY = {
 
 
 def check_barebones(callbacks: Any, **arguments: Any) -> None:
-    """Raise ValueError for an argument, or a callback in ``callbacks``, that turns on what ``barebones=True`` turns off."""
+    """Raise ValueError for an argument, or a callback in ``callbacks``, that turns on what ``barebones=True`` turns
+    off."""
     from phalanx.callbacks import ModelCheckpoint, ProgressBar
 
     for name, value in arguments.items():

@@ -402,7 +402,8 @@ def _rebuild(like: Any, items: list[Any]) -> Any:
 def _regroup(
     outputs: list[Any], sizes: list[int], order: list[int], bounds: list[tuple[int, int]], where: str
 ) -> list[Any]:
-    """Batch outputs (same structure, batch ``i`` holding ``sizes[i]`` samples) -> one output per new batch in ``bounds``.
+    """Batch outputs (same structure, batch ``i`` holding ``sizes[i]`` samples) -> one output per new batch in
+    ``bounds``.
 
     Samples are concatenated in the given batch order, permuted by ``order`` and cut at ``bounds``.
     """

@@ -50,7 +50,8 @@ def _restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
 
 
 def check_equal_batches(strategy: Strategy, counts: list[int | float], stage: str) -> None:
-    """When the strategy ``requires_equal_batches``, refuse to start an evaluation in which the processes' batch counts differ.
+    """When the strategy ``requires_equal_batches``, refuse to start an evaluation in which the processes' batch counts
+    differ.
 
     Each forward pass then runs collectives (ZeRO-3 gathers parameters): a process with fewer batches would leave the
     others waiting until the timeout.
@@ -89,7 +90,8 @@ def _step_kwargs(multiple: bool, dataloader_idx: int) -> dict[str, int]:
 def run_evaluation(
     trainer: Trainer, stage: str, dataloaders: list[Any], limits: list[int | float], results: LoggedResults
 ) -> dict[str, torch.Tensor]:
-    """Run ``validation`` or ``test`` over ``dataloaders``; return the epoch metrics (tensors, not synchronised to host)."""
+    """Run ``validation`` or ``test`` over ``dataloaders``; return the epoch metrics (tensors, not synchronised to
+    host)."""
     strategy = trainer.strategy
     module = strategy.module
     assert module is not None

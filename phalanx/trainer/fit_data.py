@@ -115,7 +115,8 @@ def reload_train_data_if_due(trainer: Trainer) -> None:
 
 
 def reload_val_data_if_due(trainer: Trainer) -> None:
-    """Before validation during ``fit``: build the validation data anew when ``reload_dataloaders_every_n_epochs`` says so."""
+    """Before validation during ``fit``: build the validation data anew when ``reload_dataloaders_every_n_epochs`` says
+    so."""
     if _reload_due(trainer, trainer._val_data_epoch):
         prepare_val_data(trainer, trainer._data_source)
 

@@ -378,7 +378,8 @@ class FitLoop:
             return skipped.output
 
     def _closes_window(self) -> bool:
-        """Whether this batch is the last of its accumulation window (every ``accumulate_grad_batches``, and the epoch's last)."""
+        """Whether this batch is the last of its accumulation window (every ``accumulate_grad_batches``, and the epoch's
+        last)."""
         accumulate = self.trainer.accumulate_grad_batches
         if accumulate == 1:
             return True
@@ -453,7 +454,8 @@ class FitLoop:
             return result
 
         def closure_already_run() -> Tensor | None:
-            # ``optimizer_closure(); optimizer.step()``: the step sees the loss computed (the precision plugin needs it).
+            # ``optimizer_closure(); optimizer.step()``: the step sees the loss computed (the precision plugin needs
+            # it).
             if not runs:
                 raise self._closure_not_run(batch_idx)
             return result

@@ -86,7 +86,8 @@ class NonFiniteLossCheck:
         return bool(self.trainer.strategy.reduce_boolean_decision(finite, all=True))
 
     def act(self, loss: Tensor, batch_idx: int) -> None:
-        """A non-finite loss was found: raise ('raise'), count it ('skip') or ask the loop to stop after this batch ('stop')."""
+        """A non-finite loss was found: raise ('raise'), count it ('skip') or ask the loop to stop after this batch
+        ('stop')."""
         trainer = self.trainer
         step, epoch = trainer.fit_loop.global_step, trainer.current_epoch
         if self.mode == "raise":

@@ -28,7 +28,8 @@ class ManualOptimizer:
         self._closure_if_none: Callable[[], Any] | None = None
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        """Run the optimizer step (closure, loss scaling, clipping, hooks); in manual optimization advance ``global_step``."""
+        """Run the optimizer step (closure, loss scaling, clipping, hooks); in manual optimization advance
+        ``global_step``."""
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError(

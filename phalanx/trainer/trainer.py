@@ -647,7 +647,8 @@ class Trainer(DeviceProperties):
             worker_state = None
             if launcher is not None:
                 refuse_trainer_launcher(launcher)
-                # The module the user passed (first argument of each run) lives in this process: spawned workers update it.
+                # The module the user passed (first argument of each run) lives in this process: spawned workers update
+                # it.
                 worker_state = TrainerWorkerState(
                     self, next((arg for arg in args if isinstance(arg, torch.nn.Module)), None)
                 )
@@ -980,7 +981,8 @@ class Trainer(DeviceProperties):
 
     @property
     def checkpoint_dir(self) -> str:
-        """Where checkpoints of this run go by default: the first ModelCheckpoint's directory, else default_root_dir/checkpoints."""
+        """Where checkpoints of this run go by default: the first ModelCheckpoint's directory, else
+        default_root_dir/checkpoints."""
         callback = self.checkpoint_callback
         dirpath = getattr(callback, "dirpath", None)
         return os.fspath(dirpath) if dirpath else os.path.join(self.default_root_dir, "checkpoints")

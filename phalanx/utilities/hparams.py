@@ -24,7 +24,8 @@ class AttributeDict(dict):
 
 
 def init_arguments_of_frame(frame: FrameType) -> dict[str, Any]:
-    """Return the arguments of the function running in ``frame`` (``self`` and ``__class__`` excluded, ``**kwargs`` merged)."""
+    """Return the arguments of the function running in ``frame`` (``self`` and ``__class__`` excluded, ``**kwargs``
+    merged)."""
     info = inspect.getargvalues(frame)
     values: dict[str, Any] = {}
     for name in info.args:

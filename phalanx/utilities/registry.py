@@ -91,7 +91,8 @@ class Registry(Generic[_T]):
 
     # Lightning users index the registries as dictionaries: ``STRATEGY_REGISTRY["ddp"]["init_params"]``.
     def __getitem__(self, name: str) -> dict[str, Any]:
-        """The entry for ``name`` as Lightning lays it out: ``{kind}``, ``{kind}_name``, ``description``, ``init_params``."""
+        """The entry for ``name`` as Lightning lays it out: ``{kind}``, ``{kind}_name``, ``description``,
+        ``init_params``."""
         try:
             entry = self._lookup(name)
         except ValueError as error:

@@ -1,4 +1,5 @@
-"""phalanx.Cohort on 2 CPU processes (gloo): the same hand-written loop as torch's DDP, the Trainer, and checkpoints both ways."""
+"""phalanx.Cohort on 2 CPU processes (gloo): the same hand-written loop as torch's DDP, the Trainer, and checkpoints
+both ways."""
 
 from __future__ import annotations
 

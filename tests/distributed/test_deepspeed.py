@@ -263,7 +263,8 @@ def test_memory_per_rank_matches_zero_predictions(jobs: Jobs, strategy: str) -> 
     assert ddp0["full"]["memory"]["parameters"] == 4 * parameters  # DDP: every rank holds everything
     for report in ranks:
         memory = report["full"]["memory"]
-        # ZeRO stage >= 1 with Adam: float32 master weights + two moments = 12 bytes per parameter, split over the ranks.
+        # ZeRO stage >= 1 with Adam: float32 master weights + two moments = 12 bytes per parameter, split over the
+        # ranks.
         predicted_states = 12 * parameters / world_size
         assert memory["optimizer_states"] / predicted_states == pytest.approx(1.0, abs=0.10)
         if strategy == "deepspeed_stage_3":

@@ -37,7 +37,8 @@ def test_optimizer_step_is_called_for_every_batch_and_a_default_override_changes
 
 
 def test_a_warm_up_in_optimizer_step_reaches_the_engine(results):
-    # The same warm-up without DeepSpeed (whose effect on the weights tests/unit/trainer/test_lightning_hooks.py checks).
+    # The same warm-up without DeepSpeed (whose effect on the weights tests/unit/trainer/test_lightning_hooks.py
+    # checks).
     assert results["warmup"]["weights"] == pytest.approx(results["reference_warmup"]["weights"], abs=1e-6)
 
 

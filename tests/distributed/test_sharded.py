@@ -292,7 +292,8 @@ def test_evaluation_and_prediction_of_a_sharded_model_with_uneven_shards(job):
     assert evaluated["prediction_batches"] == [8, 8, 8, 8, 8, 5]  # as one process batches 45 samples, no repeats
     assert evaluated["predictions"] == pytest.approx(expected.tolist(), abs=1e-5)
     exact = torch.nn.functional.mse_loss(expected.unsqueeze(1), y).item()
-    # 45 samples on 2 ranks: one sample is evaluated twice (padding), so the mean is close to, not exactly, the exact one
+    # 45 samples on 2 ranks: one sample is evaluated twice (padding), so the mean is close to, not exactly, the exact
+    # one
     assert evaluated["validated"][0]["val_loss"] == pytest.approx(exact, rel=0.05)
 
 

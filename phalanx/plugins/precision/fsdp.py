@@ -17,7 +17,8 @@ FSDP_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
 
 class FSDPPrecision(Precision):
-    """Precision for FSDPStrategy: FSDP2's ``MixedPrecisionPolicy`` for the all-gathered parameters, autocast around steps.
+    """Precision for FSDPStrategy: FSDP2's ``MixedPrecisionPolicy`` for the all-gathered parameters, autocast around
+    steps.
 
     ``"bf16-mixed"`` keeps float32 sharded parameters and optimizer state, computes with bfloat16 copies gathered for
     each layer, and reduces gradients in float32. ``"*-true"`` casts the whole model.

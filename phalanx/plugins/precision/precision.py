@@ -109,7 +109,8 @@ class Precision:
         before_step: BeforeStep | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Step ``optimizer``: ``closure`` (loss and gradients, passed on so LBFGS-like optimizers work), ``before_step``, the update."""
+        """Step ``optimizer``: ``closure`` (loss and gradients, passed on so LBFGS-like optimizers work),
+        ``before_step``, the update."""
         if evaluates_closure_once(optimizer):
             # Same result as optimizer.step(closure=...) for these optimizers, without its per-step overhead.
             result = closure()
@@ -139,7 +140,8 @@ class Precision:
     def clip_gradients(
         self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm"
     ) -> Tensor | None:
-        """Clip the gradients of ``optimizer``'s parameters by total norm or by value; returns the norm when clipping by norm."""
+        """Clip the gradients of ``optimizer``'s parameters by total norm or by value; returns the norm when clipping by
+        norm."""
         # Check the algorithm first: a typo must fail on the first step, not only once gradients exist.
         self._check_clip_algorithm(gradient_clip_algorithm)
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

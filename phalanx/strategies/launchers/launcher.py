@@ -9,7 +9,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 @runtime_checkable
 class WorkerState(Protocol):
-    """What the driver (the Trainer, your loop) carries back from new worker processes into the process that started them.
+    """What the driver (the Trainer, your loop) carries back from new worker processes into the process that started
+    them.
 
     Only launchers that start the job's processes themselves (spawn, fork) use it: once ``function`` returned, the
     worker of global rank 0 calls ``collect``, and the main process, after every worker exited, ``restore``.

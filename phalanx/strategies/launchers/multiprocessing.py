@@ -47,7 +47,8 @@ class MultiProcessingLauncher(Launcher):
     def launch(
         self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any
     ) -> Any:
-        """Run ``function`` in ``num_processes`` new processes, restore rank 0's ``worker_state`` here, return its result."""
+        """Run ``function`` in ``num_processes`` new processes, restore rank 0's ``worker_state`` here, return its
+        result."""
         # A spawned worker re-imports the main script while `_inheriting` is set: an unguarded fit() lands here.
         bootstrapping = getattr(multiprocessing.current_process(), "_inheriting", False)
         if (bootstrapping or multiprocessing.parent_process() is not None) and self._start_method != "fork":

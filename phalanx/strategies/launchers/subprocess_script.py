@@ -59,7 +59,8 @@ class SubprocessScriptLauncher(Launcher):
     def launch(
         self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any
     ) -> Any:
-        """Start the children (once), then run ``function`` in this process (which keeps its state: nothing to carry back)."""
+        """Start the children (once), then run ``function`` in this process (which keeps its state: nothing to carry
+        back)."""
         if not self.cluster_environment.creates_processes_externally and not self.procs:
             self._start_children()
         return function(*args, **kwargs)

@@ -1,4 +1,5 @@
-"""The same hand-written loop through phalanx.Cohort, torch's DDP by hand and the Trainer, in one job. Usage: python cohort_job.py OUT MODE
+"""The same hand-written loop through phalanx.Cohort, torch's DDP by hand and the Trainer, in one job. Usage: python
+cohort_job.py OUT MODE
 
 MODE 'ddp': 2 ranks started by the Cohort re-running this script; rank 0 writes OUT/ddp.json with every comparison.
 MODE 'spawn': Cohort.launch(fn) on ddp_spawn then on ddp_fork; the main process writes OUT/spawn.json.

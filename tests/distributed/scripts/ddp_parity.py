@@ -1,4 +1,5 @@
-"""50 SGD steps of phalanx DDP on 2 CPU processes; rank 0 saves the final weights. Usage: python ddp_parity.py OUT.pt [STRATEGY]"""
+"""50 SGD steps of phalanx DDP on 2 CPU processes; rank 0 saves the final weights. Usage: python ddp_parity.py OUT.pt
+[STRATEGY]"""
 
 import sys
 

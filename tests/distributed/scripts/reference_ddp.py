@@ -1,4 +1,5 @@
-"""The same 50 steps written with plain torch.distributed and DistributedDataParallel. Usage: python reference_ddp.py OUT.pt"""
+"""The same 50 steps written with plain torch.distributed and DistributedDataParallel. Usage: python reference_ddp.py
+OUT.pt"""
 
 import os
 import sys

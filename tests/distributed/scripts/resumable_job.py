@@ -1,6 +1,7 @@
 """A training job that survives interruptions: it always calls fit(ckpt_path="auto").
 
-Usage: python resumable_job.py OUT_DIR DEVICES [--signal RANK STEP NAME] [--kill RANK STEP] [--slow-save STEP] [--strategy NAME]
+Usage: python resumable_job.py OUT_DIR DEVICES [--signal RANK STEP NAME] [--kill RANK STEP] [--slow-save STEP]
+[--strategy NAME]
   --signal    rank RANK sends itself signal NAME after STEP optimizer steps (only on the first attempt)
   --kill      rank RANK kills itself with SIGKILL after STEP steps (only on the first torchrun attempt)
   --slow-save the checkpoint written at STEP sleeps before it is renamed into place (a window to kill the job)

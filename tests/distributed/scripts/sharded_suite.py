@@ -1,4 +1,5 @@
-"""FSDP and ModelParallel on 2 CPU processes (gloo): one job, many fits, results in OUT for tests/distributed/test_sharded.py.
+"""FSDP and ModelParallel on 2 CPU processes (gloo): one job, many fits, results in OUT for
+tests/distributed/test_sharded.py.
 
 Usage: python sharded_suite.py OUT SINGLE_CKPT   (phalanx starts the second process itself)
 SINGLE_CKPT is a checkpoint written by one process after 10 steps (the test writes it), resumed here on two.
@@ -129,7 +130,8 @@ if __name__ == "__main__":
     _, trainer = fit("fsdp_hybrid_zero2", FSDPStrategy(sharding_strategy="_HYBRID_SHARD_ZERO2", device_mesh=(2, 1)))
     results["fsdp_hybrid_zero2"]["mesh"] = list(trainer.strategy.device_mesh.shape)
 
-    # ------------------------------------------------------------- a module that shards itself in configure_model is kept as it is
+    # ------------------------------------------------------------- a module that shards itself in configure_model is
+    # kept as it is
     class SelfSharded(MLP):
         def configure_model(self) -> None:
             from torch.distributed.fsdp import fully_shard
@@ -147,7 +149,8 @@ if __name__ == "__main__":
         fit("fsdp_self_sharded", FSDPStrategy(auto_wrap_policy={nn.Linear}), SelfSharded())
     results["fsdp_self_sharded"]["warnings"] = [str(w.message) for w in caught if "already sharded" in str(w.message)]
 
-    # ------------------------------------------------------------- activation checkpointing: same losses, blocks run twice
+    # ------------------------------------------------------------- activation checkpointing: same losses, blocks run
+    # twice
     module, _ = fit(
         "fsdp_activation_checkpointing",
         FSDPStrategy(auto_wrap_policy={nn.Linear}, activation_checkpointing_policy={type(MLP().blocks[0])}),
@@ -180,7 +183,8 @@ if __name__ == "__main__":
     if trainer.is_global_zero:
         torch.save(probe["weights"], OUT / "meta_init_weights.pt")
 
-    # ------------------------------------------------------------- memory: ZeRO-3 (FULL_SHARD) and ZeRO-2 (SHARD_GRAD_OP)
+    # ------------------------------------------------------------- memory: ZeRO-3 (FULL_SHARD) and ZeRO-2
+    # (SHARD_GRAD_OP)
     for sharding in ("FULL_SHARD", "SHARD_GRAD_OP"):
         memory = MemoryProbe()
         fit(

@@ -1,4 +1,5 @@
-"""A job in which rank 1 stalls at one point of step 3. Usage: python stalled_rank_job.py STRATEGY POINT TIMEOUT_S MARKER
+"""A job in which rank 1 stalls at one point of step 3. Usage: python stalled_rank_job.py STRATEGY POINT TIMEOUT_S
+MARKER
 
 STRATEGY: 'ddp' or 'fsdp'. POINT: 'forward' (rank 1 sleeps before its forward pass, so rank 0 waits in the first
 collective that step runs: FSDP's parameter all-gather, DDP's gradient all-reduce) or 'backward' (rank 1 sleeps

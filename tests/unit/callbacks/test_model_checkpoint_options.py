@@ -182,7 +182,8 @@ def test_save_on_exception_is_ignored_with_several_processes(tmp_path):
 
 # ---------------------------------------------------------------------------- save_last="link"
 LINK_CASES = [
-    # (id, callback options, trainer options, expected entries, what last.ckpt is: a link target name or "file", its step)
+    # (id, callback options, trainer options, expected entries, what last.ckpt is: a link target name or "file", its
+    # step)
     (
         "newest of top-1",
         dict(every_n_train_steps=2),

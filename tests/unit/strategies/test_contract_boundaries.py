@@ -155,7 +155,8 @@ def _torch_loop() -> nn.Module:
 
 
 def _strategy_loop(strategy: Any) -> tuple[nn.Module, list[torch.optim.Optimizer], list[float]]:
-    """Connect, set up and train through the strategy's own methods only; return the module, the steps seen and the norms."""
+    """Connect, set up and train through the strategy's own methods only; return the module, the steps seen and the
+    norms."""
     module = _module()
     seen: list[torch.optim.Optimizer] = []
     norms: list[float] = []

@@ -346,7 +346,8 @@ def test_every_policy_form_selects_the_blocks(policy):
     assert module_picker(policy, "activation_checkpointing_policy")(model) == [model.blocks[1], model.blocks[0]]
 
 
-# ---------------------------------------------------------------------------- the seed's arguments in a real (one-process) run
+# ---------------------------------------------------------------------------- the seed's arguments in a real
+# (one-process) run
 @pytest.fixture
 def one_process_group():
     with socket.socket() as sock:

@@ -1,4 +1,5 @@
-"""An ``on_*`` method phalanx never calls (a typo, a hook of another kind, a removed Lightning hook) is warned about once."""
+"""An ``on_*`` method phalanx never calls (a typo, a hook of another kind, a removed Lightning hook) is warned about
+once."""
 
 from __future__ import annotations
 
