@@ -206,7 +206,7 @@ class TrainingModule(nn.Module):
         return batch
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move the tensors of a batch (in lists, tuples, dicts, namedtuples) to ``device``; override for other types."""
+        """Move the tensors of a batch (lists, tuples, dicts, namedtuples) to ``device``; override for other types."""
         return move_to_device(batch, device)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -250,7 +250,7 @@ class CliError(CheckpointError):
 
 
 def consolidate_through_cli(path: Path, tmp_path: Path) -> None:
-    """Run ``phalanx checkpoint consolidate PATH OUT`` in this process; raise CliError with its message if it refused."""
+    """Run ``phalanx checkpoint consolidate PATH OUT`` in this process; raise CliError with its message on refusal."""
     import contextlib
 
     from phalanx.cli import main

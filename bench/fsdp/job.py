@@ -33,7 +33,7 @@ class Model(phalanx.TrainingModule):
 
 
 class Probe(phalanx.Callback):
-    """Bytes this rank holds: parameters (peak between forward and backward), gradients and Adam state (before a step)."""
+    """Bytes this rank holds: parameters (peak between forward and backward), gradients, Adam state (before a step)."""
 
     def __init__(self) -> None:
         self.figures: dict[str, float] = {}

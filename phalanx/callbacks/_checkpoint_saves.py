@@ -132,7 +132,7 @@ class CheckpointSaves:
             self._save_last_checkpoint(trainer, candidates)
 
     def _link(self, trainer: Trainer, target: str, filepath: str) -> bool:
-        """Make ``filepath`` (last.ckpt) a link to ``target`` on rank 0; False (all ranks) where links cannot be made."""
+        """Make ``filepath`` (last.ckpt) a link to ``target`` on rank 0; False (all ranks) where links cannot be."""
         outcome: str | None = None
         if trainer.is_global_zero:
             try:

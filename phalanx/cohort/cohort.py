@@ -344,7 +344,7 @@ class Cohort:
         return self._strategy.block_backward_sync() if enabled else nullcontext()
 
     def autocast(self) -> AbstractContextManager:
-        """The precision's forward context (autocast for mixed precision), for code outside the set-up module's forward."""
+        """The precision's forward context (autocast for mixed precision), for code outside the set-up forward."""
         return self._strategy.precision_plugin.forward_context()
 
     @contextmanager

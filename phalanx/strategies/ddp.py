@@ -240,7 +240,7 @@ class DDPStrategy(ParallelStrategy):
         return optimizer.state_dict() if self.is_global_zero else {}
 
     def on_exception(self, exception: BaseException) -> None:
-        """Stop the processes this one started; explain DDP's unused-parameter error; stay quiet about a peer's failure."""
+        """Stop the processes this one started; explain DDP's unused-parameter error; stay quiet on a peer's failure."""
         if isinstance(exception, RuntimeError) and "Expected to have finished reduction" in str(exception):
             self.reconciliate_processes(repr(exception))
             raise RuntimeError(_UNUSED_PARAMETERS_HINT) from exception

@@ -314,7 +314,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
 
     @property
     def config(self) -> dict[str, Any]:
-        """The DeepSpeed config of the current run (before ``setup``: the given config, or the one the arguments make)."""
+        """The DeepSpeed config of the current run (before ``setup``: the given one, or the one the arguments make)."""
         if self._config is not None:
             return self._config
         return copy.deepcopy(self._user_config) if self._user_config is not None else self._generated_config()
@@ -364,7 +364,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
 
     @property
     def pads_evaluation(self) -> bool:
-        """Under ZeRO-3 every forward pass gathers parameters: all ranks must run equally many, so evaluation is padded."""
+        """Under ZeRO-3 each forward pass gathers parameters: ranks must run equally many, so evaluation is padded."""
         return self.zero_stage == 3
 
     def setup_environment(self) -> None:
@@ -454,7 +454,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
-        """The steps inside do not end an accumulation window: the engine keeps accumulating (and does not reduce yet)."""
+        """The steps inside do not end an accumulation window: the engine keeps accumulating (no reduction yet)."""
         previous, self._window_open = self._window_open, True
         try:
             yield
@@ -468,7 +468,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
     # ------------------------------------------------------------------ evaluation under ZeRO-3
     @property
     def requires_equal_batches(self) -> bool:
-        """Under ZeRO-3 with partitioned parameters on several processes: each forward pass gathers them collectively."""
+        """Under ZeRO-3 with parameters partitioned over several processes: each forward pass gathers them."""
         return self.world_size > 1 and self._module is not None and bool(partitioned_parameters(self._module))
 
     # ------------------------------------------------------------------ creating the model
@@ -499,7 +499,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
-        """As the base (device, dtype, ``empty_init``), and under ZeRO-3 parameters are partitioned as they are created."""
+        """As the base (device, dtype, ``empty_init``); under ZeRO-3 parameters are partitioned as they are created."""
         with ExitStack() as stack:
             if self.root_device.type != "cpu":
                 stack.enter_context(self.root_device)

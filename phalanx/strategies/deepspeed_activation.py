@@ -73,7 +73,7 @@ def merge_activation_section(
 
 
 def configure_activation_checkpointing(deepspeed: Any, config: dict[str, Any]) -> bool:
-    """Hand the config's section to ``deepspeed.checkpointing.configure`` (when there is one); True when it was called."""
+    """Hand the config's section to ``deepspeed.checkpointing.configure`` (if there is one); True if it was called."""
     section = config.get(SECTION)
     if not section:
         return False

@@ -35,7 +35,7 @@ class DeepSpeedOptimizerHandle:
         """Nothing to do: DeepSpeed zeroes gradients itself after each optimizer update."""
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Refused: the DeepSpeed engine steps (``engine.step()``), through ``Trainer`` / ``strategy.optimizer_step``."""
+        """Refused: the DeepSpeed engine steps (``engine.step()``) through ``Trainer`` / ``strategy.optimizer_step``."""
         raise RuntimeError(
             "Under DeepSpeed the engine steps the optimizer; in manual optimization call step() on the optimizer from"
             " self.optimizers()."
@@ -73,7 +73,7 @@ class SchedulerProxy:
 
 
 def overrides(module: nn.Module, name: str) -> bool:
-    """Whether ``module`` is a TrainingModule whose class overrides the hook ``name`` (a plain nn.Module has no hooks)."""
+    """Whether ``module`` is a TrainingModule whose class overrides hook ``name`` (a plain nn.Module has none)."""
     from phalanx.module import TrainingModule
 
     return isinstance(module, TrainingModule) and getattr(type(module), name, None) is not getattr(

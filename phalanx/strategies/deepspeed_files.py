@@ -54,7 +54,7 @@ def tag_directory(directory: Path, tag: Any = None) -> tuple[str, Path]:
 
 # ---------------------------------------------------------------------------- reading with inert stand-ins
 class _DeepSpeedRecord:
-    """Stands in for a DeepSpeed object found in a checkpoint: keeps its constructor arguments and state, runs no code."""
+    """Stands in for a DeepSpeed object found in a checkpoint: keeps its constructor arguments and state; no code."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _DeepSpeedRecord:
         record = object.__new__(cls)
@@ -212,7 +212,7 @@ def deepspeed_record_types() -> list[type]:
 
 
 class _SafeReads:
-    """Stands in for an engine's checkpoint engine while it resumes: ``load`` is phalanx's reader, the rest DeepSpeed's."""
+    """An engine's checkpoint engine while it resumes: ``load`` is phalanx's reader, the rest is DeepSpeed's."""
 
     def __init__(self, inner: Any, root: Path, folder: Path, allowed: list[Any]) -> None:
         self._inner, self._root, self._folder, self._allowed = inner, root, folder, allowed

@@ -131,7 +131,7 @@ def mixed_precision_policy(mixed_precision: Any) -> Any:
 
 # ---------------------------------------------------------------------------- wrap and checkpointing policies
 def module_picker(policy: ModulePolicy | None, argument: str) -> ModulePicker | None:
-    """A function ``root -> [submodules the policy selects]`` (innermost first), for every policy form the seed accepts."""
+    """A function ``root -> [submodules the policy selects]`` (innermost first), for each policy form the seed takes."""
     if policy is None:
         return None
     from torch.distributed.fsdp.wrap import _Policy
@@ -199,7 +199,7 @@ def _pick_with_policy_object(policy: Any, root: nn.Module) -> list[nn.Module]:
 
 
 def _takes_recurse(policy: Callable[..., Any], argument: str) -> bool:
-    """Whether ``policy`` is an FSDP1 policy callable ``(module, recurse, nonwrapped_numel)`` rather than ``(module)``."""
+    """Whether ``policy`` is an FSDP1 policy callable ``(module, recurse, nonwrapped_numel)``, not ``(module)``."""
     try:
         signature = inspect.signature(policy)
     except (TypeError, ValueError):  # a builtin without a signature: a plain predicate

@@ -232,7 +232,7 @@ class ParallelStrategy(Strategy, ABC):
     }
 
     def naming_collectives(self, phase: str) -> AbstractContextManager:
-        """A timeout or a lost peer inside is reported as a CollectiveError naming ``phase``'s collectives and the rank."""
+        """A timeout or lost peer inside becomes a CollectiveError naming ``phase``'s collectives and the rank."""
         return distributed.naming_collective_failures(
             self.step_collectives.get(phase, phase), self.global_rank, self._timeout, transport_only=True
         )

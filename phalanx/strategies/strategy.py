@@ -248,7 +248,7 @@ class Strategy(ABC):
         self.accelerator.setup()
 
     def setup_optimizers(self, settings: RunSettings) -> None:
-        """Create the optimizers and LR scheduler configs with ``settings.configure_optimizers`` (nothing without one)."""
+        """Create the optimizers and LR scheduler configs with ``settings.configure_optimizers`` (none without it)."""
         factory = settings.configure_optimizers
         if factory is None:
             return
@@ -444,7 +444,7 @@ class Strategy(ABC):
 
     @property
     def needs_train_batch_size(self) -> bool:
-        """Whether ``setup`` wants ``RunSettings.train_batch_size`` (the driver then reads it from the training data)."""
+        """Whether ``setup`` wants ``RunSettings.train_batch_size`` (the driver reads it from the training data)."""
         return False
 
     @property
@@ -479,7 +479,7 @@ class Strategy(ABC):
         """Called when predicting ends."""
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Called before each training batch, after the user's ``on_train_batch_start`` hooks (even one returning -1)."""
+        """Called before each training batch, after the user's ``on_train_batch_start`` hooks (also after a -1)."""
 
     def on_exception(self, exception: BaseException) -> None:
         """Called when the run raises; may translate the error into a more helpful one."""

@@ -86,7 +86,7 @@ def is_complete_checkpoint(path: Path) -> bool:
 
 
 def newest_complete_checkpoint(directories: list[Path], *, name_prefix: str = "", recursive: bool = True) -> str | None:
-    """The complete ``{name_prefix}*.ckpt`` (file or directory) with the latest modification time under ``directories``."""
+    """The complete ``{name_prefix}*.ckpt`` (file or directory) modified last under ``directories``."""
     candidates: dict[Path, float] = {}
     for directory in directories:
         if directory.is_dir():
@@ -110,7 +110,7 @@ class CheckpointConnector:
         self._source = "checkpoint"  # the path of the checkpoint being restored, for error messages
 
     def dump(self, weights_only: bool = False) -> dict[str, Any]:
-        """Return the checkpoint dictionary of the current state (every rank must call this: RNG states are gathered)."""
+        """Return the checkpoint dictionary of the current state (every rank calls this: RNG states are gathered)."""
         from phalanx import __version__
 
         trainer = self.trainer

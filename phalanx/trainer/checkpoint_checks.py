@@ -159,7 +159,7 @@ def _check_loops(checkpoint: dict[str, Any], source: str) -> None:
 
 # ---------------------------------------------------------------------------- random generators
 def check_rng_states(source: str, entry: str, states: Any) -> None:
-    """Generator states as :func:`phalanx.utilities.seed.collect_rng_states` writes them, tried on throwaway generators."""
+    """Generator states as :func:`phalanx.utilities.seed.collect_rng_states` writes them, tried on spare generators."""
     check_dict(source, entry, states)
     for key in ("torch", "python"):
         if key not in states:

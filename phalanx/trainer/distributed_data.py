@@ -38,7 +38,7 @@ _FIX_HINT = (
 
 
 def _epoch_order(length: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
-    """The index order of one epoch; the same permutation ``torch.utils.data.DistributedSampler`` draws for seed+epoch."""
+    """The index order of one epoch: the permutation ``torch.utils.data.DistributedSampler`` draws for seed+epoch."""
     if not shuffle:
         return list(range(length))
     generator = torch.Generator()

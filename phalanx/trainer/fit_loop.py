@@ -443,7 +443,7 @@ class FitLoop:
             trainer._step_schedulers("step")
 
     def _call_step_hook(self, step_hook: Callable[..., Any], closure: Any, batch_idx: int) -> None:
-        """The module's ``optimizer_step`` override, given the handle whose ``step(closure)`` runs the strategy's step."""
+        """The module's ``optimizer_step`` override, given the handle whose ``step(closure)`` is the strategy's step."""
         runs = 0
         result: Tensor | None = None
 

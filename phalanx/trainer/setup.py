@@ -32,7 +32,7 @@ _PRECISION_ALIASES: dict[Any, str] = {
 
 
 def normalize_precision(precision: Any) -> str:
-    """Map a precision argument (including the aliases 32, 64, 16, 'bf16'; None for the default) to its canonical name."""
+    """Map a precision argument (with the aliases 32, 64, 16, 'bf16'; None for the default) to its canonical name."""
     if precision is None:
         return "32-true"  # Lightning's None: "the default" (or the precision plugin given in plugins=)
     if isinstance(precision, str) and precision in PRECISIONS:

@@ -10,7 +10,7 @@ import torch
 
 
 def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Return ``data`` with ``fn`` applied to each tensor found in lists, tuples, dicts and dataclass-like namedtuples."""
+    """Return ``data`` with ``fn`` applied to each tensor in lists, tuples, dicts and dataclass-like namedtuples."""
     if isinstance(data, torch.Tensor):
         return fn(data)
     if isinstance(data, (list, tuple)):

@@ -34,7 +34,7 @@ _REDUCE_ALIASES = {"avg": "mean", "average": "mean"}
 
 
 def normalize_reduce_op(reduce_op: Any) -> str:
-    """One of ``REDUCE_OPS`` from what Lightning accepts: those names in any case, 'avg', ReduceOp members, None (mean)."""
+    """One of ``REDUCE_OPS`` from what Lightning takes: those names (any case), 'avg', ReduceOp members, None (mean)."""
     if reduce_op is None:
         return "mean"
     if isinstance(reduce_op, str):
@@ -87,7 +87,7 @@ def naming_collective_failures(
 def explain_collective_failure(
     name: str, rank: int, timeout: timedelta | None, error: RuntimeError
 ) -> CollectiveError | None:
-    """A CollectiveError saying what ``error`` means for the collective ``name``, or None if it is not a collective's."""
+    """A CollectiveError saying what ``error`` means for the collective ``name``; None if not a collective's."""
     text = str(error)
     first_line = text.splitlines()[0] if text else repr(error)
     lowered = text.lower()

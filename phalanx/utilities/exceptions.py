@@ -10,8 +10,8 @@ class CheckpointError(ValueError):
 
 
 class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint that could only be loaded by running code from it, or by reading files outside it; phalanx refuses."""
+    """A checkpoint that could only load by running code from it, or by reading files outside it; phalanx refuses."""
 
 
 class CheckpointWriteError(CheckpointError):
-    """A checkpoint that could not be written (disk full, ...); the previous checkpoint of that name is left as it was."""
+    """A checkpoint that could not be written (disk full, ...); the previous checkpoint of that name is kept as is."""

@@ -1,4 +1,4 @@
-"""TrainingModule helpers from Lightning: toggle_optimizer / untoggle_optimizer / toggled_optimizer, freeze / unfreeze."""
+"""TrainingModule helpers from Lightning: toggle_optimizer / untoggle_optimizer / toggled_optimizer, freeze/unfreeze."""
 
 from __future__ import annotations
 

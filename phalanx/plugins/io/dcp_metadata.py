@@ -85,7 +85,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(directory: Path) -> Any:
-    """DCP's metadata of the checkpoint ``directory``, read without running code from it and checked against the files."""
+    """DCP's metadata of the checkpoint ``directory``, read without running its code, checked against the files."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     path = entry_inside(directory, DCP_METADATA_FILE, root=directory, what="DCP's metadata file")

@@ -109,7 +109,7 @@ def _qualified(name: str) -> str:
 
 
 def _disallowed_globals(stream: Any) -> list[str]:
-    """The globals a refused checkpoint's pickle names that torch's weights-only reader does not allow (for messages)."""
+    """The globals a refused checkpoint's pickle names that torch's weights-only reader refuses (for messages)."""
     try:
         stream.seek(0)
         data = stream.read()

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 _NULL = nullcontext()
-#: What runs once the gradients are final, before the update (the strategy passes ``RunSettings.before_optimizer_step``).
+#: What runs once gradients are final, before the update (the strategy passes ``RunSettings.before_optimizer_step``).
 BeforeStep = Callable[[Optimizer], None]
 _CLOSURE_ONCE: dict[type, bool] = {}
 

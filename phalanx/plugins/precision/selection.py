@@ -1,4 +1,4 @@
-"""Choosing the precision plugin for a precision name on an accelerator (used by strategies and by whoever builds them)."""
+"""Choosing the precision plugin for a precision name on an accelerator (for strategies and whoever builds them)."""
 
 from __future__ import annotations
 

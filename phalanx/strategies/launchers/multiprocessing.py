@@ -102,7 +102,7 @@ class MultiProcessingLauncher(Launcher):
 
 
 def _global_settings() -> dict[str, Any]:
-    """torch's process-wide switches as the main process set them (``Trainer(deterministic=, benchmark=)`` or the user)."""
+    """torch's process-wide switches as set in the main process (``Trainer(deterministic=, benchmark=)``, the user)."""
     return {
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),

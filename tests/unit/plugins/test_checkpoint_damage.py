@@ -149,7 +149,8 @@ def _fail_dcp_write(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> No
         ("shard", r"No space left on device \[ENOSPC\] \(.*__0_0.distcp\)"),
         (
             "zip writer",
-            r"RuntimeError: \[enforce fail at inline_container.cc:664\] . unexpected pos 704 vs 598; \d+ bytes are free",
+            r"RuntimeError: \[enforce fail at inline_container.cc:664\] . unexpected pos 704 vs 598;"
+            r" \d+ bytes are free",
         ),
         ("meta file", r"No space left on device \[ENOSPC\] \(.*phalanx_meta.pt\)"),
     ],

@@ -58,7 +58,7 @@ def _reaches_by_name(call: ast.Call) -> bool:
 
 
 def violations(source: str) -> list[str]:
-    """Run-time imports of the Trainer's or callbacks' package, and reads of ``trainer`` / ``_trainer``, in ``source``."""
+    """Run-time imports of the Trainer's or callbacks' package and reads of ``trainer`` / ``_trainer`` in ``source``."""
     found: list[str] = []
 
     def visit(node: ast.AST, type_checking_only: bool) -> None:
