@@ -181,10 +181,10 @@ class Cohort:
     def setup_module(self, module: nn.Module) -> CohortModule:
         """Set up ``module`` alone (create or pass its optimizers to ``setup_optimizers`` afterwards)."""
         self._check_module(module, "setup_module")
-        if _is_deepspeed(self._strategy):
+        if self._strategy.wraps_module_with_optimizers:
             raise RuntimeError(
-                "DeepSpeed builds its engine from the module and the optimizer together: call cohort.setup(module,"
-                " optimizer) instead of setup_module."
+                f"{type(self._strategy).__name__} builds one engine from the module and the optimizer together: call"
+                " cohort.setup(module, optimizer) instead of setup_module."
             )
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
@@ -428,10 +428,3 @@ class Cohort:
 def _check_path(path: Any, method: str) -> None:
     if not isinstance(path, (str, PathLike)):
         raise TypeError(f"Cohort.{method}(path, state): path must be a str or os.PathLike, got {type(path).__name__}.")
-
-
-def _is_deepspeed(strategy: Strategy) -> bool:
-    import sys
-
-    module = sys.modules.get("phalanx.strategies.deepspeed")
-    return module is not None and isinstance(strategy, module.DeepSpeedStrategy)

@@ -523,6 +523,11 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
         """True: the engine accumulates gradients; the loop steps every batch."""
         return True
 
+    @property
+    def wraps_module_with_optimizers(self) -> bool:
+        """True: ``deepspeed.initialize`` builds one engine from the module and its optimizer."""
+        return True
+
     # ------------------------------------------------------------------ memory
     def memory_footprint(self) -> dict[str, int]:
         """Bytes this process holds for the model: its share of the parameters, and of the optimizer states.

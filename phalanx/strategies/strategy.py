@@ -443,6 +443,11 @@ class Strategy(ABC):
         return False
 
     @property
+    def wraps_module_with_optimizers(self) -> bool:
+        """Whether ``setup`` needs the optimizers together with the module (one engine holds both, as DeepSpeed's)."""
+        return False
+
+    @property
     def needs_train_batch_size(self) -> bool:
         """Whether ``setup`` wants ``RunSettings.train_batch_size`` (the driver reads it from the training data)."""
         return False

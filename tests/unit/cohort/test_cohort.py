@@ -301,3 +301,29 @@ def test_load_refuses_optimizer_states_of_another_shape(tmp_path):
     other.save(tmp_path / "small.ckpt", {"model": small_model, "optimizer": small_optimizer})
     with pytest.raises(CheckpointError, match="optimizer_states"):
         cohort.load(tmp_path / "small.ckpt", {"optimizer": optimizer})
+
+
+class _OneEngineStrategy(phalanx.strategies.SingleDeviceStrategy):
+    """A strategy that, like DeepSpeed, can only set up the module together with its optimizers."""
+
+    @property
+    def wraps_module_with_optimizers(self) -> bool:
+        return True
+
+
+def test_setup_module_alone_is_refused_where_the_strategy_needs_the_optimizers_too():
+    cohort = phalanx.Cohort(accelerator="cpu", strategy=_OneEngineStrategy(device=torch.device("cpu")))
+    with pytest.raises(
+        RuntimeError, match=r"_OneEngineStrategy builds one engine .* call cohort.setup\(module, optimizer\)"
+    ):
+        cohort.setup_module(Regressor())
+    module = Regressor()
+    model, optimizer = cohort.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))  # together is fine
+    assert isinstance(model, CohortModule) and optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_deepspeed_declares_that_it_needs_the_optimizers_with_the_module():
+    from phalanx.strategies import DDPStrategy, DeepSpeedStrategy
+
+    assert DeepSpeedStrategy(stage=2).wraps_module_with_optimizers is True
+    assert DDPStrategy().wraps_module_with_optimizers is False
