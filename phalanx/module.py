@@ -13,6 +13,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from phalanx.module_loading import load_module_from_checkpoint
+from phalanx.module_toggling import toggle_requires_grad, untoggle_requires_grad
 from phalanx.utilities.apply import apply_to_tensors, move_to_device
 from phalanx.utilities.hparams import AttributeDict, init_arguments_of_frame
 from phalanx.utilities.rank_zero import rank_zero_warn
@@ -424,26 +426,11 @@ class TrainingModule(nn.Module):
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Let only ``optimizer``'s parameters require gradients (those of the Trainer's other optimizers stop)."""
-        state: dict[nn.Parameter, bool] = {}
-        for other in self.trainer.optimizers:
-            for parameter in _parameters_of(other):
-                if parameter not in state:
-                    state[parameter] = parameter.requires_grad
-                    parameter.requires_grad = False
-        for parameter in _parameters_of(optimizer):
-            # A parameter frozen before stays frozen: only what was switched off above is switched back on.
-            parameter.requires_grad = state.get(parameter, parameter.requires_grad)
-        self._param_requires_grad_state = state
+        self._param_requires_grad_state = toggle_requires_grad(self.trainer.optimizers, optimizer)
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
         """Give the other optimizers' parameters back the ``requires_grad`` they had before ``toggle_optimizer``."""
-        state = self._param_requires_grad_state
-        for other in self.trainer.optimizers:
-            if other is optimizer or other is getattr(optimizer, "optimizer", None):
-                continue  # the toggled one (or the handle from self.optimizers() wrapping it)
-            for parameter in _parameters_of(other):
-                if parameter in state:
-                    parameter.requires_grad = state[parameter]
+        untoggle_requires_grad(self.trainer.optimizers, optimizer, self._param_requires_grad_state)
         self._param_requires_grad_state = {}
 
     @contextmanager
@@ -497,37 +484,6 @@ class TrainingModule(nn.Module):
         cls, checkpoint_path: Any, map_location: Any | None = None, strict: bool = True, **overrides: Any
     ) -> TrainingModule:
         """Build the module from the hyper-parameters saved in a checkpoint (``overrides`` win) and load its weights."""
-        from phalanx.plugins.io.torch_io import TorchCheckpointIO
-        from phalanx.trainer.checkpoint_checks import check_checkpoint, check_weights, check_weights_fit
-        from phalanx.utilities.exceptions import CheckpointError
-
-        source = str(checkpoint_path)
-        checkpoint = TorchCheckpointIO().load_checkpoint(checkpoint_path, map_location=map_location)
-        check_checkpoint(checkpoint, source, fitting=False)
-        hparams = dict(checkpoint.get("hyper_parameters") or {})
-        hparams.update(overrides)
-        signature = inspect.signature(cls.__init__)
-        accepts_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-        if not accepts_kwargs:
-            hparams = {key: value for key, value in hparams.items() if key in signature.parameters}
-        try:
-            module = cls(**hparams)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise CheckpointError(
-                f"{source}: {cls.__name__}(**checkpoint['hyper_parameters']) failed ({type(error).__name__}: {error})."
-                f" Saved hyper-parameters: {sorted(hparams)}; pass corrected values as keyword arguments to"
-                " load_from_checkpoint."
-            ) from error
-        module.configure_model()
-        module.on_load_checkpoint(checkpoint)
-        check_weights(source, checkpoint.get("state_dict"))
-        check_weights_fit(source, checkpoint["state_dict"], module.state_dict(), strict=strict, owner=cls.__name__)
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        if map_location is not None:
-            module.to(map_location if not callable(map_location) else "cpu")
-        return module
-
-
-def _parameters_of(optimizer: Any) -> Iterator[nn.Parameter]:
-    for group in optimizer.param_groups:
-        yield from group["params"]
+        return load_module_from_checkpoint(
+            cls, checkpoint_path, map_location=map_location, strict=strict, overrides=overrides
+        )
