@@ -129,12 +129,16 @@ def make_compression(value: Any) -> Any:
     return getattr(hivemind.compression, COMPRESSIONS[value])()
 
 
-def check_delays(offload_optimizer: bool, delay_optimizer_step: bool, delay_grad_averaging: bool) -> None:
+def check_delays(
+    offload_optimizer: bool, delay_optimizer_step: bool, delay_grad_averaging: bool, delay_state_averaging: bool
+) -> None:
     """hivemind's rules for the delayed modes, as ValueErrors naming the option to add."""
     if delay_grad_averaging and not delay_optimizer_step:
         raise ValueError("HivemindStrategy(delay_grad_averaging=True) needs delay_optimizer_step=True as well.")
     if delay_optimizer_step and not offload_optimizer:
         raise ValueError("HivemindStrategy(delay_optimizer_step=True) needs offload_optimizer=True as well.")
+    if delay_optimizer_step and not delay_state_averaging:
+        raise ValueError("HivemindStrategy(delay_optimizer_step=True) needs delay_state_averaging=True as well.")
 
 
 def check_local_updates(use_local_updates: bool, delay_grad_averaging: bool, grad_compression: Any) -> None:

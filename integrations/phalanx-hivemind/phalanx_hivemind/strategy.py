@@ -93,7 +93,7 @@ class HivemindStrategy(SingleDeviceStrategy):
             setattr(self, name, options.flag(name, value))
         self.grad_compression = options.compression("grad_compression", grad_compression)
         self.state_compression = options.compression("state_compression", state_compression)
-        options.check_delays(offload_optimizer, delay_optimizer_step, delay_grad_averaging)
+        options.check_delays(offload_optimizer, delay_optimizer_step, delay_grad_averaging, delay_state_averaging)
         options.check_local_updates(use_local_updates, delay_grad_averaging, self.grad_compression)
         self._dht: Any = None
         self._hivemind_optimizer: Any = None

@@ -84,6 +84,11 @@ def test_defaults() -> None:
         (dict(state_compression=16), TypeError, "state_compression=16) must be one of ['float16', 'none'"),
         (dict(delay_optimizer_step=True), ValueError, "delay_optimizer_step=True) needs offload_optimizer=True"),
         (dict(delay_grad_averaging=True), ValueError, "delay_grad_averaging=True) needs delay_optimizer_step=True"),
+        (
+            dict(offload_optimizer=True, delay_optimizer_step=True),
+            ValueError,
+            "delay_optimizer_step=True) needs delay_state_averaging=True",
+        ),
         (dict(use_local_updates=True, grad_compression="float16"), ValueError, "grad_compression has no effect"),
         (dict(device="gpu0"), ValueError, "device='gpu0', which is not a torch device"),
     ],
