@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
@@ -286,7 +287,8 @@ class TrainingModule(nn.Module):
     @property
     def device_mesh(self) -> Any:
         """The strategy's DeviceMesh (ModelParallel: dims "data_parallel" and "tensor_parallel"), or None."""
-        return getattr(self._trainer.strategy, "device_mesh", None) if self._trainer is not None else None
+        driver = self._trainer if self._trainer is not None else _cohort_of(self)
+        return getattr(driver.strategy, "device_mesh", None) if driver is not None else None
 
     @property
     def global_rank(self) -> int:
@@ -349,7 +351,11 @@ class TrainingModule(nn.Module):
         """
         trainer = self._trainer
         if trainer is None or trainer._results is None:
-            rank_zero_warn(f"self.log({name!r}, ...) was called outside a Trainer run and is ignored.")
+            cohort = _cohort_of(self)
+            if cohort is None:
+                rank_zero_warn(f"self.log({name!r}, ...) was called outside a Trainer run and is ignored.")
+                return
+            cohort._log_from_module({name: value}, "log", logger=logger, sync_dist=sync_dist, reduce_fx=reduce_fx)
             return
         trainer._results.log(
             self._current_fx,
@@ -369,6 +375,10 @@ class TrainingModule(nn.Module):
         """``self.log`` each item of ``dictionary`` with the same options."""
         if not isinstance(dictionary, Mapping):
             raise TypeError(f"log_dict expects a mapping of names to values, got {type(dictionary).__name__}.")
+        cohort = _cohort_of(self) if self._trainer is None or self._trainer._results is None else None
+        if cohort is not None:
+            cohort._log_from_module(dictionary, "log_dict", **kwargs)  # one entry, as Cohort.log_dict writes
+            return
         for name, value in dictionary.items():
             self.log(name, value, **kwargs)
 
@@ -526,6 +536,12 @@ class TrainingModule(nn.Module):
         if map_location is not None:
             module.to(map_location if not callable(map_location) else "cpu")
         return module
+
+
+def _cohort_of(module: TrainingModule) -> Any:
+    """The phalanx.Cohort that set ``module`` up, or None (not imported here: without it, no Cohort exists)."""
+    metrics = sys.modules.get("phalanx.cohort.metrics")
+    return metrics.cohort_of(module) if metrics is not None else None
 
 
 def _parameters_of(optimizer: Any) -> Iterator[nn.Parameter]:
