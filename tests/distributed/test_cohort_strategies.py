@@ -113,6 +113,19 @@ def test_model_parallel_checkpoint_loads_back_exactly_and_the_trainer_resumes_it
     assert parallel["trainer_resumed_difference"] == 0.0
 
 
+def test_fsdp_cpu_offload_matches_the_trainer_and_its_checkpoint_loads_in_both(ddp_job):
+    result = ddp_job[1]["fsdp_cpu_offload"]
+    assert result["max_difference_to_trainer"] == 0.0
+    assert result["trainer_resumed_global_step"] == 12
+    assert result["loaded"] == [0.0, 10]
+
+
+@pytest.mark.parametrize("strategy", ["deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])
+def test_zero_offload_with_deepspeed_cpu_adam_matches_the_trainer(deepspeed_job, strategy):
+    # DeepSpeedCPUAdam made on the plain module before setup, as in a plain torch loop
+    assert deepspeed_job[1][f"{strategy}_difference"] == 0.0
+
+
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_1", "deepspeed_stage_3"])
 def test_deepspeed_stage_matches_the_trainer_and_the_trainer_resumes_the_cohort_checkpoint(deepspeed_job, strategy):
     _, result = deepspeed_job

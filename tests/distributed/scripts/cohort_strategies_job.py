@@ -7,9 +7,11 @@ MODE 'ddp': 2 ranks started by Cohort('ddp').launch(); the same processes then r
     (and the same resume with restore_rng=False, which must differ);
   - logging: self.log / cohort.log / cohort.log_dict into a CSVLogger (rank zero writes);
   - model_parallel: a tensor-parallel TransformerBlock through the Cohort against Trainer.fit, save -> load, and the
-    Trainer resuming the Cohort's sharded checkpoint.
+    Trainer resuming the Cohort's sharded checkpoint;
+  - fsdp_cpu_offload: the plain loop against Trainer.fit, the Trainer and a fresh Cohort loading its checkpoint.
 MODE 'deepspeed': stages 1 and 3 against Trainer.fit (and the Trainer resuming the Cohort's checkpoint); stages 1, 2
-  and 3 with accumulation against Trainer.fit(accumulate_grad_batches=2).
+  and 3 with accumulation against Trainer.fit(accumulate_grad_batches=2); deepspeed_stage_{2,3}_offload against
+  Trainer.fit.
 Rank 0 writes OUT/MODE.json and the weights of some runs as OUT/NAME.pt.
 """
 
@@ -140,6 +142,36 @@ def parity_and_resume(strategy: str, out: Path) -> dict[str, Any]:
     return result
 
 
+class CPUAdamNet(Net):
+    def configure_optimizers(self) -> Any:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(self.parameters(), lr=0.01)
+
+
+def offload_parity(strategy: str, out: Path, steps: int = 5) -> float:
+    """ZeRO-Offload (optimizer, and under stage 3 parameters, on the CPU; DeepSpeedCPUAdam): the Cohort loop against
+    Trainer.fit."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    cohort = phalanx.Cohort(strategy=strategy, devices=2, accelerator="cpu")
+    phalanx.seed_everything(0)
+    net = CPUAdamNet()
+    model, optimizer = cohort.setup(net, DeepSpeedCPUAdam(net.parameters(), lr=0.01))
+    for index, batch in enumerate(cohort.setup_dataloaders(regression_loader())):
+        if index == steps:
+            break
+        optimizer.zero_grad()
+        cohort.backward(model.training_step(batch, index))
+        optimizer.step()
+    ours = full_state(cohort.strategy, net)
+    phalanx.seed_everything(0)
+    fitted = CPUAdamNet()
+    trainer = quiet_trainer(strategy, out, max_steps=steps)
+    trainer.fit(fitted, regression_loader())
+    return max_difference(ours, full_state(trainer.strategy, fitted))
+
+
 def run_deepspeed(out: Path) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for stage in (1, 2, 3):
@@ -149,6 +181,8 @@ def run_deepspeed(out: Path) -> dict[str, Any]:
         cohort, trainer = accumulating_cohort(strategy), accumulating_trainer(strategy, out)
         result[f"{strategy}_accumulation_difference"] = max_difference(cohort, trainer)
         WEIGHTS[f"{strategy}_accumulation"] = cohort
+    for strategy in ("deepspeed_stage_2_offload", "deepspeed_stage_3_offload"):
+        result[f"{strategy}_difference"] = offload_parity(strategy, out)
     return result
 
 
@@ -298,6 +332,7 @@ def run_ddp(out: Path) -> dict[str, Any]:
     result["rng_not_restored_differs"] = not equal(dropout_run(out, resume=True, restore_rng=False), straight)
     result["logging"] = logging_run(out)
     result["model_parallel"] = run_model_parallel(out)
+    result["fsdp_cpu_offload"] = parity_and_resume("fsdp_cpu_offload", out)
     return result
 
 
