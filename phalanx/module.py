@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import inspect
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from phalanx.module_loading import load_module_from_checkpoint
 from phalanx.module_toggling import toggle_requires_grad, untoggle_requires_grad
 from phalanx.utilities.apply import apply_to_tensors, move_to_device
-from phalanx.utilities.hparams import AttributeDict, init_arguments_of_frame
+from phalanx.utilities.hparams import AttributeDict, select_hyperparameters
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -288,7 +288,8 @@ class TrainingModule(nn.Module):
     @property
     def device_mesh(self) -> Any:
         """The strategy's DeviceMesh (ModelParallel: dims "data_parallel" and "tensor_parallel"), or None."""
-        return getattr(self._trainer.strategy, "device_mesh", None) if self._trainer is not None else None
+        driver = self._trainer if self._trainer is not None else _cohort_of(self)
+        return getattr(driver.strategy, "device_mesh", None) if driver is not None else None
 
     @property
     def global_rank(self) -> int:
@@ -351,7 +352,11 @@ class TrainingModule(nn.Module):
         """
         trainer = self._trainer
         if trainer is None or trainer._results is None:
-            rank_zero_warn(f"self.log({name!r}, ...) was called outside a Trainer run and is ignored.")
+            cohort = _cohort_of(self)
+            if cohort is None:
+                rank_zero_warn(f"self.log({name!r}, ...) was called outside a Trainer run and is ignored.")
+                return
+            cohort._log_from_module({name: value}, "log", logger=logger, sync_dist=sync_dist, reduce_fx=reduce_fx)
             return
         trainer._results.log(
             self._current_fx,
@@ -371,6 +376,10 @@ class TrainingModule(nn.Module):
         """``self.log`` each item of ``dictionary`` with the same options."""
         if not isinstance(dictionary, Mapping):
             raise TypeError(f"log_dict expects a mapping of names to values, got {type(dictionary).__name__}.")
+        cohort = _cohort_of(self) if self._trainer is None or self._trainer._results is None else None
+        if cohort is not None:
+            cohort._log_from_module(dictionary, "log_dict", **kwargs)  # one entry, as Cohort.log_dict writes
+            return
         for name, value in dictionary.items():
             self.log(name, value, **kwargs)
 
@@ -387,21 +396,7 @@ class TrainingModule(nn.Module):
         if frame is None:
             current = inspect.currentframe()
             frame = current.f_back if current is not None else None
-        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
-        if len(args) == 1 and isinstance(args[0], (Mapping, argparse.Namespace)):
-            values = dict(vars(args[0]) if isinstance(args[0], argparse.Namespace) else args[0])
-        else:
-            init_args = init_arguments_of_frame(frame) if frame is not None else {}
-            if args:
-                unknown = [name for name in args if name not in init_args]
-                if unknown:
-                    raise ValueError(
-                        f"save_hyperparameters got {unknown}, which are not arguments of __init__: {sorted(init_args)}."
-                    )
-                values = {name: init_args[name] for name in args}
-            else:
-                values = init_args
-        values = {key: value for key, value in values.items() if key not in ignored}
+        values = select_hyperparameters(args, ignore=ignore, frame=frame)
         self._hparams.update(values)
         self._log_hyperparams = logger
 
@@ -487,3 +482,9 @@ class TrainingModule(nn.Module):
         return load_module_from_checkpoint(
             cls, checkpoint_path, map_location=map_location, strict=strict, overrides=overrides
         )
+
+
+def _cohort_of(module: TrainingModule) -> Any:
+    """The phalanx.Cohort that set ``module`` up, or None (not imported here: without it, no Cohort exists)."""
+    metrics = sys.modules.get("phalanx.cohort.metrics")
+    return metrics.cohort_of(module) if metrics is not None else None

@@ -373,6 +373,9 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """``engine.backward(loss)`` through the precision plugin."""
         engine = self._require_training_engine()
+        # The engine acts on the accumulation boundary during backward (ZeRO-1 and 2 reduce gradients by it), and a
+        # driver may run backward before optimizer_step (Cohort): tell it here too what block_backward_sync says.
+        engine.set_gradient_accumulation_boundary(not self._window_open)
         precision = self.precision_plugin
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, self._module)
