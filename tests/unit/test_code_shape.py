@@ -12,10 +12,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MAX_COLUMNS = 120
-# The Trainer and the custom-loop API are being split in their own parts of this issue; drop them from here then.
-NOT_YET_CHECKED = ("trainer", "cohort")
+# The Trainer reads top to bottom: constructor, entry points, properties; the rest lives in modules with one job each.
+MAX_LINES = {"trainer/trainer.py": 450}
 
-SOURCES = sorted(path for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).parts[0] not in NOT_YET_CHECKED)
+SOURCES = sorted(PACKAGE.rglob("*.py"))
 
 
 def _name(path: Path) -> str:
@@ -35,7 +35,8 @@ def _body_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 @pytest.mark.parametrize("path", SOURCES, ids=_name)
 def test_files_and_functions_stay_short(path: Path) -> None:
     source = path.read_text()
-    assert len(source.splitlines()) <= MAX_FILE_LINES, f"{_name(path)} has more than {MAX_FILE_LINES} lines"
+    limit = MAX_LINES.get(str(path.relative_to(PACKAGE)), MAX_FILE_LINES)
+    assert len(source.splitlines()) <= limit, f"{_name(path)} has more than {limit} lines"
     long = [
         f"{node.name} (line {node.lineno}): {_body_lines(node)} lines"
         for node in ast.walk(ast.parse(source))
@@ -46,7 +47,15 @@ def test_files_and_functions_stay_short(path: Path) -> None:
 
 def test_the_size_check_sees_the_package() -> None:
     names = {_name(path) for path in SOURCES}
-    assert {"phalanx/strategies/deepspeed.py", "phalanx/module.py", "phalanx/callbacks/model_checkpoint.py"} <= names
+    assert {
+        "phalanx/strategies/deepspeed.py",
+        "phalanx/module.py",
+        "phalanx/callbacks/model_checkpoint.py",
+        "phalanx/trainer/trainer.py",
+        "phalanx/trainer/arguments.py",
+        "phalanx/trainer/logged_metrics.py",
+        "phalanx/cohort/cohort.py",
+    } <= names
 
 
 # (file under phalanx/, base class): every method has a one-line docstring of at most MAX_COLUMNS columns.
