@@ -288,18 +288,22 @@ class TrainingModule(nn.Module):
     @property
     def device_mesh(self) -> Any:
         """The strategy's DeviceMesh (ModelParallel: dims "data_parallel" and "tensor_parallel"), or None."""
-        driver = self._trainer if self._trainer is not None else _cohort_of(self)
+        driver = self._driver()
         return getattr(driver.strategy, "device_mesh", None) if driver is not None else None
+
+    def _driver(self) -> Any:
+        # The Trainer running this module, else the phalanx.Cohort that set it up: both answer the rank questions.
+        return self._trainer if self._trainer is not None else _cohort_of(self)
 
     @property
     def global_rank(self) -> int:
         """This process's global rank (0 when not attached)."""
-        return self._trainer.global_rank if self._trainer is not None else 0
+        return getattr(self._driver(), "global_rank", 0)
 
     @property
     def local_rank(self) -> int:
         """This process's rank on its node (0 when not attached)."""
-        return self._trainer.local_rank if self._trainer is not None else 0
+        return getattr(self._driver(), "local_rank", 0)
 
     @property
     def current_epoch(self) -> int:
@@ -309,26 +313,29 @@ class TrainingModule(nn.Module):
     @property
     def global_step(self) -> int:
         """The number of optimizer steps taken (0 when not attached)."""
-        return self._trainer.global_step if self._trainer is not None else 0
+        return getattr(self._driver(), "global_step", 0)
 
     @property
     def logger(self) -> Any:
-        """The Trainer's first logger, or None."""
-        return self._trainer.logger if self._trainer is not None else None
+        """The Trainer's (or Cohort's) first logger, or None."""
+        return getattr(self._driver(), "logger", None)
 
     @property
     def loggers(self) -> list[Any]:
-        """The Trainer's loggers."""
-        return self._trainer.loggers if self._trainer is not None else []
+        """The Trainer's (or Cohort's) loggers."""
+        return getattr(self._driver(), "loggers", [])
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Print on global rank 0 only."""
-        if self._trainer is None or self._trainer.is_global_zero:
+        if getattr(self._driver(), "is_global_zero", True):
             print(*args, **kwargs)
 
     def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
         """Gather tensors (possibly nested in containers) from every process, stacked on a new first dimension."""
-        strategy = self.trainer.strategy
+        driver = self._driver()
+        if driver is None:
+            raise RuntimeError(f"{type(self).__name__}.all_gather needs a running Trainer or a Cohort that set it up.")
+        strategy = driver.strategy
         return apply_to_tensors(data, lambda t: strategy.all_gather(t, group=group, sync_grads=sync_grads))
 
     # ------------------------------------------------------------------ logging
