@@ -229,6 +229,7 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
 
     def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._last_time_checked = time.monotonic()
+        self._note_resumed_from(trainer)
 
     def on_sanity_check_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._sanity_checking = True
@@ -361,8 +362,16 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
             self._last_global_step_saved = trainer.global_step
             return
         candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, candidates)
-        self._save_last_checkpoint(trainer, candidates)
+        # last.ckpt is named first, so that the top-k checkpoint written next (whose callback state names it) can
+        # become last.ckpt by a link or a copy: one dump, and one gather of a sharded model, per save point.
+        previous = self._claim_last(trainer, candidates) if self.save_last else None
+        try:
+            self._save_topk_checkpoint(trainer, candidates)
+        except BaseException:
+            if previous is not None:
+                self._unclaim_last(previous)
+            raise
+        self._save_last_checkpoint(trainer, candidates, previous)
 
     def _save_topk_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
         if self.save_top_k == 0:
