@@ -133,9 +133,7 @@ class CheckpointSaves:
             self._claimed.discard(self.last_model_path)
             self.last_model_path = previous
 
-    def _save_last_checkpoint(
-        self, trainer: Trainer, candidates: dict[str, Any], previous: str | None = None
-    ) -> None:
+    def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any], previous: str | None = None) -> None:
         """Write ``last.ckpt``: a link or a copy of the checkpoint just written at this step, else its own save.
 
         ``previous``: the name :meth:`_claim_last` replaced, when it was already called at this save point.

@@ -63,7 +63,10 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
             leading '.', or an empty template.
         monitor: Metric (a key of ``trainer.callback_metrics``) that ranks the checkpoints; None keeps the newest.
         verbose: Report each decision.
-        save_last: Also write ``last.ckpt`` (the current state) at every save point. ``"link"``: when a checkpoint of
+        save_last: Also write ``last.ckpt`` (the current state) at every save point. True: when a checkpoint of
+            this state was just written at this save point, ``last.ckpt`` is a copy of it made by the strategy's
+            ``CheckpointIO.copy_checkpoint`` (atomic; no second dump, no second FSDP gather), else its own save.
+            ``"link"``: when a checkpoint of
             the current step was just written, ``last.ckpt`` is a relative symbolic link to it instead of a second
             copy (else a regular file, as with True); the link is switched, in one rename, before any older checkpoint
             is removed, so it never dangles. Where links cannot be made (some file systems, Windows without the

@@ -25,12 +25,10 @@ class CheckpointIO(ABC):
         """Delete the checkpoint at ``path``."""
 
     def copy_checkpoint(self, source: _PathLike, target: _PathLike) -> None:
-        """Put a copy of the finished checkpoint ``source`` (a file or a directory) at ``target``, atomically.
-
-        The default copies the files at the paths (local, or fsspec URLs through the file system's own copy), which
-        is right for every IO that writes to the path it is given. An IO that stores checkpoints elsewhere overrides
-        it, or raises NotImplementedError: ``ModelCheckpoint`` then writes ``last.ckpt`` with a second save.
-        """
+        """Put a copy of the finished checkpoint ``source`` (a file or a directory) at ``target``, atomically."""
+        # The default copies the files at the paths (local, or fsspec URLs through the file system's own copy): right
+        # for every IO that writes to the path it is given. An IO that stores checkpoints elsewhere overrides this,
+        # or raises NotImplementedError: ModelCheckpoint then writes last.ckpt with a second save.
         from phalanx.plugins.io.copying import copy_checkpoint_files
 
         copy_checkpoint_files(source, target)

@@ -62,9 +62,11 @@ class DumpCounter(MLP):
 
 def same(first: Path, second: Path) -> bool:
     a, b = TorchCheckpointIO().load_checkpoint(first), TorchCheckpointIO().load_checkpoint(second)
-    return a["global_step"] == b["global_step"] and all(
-        torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"]
-    ) and a["state_dict"].keys() == b["state_dict"].keys()
+    return (
+        a["global_step"] == b["global_step"]
+        and all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+        and a["state_dict"].keys() == b["state_dict"].keys()
+    )
 
 
 def run(state_dict_type: str) -> None:

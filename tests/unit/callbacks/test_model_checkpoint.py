@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from phalanx.callbacks import Callback, ModelCheckpoint
-from phalanx.utilities.rank_zero import rank_zero_only
 from phalanx.plugins.io import TorchCheckpointIO
+from phalanx.utilities.rank_zero import rank_zero_only
 
 
 @pytest.fixture(autouse=True)

@@ -226,5 +226,8 @@ def test_top_k_never_touches_foreign_files_or_planted_links(tmp_path):
     assert (folder / "epoch=0-step=2.ckpt").read_bytes() == b"user's own"
     assert os.readlink(folder / "epoch=1-step=4.ckpt") == str(victim) and victim.read_bytes() == b"precious"
     assert sorted(os.listdir(folder)) == [
-        "epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"
+        "epoch=0-step=2.ckpt",
+        "epoch=1-step=4.ckpt",
+        "epoch=2-step=6.ckpt",
+        "last.ckpt",
     ]

@@ -87,14 +87,14 @@ def test_a_copy_on_an_fsspec_file_system(layout):
         TorchCheckpointIO().save_checkpoint(_checkpoint(4.0), source)
     else:
         for name, data in (("a.bin", b"1"), ("sub/b.bin", b"2"), (COMPLETE_MARKER, b"")):
-            fs.pipe(f"{source[len('memory://'):]}/{name}", data)
+            fs.pipe(f"{source[len('memory://') :]}/{name}", data)
     try:
         TorchCheckpointIO().copy_checkpoint(source, target)
         TorchCheckpointIO().copy_checkpoint(source, target)  # over the previous copy
         if layout == "file":
             assert _step(target) == 4
         else:
-            assert fs.cat(f"{target[len('memory://'):]}/sub/b.bin") == b"2"
+            assert fs.cat(f"{target[len('memory://') :]}/sub/b.bin") == b"2"
         assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root[len("memory://") :], detail=False)) == [
             "epoch=1.ckpt",
             "last.ckpt",
@@ -109,7 +109,9 @@ BAD_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("source", "target", "error", "match"), [c[1:] for c in BAD_CASES], ids=[c[0] for c in BAD_CASES])
+@pytest.mark.parametrize(
+    ("source", "target", "error", "match"), [c[1:] for c in BAD_CASES], ids=[c[0] for c in BAD_CASES]
+)
 def test_a_copy_that_cannot_be_made_names_the_checkpoint(tmp_path, source, target, error, match):
     if "://" not in source:
         source, target = tmp_path / source, tmp_path / target
