@@ -1,5 +1,5 @@
-"""Each save point dumps (and gathers) once under FSDP on 2 CPU processes: one job, both state_dict_types, results
-in OUT for tests/distributed/test_save_once.py.
+"""Each save point dumps (and gathers) once on 2 CPU processes: one job runs FSDP with both state_dict_types and
+DeepSpeed ZeRO-2 and ZeRO-3 (directory layouts), results in OUT for tests/distributed/test_save_once.py.
 
 Usage: python save_once_job.py OUT   (phalanx starts the second process itself)
 """
@@ -18,7 +18,7 @@ from sharded_common import MLP, loader, quiet
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
 from phalanx.plugins.io import TorchCheckpointIO
-from phalanx.strategies import FSDPStrategy
+from phalanx.strategies import DeepSpeedStrategy, FSDPStrategy
 
 OUT = Path(sys.argv[1])
 
@@ -38,17 +38,28 @@ class RecordingIO(TorchCheckpointIO):
         super().copy_checkpoint(source, target)
 
 
-class CountingFSDP(FSDPStrategy):
-    """Counts the module state gathers ('full') or collections ('sharded'), by global step."""
+def counting(base: type) -> type:
+    """``base`` whose ``module_state_dict`` (the gather of 'full' FSDP and ZeRO-3) is counted, by global step."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.gathers: list[int] = []
-        self.step_of: Any = None
+    class Counting(base):  # type: ignore[misc, valid-type]
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.gathers: list[int] = []
+            self.step_of: Any = None
 
-    def module_state_dict(self) -> dict[str, Any]:
-        self.gathers.append(self.step_of())
-        return super().module_state_dict()
+        def module_state_dict(self) -> dict[str, Any]:
+            self.gathers.append(self.step_of())
+            return super().module_state_dict()
+
+    return Counting
+
+
+STRATEGIES = {
+    "full": lambda: counting(FSDPStrategy)(state_dict_type="full"),
+    "sharded": lambda: counting(FSDPStrategy)(state_dict_type="sharded"),
+    "deepspeed_2": lambda: counting(DeepSpeedStrategy)(stage=2),
+    "deepspeed_3": lambda: counting(DeepSpeedStrategy)(stage=3),
+}
 
 
 class DumpCounter(MLP):
@@ -69,9 +80,9 @@ def same(first: Path, second: Path) -> bool:
     )
 
 
-def run(state_dict_type: str) -> None:
-    folder = OUT / state_dict_type
-    io, strategy = RecordingIO(), CountingFSDP(state_dict_type=state_dict_type)
+def run(name: str) -> None:
+    folder = OUT / name
+    io, strategy = RecordingIO(), STRATEGIES[name]()
     callback = ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=1, save_last=True)
     phalanx.seed_everything(7)
     module = DumpCounter()
@@ -88,10 +99,16 @@ def run(state_dict_type: str) -> None:
         "last_equals_top_k": same(folder / "last.ckpt", Path(callback.best_model_path)),
         "global_step": trainer.global_step,
     }
-    (OUT / f"{state_dict_type}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    # The copy is a checkpoint like any other: the same strategy resumes from it.
+    resumed = quiet(strategy=STRATEGIES[name](), devices=2, max_steps=8)
+    resumed.strategy.step_of = lambda: resumed.global_step
+    continued = DumpCounter()
+    resumed.fit(continued, loader(2), ckpt_path=str(folder / "last.ckpt"))
+    result["resumed"] = [resumed.global_step, len(continued.losses)]
+    (OUT / f"{name}-rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    for kind in ("full", "sharded"):
-        run(kind)
+    for name in STRATEGIES:
+        run(name)
