@@ -231,3 +231,24 @@ def test_top_k_never_touches_foreign_files_or_planted_links(tmp_path):
         "epoch=2-step=6.ckpt",
         "last.ckpt",
     ]
+
+
+def test_last_is_copied_on_an_fsspec_folder(tmp_path):
+    import fsspec
+
+    folder = f"memory://once-{os.getpid()}-{id(tmp_path)}"
+    io = RecordingIO()
+    callback = ModelCheckpoint(dirpath=folder, monitor="val_loss", save_last=True)
+    fit(tmp_path, callback, [0.5, 0.4], io=io)
+    fs = fsspec.filesystem("memory")
+    try:
+        assert [call[0] for call in io.calls] == ["save", "copy", "save", "copy"]
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(folder[len("memory://") :], detail=False)) == [
+            "epoch=1-step=4.ckpt",
+            "last.ckpt",
+        ]
+        last, best = (io.load_checkpoint(f"{folder}/{name}") for name in ("last.ckpt", "epoch=1-step=4.ckpt"))
+        assert last["global_step"] == best["global_step"] == 4
+        assert all(torch.equal(last["state_dict"][k], best["state_dict"][k]) for k in best["state_dict"])
+    finally:
+        fs.rm(folder[len("memory://") :], recursive=True)
