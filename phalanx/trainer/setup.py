@@ -84,7 +84,7 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
     accelerator_class = ACCELERATOR_REGISTRY.get_class(name)
     if not accelerator_class.is_available():  # type: ignore[attr-defined]
         usable = [n for n in ACCELERATOR_REGISTRY.available() if ACCELERATOR_REGISTRY.get_class(n).is_available()]  # type: ignore[attr-defined]
-        hint = " (torch.cuda.is_available() is False)" if name == "cuda" else ""
+        hint = " (torch.cuda.is_available() is False)" if name == "cuda" else accelerator_class.unavailable_hint()  # type: ignore[attr-defined]
         raise ValueError(
             f"accelerator={accelerator!r} was requested but is not available on this machine{hint}. Available"
             f" accelerators: {usable}."
@@ -168,15 +168,13 @@ def resolve_strategy(
     process_count = len(parallel_devices) * num_nodes
     name = strategy.lower()
     if name == "auto":
-        if process_count > 1:
-            if "ddp" not in STRATEGY_REGISTRY:
-                raise ValueError(
-                    f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a"
-                    f" parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}."
-                )
-            name = "ddp"
-        else:
-            name = "single_device"
+        # The accelerator names its default strategies ('ddp'/'single_device'; 'xla'/'single_xla' on XLA devices).
+        name = accelerator_instance.auto_strategy(process_count)
+        if process_count > 1 and name not in STRATEGY_REGISTRY:
+            raise ValueError(
+                f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a"
+                f" parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}."
+            )
     if name not in STRATEGY_REGISTRY:
         raise ValueError(
             f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a"
@@ -187,7 +185,9 @@ def resolve_strategy(
     refuse_parallel_on_mps(strategy_class, accelerator_instance, repr(strategy))
     make_plugin = getattr(strategy_class, "precision_plugin_for", None) or precision_plugin_for
     plugin = precision_plugin if precision_plugin is not None else make_plugin(precision_name, accelerator_instance)
-    if name == "single_device" or strategy_class is SingleDeviceStrategy:
+    if name == "single_device" or (
+        isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceStrategy)
+    ):
         if process_count > 1:
             raise ValueError(
                 f"strategy={strategy!r} runs one process, but devices={devices!r}, num_nodes={num_nodes} asks for"
