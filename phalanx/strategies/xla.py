@@ -84,6 +84,21 @@ class XLAStrategy(XLAStrategyMixin, ParallelStrategy):
         return self._launcher
 
     @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """One XLA device per replica on this host."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        wrong = [device for device in devices or [] if torch.device(device).type != "xla"]
+        if wrong:
+            raise ValueError(
+                f"XLAStrategy runs on XLA devices, got {wrong[0]}: pass accelerator='xla' (or 'tpu'), or use 'ddp' for"
+                " CPU or CUDA devices."
+            )
+        self._parallel_devices = [torch.device(device) for device in devices] if devices is not None else None
+
+    @property
     def root_device(self) -> torch.device:
         """This replica's device (before the launch: the first of ``parallel_devices``)."""
         if self._launched:
