@@ -9,6 +9,7 @@ device (see ``launchers/xla.py`` for what that means for the objects each replic
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -21,7 +22,7 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies import xla_collectives as collectives
 from phalanx.strategies.launchers.xla import XLA_START_METHODS, XLALauncher
-from phalanx.strategies.parallel import ParallelStrategy
+from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla_common import XLAStrategyMixin, holds_xla_tensors, to_cpu
@@ -40,7 +41,10 @@ class XLAStrategy(XLAStrategyMixin, ParallelStrategy):
         sync_module_states: broadcast rank 0's parameters and buffers to every replica at set-up (replicas that
             build or initialise layers themselves, e.g. in ``configure_model``, then start equal).
         debug: run with torch_xla's debug output (``PT_XLA_DEBUG_LEVEL=2``: compilations and transfers explained).
-        start_method: how torch_xla's launcher starts its process: 'spawn' (default) or 'fork' (notebooks).
+        start_method: how torch_xla's launcher starts its process: 'spawn' (default) or 'fork' (notebooks; only
+            before any backward pass ran in the launching process, whose autograd engine does not survive a fork).
+        timeout: how long replicas that are threads of one process (the CPU runtime) wait for each other at a graph
+            cut before the run fails.
     """
 
     def __init__(
@@ -54,10 +58,13 @@ class XLAStrategy(XLAStrategyMixin, ParallelStrategy):
         sync_module_states: bool = True,
         debug: bool = False,
         start_method: str = "spawn",
+        timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         for name, value in (("sync_module_states", sync_module_states), ("debug", debug)):
             if not isinstance(value, bool):
                 raise TypeError(f"XLAStrategy({name}={value!r}) must be True or False.")
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise TypeError(f"XLAStrategy(timeout={timeout!r}) must be a positive datetime.timedelta.")
         if start_method not in XLA_START_METHODS:
             raise ValueError(
                 f"XLAStrategy(start_method={start_method!r}) is not valid; choose one of {list(XLA_START_METHODS)}."
@@ -73,6 +80,7 @@ class XLAStrategy(XLAStrategyMixin, ParallelStrategy):
         self._sync_module_states = sync_module_states
         self._debug = debug
         self._xla_start_method = start_method
+        self._replica_timeout = timeout
         self._launched = False
 
     # ------------------------------------------------------------------ replicas and devices
@@ -107,6 +115,11 @@ class XLAStrategy(XLAStrategyMixin, ParallelStrategy):
             return torch_xla.device()
         assert self.parallel_devices is not None, "the Trainer sets parallel_devices"
         return self.parallel_devices[0]
+
+    @property
+    def replica_timeout(self) -> timedelta:
+        """How long replica threads of one process wait for each other at a graph cut before giving up."""
+        return self._replica_timeout
 
     @property
     def debug(self) -> bool:
@@ -171,10 +184,8 @@ class XLAStrategy(XLAStrategyMixin, ParallelStrategy):
             return hooks
 
         def average_gradients_then_hooks(optimizer: Optimizer) -> None:
-            import torch_xla.core.xla_model as xm
-
             # In the step's graph (no cut here): the update and the hooks see averaged gradients.
-            xm.reduce_gradients(getattr(optimizer, "optimizer", optimizer))
+            collectives.average_gradients(getattr(optimizer, "optimizer", optimizer))
             if hooks is not None:
                 hooks(optimizer)
 

@@ -23,6 +23,9 @@ import torch
 from torch import Tensor
 
 _STEP_LOCK = threading.Lock()
+#: Replica threads of this process meet here before each cut (see ``start_replica_threads``); None outside them.
+_REPLICA_THREADS: threading.Barrier | None = None
+_BARRIER_LOCK = threading.Lock()
 _REDUCE_TYPES = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}
 
 
@@ -33,8 +36,26 @@ def threads_share_process() -> bool:
     return xr.addressable_device_count() > 1 and xr.world_size() > 1
 
 
+class PeerReplicaFailed(RuntimeError):
+    """This replica stopped because another replica thread of its process failed first."""
+
+
+def join_replica_threads(parties: int, timeout: float) -> threading.Barrier:
+    """The barrier the ``parties`` replica threads of this process meet at before each cut (made by the first)."""
+    global _REPLICA_THREADS
+    with _BARRIER_LOCK:
+        if _REPLICA_THREADS is None or _REPLICA_THREADS.broken:
+            _REPLICA_THREADS = threading.Barrier(parties, timeout=timeout)
+        return _REPLICA_THREADS
+
+
 def cut_graph() -> None:
-    """End the pending graph and launch it; threads sharing a process take turns and then wait for their device."""
+    """End the pending graph and launch it; threads sharing a process meet, take turns, then wait for their device.
+
+    XLA:CPU gives up on a collective after 10 s if a replica has not launched its part by then, and a replica can lag
+    that much behind (rank 0 writing a checkpoint, a loaded machine): the replica threads first meet at a barrier
+    without such a limit, so they launch each graph together.
+    """
     import torch_xla
 
     if not threads_share_process():
@@ -42,6 +63,14 @@ def cut_graph() -> None:
         return
     import torch_xla.core.xla_model as xm
 
+    replicas = _REPLICA_THREADS
+    if replicas is not None:
+        try:
+            replicas.wait()
+        except threading.BrokenBarrierError:
+            raise PeerReplicaFailed(
+                "Another replica of this job failed or timed out, so this one stops too (its error is printed above)."
+            ) from None
     with _STEP_LOCK:
         torch_xla.sync()
     xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()]))
@@ -77,6 +106,19 @@ def all_gather(tensor: Tensor, device: torch.device) -> Tensor:
     gathered = xm.all_gather(tensor.to(device).unsqueeze(0), dim=0, pin_layout=False)
     cut_graph()
     return gathered.to(original) if original != device else gathered
+
+
+def average_gradients(optimizer: Any) -> None:
+    """Replace each gradient of ``optimizer``'s parameters by its mean over the replicas (inside the pending graph)."""
+    import torch_xla.core.xla_model as xm
+
+    scale = 1.0 / world_size()
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if parameter.grad is not None:
+                # Out of place, then assigned: torch_xla's in-place list all-reduce (xm.reduce_gradients) was seen to
+                # leave accumulated gradients unreduced where hooks read them.
+                parameter.grad = xm.all_reduce(xm.REDUCE_SUM, parameter.grad, scale=scale)
 
 
 def _padded_length(length: int) -> int:

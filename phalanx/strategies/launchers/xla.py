@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
+import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -69,12 +72,20 @@ class XLALauncher(Launcher):
         results_path = os.path.join(private, "results.pt")
         payload = (self._strategy, function, args, kwargs, worker_state)
         try:
-            with _variables(self._environment(threads=True)):
-                torch_xla.launch(
-                    _run_replica,
-                    args=(payload, results_path, _global_settings()),
-                    start_method=self._start_method,
-                )
+            try:
+                with _variables(self._environment(threads=True)):
+                    torch_xla.launch(
+                        _run_replica,
+                        args=(payload, results_path, _global_settings()),
+                        start_method=self._start_method,
+                    )
+            except Exception as error:
+                # torch_xla re-raises the error of the first replica in rank order, which may only say that another
+                # replica failed: raise the one that failed first.
+                first = _read_failure(private)
+                if first is not None:
+                    raise first from error
+                raise
             worker_output = _read_results(results_path)
         finally:
             shutil.rmtree(private, ignore_errors=True)
@@ -119,19 +130,54 @@ def _run_here(
 def _run_replica(index: int, payload: tuple, results_path: str, settings: dict[str, Any]) -> None:
     import torch_xla.runtime as xr
 
-    from phalanx.strategies.xla_collectives import threads_share_process
+    from phalanx.strategies.xla_collectives import PeerReplicaFailed, join_replica_threads, threads_share_process
     from phalanx.utilities.rank_zero import use_thread_rank
 
     _apply_global_settings(settings)
+    barrier = None
     if threads_share_process():
         # The threads of this process received the same objects: each replica trains its own copy.
         with _COPY_LOCK:
             payload = copy.deepcopy(payload)
         use_thread_rank(xr.global_ordinal())
+        barrier = join_replica_threads(xr.addressable_device_count(), payload[0].replica_timeout.total_seconds())
     strategy, function, args, kwargs, worker_state = payload
     strategy._launched = True
-    result = function(*args, **kwargs)
+    try:
+        result = function(*args, **kwargs)
+    except BaseException as error:
+        if barrier is not None:
+            if not isinstance(error, PeerReplicaFailed):
+                print(f"[phalanx] XLA replica {xr.global_ordinal()} failed:\n{traceback.format_exc()}", file=sys.stderr)
+                _record_failure(os.path.dirname(results_path), error)
+            # The other threads stop at their next graph cut instead of waiting for this one.
+            barrier.abort()
+        if isinstance(error, RuntimeError) and "device_ready_queues_" in str(error):
+            raise RuntimeError(
+                "torch's autograd engine cannot run on XLA devices in a process forked after a backward pass ran in"
+                " the launching process: use XLAStrategy(start_method='spawn') (the default), or start training"
+                " before any other backward pass in that process."
+            ) from error
+        raise
     if strategy.global_rank == 0:
         state = _cpu(worker_state.collect()) if worker_state is not None else None
         with open(results_path, "wb") as results:
             results.write(_to_bytes({"result": _cpu(result), "state": state}))
+
+
+def _record_failure(directory: str, error: BaseException) -> None:
+    """Keep the first replica failure (the directory is the launch's private one, see MultiProcessingLauncher)."""
+    try:
+        with open(os.path.join(directory, "failure.pickle"), "xb") as file:
+            file.write(pickle.dumps(error))
+    except (FileExistsError, pickle.PicklingError, TypeError, AttributeError):
+        pass  # another replica failed first, or the error cannot travel: torch_xla's own report stands
+
+
+def _read_failure(directory: str) -> BaseException | None:
+    path = os.path.join(directory, "failure.pickle")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as file:
+        # Written a moment ago by this job's own replica into a directory only this user can enter.
+        return pickle.loads(file.read())
