@@ -219,10 +219,30 @@ def replicas() -> dict[str, Any]:
     xla_fit(resumed, 8, ckpt_path="resume_ckpt/last.ckpt", max_epochs=2)
     result["resume_diff"] = max_difference(cpu_weights(resumed), cpu_weights(model))
 
+    # Evaluation on two replicas (each reads half of the data; predictions come back gathered from both).
+    start_method = os.environ.get("XLA_START_METHOD", "fork")
+    evaluator = trainer(
+        accelerator="xla", devices=2, strategy=phalanx.strategies.XLAStrategy(start_method=start_method)
+    )
+    _, val = loaders(n=64, batch_size=16, shuffle=False)
+    xla_validated = evaluator.validate(model, val, verbose=False)[0]
+    xla_predicted = evaluator.predict(model, val)
+
     # The CPU references: one process, the global batch of 16.
     reference = fresh_model()
     cpu_fit(reference, 16, max_epochs=2)
     result["param_diff_32"] = max_difference(cpu_weights(model), cpu_weights(reference))
+    cpu_evaluator = trainer(accelerator="cpu")
+    result["validate_keys"] = sorted(xla_validated)
+    result["validate_diff"] = abs(
+        xla_validated["val_loss"] - cpu_evaluator.validate(reference, val, verbose=False)[0]["val_loss"]
+    )
+    expected = torch.cat(cpu_evaluator.predict(reference, val))
+    result["predict_batches"] = len(xla_predicted)
+    result["predict_rows"] = sorted(int(t.shape[0]) for t in xla_predicted)
+    gathered = torch.cat([t.cpu() for t in xla_predicted])
+    # Replica r predicted samples r, r + 2, ...: each of the CPU's rows appears once among the gathered ones.
+    result["predict_diff"] = max((gathered - row).abs().min().item() for row in expected)
     torch.manual_seed(1234)
     cpu_probe = SyncLogged()
     cpu_fit(cpu_probe, 16, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.05)
