@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import argparse
 import inspect
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
@@ -13,8 +13,10 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from phalanx.module_loading import load_module_from_checkpoint
+from phalanx.module_toggling import toggle_requires_grad, untoggle_requires_grad
 from phalanx.utilities.apply import apply_to_tensors, move_to_device
-from phalanx.utilities.hparams import AttributeDict, init_arguments_of_frame
+from phalanx.utilities.hparams import AttributeDict, select_hyperparameters
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -286,17 +288,22 @@ class TrainingModule(nn.Module):
     @property
     def device_mesh(self) -> Any:
         """The strategy's DeviceMesh (ModelParallel: dims "data_parallel" and "tensor_parallel"), or None."""
-        return getattr(self._trainer.strategy, "device_mesh", None) if self._trainer is not None else None
+        driver = self._driver()
+        return getattr(driver.strategy, "device_mesh", None) if driver is not None else None
+
+    def _driver(self) -> Any:
+        # The Trainer running this module, else the phalanx.Cohort that set it up: both answer the rank questions.
+        return self._trainer if self._trainer is not None else _cohort_of(self)
 
     @property
     def global_rank(self) -> int:
         """This process's global rank (0 when not attached)."""
-        return self._trainer.global_rank if self._trainer is not None else 0
+        return getattr(self._driver(), "global_rank", 0)
 
     @property
     def local_rank(self) -> int:
         """This process's rank on its node (0 when not attached)."""
-        return self._trainer.local_rank if self._trainer is not None else 0
+        return getattr(self._driver(), "local_rank", 0)
 
     @property
     def current_epoch(self) -> int:
@@ -306,26 +313,29 @@ class TrainingModule(nn.Module):
     @property
     def global_step(self) -> int:
         """The number of optimizer steps taken (0 when not attached)."""
-        return self._trainer.global_step if self._trainer is not None else 0
+        return getattr(self._driver(), "global_step", 0)
 
     @property
     def logger(self) -> Any:
-        """The Trainer's first logger, or None."""
-        return self._trainer.logger if self._trainer is not None else None
+        """The Trainer's (or Cohort's) first logger, or None."""
+        return getattr(self._driver(), "logger", None)
 
     @property
     def loggers(self) -> list[Any]:
-        """The Trainer's loggers."""
-        return self._trainer.loggers if self._trainer is not None else []
+        """The Trainer's (or Cohort's) loggers."""
+        return getattr(self._driver(), "loggers", [])
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Print on global rank 0 only."""
-        if self._trainer is None or self._trainer.is_global_zero:
+        if getattr(self._driver(), "is_global_zero", True):
             print(*args, **kwargs)
 
     def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
         """Gather tensors (possibly nested in containers) from every process, stacked on a new first dimension."""
-        strategy = self.trainer.strategy
+        driver = self._driver()
+        if driver is None:
+            raise RuntimeError(f"{type(self).__name__}.all_gather needs a running Trainer or a Cohort that set it up.")
+        strategy = driver.strategy
         return apply_to_tensors(data, lambda t: strategy.all_gather(t, group=group, sync_grads=sync_grads))
 
     # ------------------------------------------------------------------ logging
@@ -349,7 +359,11 @@ class TrainingModule(nn.Module):
         """
         trainer = self._trainer
         if trainer is None or trainer._results is None:
-            rank_zero_warn(f"self.log({name!r}, ...) was called outside a Trainer run and is ignored.")
+            cohort = _cohort_of(self)
+            if cohort is None:
+                rank_zero_warn(f"self.log({name!r}, ...) was called outside a Trainer run and is ignored.")
+                return
+            cohort._log_from_module({name: value}, "log", logger=logger, sync_dist=sync_dist, reduce_fx=reduce_fx)
             return
         trainer._results.log(
             self._current_fx,
@@ -369,6 +383,10 @@ class TrainingModule(nn.Module):
         """``self.log`` each item of ``dictionary`` with the same options."""
         if not isinstance(dictionary, Mapping):
             raise TypeError(f"log_dict expects a mapping of names to values, got {type(dictionary).__name__}.")
+        cohort = _cohort_of(self) if self._trainer is None or self._trainer._results is None else None
+        if cohort is not None:
+            cohort._log_from_module(dictionary, "log_dict", **kwargs)  # one entry, as Cohort.log_dict writes
+            return
         for name, value in dictionary.items():
             self.log(name, value, **kwargs)
 
@@ -385,21 +403,7 @@ class TrainingModule(nn.Module):
         if frame is None:
             current = inspect.currentframe()
             frame = current.f_back if current is not None else None
-        ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
-        if len(args) == 1 and isinstance(args[0], (Mapping, argparse.Namespace)):
-            values = dict(vars(args[0]) if isinstance(args[0], argparse.Namespace) else args[0])
-        else:
-            init_args = init_arguments_of_frame(frame) if frame is not None else {}
-            if args:
-                unknown = [name for name in args if name not in init_args]
-                if unknown:
-                    raise ValueError(
-                        f"save_hyperparameters got {unknown}, which are not arguments of __init__: {sorted(init_args)}."
-                    )
-                values = {name: init_args[name] for name in args}
-            else:
-                values = init_args
-        values = {key: value for key, value in values.items() if key not in ignored}
+        values = select_hyperparameters(args, ignore=ignore, frame=frame)
         self._hparams.update(values)
         self._log_hyperparams = logger
 
@@ -424,26 +428,11 @@ class TrainingModule(nn.Module):
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         """Let only ``optimizer``'s parameters require gradients (those of the Trainer's other optimizers stop)."""
-        state: dict[nn.Parameter, bool] = {}
-        for other in self.trainer.optimizers:
-            for parameter in _parameters_of(other):
-                if parameter not in state:
-                    state[parameter] = parameter.requires_grad
-                    parameter.requires_grad = False
-        for parameter in _parameters_of(optimizer):
-            # A parameter frozen before stays frozen: only what was switched off above is switched back on.
-            parameter.requires_grad = state.get(parameter, parameter.requires_grad)
-        self._param_requires_grad_state = state
+        self._param_requires_grad_state = toggle_requires_grad(self.trainer.optimizers, optimizer)
 
     def untoggle_optimizer(self, optimizer: Any) -> None:
         """Give the other optimizers' parameters back the ``requires_grad`` they had before ``toggle_optimizer``."""
-        state = self._param_requires_grad_state
-        for other in self.trainer.optimizers:
-            if other is optimizer or other is getattr(optimizer, "optimizer", None):
-                continue  # the toggled one (or the handle from self.optimizers() wrapping it)
-            for parameter in _parameters_of(other):
-                if parameter in state:
-                    parameter.requires_grad = state[parameter]
+        untoggle_requires_grad(self.trainer.optimizers, optimizer, self._param_requires_grad_state)
         self._param_requires_grad_state = {}
 
     @contextmanager
@@ -497,37 +486,12 @@ class TrainingModule(nn.Module):
         cls, checkpoint_path: Any, map_location: Any | None = None, strict: bool = True, **overrides: Any
     ) -> TrainingModule:
         """Build the module from the hyper-parameters saved in a checkpoint (``overrides`` win) and load its weights."""
-        from phalanx.plugins.io.torch_io import TorchCheckpointIO
-        from phalanx.trainer.checkpoint_checks import check_checkpoint, check_weights, check_weights_fit
-        from phalanx.utilities.exceptions import CheckpointError
-
-        source = str(checkpoint_path)
-        checkpoint = TorchCheckpointIO().load_checkpoint(checkpoint_path, map_location=map_location)
-        check_checkpoint(checkpoint, source, fitting=False)
-        hparams = dict(checkpoint.get("hyper_parameters") or {})
-        hparams.update(overrides)
-        signature = inspect.signature(cls.__init__)
-        accepts_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
-        if not accepts_kwargs:
-            hparams = {key: value for key, value in hparams.items() if key in signature.parameters}
-        try:
-            module = cls(**hparams)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise CheckpointError(
-                f"{source}: {cls.__name__}(**checkpoint['hyper_parameters']) failed ({type(error).__name__}: {error})."
-                f" Saved hyper-parameters: {sorted(hparams)}; pass corrected values as keyword arguments to"
-                " load_from_checkpoint."
-            ) from error
-        module.configure_model()
-        module.on_load_checkpoint(checkpoint)
-        check_weights(source, checkpoint.get("state_dict"))
-        check_weights_fit(source, checkpoint["state_dict"], module.state_dict(), strict=strict, owner=cls.__name__)
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
-        if map_location is not None:
-            module.to(map_location if not callable(map_location) else "cpu")
-        return module
+        return load_module_from_checkpoint(
+            cls, checkpoint_path, map_location=map_location, strict=strict, overrides=overrides
+        )
 
 
-def _parameters_of(optimizer: Any) -> Iterator[nn.Parameter]:
-    for group in optimizer.param_groups:
-        yield from group["params"]
+def _cohort_of(module: TrainingModule) -> Any:
+    """The phalanx.Cohort that set ``module`` up, or None (not imported here: without it, no Cohort exists)."""
+    metrics = sys.modules.get("phalanx.cohort.metrics")
+    return metrics.cohort_of(module) if metrics is not None else None

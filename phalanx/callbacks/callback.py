@@ -21,6 +21,7 @@ class Callback:
         return type(self).__qualname__
 
     def _generate_state_key(self, **kwargs: Any) -> str:
+        """A state key made of the class name and ``kwargs``, the settings that tell instances of one class apart."""
         # Two instances of one class with different settings (e.g. two ModelCheckpoints) must not share a key.
         return f"{type(self).__qualname__}{repr(kwargs)}"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from datetime import timedelta
@@ -18,12 +17,11 @@ from phalanx.callbacks._checkpoint_checks import (
     check_time_interval,
     fill_template,
     local_parameters_finite,
-    restored_entries,
 )
-from phalanx.callbacks._checkpoint_files import FILE_EXTENSION, is_link, is_url
+from phalanx.callbacks._checkpoint_files import FILE_EXTENSION, is_url
+from phalanx.callbacks._checkpoint_ranking import CheckpointRanking
 from phalanx.callbacks._checkpoint_saves import CheckpointSaves, stage_name
 from phalanx.callbacks.callback import Callback
-from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
@@ -49,7 +47,7 @@ class Checkpoint(Callback):
     """Base class of the callbacks that write checkpoints (the Trainer looks them up by this type)."""
 
 
-class ModelCheckpoint(CheckpointSaves, Checkpoint):
+class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
     """Save checkpoints during ``fit``: every ``n`` steps or epochs, keeping the ``save_top_k`` best by ``monitor``.
 
     Only ``*.ckpt`` files and checkpoint directories (with their ``.complete`` marker) directly inside ``dirpath`` are
@@ -159,13 +157,7 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
         self.dirpath: str | None = self._normalize_dir(dirpath) if dirpath is not None else None
         self.filename = filename
 
-        self.best_model_path = ""
-        self.best_model_score: Tensor | None = None
-        self.best_k_models: dict[str, Tensor] = {}
-        self.kth_best_model_path = ""
-        self.kth_value: Tensor = self._worst_score()
-        self.last_model_path = ""
-        self.current_score: Tensor | None = None
+        self._init_ranking()
 
         # No need to save before a single optimizer step was taken.
         self._last_global_step_saved = 0
@@ -181,9 +173,8 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
         self._last_checkpoint_step = -1
         # Symbolic links this callback made (``save_last="link"``): the only links it ever removes.
         self._links: set[str] = set()
-        self._links_unsupported = (
-            False  # the file system refused a link once: save_last="link" writes files from then on
-        )
+        # Set when the file system refused a link once: save_last="link" writes files from then on.
+        self._links_unsupported = False
         self._last_time_checked: float | None = None  # monotonic clock at the start of training / the last save by time
         self._sanity_checking = False
 
@@ -275,65 +266,6 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
             return
         if self._is_epoch_to_save(trainer):
             self._save_at_this_point(trainer)
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "monitor": self.monitor,
-            "best_model_score": self.best_model_score,
-            "best_model_path": self.best_model_path,
-            "current_score": self.current_score,
-            "dirpath": self.dirpath,
-            "best_k_models": dict(self.best_k_models),
-            "kth_best_model_path": self.kth_best_model_path,
-            "kth_value": self.kth_value,
-            "last_model_path": self.last_model_path,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the bookkeeping; paths that are not checkpoints inside ``dirpath`` are dropped with a warning."""
-        if not isinstance(state_dict, dict):
-            raise CheckpointError(
-                f"The ModelCheckpoint state in this checkpoint is a {type(state_dict).__name__}, not a dict."
-            )
-        if self.dirpath is None and state_dict.get("dirpath") is not None:
-            # The folder is resolved in ``setup``; compare once it is known.
-            self._pending_state = dict(state_dict)
-            return
-        saved_dirpath = state_dict.get("dirpath", self.dirpath)
-        if saved_dirpath == self.dirpath:
-            self._restore_ranking(state_dict)
-            return
-        rank_zero_warn(
-            f"The checkpoint folder changed from {saved_dirpath!r} to {self.dirpath!r}: only `best_model_path`"
-            " is restored; the top-k bookkeeping starts afresh in the new folder."
-        )
-        # Kept for ckpt_path="best" only: a path outside ``dirpath`` is never overwritten nor removed.
-        best = state_dict.get("best_model_path", "")
-        self.best_model_path = best if isinstance(best, str) else ""
-
-    def _restore_ranking(self, state: dict[str, Any]) -> None:
-        best_k, entries, dropped = restored_entries(state, self.dirpath or "")
-        self.best_k_models = {path: self._finite_or_worst(score) for path, score in best_k.items()}
-        self.last_model_path = entries["last_model_path"]
-        if self.save_last == "link" and self.last_model_path and is_link(self.last_model_path):
-            self._links.add(self.last_model_path)  # the previous run's last.ckpt link, inside dirpath: ours to replace
-        self.current_score = entries["current_score"]
-        if self.best_k_models:
-            # Recomputed from the entries kept rather than trusted: a dropped k-th entry would be looked up.
-            self._update_ranking()
-        else:
-            best, score = entries["best_model_path"], entries["best_model_score"]
-            self.best_model_path = best
-            self.best_model_score = score if best and score is not None and bool(torch.isfinite(score)) else None
-        if dropped:
-            rank_zero_warn(
-                "ModelCheckpoint ignored paths in the resumed checkpoint's callback state that are not"
-                f" '*{FILE_EXTENSION}'"
-                f" entries directly inside dirpath {self.dirpath!r}: {', '.join(dropped)}. The callback never"
-                " overwrites"
-                " or removes anything outside its folder."
-            )
 
     # ------------------------------------------------------------------ file names
     def format_checkpoint_name(
@@ -486,33 +418,7 @@ class ModelCheckpoint(CheckpointSaves, Checkpoint):
         if to_delete and to_delete != filepath:
             self._remove_checkpoint(trainer, to_delete)
 
-    def _update_ranking(self, full: bool = True) -> None:
-        """Recompute the k-th (worst kept) and the best entry of ``best_k_models``."""
-        if full:
-            worst = max if self.mode == "min" else min
-            self.kth_best_model_path = worst(self.best_k_models, key=lambda p: self.best_k_models[p].item())
-            self.kth_value = self.best_k_models[self.kth_best_model_path]
-        if self.best_k_models:
-            # Non-finite scores are stored as the worst value, so a finite one always wins; when every kept score
-            # is non-finite the (equally worst) first one is the best there is, as in Lightning.
-            best = min if self.mode == "min" else max
-            self.best_model_path = best(self.best_k_models, key=lambda p: self.best_k_models[p].item())
-            self.best_model_score = self.best_k_models[self.best_model_path]
-        else:
-            self.best_model_path, self.best_model_score = "", None
-
     # ------------------------------------------------------------------ helpers
-    def _worst_score(self, dtype: torch.dtype | None = None) -> Tensor:
-        return torch.tensor(math.inf if self.mode == "min" else -math.inf, dtype=dtype)
-
-    def _finite_or_worst(self, score: Tensor) -> Tensor:
-        """``score`` when finite, else the worst value for ``mode``: NaN and inf never rank above a finite score."""
-        return score if torch.isfinite(score) else self._worst_score(score.dtype)
-
-    @staticmethod
-    def _score_text(score: Tensor | None) -> str:
-        return "none" if score is None else f"{score.item():.5f}"
-
     def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
         """Write ``best_k_models`` (path: score) as YAML, to ``dirpath/best_k_models.yaml`` by default."""
         lines = [f"{path!s}: {score.item()!r}" for path, score in self.best_k_models.items()]

@@ -54,9 +54,9 @@ class _Sorted:
                     f"Cohort.{method}: state[{key!r}] and state[{self.module_key!r}] are both the model; name it once."
                 )
             self.module_key = key
-        elif isinstance(value, Optimizer) or _index_of(value, strategy) is not None:
+        elif isinstance(value, Optimizer) or optimizer_index(value, strategy) is not None:
             # (DeepSpeed's ZeRO optimizers are no torch Optimizer subclasses: they are recognised by identity.)
-            index = _index_of(value, strategy)
+            index = optimizer_index(value, strategy)
             if index is None:
                 raise ValueError(
                     f"Cohort.{method}: state[{key!r}] is an optimizer this Cohort did not set up; pass one returned by"
@@ -82,7 +82,8 @@ class _Sorted:
         return True
 
 
-def _index_of(value: Any, strategy: Strategy) -> int | None:
+def optimizer_index(value: Any, strategy: Strategy) -> int | None:
+    """Where ``value`` (an optimizer as Cohort.setup returned it) sits in ``strategy.optimizers``; None if absent."""
     optimizer = unwrap_optimizer(value)
     return next(
         (i for i, candidate in enumerate(strategy.optimizers) if unwrap_optimizer(candidate) is optimizer), None
@@ -149,6 +150,7 @@ def restore_checkpoint(
 ) -> dict[str, Any]:
     """Load ``checkpoint`` into the objects of ``state`` (plain values are replaced in ``state``); returns the unread
     objects."""
+    from phalanx.strategies.strategy import Strategy
     from phalanx.trainer.checkpoint_checks import check_checkpoint, check_optimizer_states
 
     check_checkpoint(checkpoint, source, fitting=False)
@@ -162,9 +164,11 @@ def restore_checkpoint(
                 f"{source} holds no optimizer states (saved without optimizers, or with weights_only=True); leave the"
                 " optimizers out of the state to load only the weights."
             )
-        check_optimizer_states(
-            source, checkpoint["optimizer_states"], [unwrap_optimizer(o) for o in strategy.optimizers]
-        )
+        if type(strategy).load_optimizer_state_dict is Strategy.load_optimizer_state_dict:
+            # (A strategy with its own loading checks its own format, as DeepSpeed's placeholders; so does the Trainer.)
+            check_optimizer_states(
+                source, checkpoint["optimizer_states"], [unwrap_optimizer(o) for o in strategy.optimizers]
+            )
     module = strategy.module
     if entries.module_key is not None:
         on_load = getattr(module, "on_load_checkpoint", None)
@@ -182,6 +186,24 @@ def restore_checkpoint(
         elif key in checkpoint:
             state[key] = checkpoint[key]  # a Trainer checkpoint's 'global_step', 'epoch', 'hyper_parameters', ...
     return objects
+
+
+def own_rng_states(checkpoint: Any, rank: int, source: str) -> dict[str, Any] | None:
+    """This rank's entry of ``checkpoint['rng_states']`` (checked), or None where the writer stored none for it."""
+    from phalanx.trainer.checkpoint_checks import check_rng_states
+
+    if not isinstance(checkpoint, dict) or checkpoint.get("rng_states") is None:
+        return None  # e.g. written by an older writer, or weights only: the generators are left as they are
+    states = checkpoint["rng_states"]
+    if not isinstance(states, list):
+        raise CheckpointError(
+            f"{source}: checkpoint['rng_states'] holds {type(states).__name__}; expected a list with one entry per"
+            " process (pass restore_rng=False to load without it)."
+        )
+    own = states[rank] if rank < len(states) else None  # saved by fewer processes: this rank has no entry
+    if own is not None:
+        check_rng_states(source, f"['rng_states'][{rank}]", own)
+    return own
 
 
 def _check_present(

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from phalanx.cohort.checkpoint import build_checkpoint, restore_checkpoint
+from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
+from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
 from phalanx.cohort.wrappers import CohortDataLoader, CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
@@ -37,8 +38,8 @@ from phalanx.utilities.apply import apply_to_tensors
 _T = TypeVar("_T")
 
 
-class Cohort:
-    """Runs your own loop on any phalanx strategy: processes, wrapping, backward, collectives and checkpoints."""
+class Cohort(CohortLogging):
+    """Runs your own loop on any phalanx strategy: processes, wrapping, backward, collectives, checkpoints, logging."""
 
     def __init__(
         self,
@@ -49,8 +50,11 @@ class Cohort:
         num_nodes: int = 1,
         precision: Any = "32-true",
         plugins: Any = None,
+        loggers: Any = None,
     ) -> None:
         from phalanx.trainer.setup import resolve_strategy
+
+        self._loggers = resolve_loggers(loggers)
 
         self._strategy: Strategy = resolve_strategy(
             accelerator=accelerator,
@@ -120,6 +124,7 @@ class Cohort:
 
         Strategies that re-run the script (``ddp``) start the other ranks here and go on in this process, so
         ``launch()`` without a function is enough for them; spawn/fork strategies need a function (picklable for spawn).
+        When the function returns (or raises), the loggers are finalized ("success" or "failed").
         """
         if function is not None and not callable(function):
             raise TypeError(
@@ -143,7 +148,15 @@ class Cohort:
     def _run_launched(self, function: Callable[..., _T] | None, *args: Any, **kwargs: Any) -> _T | None:
         self._launched = True
         self._ensure_environment()
-        return function(self, *args, **kwargs) if function is not None else None
+        if function is None:
+            return None
+        try:
+            result = function(self, *args, **kwargs)
+        except BaseException:
+            self._finalize_loggers("failed")
+            raise
+        self._finalize_loggers("success")  # the function is the whole run: its logs are complete
+        return result
 
     def _ensure_environment(self) -> None:
         if self._environment_ready:
@@ -159,8 +172,8 @@ class Cohort:
 
     # ------------------------------------------------------------------ model and optimizers
     def setup(self, module: nn.Module, *optimizers: Optimizer) -> Any:
-        """Set up ``module`` and its ``optimizers`` on the strategy; returns the wrapped module, then the wrapped
-        optimizers."""
+        """Set up ``module`` (a TrainingModule's ``configure_model`` first, as in the Trainer) and its ``optimizers``;
+        returns the wrapped module, then the wrapped optimizers."""
         self._check_module(module, "setup")
         originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
         self._parameter_names = {
@@ -221,6 +234,13 @@ class Cohort:
     ) -> None:
         self._ensure_environment()
         strategy = self._strategy
+        attach(module, self)  # from here its self.log and self.device_mesh reach this Cohort
+        configure_model = getattr(module, "configure_model", None)
+        if _is_training_module(module) and callable(configure_model):
+            # As the Trainer does: the module builds or parallelises layers with the strategy's mesh (model_parallel),
+            # created on the device, sharded where the strategy shards (DeepSpeed ZeRO-3).
+            with strategy.tensor_init_context(), strategy.model_sharded_context():
+                configure_model()
         strategy.connect(module)
         strategy.setup(RunSettings(stage="fit", configure_optimizers=make_optimizers))
         self._module = CohortModule(strategy)
@@ -406,23 +426,41 @@ class Cohort:
         self._strategy.save_checkpoint(checkpoint, path)
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
 
-    def load(self, path: str | PathLike, state: dict[str, Any], *, strict: bool = True) -> dict[str, Any]:
-        """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``); returns
-        unread objects."""
+    def load(
+        self, path: str | PathLike, state: dict[str, Any], *, strict: bool = True, restore_rng: bool = True
+    ) -> dict[str, Any]:
+        """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``) and, with
+        ``restore_rng``, this process's generator states; returns unread objects."""
         _check_path(path, "load")
+        if not isinstance(restore_rng, bool):
+            raise TypeError(f"Cohort.load(restore_rng={restore_rng!r}) must be True or False.")
         if self._module is None:
             raise RuntimeError(
                 "Cohort.load needs a set-up module (the weights load into it): call cohort.setup(...) first."
             )
         checkpoint = self._strategy.load_checkpoint(path)
+        # Checked before anything is restored; None when the writer stored none for this rank (the RNG is untouched).
+        rng_states = own_rng_states(checkpoint, self.global_rank, str(path)) if restore_rng else None
         remaining = restore_checkpoint(checkpoint, state, self._strategy, str(path), strict=strict)
-        if self._strategy.optimizers and any(isinstance(value, Optimizer) for value in state.values()):
+        # DeepSpeed's optimizers are no torch Optimizers: they are recognised as the strategy's.
+        if any(optimizer_index(value, self._strategy) is not None for value in state.values()):
             step = checkpoint.get("global_step")
             self._optimizer_steps = step if isinstance(step, int) else self._optimizer_steps
+        if rng_states is not None:
+            from phalanx.utilities.seed import restore_rng_states
+
+            # Last, so that nothing of the loading draws from them: the loop goes on from the state of the save.
+            restore_rng_states(rng_states)
         return remaining
 
     def __repr__(self) -> str:
         return f"Cohort(strategy={self._strategy!r})"
+
+
+def _is_training_module(module: nn.Module) -> bool:
+    from phalanx.module import TrainingModule
+
+    return isinstance(module, TrainingModule)
 
 
 def _check_path(path: Any, method: str) -> None:

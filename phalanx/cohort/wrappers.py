@@ -130,6 +130,13 @@ class CohortDataLoader:
     def __len__(self) -> int:
         return len(self._dataloader)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate as epoch ``epoch`` next (the distributed sampler's shuffle), e.g. when resuming a run; later
+        iterations count on from it."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"CohortDataLoader.set_epoch(epoch={epoch!r}) takes an int >= 0.")
+        self._epoch = epoch
+
     def __iter__(self) -> Iterator[Any]:
         # As DistributedSampler asks: every rank calls set_epoch with the same value before each epoch.
         for sampler in (

@@ -206,10 +206,8 @@ class _DirectoryLogger(Logger):
 
     @property
     def version(self) -> int | str:
-        """The run's version: on first access global rank 0 claims the next free ``version_N`` by creating it.
-
-        Other ranks write nothing and only compute the number, which may differ from rank 0's.
-        """
+        """The run's version: on first access global rank 0 claims the next free ``version_N`` by creating it."""
+        # Other ranks write nothing and only compute the number, which may differ from rank 0's.
         if self._version is None:
             claiming = rank_zero_only.rank == 0  # type: ignore[attr-defined]
             self._version = _claim_version(self.root_dir) if claiming else _next_version(self.root_dir)

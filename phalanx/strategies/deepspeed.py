@@ -22,9 +22,10 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
   (``strategy.requires_equal_batches``), and evaluation steps run under ``no_grad`` instead of inference mode
   (parameters gathered in inference mode could not be used by training afterwards).
 
-The config is built in :mod:`~phalanx.strategies.deepspeed_config`, the engine in
+The config is built (and the arguments checked) in :mod:`~phalanx.strategies.deepspeed_config`, the engine in
 :mod:`~phalanx.strategies.deepspeed_engine`, checkpoints are read and written by
-:mod:`~phalanx.strategies.deepspeed_state`.
+:mod:`~phalanx.strategies.deepspeed_state`, and ZeRO-3's model creation and evaluation live in
+:mod:`~phalanx.strategies.deepspeed_zero3`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import copy
 import importlib.util
 import logging
 import os
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -53,11 +54,13 @@ from phalanx.strategies.deepspeed_activation import (
 from phalanx.strategies.deepspeed_checkpoint import OPTIMIZER_MARKER
 from phalanx.strategies.deepspeed_config import (
     CONFIG_ENV_VAR,
+    checked_flag,
+    checked_logging_batch_size,
     complete_config,
     generated_config,
     load_config,
     micro_batch_size,
-    partitioning_config,
+    zero_settings,
 )
 from phalanx.strategies.deepspeed_engine import (
     DeepSpeedEngineMixin,
@@ -66,13 +69,11 @@ from phalanx.strategies.deepspeed_engine import (
     partitioned_parameters,
 )
 from phalanx.strategies.deepspeed_state import DeepSpeedCheckpointMixin
+from phalanx.strategies.deepspeed_zero3 import DeepSpeedZero3Mixin
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
-from phalanx.utilities.init import empty_init_context
 
 INSTALL_HINT = "pip install 'phalanx[deepspeed]'"
-_OFFLOAD_DEVICES = ("cpu", "nvme")
-_REMOTE_DEVICES = (None, "cpu", "nvme")
 
 
 def deepspeed_available() -> bool:
@@ -93,7 +94,7 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, ParallelStrategy):
+class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpeedZero3Mixin, ParallelStrategy):
     """ZeRO data parallelism through DeepSpeed: stage 1 partitions optimizer states, 2 also gradients, 3 also
     parameters.
 
@@ -194,72 +195,38 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
             timeout=timeout,
             start_method=start_method,
         )
-        if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage={stage!r} is not a ZeRO stage; choose 0, 1, 2 or 3.")
-        for name, device in (
-            ("offload_params_device", offload_params_device),
-            ("offload_optimizer_device", offload_optimizer_device),
-        ):
-            if device not in _OFFLOAD_DEVICES:
-                raise ValueError(f"{name}={device!r} is not valid; choose one of {list(_OFFLOAD_DEVICES)}.")
-        if remote_device not in _REMOTE_DEVICES:
-            raise ValueError(f"remote_device={remote_device!r} is not valid; choose one of {list(_REMOTE_DEVICES)}.")
-        if offload_optimizer and stage == 0:
-            raise ValueError(
-                "offload_optimizer=True needs ZeRO stage 1, 2 or 3 (stage=0 does not partition the optimizer)."
-            )
-        if offload_parameters and stage != 3:
-            raise ValueError(
-                f"offload_parameters=True needs ZeRO stage 3 (only stage 3 partitions parameters); got stage={stage}."
-            )
-        if remote_device is not None and stage != 3:
-            raise ValueError(f"remote_device={remote_device!r} applies to ZeRO stage 3 only; got stage={stage}.")
-        uses_nvme = "nvme" in (
-            remote_device,
-            offload_params_device if offload_parameters else None,
-            offload_optimizer_device if offload_optimizer else None,
+        self._zero_settings = zero_settings(
+            stage=stage,
+            remote_device=remote_device,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            offload_params_device=offload_params_device,
+            offload_optimizer_device=offload_optimizer_device,
+            nvme_path=nvme_path,
+            params_buffer_count=params_buffer_count,
+            params_buffer_size=params_buffer_size,
+            max_in_cpu=max_in_cpu,
+            optimizer_buffer_count=optimizer_buffer_count,
+            pin_memory=pin_memory,
+            sub_group_size=sub_group_size,
+            param_persistence_threshold=param_persistence_threshold,
+            contiguous_gradients=contiguous_gradients,
+            overlap_comm=overlap_comm,
+            allgather_partitions=allgather_partitions,
+            reduce_scatter=reduce_scatter,
+            allgather_bucket_size=allgather_bucket_size,
+            reduce_bucket_size=reduce_bucket_size,
         )
-        if uses_nvme and not str(nvme_path or ""):
-            raise ValueError("Offloading to 'nvme' needs nvme_path= (a directory on a fast local NVMe drive).")
-        if logging_batch_size_per_gpu != "auto" and (
-            isinstance(logging_batch_size_per_gpu, bool)
-            or not isinstance(logging_batch_size_per_gpu, int)
-            or logging_batch_size_per_gpu < 1
-        ):
-            raise ValueError(
-                f"logging_batch_size_per_gpu={logging_batch_size_per_gpu!r} must be 'auto' or an int >= 1."
-            )
+        self._logging_batch_size_per_gpu = checked_logging_batch_size(logging_batch_size_per_gpu)
         self._stage = stage
         self.remote_device = remote_device
         self.offload_optimizer = offload_optimizer
         self.offload_parameters = offload_parameters
-        self._zero_settings = {
-            "offload_params_device": offload_params_device,
-            "offload_optimizer_device": offload_optimizer_device,
-            "nvme_path": str(nvme_path),
-            "params_buffer_count": params_buffer_count,
-            "params_buffer_size": params_buffer_size,
-            "max_in_cpu": max_in_cpu,
-            "optimizer_buffer_count": optimizer_buffer_count,
-            "pin_memory": pin_memory,
-            "sub_group_size": sub_group_size,
-            "param_persistence_threshold": param_persistence_threshold,
-            "contiguous_gradients": contiguous_gradients,
-            "overlap_comm": overlap_comm,
-            "allgather_partitions": allgather_partitions,
-            "reduce_scatter": reduce_scatter,
-            "allgather_bucket_size": allgather_bucket_size,
-            "reduce_bucket_size": reduce_bucket_size,
-        }
         self._loss_scaling = {
-            "loss_scale": loss_scale,
-            "initial_scale_power": initial_scale_power,
-            "loss_scale_window": loss_scale_window,
-            "hysteresis": hysteresis,
-            "min_loss_scale": min_loss_scale,
-        }
+            "loss_scale": loss_scale, "initial_scale_power": initial_scale_power,
+            "loss_scale_window": loss_scale_window, "hysteresis": hysteresis, "min_loss_scale": min_loss_scale,
+        }  # fmt: skip
         self._zero_allow_untested_optimizer = zero_allow_untested_optimizer
-        self._logging_batch_size_per_gpu = logging_batch_size_per_gpu
         self._user_config = load_config(config)
         self._activation = activation_settings(
             partition_activations=partition_activations,
@@ -267,16 +234,15 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
             contiguous_memory_optimization=contiguous_memory_optimization,
             synchronize_checkpoint_boundary=synchronize_checkpoint_boundary,
         )
-        merge_activation_section(
-            self._user_config if self._user_config is not None else {}, self._activation
-        )  # refuse conflicts now
+        # Refuse a conflict between these arguments and the given config now rather than in setup.
+        merge_activation_section(self._user_config if self._user_config is not None else {}, self._activation)
         self._logging_level = logging_level
         self._exclude_frozen_parameters = exclude_frozen_parameters
-        if not isinstance(allow_unsafe_checkpoint_load, bool):
-            raise TypeError(
-                f"allow_unsafe_checkpoint_load must be True or False, got {allow_unsafe_checkpoint_load!r}."
-            )
-        self._allow_unsafe_checkpoint_load = allow_unsafe_checkpoint_load
+        self._allow_unsafe_checkpoint_load = checked_flag("allow_unsafe_checkpoint_load", allow_unsafe_checkpoint_load)
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        """The state of a run, before the first ``setup``."""
         self._engine: Any = None
         self._engine_trains = False  # whether the engine has an optimizer (created by fit)
         self._config: dict[str, Any] | None = None
@@ -362,11 +328,6 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
         """Every rank reads its shard (``num_replicas``, ``rank``)."""
         return super().distributed_sampler_kwargs
 
-    @property
-    def pads_evaluation(self) -> bool:
-        """Under ZeRO-3 each forward pass gathers parameters: ranks must run equally many, so evaluation is padded."""
-        return self.zero_stage == 3
-
     def setup_environment(self) -> None:
         """Join the process group, then let DeepSpeed adopt it (gloo on CPU, nccl on CUDA)."""
         if self.parallel_devices and all(device.type == "cpu" for device in self.parallel_devices):
@@ -409,22 +370,12 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
         return _import_deepspeed()
 
     # ------------------------------------------------------------------ steps
-    def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
-        if method == "training_step":
-            return super()._run_step(method, context, *args, **kwargs)
-        # Evaluation calls the module itself (ZeRO-3's hooks live on its submodules and still gather parameters).
-        with ExitStack() as stack:
-            if torch.is_inference_mode_enabled() and self._module is not None and partitioned_parameters(self._module):
-                # ZeRO-3 keeps some gathered parameters between steps: made in inference mode they could never be
-                # used by training again, so evaluation runs under no_grad instead.
-                stack.enter_context(torch.inference_mode(False))
-                stack.enter_context(torch.no_grad())
-            stack.enter_context(context)
-            return getattr(self._module, method)(*args, **kwargs)
-
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """``engine.backward(loss)`` through the precision plugin."""
         engine = self._require_training_engine()
+        # The engine acts on the accumulation boundary during backward (ZeRO-1 and 2 reduce gradients by it), and a
+        # driver may run backward before optimizer_step (Cohort): tell it here too what block_backward_sync says.
+        engine.set_gradient_accumulation_boundary(not self._window_open)
         precision = self.precision_plugin
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, self._module)
@@ -464,53 +415,6 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """A placeholder: DeepSpeed writes each rank's optimizer partition into the checkpoint directory itself."""
         return dict(OPTIMIZER_MARKER)
-
-    # ------------------------------------------------------------------ evaluation under ZeRO-3
-    @property
-    def requires_equal_batches(self) -> bool:
-        """Under ZeRO-3 with parameters partitioned over several processes: each forward pass gathers them."""
-        return self.world_size > 1 and self._module is not None and bool(partitioned_parameters(self._module))
-
-    # ------------------------------------------------------------------ creating the model
-    def _zero_init(self) -> AbstractContextManager:
-        """ZeRO-3: ``deepspeed.zero.Init``, which partitions each parameter as soon as it is created."""
-        if self.zero_stage != 3 or self._zero_init_active:
-            return nullcontext()
-        deepspeed = self._deepspeed()
-        config = partitioning_config(self.config)
-        for key, value in self._precision_config().items():
-            config.setdefault(key, value)
-        return self._flag_zero_init(
-            deepspeed.zero.Init(
-                remote_device=self.remote_device,
-                pin_memory=self._zero_settings["pin_memory"],
-                config_dict_or_path=config,
-            )
-        )
-
-    @contextmanager
-    def _flag_zero_init(self, context: AbstractContextManager) -> Iterator[None]:
-        self._zero_init_active = True
-        try:
-            with context:
-                yield
-        finally:
-            self._zero_init_active = False
-
-    @contextmanager
-    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
-        """As the base (device, dtype, ``empty_init``); under ZeRO-3 parameters are partitioned as they are created."""
-        with ExitStack() as stack:
-            if self.root_device.type != "cpu":
-                stack.enter_context(self.root_device)
-            stack.enter_context(empty_init_context(bool(empty_init)))
-            stack.enter_context(self.precision_plugin.tensor_init_context())
-            stack.enter_context(self._zero_init())
-            yield
-
-    def model_sharded_context(self) -> AbstractContextManager:
-        """Under ZeRO-3, ``configure_model`` creates parameters already partitioned across the processes."""
-        return self._zero_init()
 
     # ------------------------------------------------------------------ what the loops consult
     @property

@@ -177,9 +177,20 @@ def _zero12(
     param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], source: str
 ) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
     """ZeRO stages 1 and 2: each param group is one flat vector split evenly across ranks (padding at the end)."""
+    trainable, slices = _zero12_weights(param_shapes, optim_states, source)
+    return trainable, _zero12_optimizer(param_shapes, optim_states, slices)
+
+
+_Slices = list[list[tuple[str, int, int, Any]]]  # per param group: (name, offset, numel, shape) of each parameter
+
+
+def _zero12_weights(
+    param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], source: str
+) -> tuple[dict[str, Tensor], _Slices]:
+    """The float32 master weights by parameter name, and where each parameter lies in its group's flat vector."""
     paddings = optim_states[0].get("param_alignment_paddings")
     trainable: dict[str, Tensor] = {}
-    slices: list[list[tuple[str, int, int, Any]]] = []  # per group: (name, offset, numel, shape)
+    slices: _Slices = []
     for group, shapes in enumerate(param_shapes):
         sizes = [state["single_partition_of_fp32_groups"][group].numel() for state in optim_states]
         # DeepSpeed splits a group evenly; only the last rank's part is saved shorter (without its padding).
@@ -202,13 +213,20 @@ def _zero12(
             group_slices.append((name, offset, numel, shape))
             offset += numel + (paddings[group][index] if paddings is not None else 0)
         slices.append(group_slices)
+    return trainable, slices
+
+
+def _zero12_optimizer(
+    param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], slices: _Slices
+) -> dict[str, Any] | None:
+    """The optimizer state in torch's layout, or None where it cannot be mapped (see the module docstring)."""
     bases = [state["base_optimizer_state"] for state in optim_states]
     per_group_states = [_group_states_12(base, len(param_shapes)) for base in bases]
     if any(states is None for states in per_group_states):
-        return trainable, None
+        return None
     hyper = _group_hyper_parameters(bases[0], len(param_shapes))
     if hyper is None:
-        return trainable, None
+        return None
     # The master weights were saved without the padding at the end of the last rank's partition; the state was not.
     partition_numels = [
         [state["single_partition_of_fp32_groups"][g].numel() for g in range(len(param_shapes))]
@@ -227,7 +245,7 @@ def _zero12(
                 values, [numels[group] for numels in partition_numels], [pads[group] for pads in paddings_per_rank]
             )
             if merged is _UNMAPPABLE:
-                return trainable, None
+                return None
             full[key] = merged
         indices = []
         for _name, offset, numel, shape in group_slices:
@@ -243,7 +261,7 @@ def _zero12(
             indices.append(next_index)
             next_index += 1
         groups_out.append({**hyper[group], "params": indices})
-    return trainable, {"state": state_out, "param_groups": groups_out}
+    return {"state": state_out, "param_groups": groups_out}
 
 
 def _group_states_12(base: Any, groups: int) -> list[dict[str, Any]] | None:
@@ -348,42 +366,12 @@ def _zero3_optimizer(
     sub_groups = bases[0]["param_groups"]
     if len(sub_groups) != len(sub_numels):
         return None
-    # Each sub-group (DeepSpeed splits big param groups by sub_group_size) belongs to one param group.
-    group_totals = [
-        sum(math.ceil(math.prod(shape) / world_size) for shape in shapes.values()) for shapes in param_shapes
-    ]
-    owner_group: list[int] = []
-    group, filled = 0, 0
-    for numel in sub_numels:
-        while group < len(group_totals) and filled == group_totals[group]:
-            group, filled = group + 1, 0
-        if group >= len(group_totals) or filled + numel > group_totals[group]:
-            return None
-        owner_group.append(group)
-        filled += numel
-    merged: dict[str, Any] = {}
-    keys = None
-    for base in bases:
-        per_sub = []
-        for sub in base["param_groups"]:
-            params = sub.get("params", [])
-            if len(params) != 1:
-                return None
-            per_sub.append(base["state"].get(params[0], {}))
-        if keys is None:
-            keys = list(per_sub[0].keys())
-        for key in keys:
-            pieces = [entry.get(key) for entry in per_sub]
-            if any(piece is None for piece in pieces):
-                return None
-            if isinstance(pieces[0], Tensor) and pieces[0].dim() > 0:
-                if not all(isinstance(p, Tensor) and p.numel() == n for p, n in zip(pieces, sub_numels)):
-                    return None
-                merged.setdefault(key, []).append(torch.cat([p.reshape(-1) for p in pieces]))
-            elif isinstance(pieces[0], (Tensor, int, float, bool)):
-                merged.setdefault(key, pieces[0])
-            else:
-                return None
+    owner_group = _zero3_owner_groups(param_shapes, sub_numels, world_size)
+    if owner_group is None:
+        return None
+    merged = _zero3_merged_state(bases, sub_numels)
+    if merged is None:
+        return None
     state_out: dict[int, dict[str, Any]] = {}
     indices_per_group: list[list[int]] = [[] for _ in param_shapes]
     for index, (group, _name, offset, numel, shape) in enumerate(layout):
@@ -407,6 +395,54 @@ def _zero3_optimizer(
         )
         groups_out.append({**hyper, "params": indices_per_group[group]})
     return {"state": state_out, "param_groups": groups_out}
+
+
+def _zero3_owner_groups(
+    param_shapes: list[OrderedDict[str, Any]], sub_numels: list[int], world_size: int
+) -> list[int] | None:
+    """The param group of each sub-group, or None when the sub-groups do not tile the groups."""
+    # Each sub-group (DeepSpeed splits big param groups by sub_group_size) belongs to one param group.
+    group_totals = [
+        sum(math.ceil(math.prod(shape) / world_size) for shape in shapes.values()) for shapes in param_shapes
+    ]
+    owner_group: list[int] = []
+    group, filled = 0, 0
+    for numel in sub_numels:
+        while group < len(group_totals) and filled == group_totals[group]:
+            group, filled = group + 1, 0
+        if group >= len(group_totals) or filled + numel > group_totals[group]:
+            return None
+        owner_group.append(group)
+        filled += numel
+    return owner_group
+
+
+def _zero3_merged_state(bases: list[dict[str, Any]], sub_numels: list[int]) -> dict[str, Any] | None:
+    """Per state key: each rank's flat vector (a list, one per rank) or the shared scalar; None when unmappable."""
+    merged: dict[str, Any] = {}
+    keys = None
+    for base in bases:
+        per_sub = []
+        for sub in base["param_groups"]:
+            params = sub.get("params", [])
+            if len(params) != 1:
+                return None
+            per_sub.append(base["state"].get(params[0], {}))
+        if keys is None:
+            keys = list(per_sub[0].keys())
+        for key in keys:
+            pieces = [entry.get(key) for entry in per_sub]
+            if any(piece is None for piece in pieces):
+                return None
+            if isinstance(pieces[0], Tensor) and pieces[0].dim() > 0:
+                if not all(isinstance(p, Tensor) and p.numel() == n for p, n in zip(pieces, sub_numels)):
+                    return None
+                merged.setdefault(key, []).append(torch.cat([p.reshape(-1) for p in pieces]))
+            elif isinstance(pieces[0], (Tensor, int, float, bool)):
+                merged.setdefault(key, pieces[0])
+            else:
+                return None
+    return merged
 
 
 def _zero3_frozen(model_states: list[dict[str, Any]]) -> dict[str, Tensor]:

@@ -23,6 +23,8 @@ _STAGE_1_KEYS = (
     "allgather_bucket_size",
     "reduce_bucket_size",
 )
+_OFFLOAD_DEVICES = ("cpu", "nvme")
+_REMOTE_DEVICES = (None, "cpu", "nvme")
 
 
 def load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str, Any] | None:
@@ -51,6 +53,55 @@ def load_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str, 
             f"The DeepSpeed config file {str(path)!r} must hold a JSON object, not a {type(loaded).__name__}."
         )
     return loaded
+
+
+def zero_settings(
+    *, stage: int, remote_device: str | None, offload_optimizer: bool, offload_parameters: bool, **settings: Any
+) -> dict[str, Any]:
+    """The ZeRO ``settings`` by argument name (``nvme_path`` as a str), once the offload arguments fit ``stage``."""
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage; choose 0, 1, 2 or 3.")
+    for name in ("offload_params_device", "offload_optimizer_device"):
+        if settings[name] not in _OFFLOAD_DEVICES:
+            raise ValueError(f"{name}={settings[name]!r} is not valid; choose one of {list(_OFFLOAD_DEVICES)}.")
+    if remote_device not in _REMOTE_DEVICES:
+        raise ValueError(f"remote_device={remote_device!r} is not valid; choose one of {list(_REMOTE_DEVICES)}.")
+    if offload_optimizer and stage == 0:
+        raise ValueError(
+            "offload_optimizer=True needs ZeRO stage 1, 2 or 3 (stage=0 does not partition the optimizer)."
+        )
+    if offload_parameters and stage != 3:
+        raise ValueError(
+            f"offload_parameters=True needs ZeRO stage 3 (only stage 3 partitions parameters); got stage={stage}."
+        )
+    if remote_device is not None and stage != 3:
+        raise ValueError(f"remote_device={remote_device!r} applies to ZeRO stage 3 only; got stage={stage}.")
+    uses_nvme = "nvme" in (
+        remote_device,
+        settings["offload_params_device"] if offload_parameters else None,
+        settings["offload_optimizer_device"] if offload_optimizer else None,
+    )
+    if uses_nvme and not str(settings["nvme_path"] or ""):
+        raise ValueError("Offloading to 'nvme' needs nvme_path= (a directory on a fast local NVMe drive).")
+    return {**settings, "nvme_path": str(settings["nvme_path"])}
+
+
+def checked_flag(name: str, value: Any) -> bool:
+    """``value`` when it is True or False (TypeError naming the argument ``name`` otherwise)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
+def checked_logging_batch_size(logging_batch_size_per_gpu: Any) -> int | str:
+    """``logging_batch_size_per_gpu`` when it is 'auto' or an int >= 1 (ValueError otherwise)."""
+    if logging_batch_size_per_gpu != "auto" and (
+        isinstance(logging_batch_size_per_gpu, bool)
+        or not isinstance(logging_batch_size_per_gpu, int)
+        or logging_batch_size_per_gpu < 1
+    ):
+        raise ValueError(f"logging_batch_size_per_gpu={logging_batch_size_per_gpu!r} must be 'auto' or an int >= 1.")
+    return logging_batch_size_per_gpu
 
 
 def generated_config(
@@ -168,9 +219,12 @@ def micro_batch_size(logging_batch_size_per_gpu: int | str, settings: RunSetting
 
 __all__ = [
     "CONFIG_ENV_VAR",
+    "checked_flag",
+    "checked_logging_batch_size",
     "complete_config",
     "generated_config",
     "load_config",
     "micro_batch_size",
     "partitioning_config",
+    "zero_settings",
 ]

@@ -111,9 +111,11 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         """Take the module, which must parallelise itself in ``configure_model``."""
         from phalanx.module import TrainingModule
 
-        if type(model).configure_model is TrainingModule.configure_model:
+        configure_model = getattr(type(model), "configure_model", None)
+        if configure_model is None or configure_model is TrainingModule.configure_model:
             raise TypeError(
-                f"ModelParallelStrategy needs {type(model).__name__}.configure_model() to parallelise the model with"
+                f"ModelParallelStrategy needs a TrainingModule whose {type(model).__name__}.configure_model()"
+                " parallelises the model with"
                 " self.device_mesh (parallelize_module on device_mesh['tensor_parallel'], fully_shard on"
                 " device_mesh['data_parallel'])."
             )

@@ -89,17 +89,15 @@ class ParallelStrategy(Strategy, ABC):
         return self._launcher
 
     def __getstate__(self) -> dict[str, Any]:
-        # A multiprocessing launcher is rebuilt in each worker, where it must not launch again.
+        """The pickled state, without the launcher: each worker rebuilds its own, which must not launch again."""
         state = self.__dict__.copy()
         state["_launcher"] = None
         return state
 
     def record_global_rank(self) -> None:
-        """Tell the environment this process's global rank, known from the layout before any process group exists.
-
-        Called once devices and nodes are set (the Trainer does it at construction), so that rank-zero-guarded code
-        between ``Trainer(...)`` and ``fit`` runs once per job, not once per node.
-        """
+        """Tell the environment this process's global rank, known from the layout before any process group exists."""
+        # Called once devices and nodes are set (the Trainer does it at construction), so that rank-zero-guarded code
+        # between ``Trainer(...)`` and ``fit`` runs once per job, not once per node.
         assert self.cluster_environment is not None and self.parallel_devices is not None
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         set_global_rank(self.global_rank)
@@ -132,13 +130,11 @@ class ParallelStrategy(Strategy, ABC):
         super().setup_environment()
 
     def _rendezvous_store(self) -> Any:
-        """The store the ranks meet through; waiting for the others to start is bounded by ``_join_timeout()``.
-
-        Joining waits for process start-up (importing torch, building the model), which can take far longer than a
-        short collective ``timeout`` chosen to catch a stalled rank quickly. Under torchrun the keys are private to
-        this restart attempt: torchrun keeps one store across the restarts of its workers, and a restarted rank could
-        read the address a dead rank of the previous attempt published and fail, or wait forever, while connecting.
-        """
+        """The store the ranks meet through; waiting for the others to start is bounded by ``_join_timeout()``."""
+        # Joining waits for process start-up (importing torch, building the model), which can take far longer than a
+        # short collective ``timeout`` chosen to catch a stalled rank quickly. Under torchrun the keys are private to
+        # this restart attempt: torchrun keeps one store across the restarts of its workers, and a restarted rank could
+        # read the address a dead rank of the previous attempt published and fail, or wait forever, while connecting.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
         agent_hosts_store = attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = torch.distributed.TCPStore(
@@ -150,6 +146,7 @@ class ParallelStrategy(Strategy, ABC):
         return torch.distributed.PrefixStore(f"phalanx/attempt_{attempt}", store)
 
     def _join_timeout(self) -> timedelta:
+        """How long joining may wait for the other ranks: the collective ``timeout``, but at least ``JOIN_TIMEOUT``."""
         return max(self._timeout or DEFAULT_TIMEOUT, JOIN_TIMEOUT)
 
     def model_to_device(self) -> None:
@@ -238,8 +235,7 @@ class ParallelStrategy(Strategy, ABC):
         )
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Tensor | Any:
-        """All-reduce ``tensor`` with ``reduce_op`` ('mean'/'avg', 'sum', 'max', 'min' or a ReduceOp); others pass
-        through."""
+        """All-reduce a tensor by ``reduce_op`` ('mean'/'avg', 'sum', 'max', 'min', a ReduceOp); others pass through."""
         reduce_op = distributed.normalize_reduce_op(reduce_op)
         if not isinstance(tensor, Tensor) or not distributed.is_initialized():
             return tensor
@@ -300,10 +296,8 @@ class ParallelStrategy(Strategy, ABC):
             launcher.kill()
 
     def teardown(self) -> None:
-        """Unwrap the module and revert the layer sync, release the environment, then the device and plugins.
-
-        The process group stays for later calls (it ends at interpreter exit).
-        """
+        """Unwrap the module and revert the layer sync, release the environment, then the device and plugins."""
+        # The process group stays for later calls (it ends at interpreter exit).
         if self._module is not None:
             if self._layer_sync is not None:
                 self._module = self._layer_sync.revert(self._module)

@@ -196,8 +196,7 @@ class Strategy(ABC):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
-        """Arguments for ``DistributedSampler(dataset, **kwargs)`` (``num_replicas``, ``rank``), or None when data is
-        not split."""
+        """``DistributedSampler(dataset, **kwargs)`` arguments (``num_replicas``, ``rank``); None: data not split."""
         return None
 
     @property
@@ -275,6 +274,7 @@ class Strategy(ABC):
         return self.precision_plugin.convert_input(batch)
 
     def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
+        """Call the module's step ``method`` inside ``context``, through the wrapper when there is one."""
         with context:
             if self._model is not None and self._model is not self._module:
                 # The wrapper's forward must run so that its hooks (gradient sync, parameter gathering) fire.
@@ -336,6 +336,7 @@ class Strategy(ABC):
             )
 
     def _before_optimizer_step(self) -> Callable[[Optimizer], None] | None:
+        """The run's ``before_optimizer_step`` callback, or None (none given, or before ``setup``)."""
         settings = self._run_settings
         return settings.before_optimizer_step if settings is not None else None
 
@@ -438,8 +439,7 @@ class Strategy(ABC):
 
     @property
     def handles_gradient_accumulation(self) -> bool:
-        """Whether the strategy accumulates gradients itself (the loops then step every batch, see
-        ``block_backward_sync``)."""
+        """Whether the strategy accumulates gradients itself (loops step every batch; see ``block_backward_sync``)."""
         return False
 
     @property
@@ -454,8 +454,7 @@ class Strategy(ABC):
 
     @property
     def requires_equal_batches(self) -> bool:
-        """Whether every process must run as many evaluation batches (each forward pass runs collectives); the driver
-        checks."""
+        """Whether all ranks must run as many evaluation batches (forward passes run collectives); drivers check."""
         return False
 
     # ------------------------------------------------------------------ hooks

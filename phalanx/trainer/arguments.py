@@ -1,185 +1,292 @@
-"""Checks of the Trainer's arguments: each error names the argument, what was given and the valid choices."""
+"""Argument resolution: the Trainer's constructor arguments, checked and turned into the settings it runs with.
+
+:func:`resolve_arguments` checks every argument but those that choose the strategy (see
+:func:`phalanx.trainer.setup.resolve_strategy`), fills in the defaults and applies the modes that override other
+arguments (``barebones``, ``fast_dev_run``, ``overfit_batches``); it changes nothing outside the settings it returns.
+:func:`apply_process_switches` sets torch's process-wide switches (``deterministic``, ``benchmark``); the Trainer
+calls it last, so that a Trainer refused for a bad argument leaves them untouched.
+"""
 
 from __future__ import annotations
 
-import math
 import os
-import re
-from datetime import timedelta
-from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
-#: What ``Trainer(nonfinite_loss=...)`` accepts; see the Trainer docstring for what each does.
-NONFINITE_LOSS_MODES = ("warn", "skip", "stop", "raise", "ignore")
+import torch
 
-_MAX_TIME_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
-_MAX_TIME_FORMAT = "a 'DD:HH:MM:SS' string (e.g. '00:12:00:00'), a datetime.timedelta, or a dict such as {'hours': 12}"
+from phalanx.trainer.argument_checks import (
+    NONFINITE_LOSS_MODES,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    parse_max_time,
+    refuse_not_integrated,
+    reject_class,
+    resolve_root_dir,
+    shown,
+)
+from phalanx.trainer.barebones import check_barebones
+from phalanx.trainer.data import validate_limit
+from phalanx.trainer.loggers_and_callbacks import build_callbacks, build_loggers
+from phalanx.trainer.preemption import Preemption
+from phalanx.utilities.rank_zero import rank_zero_warn
 
+if TYPE_CHECKING:
+    from phalanx.callbacks.callback import Callback
 
-def shown(value: Any) -> str:
-    """``value`` for an error message: its repr, shortened, or the class name for a class."""
-    if isinstance(value, type):
-        return f"the class {value.__qualname__}"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+#: The Trainer arguments that choose and build its strategy (passed on to ``resolve_strategy``).
+STRATEGY_ARGUMENTS = ("accelerator", "strategy", "devices", "num_nodes", "precision", "plugins", "sync_batchnorm")
 
+_FLAGS = ("sync_batchnorm", "use_distributed_sampler", "inference_mode", "detect_anomaly", "barebones")
+_ENABLE_FLAGS = ("enable_progress_bar", "enable_checkpointing", "enable_model_summary")  # None: True
+_OPTIONAL_FLAGS = (*_ENABLE_FLAGS, "benchmark")
 
-def reject_class(name: str, value: Any, base: type, choices: str) -> None:
-    """Raise when ``value`` is a subclass of ``base`` (a class given where an instance is needed)."""
-    if isinstance(value, type) and issubclass(value, base):
-        suffix = f", or {choices}" if choices else ""
-        raise TypeError(
-            f"{name}={value.__qualname__} is a class, not an instance; pass an instance, e.g."
-            f" {value.__qualname__}(){suffix}."
-        )
-
-
-def parse_max_time(max_time: Any) -> float | None:
-    """``max_time`` in seconds (None: no limit)."""
-    if max_time is None:
-        return None
-    if isinstance(max_time, timedelta):
-        seconds = max_time.total_seconds()
-    elif isinstance(max_time, dict):
-        seconds = _max_time_from_dict(max_time)
-    elif isinstance(max_time, str):
-        match = re.fullmatch(r"(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})", max_time.strip())
-        if match is None:
-            raise ValueError(
-                f"max_time={max_time!r} is not valid; pass {_MAX_TIME_FORMAT}. The string must look like 'DD:HH:MM:SS'."
-            )
-        days, hours, minutes, secs = (int(part) for part in match.groups())
-        seconds = _timedelta_seconds(max_time, days=days, hours=hours, minutes=minutes, seconds=secs)
-    else:
-        raise TypeError(
-            f"max_time={shown(max_time)} (of type {type(max_time).__name__}) is not valid; pass {_MAX_TIME_FORMAT}."
-        )
-    if not seconds > 0:
-        raise ValueError(f"max_time={max_time!r} must be a positive duration; pass {_MAX_TIME_FORMAT}.")
-    return seconds
-
-
-def _max_time_from_dict(max_time: dict[Any, Any]) -> float:
-    unknown = [key for key in max_time if key not in _MAX_TIME_KEYS]
-    if unknown:
-        raise ValueError(f"max_time={max_time!r} has unknown key(s) {unknown}; valid keys: {list(_MAX_TIME_KEYS)}.")
-    for key, value in max_time.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(
-                f"max_time[{key!r}]={shown(value)} must be a number (int or float), e.g. max_time={{'hours': 12}}."
-            )
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(
-                f"max_time[{key!r}]={value!r} must be a finite number >= 0, e.g. max_time={{'hours': 12}}."
-            )
-    return _timedelta_seconds(max_time, **max_time)
-
-
-def _timedelta_seconds(given: Any, **parts: float) -> float:
-    try:
-        return timedelta(**parts).total_seconds()
-    except OverflowError:
-        raise ValueError(f"max_time={given!r} is longer than a datetime.timedelta can hold (999999999 days).") from None
-
-
-def check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:
-    """Raise unless ``value`` is an int >= ``minimum`` (or None when allowed)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(
-            f"{name}={shown(value)} is not valid; it must be an int >= {minimum}{' or None' if allow_none else ''}."
-        )
-
-
-def check_bool(name: str, value: Any, allow_none: bool = False) -> None:
-    """Raise unless ``value`` is True or False (or None when allowed): a string such as 'False' would count as True."""
-    if isinstance(value, bool) or (value is None and allow_none):
-        return
-    raise TypeError(
-        f"{name}={shown(value)} is not valid; pass True or False{' (or None for the default)' if allow_none else ''}."
-    )
-
-
-def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
-    """Raise unless ``value`` is one of ``choices`` (compared with their types, so that 1 is not True)."""
-    if not any(type(value) is type(choice) and value == choice for choice in choices):
-        names = [repr(choice) for choice in choices if choice is not None]
-        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-        raise ValueError(
-            f"{name}={shown(value)} is not valid; choose {listed}{' (or None)' if None in choices else ''}."
-        )
-
-
-def check_number(name: str, value: Any, minimum: float) -> None:
-    """Raise unless ``value`` is a finite int or float >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-        raise ValueError(f"{name}={shown(value)} is not valid; it must be a finite number >= {minimum}.")
-
-
-def resolve_root_dir(value: Any) -> str:
-    """``default_root_dir`` as a string (the working directory for None), refusing what cannot become a directory."""
-    if value is None:
-        return os.getcwd()
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(
-            f"default_root_dir={shown(value)} (of type {type(value).__name__}) is not valid; pass a path (str or"
-            " pathlib.Path) to a directory, or None for the working directory."
-        )
-    path = os.fspath(value)
-    if not isinstance(path, str):
-        raise TypeError(f"default_root_dir={shown(value)} is a bytes path; pass it as a str or pathlib.Path.")
-    if not path.strip():
-        raise ValueError("default_root_dir='' is not a path; pass a directory, or None for the working directory.")
-    if "\x00" in path:
-        raise ValueError(f"default_root_dir={path!r} contains a NUL character, which no file system accepts.")
-    if "://" in path:
-        return path  # a remote file system (fsspec URL): nothing to check locally
-    _check_directory_possible(Path(path), path)
-    return path
-
-
-def _check_directory_possible(path: Path, given: str) -> None:
-    # Every existing part of the path must be a directory, or nothing can be written below it.
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            if not candidate.is_dir():
-                where = "is an existing file" if candidate == path else f"is below the existing file {candidate}"
-                raise ValueError(f"default_root_dir={given!r} {where}; pass a directory (it is created when missing).")
-            return
-
-
-__all__ = [
-    "NONFINITE_LOSS_MODES",
-    "check_bool",
-    "check_choice",
-    "check_int",
-    "check_number",
-    "parse_max_time",
-    "reject_class",
-    "resolve_root_dir",
-    "shown",
-]
-
-
-# Lightning Trainer arguments phalanx takes but has no integration for: accepted as None (their default), otherwise
-# refused at construction with what to do instead.
-_NOT_INTEGRATED = {
-    "profiler": "phalanx has no profiler integration; wrap trainer.fit(...) in torch.profiler.profile(...) or start"
-    " one in a Callback",
-    "model_registry": "phalanx has no model registry integration; upload the checkpoint files ModelCheckpoint writes"
-    " yourself",
+# The arguments barebones=True refuses when they turn on what it turns off.
+_BAREBONES_CHECKED = (
+    "enable_checkpointing",
+    "logger",
+    "log_every_n_steps",
+    "enable_progress_bar",
+    "enable_model_summary",
+    "num_sanity_val_steps",
+    "fast_dev_run",
+    "detect_anomaly",
+)
+# What barebones=True turns off, and the value it sets instead.
+_BAREBONES_OFF = {
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
 }
 
 
-def refuse_not_integrated(**arguments: Any) -> None:
-    """Raise for a Lightning argument phalanx accepts only as None (``profiler``, ``model_registry``)."""
-    for name, value in arguments.items():
-        if value is not None:
-            raise ValueError(
-                f"{name}={shown(value)} is not supported: {_NOT_INTEGRATED[name]}. Pass {name}=None (the default)."
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The Trainer's arguments once resolved; each field is the Trainer attribute of the same name (``max_time``:
+    ``_max_time``, in seconds)."""
+
+    barebones: bool
+    detect_anomaly: bool
+    nonfinite_loss: str
+    default_root_dir: str
+    fast_dev_run: bool | int
+    max_epochs: int
+    min_epochs: int
+    max_steps: int
+    min_steps: int
+    max_time: float | None
+    accumulate_grad_batches: int
+    check_val_every_n_epoch: int | None
+    num_sanity_val_steps: int
+    log_every_n_steps: int
+    reload_dataloaders_every_n_epochs: int
+    limit_train_batches: int | float
+    limit_val_batches: int | float
+    limit_test_batches: int | float
+    limit_predict_batches: int | float
+    overfit_batches: int | float
+    val_check_interval: int | float
+    gradient_clip_val: int | float | None
+    gradient_clip_algorithm: str
+    preemption: Preemption | None
+    deterministic: bool | str | None
+    sync_batchnorm: bool
+    use_distributed_sampler: bool
+    inference_mode: bool
+    loggers: list[Any]
+    callbacks: list[Callback]
+
+    def trainer_attributes(self) -> dict[str, Any]:
+        """The Trainer attributes these settings become, by name."""
+        values = {field.name: getattr(self, field.name) for field in fields(self)}
+        values["_max_time"] = values.pop("max_time")
+        return values
+
+
+def resolve_arguments(given: Mapping[str, Any]) -> TrainerSettings:
+    """Check the Trainer's arguments ``given`` by name and resolve them into its settings; raise on the first bad one.
+
+    Raises a TypeError or ValueError naming the argument, the value and the valid choices.
+    """
+    _check_flags(given)
+    barebones = given["barebones"]
+    if barebones:
+        check_barebones(given["callbacks"], **{name: given[name] for name in _BAREBONES_CHECKED})
+        given = {**given, **_BAREBONES_OFF}
+    default_root_dir = resolve_root_dir(given["default_root_dir"])
+    fast_dev_batches = _fast_dev_batches(given["fast_dev_run"])
+    counts = _resolve_counts(given, barebones=barebones)
+    limits = _resolve_limits(given)
+    loop = {**counts, **limits, "val_check_interval": _resolve_val_check_interval(given["val_check_interval"])}
+    clipping = _resolve_clipping(given["gradient_clip_val"], given["gradient_clip_algorithm"])
+    if fast_dev_batches:
+        loop.update(_fast_dev_run_overrides(fast_dev_batches))
+    overfit_batches = validate_limit("overfit_batches", given["overfit_batches"])
+    if overfit_batches:  # wins over limit_*_batches and fast_dev_run for training and validation, as in Lightning
+        loop["limit_train_batches"] = loop["limit_val_batches"] = overfit_batches
+    preemption = _resolve_preemption(given["preemption"])
+    enabled = {name: True if given[name] is None else given[name] for name in _ENABLE_FLAGS}
+    return TrainerSettings(
+        barebones=barebones,
+        detect_anomaly=given["detect_anomaly"],
+        nonfinite_loss=given["nonfinite_loss"],
+        default_root_dir=default_root_dir,
+        fast_dev_run=fast_dev_batches if fast_dev_batches else False,
+        reload_dataloaders_every_n_epochs=given["reload_dataloaders_every_n_epochs"],
+        overfit_batches=overfit_batches,
+        preemption=preemption,
+        deterministic=given["deterministic"],
+        sync_batchnorm=given["sync_batchnorm"],
+        use_distributed_sampler=given["use_distributed_sampler"],
+        inference_mode=given["inference_mode"],
+        loggers=build_loggers(given["logger"] if not fast_dev_batches else False, default_root_dir=default_root_dir),
+        callbacks=build_callbacks(given["callbacks"], **enabled),
+        **loop,
+        **clipping,
+    )
+
+
+def _check_flags(given: Mapping[str, Any]) -> None:
+    refuse_not_integrated(profiler=given["profiler"], model_registry=given["model_registry"])
+    for name in _FLAGS:
+        check_bool(name, given[name])
+    for name in _OPTIONAL_FLAGS:
+        check_bool(name, given[name], allow_none=True)
+    check_choice("deterministic", given["deterministic"], (None, True, False, "warn"))
+    check_choice("nonfinite_loss", given["nonfinite_loss"], NONFINITE_LOSS_MODES)
+
+
+def _fast_dev_batches(fast_dev_run: Any) -> int:
+    """The number of batches ``fast_dev_run`` runs per stage (0: off)."""
+    if isinstance(fast_dev_run, bool):
+        return 1 if fast_dev_run else 0
+    if isinstance(fast_dev_run, int) and fast_dev_run >= 0:
+        return fast_dev_run
+    raise ValueError(
+        f"fast_dev_run={shown(fast_dev_run)} is not valid; it must be a bool or an int >= 0 (number of batches)."
+    )
+
+
+def _resolve_counts(given: Mapping[str, Any], *, barebones: bool) -> dict[str, Any]:
+    """The epoch, step and batch counts, checked, with their defaults."""
+    max_steps, max_epochs, min_epochs, min_steps = (
+        given["max_steps"],
+        given["max_epochs"],
+        given["min_epochs"],
+        given["min_steps"],
+    )
+    check_int("max_steps", max_steps, -1)
+    check_int("max_epochs", max_epochs, -1, allow_none=True)
+    check_int("min_epochs", min_epochs, 0, allow_none=True)
+    check_int("min_steps", min_steps, 0, allow_none=True)
+    if min_steps is not None and max_steps != -1 and min_steps > max_steps:
+        raise ValueError(
+            f"min_steps={min_steps} is more than max_steps={max_steps}; lower min_steps or raise max_steps."
+        )
+    if min_epochs is not None and max_epochs is not None and max_epochs != -1 and min_epochs > max_epochs:
+        raise ValueError(
+            f"min_epochs={min_epochs} is more than max_epochs={max_epochs}; lower min_epochs or raise max_epochs."
+        )
+    check_int("accumulate_grad_batches", given["accumulate_grad_batches"], 1)
+    check_int("check_val_every_n_epoch", given["check_val_every_n_epoch"], 1, allow_none=True)
+    check_int("num_sanity_val_steps", given["num_sanity_val_steps"], -1, allow_none=True)
+    check_int("log_every_n_steps", given["log_every_n_steps"], 1, allow_none=True)
+    check_int("reload_dataloaders_every_n_epochs", given["reload_dataloaders_every_n_epochs"], 0)
+    max_time = parse_max_time(given["max_time"])
+    if max_epochs is None:
+        max_epochs = 1000 if max_steps == -1 and max_time is None else -1
+    sanity_steps, log_every = given["num_sanity_val_steps"], given["log_every_n_steps"]
+    return {
+        "max_time": max_time,
+        "max_epochs": max_epochs,
+        "min_epochs": min_epochs or 0,
+        "min_steps": min_steps or 0,
+        "max_steps": max_steps,
+        "accumulate_grad_batches": given["accumulate_grad_batches"],
+        "check_val_every_n_epoch": given["check_val_every_n_epoch"],
+        "num_sanity_val_steps": 2 if sanity_steps is None else sanity_steps,
+        # barebones: 0, never log steps (only barebones sets 0; an argument of 0 is refused above)
+        "log_every_n_steps": 0 if barebones else 50 if log_every is None else log_every,
+    }
+
+
+def _resolve_limits(given: Mapping[str, Any]) -> dict[str, int | float]:
+    """``limit_{train,val,test,predict}_batches``, checked (None: all batches)."""
+    names = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
+    return {name: validate_limit(name, 1.0 if given[name] is None else given[name]) for name in names}
+
+
+def _resolve_val_check_interval(value: Any) -> int | float:
+    if value is None:
+        return 1.0
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not value > 0
+        or (isinstance(value, float) and not value <= 1.0)
+    ):
+        raise ValueError(
+            f"val_check_interval={shown(value)} is not valid; it must be a float in (0.0, 1.0] (fraction of an epoch)"
+            " or an int >= 1 (batches)."
+        )
+    return value
+
+
+def _resolve_clipping(gradient_clip_val: Any, gradient_clip_algorithm: Any) -> dict[str, Any]:
+    if gradient_clip_val is not None:
+        check_number("gradient_clip_val", gradient_clip_val, 0)
+    check_choice("gradient_clip_algorithm", gradient_clip_algorithm, (None, "norm", "value"))
+    return {"gradient_clip_val": gradient_clip_val, "gradient_clip_algorithm": gradient_clip_algorithm or "norm"}
+
+
+def _fast_dev_run_overrides(batches: int) -> dict[str, Any]:
+    """What ``fast_dev_run`` (``batches`` > 0) sets: that many batches of each stage, one epoch, no sanity check."""
+    return {
+        "limit_train_batches": batches,
+        "limit_val_batches": batches,
+        "limit_test_batches": batches,
+        "limit_predict_batches": batches,
+        "max_steps": batches,
+        "max_epochs": 1,
+        "num_sanity_val_steps": 0,
+        "val_check_interval": 1.0,
+        "check_val_every_n_epoch": 1,
+        "max_time": None,
+    }
+
+
+def _resolve_preemption(preemption: Any) -> Preemption | None:
+    reject_class("preemption", preemption, Preemption, "True or False")
+    if preemption is True:
+        return Preemption()
+    if preemption is False or preemption is None:
+        return None
+    if not isinstance(preemption, Preemption):
+        raise TypeError(
+            f"preemption={shown(preemption)} (of type {type(preemption).__name__}) is not valid; pass True, False or a"
+            " phalanx.trainer.Preemption instance."
+        )
+    return preemption
+
+
+def apply_process_switches(*, deterministic: bool | str | None, benchmark: bool | None) -> None:
+    """Set torch's process-wide switches for ``deterministic`` and ``benchmark`` (None leaves a switch as it is)."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=deterministic == "warn")
+        torch.backends.cudnn.deterministic = True
+    if benchmark is not None:
+        if benchmark and deterministic:
+            rank_zero_warn(
+                "benchmark=True picks the fastest (possibly non-deterministic) cuDNN kernels, against"
+                " deterministic=True."
             )
+        torch.backends.cudnn.benchmark = benchmark
 
 
-# Lightning Trainer attributes spelled differently here: reading one raises an AttributeError saying what to use.
-RENAMED_TRAINER_ATTRIBUTES = {"lightning_module": "trainer.module"}
+__all__ = ["STRATEGY_ARGUMENTS", "TrainerSettings", "apply_process_switches", "resolve_arguments"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.callbacks.callback import Callback
-from phalanx.trainer.arguments import shown
+from phalanx.trainer.argument_checks import shown
 from phalanx.trainer.logged_results import LoggedResults
 from phalanx.utilities.exceptions import MisconfigurationError
 from phalanx.utilities.rank_zero import rank_zero_info

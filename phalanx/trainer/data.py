@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator, Sized
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
 from phalanx.utilities.exceptions import CheckpointError
+from phalanx.utilities.seed import worker_init_fn
 
 if TYPE_CHECKING:
     from phalanx.datamodule import DataModule
     from phalanx.module import TrainingModule
+    from phalanx.trainer.trainer import Trainer
 
 _STAGE_METHOD = {
     "train": "train_dataloader",
@@ -180,3 +184,24 @@ def iterate_from(dataloader: Any, skip: int) -> Iterator[Any]:
             " resume with the data (and limit_train_batches) the checkpoint was saved with."
         ) from None
     return iterator
+
+
+def prepare_dataloader(trainer: Trainer, dataloader: Any, training: bool) -> Any:
+    """Shard the data across processes (when the strategy splits data), seed workers, let the strategy wrap it."""
+    strategy = trainer.strategy
+    sampler_kwargs = strategy.distributed_sampler_kwargs
+    if sampler_kwargs and trainer.use_distributed_sampler:
+        from phalanx.trainer.distributed_data import distributed_dataloader
+
+        seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
+        dataloader = distributed_dataloader(
+            dataloader, training=training, seed=seed, pad_evaluation=strategy.pads_evaluation, **sampler_kwargs
+        )
+    if (
+        os.environ.get("PHALANX_SEED_WORKERS") == "1"
+        and getattr(dataloader, "num_workers", 0) > 0
+        and dataloader.worker_init_fn is None
+    ):
+        # seed_everything(workers=True): every worker of every rank gets its own reproducible seed.
+        dataloader.worker_init_fn = partial(worker_init_fn, rank=trainer.global_rank)
+    return strategy.process_dataloader(dataloader)

@@ -11,9 +11,40 @@ if TYPE_CHECKING:
 
 
 class DeviceProperties:
-    """``accelerator``, ``precision_plugin``, ``device_ids`` and ``num_devices`` of the Trainer's strategy."""
+    """The ranks and the world size, ``accelerator``, ``precision_plugin``, ``device_ids`` and ``num_devices`` of the
+    Trainer's strategy."""
 
     strategy: Strategy
+
+    @property
+    def global_rank(self) -> int:
+        """This process's global rank."""
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node."""
+        return self.strategy.local_rank
+
+    @property
+    def node_rank(self) -> int:
+        """This node's rank."""
+        return self.strategy.node_rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes."""
+        return self.strategy.world_size
+
+    @property
+    def num_nodes(self) -> int:
+        """The number of nodes."""
+        return self.strategy.num_nodes
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is global rank 0."""
+        return self.strategy.is_global_zero
 
     @property
     def accelerator(self) -> Accelerator | None:

@@ -1,4 +1,4 @@
-"""Validation and test loops, and the predict loop."""
+"""Validation and test loops (the sanity check and validation during fit included), and the predict loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from phalanx.trainer.fit_data import reload_val_data_if_due
 from phalanx.trainer.logged_results import LoggedResults
+from phalanx.trainer.state import RunningStage
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -124,15 +126,43 @@ def run_evaluation(
                 output = step(batch, batch_idx, **extra)
                 for hook in batch_end:
                     hook(output, batch, batch_idx, dataloader_idx)
-        trainer._publish_epoch_metrics(results)
+        trainer._metrics.publish_epoch(results)
         module.__dict__["_current_fx"] = None
         hooks.call(f"on_{stage}_epoch_end")
-        epoch_metrics = trainer._publish_epoch_metrics(results)
+        epoch_metrics = trainer._metrics.publish_epoch(results)
         if trainer.loggers and not trainer.sanity_checking:
-            trainer._log_epoch_metrics(results)
+            trainer._metrics.log_epoch(results)
         hooks.call(f"on_{stage}_end")
         getattr(strategy, f"on_{stage}_end")()
     return epoch_metrics
+
+
+def sanity_check(trainer: Trainer) -> None:
+    """Before training: run ``num_sanity_val_steps`` validation batches per dataloader, then forget their metrics."""
+    steps = trainer.num_sanity_val_steps
+    if steps == 0 or not trainer.validation_enabled:
+        trainer.num_sanity_val_batches = []
+        return
+    limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._val_limits]
+    trainer.num_sanity_val_batches = limits
+    trainer.state.stage = RunningStage.SANITY_CHECKING
+    trainer._results = trainer._eval_results
+    trainer._hooks.call("on_sanity_check_start")
+    run_evaluation(trainer, "validation", trainer._val_dataloaders, limits, trainer._eval_results)
+    trainer._hooks.call("on_sanity_check_end")
+    # The sanity check only proves the validation code runs: its numbers must not reach callbacks or loggers.
+    trainer._metrics.reset()
+    trainer._eval_results.reset()
+    trainer.state.stage = None
+
+
+def run_validation_during_fit(trainer: Trainer) -> None:
+    """A validation epoch inside ``fit`` (the fit loop decides when), on fresh validation data when it is due."""
+    reload_val_data_if_due(trainer)
+    trainer.state.stage = RunningStage.VALIDATING
+    trainer._results = trainer._eval_results
+    run_evaluation(trainer, "validation", trainer._val_dataloaders, trainer._val_limits, trainer._eval_results)
+    trainer._results = trainer._train_results
 
 
 def split_by_dataloader(metrics: dict[str, torch.Tensor], count: int) -> list[dict[str, float]]:
@@ -147,6 +177,18 @@ def split_by_dataloader(metrics: dict[str, torch.Tensor], count: int) -> list[di
             for metrics_of_loader in per_loader:
                 metrics_of_loader[name] = number
     return per_loader
+
+
+def print_results(stage: str, results: list[dict[str, float]]) -> None:
+    """Print the metrics of each dataloader as a table (``verbose=True`` of validate and test)."""
+    for index, metrics in enumerate(results):
+        if not metrics:
+            continue
+        title = f"{stage} results" + (f" (dataloader {index})" if len(results) > 1 else "")
+        width = max(len(name) for name in metrics)
+        lines = [title, "-" * max(len(title), width + 16)]
+        lines += [f"{name:<{width}}  {value:.6g}" for name, value in sorted(metrics.items())]
+        print("\n".join(lines))
 
 
 def run_prediction(
@@ -194,7 +236,7 @@ def run_prediction(
 def _gather_in_dataset_order(strategy: Any, dataloader: Any, outputs: list[Any]) -> list[Any]:
     # Each rank predicted its own shard; every rank receives all of them, put back in dataset order and batched
     # as one process would have batched them.
-    from phalanx.trainer.distributed_data import batch_indices, reassemble_predictions
+    from phalanx.trainer.prediction_order import batch_indices, reassemble_predictions
     from phalanx.utilities.apply import apply_to_tensors
 
     indices = batch_indices(dataloader)[: len(outputs)]

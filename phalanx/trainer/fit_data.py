@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
-from phalanx.trainer.data import DataSource, empty_data_reason, limited_batches
+from phalanx.trainer.data import DataSource, empty_data_reason, limited_batches, prepare_dataloader
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
+    from phalanx.trainer.fit_loop import FitLoop
     from phalanx.trainer.trainer import Trainer
 
 
@@ -44,7 +45,7 @@ def prepare_train_data(trainer: Trainer, source: DataSource) -> None:
             f"fit() takes one training dataloader, got {len(train)}; combine the datasets into one DataLoader."
         )
     loader = overfit_loader(train[0], "training", trainer.overfit_batches)
-    trainer._train_dataloader = trainer._prepare_dataloader(loader, training=True)
+    trainer._train_dataloader = prepare_dataloader(trainer, loader, training=True)
     trainer.num_training_batches = limited_batches(
         trainer._train_dataloader, trainer.limit_train_batches, "limit_train_batches"
     )
@@ -62,7 +63,7 @@ def prepare_val_data(trainer: Trainer, source: DataSource, first: bool = False) 
     has_validation_step = type(module).validation_step is not TrainingModule.validation_step
     val = source.get("validate") if has_validation_step and trainer.limit_val_batches != 0 else []
     val = [overfit_loader(loader, "validation", trainer.overfit_batches) for loader in val]
-    trainer._val_dataloaders = [trainer._prepare_dataloader(loader, training=False) for loader in val]
+    trainer._val_dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in val]
     trainer._val_limits = [
         limited_batches(loader, trainer.limit_val_batches, "limit_val_batches") for loader in trainer._val_dataloaders
     ]
@@ -100,6 +101,43 @@ def schedule_validation(trainer: Trainer) -> None:
             " epoch;"
             " lower it, or pass check_val_every_n_epoch=None to count batches across epochs."
         )
+
+
+def val_check_due(trainer: Trainer, loop: FitLoop, is_last: bool) -> bool:
+    """After a training batch: whether validation runs now (``is_last``: the epoch's last batch, which validates at
+    the epoch's end instead unless validation counts batches across epochs)."""
+    every = trainer._val_every_batches
+    if every is None or not trainer.validation_enabled:
+        return False
+    if trainer._val_across_epochs:
+        return loop.total_batches % every == 0
+    every_n_epochs = trainer.check_val_every_n_epoch  # _validating_epoch, inlined: this runs after every batch
+    if every_n_epochs is not None and (loop.current_epoch + 1) % every_n_epochs != 0:
+        return False
+    return not is_last and loop.batches_done % every == 0
+
+
+def epoch_end_validation_due(trainer: Trainer, loop: FitLoop) -> bool:
+    """At an epoch's end: whether validation runs (once per epoch end, not again after a batch that validated)."""
+    if not trainer.validation_enabled or trainer._val_across_epochs:
+        return False
+    if not _validating_epoch(trainer, loop):
+        return False
+    if loop._last_validated_at == loop.total_batches:
+        return False
+    interval = trainer.val_check_interval
+    if isinstance(interval, int):
+        return loop.batches_done % interval == 0
+    if interval < 1.0 and trainer._val_every_batches:
+        # A fraction validates every int(fraction * batches) batches, as in Lightning: 0.3 of 32 batches is batches
+        # 9, 18 and 27, not also the epoch's end.
+        return loop.batches_done % trainer._val_every_batches == 0
+    return True
+
+
+def _validating_epoch(trainer: Trainer, loop: FitLoop) -> bool:
+    every_n_epochs = trainer.check_val_every_n_epoch
+    return every_n_epochs is None or (loop.current_epoch + 1) % every_n_epochs == 0
 
 
 def _reload_due(trainer: Trainer, built_at: int) -> bool:
@@ -161,6 +199,7 @@ def overfit_loader(loader: Any, stage: str, overfit_batches: int | float) -> Any
 
 
 __all__ = [
+    "epoch_end_validation_due",
     "overfit_loader",
     "prepare_fit_data",
     "prepare_train_data",
@@ -168,4 +207,5 @@ __all__ = [
     "reload_train_data_if_due",
     "reload_val_data_if_due",
     "schedule_validation",
+    "val_check_due",
 ]

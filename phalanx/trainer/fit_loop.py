@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor
 
 from phalanx.trainer.data import empty_data_reason, iterate_from
-from phalanx.trainer.fit_data import reload_train_data_if_due
+from phalanx.trainer.evaluation_loop import run_validation_during_fit
+from phalanx.trainer.fit_data import epoch_end_validation_due, reload_train_data_if_due, val_check_due
 from phalanx.trainer.nonfinite import NonFiniteLossCheck, SkippedBatch
+from phalanx.trainer.optimizer import call_step_hook, step_schedulers
+from phalanx.trainer.preemption import save_if_preempted
 from phalanx.trainer.state import RunningStage
-from phalanx.utilities.exceptions import CheckpointError, MisconfigurationError
+from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states, restore_rng_states
 
@@ -104,9 +107,9 @@ class FitLoop:
         restored, self._restored = self._restored, None
         self.nonfinite = NonFiniteLossCheck(trainer, self.global_step)
         if trainer.num_training_batches == 0:
-            return  # _prepare_fit_data warned, naming the cause; an epoch without batches would never reach max_steps
+            return  # prepare_fit_data warned, naming the cause; an epoch without batches would never reach max_steps
         if restored is not None:
-            trainer._callback_metrics.update(restored["callback_metrics"])
+            trainer._metrics.callback.update(restored["callback_metrics"])
         if restored is not None and self.phase in (_VALIDATED, _ENDED):
             if restored["rng"] is not None:
                 restore_rng_states(restored["rng"])
@@ -145,20 +148,23 @@ class FitLoop:
     def _run_epoch(self, restored: dict[str, Any] | None) -> None:
         trainer = self.trainer
         reload_train_data_if_due(trainer)
-        strategy = trainer.strategy
-        hooks = trainer._hooks
         dataloader = trainer._train_dataloader
         self.num_batches = trainer.num_training_batches
         trainer.state.stage = RunningStage.TRAINING
         trainer._train_results.reset()
-
-        sampler = getattr(dataloader, "sampler", None)
-        for candidate in (sampler, getattr(dataloader, "batch_sampler", None)):
+        for candidate in (getattr(dataloader, "sampler", None), getattr(dataloader, "batch_sampler", None)):
             set_epoch = getattr(candidate, "set_epoch", None)
             if set_epoch is not None:
                 set_epoch(self.current_epoch)
+        trainer._hooks.call("on_train_epoch_start")
+        iterator, skip = self._epoch_iterator(dataloader, restored)
+        # A checkpoint saved in on_train_batch_end resumes with that batch's validation and stop checks.
+        stop = self._after_batch(trainer._deadline) if skip and self.phase == _BATCH_END else False
+        exhausted, skipped_by_hook = (False, False) if stop else self._run_batches(iterator)
+        self._end_epoch(exhausted, skipped_by_hook)
 
-        hooks.call("on_train_epoch_start")
+    def _epoch_iterator(self, dataloader: Any, restored: dict[str, Any] | None) -> tuple[Iterator[Any], int]:
+        """The epoch's batch iterator, past the batches a resumed epoch already trained on; and their number."""
         skip = 0
         if restored is not None and self.batches_done > 0:
             # Recreate the epoch's iterator from the generator states it was made with, pass the batches already
@@ -181,72 +187,76 @@ class FitLoop:
         iterator = iterate_from(dataloader, skip)
         if skip and restored is not None and restored["rng"] is not None:
             restore_rng_states(restored["rng"])
+        return iterator, skip
 
-        module = strategy.module
-        assert module is not None
+    def _run_batches(self, iterator: Iterator[Any]) -> tuple[bool, bool]:
+        """Train on the epoch's batches until its end or a stop; return (the data ran out or on_train_batch_start
+        ended the epoch, it was on_train_batch_start)."""
+        # The step's collaborators, looked up once per epoch rather than once per batch.
+        trainer = self.trainer
+        strategy = trainer.strategy
+        hooks = trainer._hooks
         batch_start_hooks = hooks["on_train_batch_start"]
         batch_end_hooks = hooks["on_train_batch_end"]
         results = trainer._train_results
+        metrics = trainer._metrics
         num_batches = self.num_batches
-        automatic = module.automatic_optimization
+        run_batch = self._automatic_batch if strategy.module.automatic_optimization else self._manual_batch
+        move_batch = hooks.move_batch
         deadline = trainer._deadline
         loggers = trainer.loggers
         log_every = trainer.log_every_n_steps
-        run_batch = self._automatic_batch if automatic else self._manual_batch
-        move_batch = hooks.move_batch
-        exhausted = False
-        skipped_by_hook = False
         stop = False
-        if skip and self.phase == _BATCH_END:
-            stop = self._after_batch(deadline)
-
         while not stop and self.batches_done < num_batches:
             try:
                 batch = next(iterator)
             except StopIteration:
-                exhausted = True
-                break
+                return True, False
             batch_idx = self.batches_done
             batch = move_batch(batch)
             results.new_batch(batch)
             skip_rest = bool(batch_start_hooks) and any([hook(batch, batch_idx) == -1 for hook in batch_start_hooks])
             strategy.on_train_batch_start(batch, batch_idx)  # after the module and callbacks, as in Lightning
             if skip_rest:
-                exhausted = skipped_by_hook = True
-                break
+                return True, True
             output = run_batch(batch, batch_idx)
             self.batches_done += 1
             self.total_batches += 1
             if results.step_updated:
-                trainer._publish_step_metrics(results)
+                metrics.publish_step(results)
             self.phase = _BATCH_END
             for hook in batch_end_hooks:
                 hook(output, batch, batch_idx)
             if log_every and self.total_batches % log_every == 0:  # 0: barebones, no step logging
                 if loggers:
-                    trainer._log_step_metrics()
+                    metrics.log_step()
                 self.nonfinite.report()
             stop = self._after_batch(deadline)
+        return False, False
 
-        if automatic and self._accumulated:
+    def _end_epoch(self, exhausted: bool, skipped_by_hook: bool) -> None:
+        """After the batch loop: step on what is accumulated, then end the epoch, or leave it open when training
+        stopped inside it."""
+        trainer = self.trainer
+        if self._accumulated and trainer.strategy.module.automatic_optimization:
             self._flush_accumulated()
         self._skip_window = False
         if exhausted and self.batches_done == 0 and self._epoch_cannot_train(skipped_by_hook):
             trainer._stop_now = True
             stopped_inside_epoch = True
         else:
-            stopped_inside_epoch = not exhausted and self.batches_done < num_batches
+            stopped_inside_epoch = not exhausted and self.batches_done < self.num_batches
         if stopped_inside_epoch:
             # Stopped inside the epoch (max_steps, max_time, a stop request): callbacks see the epoch end, but the
             # progress stays mid-epoch so that a resumed run continues at the next batch.
-            trainer._publish_epoch_metrics(trainer._train_results)
-            hooks.call("on_train_epoch_end")
+            trainer._metrics.publish_epoch(trainer._train_results)
+            trainer._hooks.call("on_train_epoch_end")
             if trainer.loggers:
-                trainer._log_epoch_metrics(trainer._train_results)
+                trainer._metrics.log_epoch(trainer._train_results)
             return
         self.phase = _VALIDATED
-        trainer._publish_epoch_metrics(trainer._train_results)
-        if trainer._epoch_end_validation_due(self):
+        trainer._metrics.publish_epoch(trainer._train_results)
+        if epoch_end_validation_due(trainer, self):
             self._validate(window_done=True)
         self._finish_epoch()
 
@@ -268,12 +278,12 @@ class FitLoop:
 
     def _finish_epoch(self) -> None:
         trainer = self.trainer
-        trainer._step_schedulers("epoch")
+        step_schedulers(trainer, "epoch")
         self.phase = _ENDED
         trainer._hooks.call("on_train_epoch_end")
-        trainer._publish_epoch_metrics(trainer._train_results)
+        trainer._metrics.publish_epoch(trainer._train_results)
         if trainer.loggers:
-            trainer._log_epoch_metrics(trainer._train_results)
+            trainer._metrics.log_epoch(trainer._train_results)
         self.nonfinite.report()
         self._advance_epoch()
 
@@ -286,7 +296,7 @@ class FitLoop:
     def _after_batch(self, deadline: float | None) -> bool:
         """The validation check and stop check that follow each batch; True when training must stop."""
         trainer = self.trainer
-        due = trainer._val_check_due(self, is_last=self.batches_done >= self.num_batches)
+        due = val_check_due(trainer, self, is_last=self.batches_done >= self.num_batches)
         # From here a checkpoint (e.g. one saved when this validation ends) resumes at the next batch.
         self.phase = _IN_BATCHES
         if due:
@@ -296,7 +306,7 @@ class FitLoop:
                 or self.batches_done % accumulate == 0
                 or self.batches_done >= self.num_batches
             )
-        if trainer.preemption is not None and trainer._preemption_requested(self.total_batches):
+        if trainer.preemption is not None and save_if_preempted(trainer, self.total_batches):
             trainer._stop_now = True
             return True
         if self._stop_requested(deadline):
@@ -336,7 +346,7 @@ class FitLoop:
         if self._release_grads is not None and window_done:
             # As in Lightning: never in the middle of an accumulation window, whose gradients are still needed.
             self._release_grads()
-        trainer._run_validation_during_fit()
+        run_validation_during_fit(trainer)
         trainer.state.stage = RunningStage.TRAINING
 
     # ------------------------------------------------------------------ one batch
@@ -430,7 +440,7 @@ class FitLoop:
         if step_hook is None:
             strategy.optimizer_step(optimizer, closure, strategy.module)
         else:
-            self._call_step_hook(step_hook, closure, batch_idx)
+            call_step_hook(step_hook, self._step_handle, closure, self.current_epoch, batch_idx, strategy.module)
         for hook in self._before_zero_grad_hooks:
             hook(optimizer)
         if self._zero_grad_hook is None:
@@ -440,43 +450,7 @@ class FitLoop:
         self._accumulated = 0
         self.global_step += 1
         if trainer._step_scheduler_configs:
-            trainer._step_schedulers("step")
-
-    def _call_step_hook(self, step_hook: Callable[..., Any], closure: Any, batch_idx: int) -> None:
-        """The module's ``optimizer_step`` override, given the handle whose ``step(closure)`` is the strategy's step."""
-        runs = 0
-        result: Tensor | None = None
-
-        def optimizer_closure() -> Tensor | None:
-            nonlocal runs, result
-            runs += 1
-            result = closure()
-            return result
-
-        def closure_already_run() -> Tensor | None:
-            # ``optimizer_closure(); optimizer.step()``: the step sees the loss computed (the precision plugin needs
-            # it).
-            if not runs:
-                raise self._closure_not_run(batch_idx)
-            return result
-
-        handle = self._step_handle
-        handle._closure_if_none = closure_already_run
-        try:
-            step_hook(self.current_epoch, batch_idx, handle, optimizer_closure)
-        finally:
-            handle._closure_if_none = None
-        if not runs:
-            raise self._closure_not_run(batch_idx)
-
-    def _closure_not_run(self, batch_idx: int) -> MisconfigurationError:
-        # Without the closure, training_step and backward never run: the batch would be silently skipped.
-        return MisconfigurationError(
-            f"{type(self.trainer.strategy.module).__name__}.optimizer_step did not run the optimizer_closure it was"
-            f" given (epoch {self.current_epoch}, batch_idx {batch_idx}), so training_step and backward never ran."
-            " Call optimizer.step(closure=optimizer_closure), or optimizer_closure() alone to skip the update; if your"
-            " optimizer's step() ignores its closure, call optimizer_closure() before it."
-        )
+            step_schedulers(trainer, "step")
 
     def _manual_batch(self, batch: Any, batch_idx: int) -> Any:
         module = self.trainer.strategy.module

@@ -248,7 +248,7 @@ def _with_fx_name(module: TrainingModule, name: str) -> Callable[..., Any]:
         trainer = module._trainer
         if publishes_epoch_metrics and trainer is not None and trainer._results is not None:
             # What the module logged at epoch end must be visible to the monitoring callbacks called next.
-            trainer._publish_epoch_metrics(trainer._results)
+            trainer._metrics.publish_epoch(trainer._results)
         return result
 
     return call_module_hook

@@ -1,12 +1,18 @@
-"""The optimizer handle of ``TrainingModule.optimizers()`` and of the ``optimizer_step`` hook."""
+"""Optimization during ``fit``: the optimizer handle of ``TrainingModule.optimizers()`` and of the ``optimizer_step``
+hook, the checks of the optimizers a module configured, and the stepping of its LR schedulers."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from torch import Tensor
 from torch.optim import Optimizer
 
+from phalanx.utilities.exceptions import MisconfigurationError
+from phalanx.utilities.rank_zero import rank_zero_warn
+
 if TYPE_CHECKING:
+    from phalanx.module import TrainingModule
     from phalanx.trainer.trainer import Trainer
 
 
@@ -69,3 +75,108 @@ class ManualOptimizer:
 
     def __repr__(self) -> str:
         return f"ManualOptimizer({self.optimizer!r})"
+
+
+def call_step_hook(
+    step_hook: Callable[..., Any],
+    handle: ManualOptimizer,
+    closure: Callable[[], Any],
+    epoch: int,
+    batch_idx: int,
+    module: Any,
+) -> None:
+    """Call the module's ``optimizer_step`` override with ``handle``, whose ``step(closure)`` is the strategy's step;
+    refuse an override that never ran the closure."""
+    runs = 0
+    result: Tensor | None = None
+
+    def optimizer_closure() -> Tensor | None:
+        nonlocal runs, result
+        runs += 1
+        result = closure()
+        return result
+
+    def closure_already_run() -> Tensor | None:
+        # ``optimizer_closure(); optimizer.step()``: the step sees the loss computed (the precision plugin needs it).
+        if not runs:
+            raise _closure_not_run(module, epoch, batch_idx)
+        return result
+
+    handle._closure_if_none = closure_already_run
+    try:
+        step_hook(epoch, batch_idx, handle, optimizer_closure)
+    finally:
+        handle._closure_if_none = None
+    if not runs:
+        raise _closure_not_run(module, epoch, batch_idx)
+
+
+def _closure_not_run(module: Any, epoch: int, batch_idx: int) -> MisconfigurationError:
+    # Without the closure, training_step and backward never run: the batch would be silently skipped.
+    return MisconfigurationError(
+        f"{type(module).__name__}.optimizer_step did not run the optimizer_closure it was given (epoch {epoch},"
+        f" batch_idx {batch_idx}), so training_step and backward never ran. Call"
+        " optimizer.step(closure=optimizer_closure), or optimizer_closure() alone to skip the update; if your"
+        " optimizer's step() ignores its closure, call optimizer_closure() before it."
+    )
+
+
+def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
+    """After the strategy's setup: the optimizer handles, the loss divisor and the schedulers of this fit; refuse
+    Trainer options the module's kind of optimization cannot honour."""
+    strategy = trainer.strategy
+    optimizers = strategy.optimizers
+    trainer._manual_optimizers = [ManualOptimizer(optimizer, trainer) for optimizer in optimizers]
+    trainer._loss_divisor = trainer.accumulate_grad_batches if not strategy.handles_gradient_accumulation else 1
+    if module.automatic_optimization:
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"configure_optimizers returned {len(optimizers)} optimizers; automatic optimization uses exactly one."
+                " For several optimizers (e.g. GANs) set self.automatic_optimization = False and step them in"
+                " training_step."
+            )
+        trainer._optimizer = optimizers[0]
+        configs = strategy.lr_scheduler_configs
+    else:
+        if trainer.gradient_clip_val:
+            raise ValueError(
+                "gradient_clip_val is for automatic optimization; with manual optimization call"
+                " self.clip_gradients(optimizer, ...) in training_step."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "accumulate_grad_batches is for automatic optimization; with manual optimization accumulate in"
+                " training_step."
+            )
+        trainer._optimizer = None
+        configs = []  # in manual optimization the user steps schedulers
+    trainer._step_scheduler_configs = [c for c in configs if c.interval == "step"]
+    trainer._epoch_scheduler_configs = [c for c in configs if c.interval == "epoch"]
+
+
+def step_schedulers(trainer: Trainer, interval: str) -> None:
+    """Step the LR schedulers of ``interval`` ('step' or 'epoch') that are due at the current step or epoch."""
+    configs = trainer._step_scheduler_configs if interval == "step" else trainer._epoch_scheduler_configs
+    counter = trainer.fit_loop.global_step if interval == "step" else trainer.fit_loop.current_epoch + 1
+    module = trainer.strategy.module
+    assert module is not None
+    for config in configs:
+        if counter % config.frequency:
+            continue
+        metric = None
+        if config.reduce_on_plateau:
+            metric = trainer.callback_metrics.get(config.monitor)
+            if metric is None:
+                if config.strict:
+                    raise ValueError(
+                        f"The LR scheduler monitors {config.monitor!r}, which was not logged. Logged metrics:"
+                        f" {sorted(trainer.callback_metrics)}. Set 'strict': False to skip the step instead."
+                    )
+                rank_zero_warn(
+                    f"The LR scheduler monitors {config.monitor!r}, which was not logged; its step is skipped."
+                )
+                continue
+        module.lr_scheduler_step(config.scheduler, metric)
+
+
+__all__ = ["ManualOptimizer", "call_step_hook", "prepare_optimization", "step_schedulers"]

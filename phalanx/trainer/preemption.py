@@ -108,3 +108,20 @@ class Preemption:
             rank_zero_warn(
                 f"Requeueing SLURM job {job_id} with {command} failed ({result.returncode}): {result.stderr.strip()}"
             )
+
+
+def save_if_preempted(trainer: Trainer, batches: int) -> bool:
+    """After a batch (``batches`` so far): when all ranks agree a preemption signal came, save a checkpoint together,
+    requeue the job if asked, mark the Trainer preempted and return True (the fit loop then stops)."""
+    preemption = trainer.preemption
+    if preemption is None or not preemption.requested(trainer, batches):
+        return False
+    signame = preemption.received.name if preemption.received is not None else "a signal on another rank"
+    path = os.path.join(
+        trainer.checkpoint_dir, f"preempted-epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt"
+    )
+    rank_zero_info(f"Preempted ({signame}): saving {path} and stopping.")
+    trainer.save_checkpoint(path)
+    preemption.requeue_job(trainer)
+    trainer.preempted = True
+    return True

@@ -19,7 +19,7 @@ from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
-from phalanx.trainer.arguments import reject_class, shown
+from phalanx.trainer.argument_checks import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -136,25 +136,18 @@ def resolve_strategy(
         raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1.")
     precision_name = normalize_precision(precision)
     given = _Plugins(plugins)
-    precision_plugin, checkpoint_io = given.precision, given.checkpoint_io
-    if precision_plugin is not None and precision_name != "32-true":
+    if given.precision is not None and precision_name != "32-true":
         raise ValueError(
-            f"Both precision={precision!r} and a Precision plugin ({type(precision_plugin).__name__}) were given; pass"
+            f"Both precision={precision!r} and a Precision plugin ({type(given.precision).__name__}) were given; pass"
             " only one."
         )
-
     if isinstance(strategy, Strategy):
-        built = _complete_strategy_instance(strategy, accelerator, precision_name, precision_plugin, checkpoint_io)
+        built = _complete_strategy_instance(strategy, accelerator, precision_name, given.precision, given.checkpoint_io)
         refuse_parallel_on_mps(type(built), built.accelerator, f"a {type(built).__name__} instance")
         if isinstance(built, ParallelStrategy):
             assert built.accelerator is not None
-            _configure_parallel(
-                built,
-                built.parallel_devices or built.accelerator.get_parallel_devices(devices),
-                num_nodes,
-                sync_batchnorm,
-                given,
-            )
+            devices_of_built = built.parallel_devices or built.accelerator.get_parallel_devices(devices)
+            _configure_parallel(built, devices_of_built, num_nodes, sync_batchnorm, given)
         return built
     reject_class("strategy", strategy, Strategy, f"a registered name: {['auto', *STRATEGY_REGISTRY.available()]}")
     if not isinstance(strategy, str):
@@ -162,14 +155,17 @@ def resolve_strategy(
             f"strategy={shown(strategy)} (of type {type(strategy).__name__}) is not valid; pass a registered name"
             f" ({['auto', *STRATEGY_REGISTRY.available()]}) or a Strategy instance."
         )
-
     accelerator_instance = resolve_accelerator(accelerator)
-    parallel_devices = accelerator_instance.get_parallel_devices(devices)
-    process_count = len(parallel_devices) * num_nodes
+    return _build_registered(
+        strategy, accelerator_instance, devices, num_nodes, precision_name, sync_batchnorm=sync_batchnorm, given=given
+    )
+
+
+def _registered_name(strategy: str, devices: Any, num_nodes: int, process_count: int, accelerator: Accelerator) -> str:
+    """The registry name ``strategy`` stands for ('auto': the accelerator's choice, e.g. DDP for several processes)."""
     name = strategy.lower()
     if name == "auto":
-        # The accelerator names its default strategies ('ddp'/'single_device'; 'xla'/'single_xla' on XLA devices).
-        name = accelerator_instance.auto_strategy(process_count)
+        name = accelerator.auto_strategy(process_count)  # 'ddp'/'single_device'; 'xla'/'single_xla' on XLA devices
         if process_count > 1 and name not in STRATEGY_REGISTRY:
             raise ValueError(
                 f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a"
@@ -180,11 +176,27 @@ def resolve_strategy(
             f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a"
             " Strategy instance."
         )
+    return name
 
+
+def _build_registered(
+    strategy: str,
+    accelerator: Accelerator,
+    devices: Any,
+    num_nodes: int,
+    precision_name: str,
+    *,
+    sync_batchnorm: bool,
+    given: _Plugins,
+) -> Strategy:
+    # A strategy named in the registry, built and completed with the Trainer's arguments.
+    parallel_devices = accelerator.get_parallel_devices(devices)
+    process_count = len(parallel_devices) * num_nodes
+    name = _registered_name(strategy, devices, num_nodes, process_count, accelerator)
     strategy_class = STRATEGY_REGISTRY.get_class(name)
-    refuse_parallel_on_mps(strategy_class, accelerator_instance, repr(strategy))
+    refuse_parallel_on_mps(strategy_class, accelerator, repr(strategy))
     make_plugin = getattr(strategy_class, "precision_plugin_for", None) or precision_plugin_for
-    plugin = precision_plugin if precision_plugin is not None else make_plugin(precision_name, accelerator_instance)
+    plugin = given.precision if given.precision is not None else make_plugin(precision_name, accelerator)
     if name == "single_device" or (
         isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceStrategy)
     ):
@@ -195,19 +207,18 @@ def resolve_strategy(
             )
         if sync_batchnorm:
             rank_zero_warn("sync_batchnorm=True has no effect with a single device.")
-        built = STRATEGY_REGISTRY.get(
+        return STRATEGY_REGISTRY.get(
             name,
             device=parallel_devices[0],
-            accelerator=accelerator_instance,
+            accelerator=accelerator,
             precision_plugin=plugin,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=given.checkpoint_io,
         )
-        return built
     built = STRATEGY_REGISTRY.get(name)
-    built.accelerator = accelerator_instance
+    built.accelerator = accelerator
     built.precision_plugin = plugin
-    if checkpoint_io is not None:
-        built.checkpoint_io = checkpoint_io
+    if given.checkpoint_io is not None:
+        built.checkpoint_io = given.checkpoint_io
     if isinstance(built, ParallelStrategy):
         _configure_parallel(built, parallel_devices, num_nodes, sync_batchnorm, given)
     elif process_count > 1:

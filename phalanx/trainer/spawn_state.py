@@ -54,9 +54,9 @@ class TrainerWorkerState:
             progress["total_batches"],
             progress["phase"],
         )
-        trainer._callback_metrics = state["callback_metrics"]
+        trainer._metrics.callback = state["callback_metrics"]
         trainer.preempted = state["preempted"]
-        trainer._logged_metrics = state["logged_metrics"]
+        trainer._metrics.logged = state["logged_metrics"]
         for callback, callback_state in zip(trainer.callbacks, state["callbacks"]):
             if callback_state:
                 callback.load_state_dict(callback_state)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import inspect
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
@@ -52,3 +54,22 @@ def is_plain(value: Any) -> bool:
     if isinstance(value, dict):
         return all(isinstance(key, (str, int)) and is_plain(item) for key, item in value.items())
     return False
+
+
+def select_hyperparameters(args: tuple[Any, ...], *, ignore: Any, frame: FrameType | None) -> dict[str, Any]:
+    """What ``save_hyperparameters(*args, ignore=...)`` records: a dict/Namespace, or named or all __init__ args."""
+    ignored = {ignore} if isinstance(ignore, str) else set(ignore or ())
+    if len(args) == 1 and isinstance(args[0], (Mapping, argparse.Namespace)):
+        values = dict(vars(args[0]) if isinstance(args[0], argparse.Namespace) else args[0])
+    else:
+        init_args = init_arguments_of_frame(frame) if frame is not None else {}
+        if args:
+            unknown = [name for name in args if name not in init_args]
+            if unknown:
+                raise ValueError(
+                    f"save_hyperparameters got {unknown}, which are not arguments of __init__: {sorted(init_args)}."
+                )
+            values = {name: init_args[name] for name in args}
+        else:
+            values = init_args
+    return {key: value for key, value in values.items() if key not in ignored}

@@ -73,6 +73,7 @@ def test_sharded_strategies_match_the_trainer_and_ddp_and_the_trainer_resumes_th
 
 
 def test_the_custom_loop_example_trains_on_two_processes_and_saves_a_trainer_format_checkpoint(tmp_path):
+    import csv
     import re
     import sys
     from pathlib import Path
@@ -82,7 +83,10 @@ def test_the_custom_loop_example_trains_on_two_processes_and_saves_a_trainer_for
     example = Path(__file__).resolve().parents[2] / "examples" / "custom_loop.py"
     ckpt = tmp_path / "last.ckpt"
     job = run(
-        [sys.executable, str(example), "--strategy", "ddp", "--devices", "2", "--epochs", "3", "--ckpt", str(ckpt)],
+        [
+            *(sys.executable, str(example), "--strategy", "ddp", "--devices", "2", "--epochs", "3"),
+            *("--ckpt", str(ckpt), "--accumulate", "2", "--logs", str(tmp_path / "logs")),
+        ],
         env=clean_environment(),
         cwd=tmp_path,
         timeout=180,
@@ -93,5 +97,9 @@ def test_the_custom_loop_example_trains_on_two_processes_and_saves_a_trainer_for
     assert "final loss" in job.stdout
     checkpoint = torch.load(ckpt, weights_only=True)
     assert checkpoint["epoch"] == 3 and checkpoint["cohort"]["objects"] == {"epoch": 3}
-    assert checkpoint["global_step"] == 3 * 512 // (32 * 2)  # 8 steps an epoch on each of the 2 ranks
+    assert checkpoint["global_step"] == 3 * 512 // (32 * 2) // 2  # 8 batches an epoch per rank, 2 per step
     assert set(checkpoint["state_dict"]) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    with open(tmp_path / "logs" / "custom_loop" / "version_0" / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))  # written once, by rank zero, when train() returned
+    assert [row["step"] for row in rows] == ["4", "8", "12"]
+    assert [float(row["train_loss"]) for row in rows] == pytest.approx(losses, abs=1e-4)

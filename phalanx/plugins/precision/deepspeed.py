@@ -125,6 +125,7 @@ class DeepSpeedPrecision(Precision):
             raise ValueError(
                 f"DeepSpeed clips gradients inside engine.step() with the config's 'gradient_clipping'"
                 f" ({self.engine_gradient_clipping}); clipping to {clip_val} here cannot work. Set the threshold with"
-                " Trainer(gradient_clip_val=...) or 'gradient_clipping' in the DeepSpeed config."
+                " Trainer(gradient_clip_val=...) or 'gradient_clipping' in the DeepSpeed config"
+                " (DeepSpeedStrategy(config={'gradient_clipping': ...}) when you drive it from a Cohort)."
             )
         return None

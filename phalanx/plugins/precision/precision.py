@@ -109,8 +109,7 @@ class Precision:
         before_step: BeforeStep | None = None,
         **kwargs: Any,
     ) -> Any:
-        """Step ``optimizer``: ``closure`` (loss and gradients, passed on so LBFGS-like optimizers work),
-        ``before_step``, the update."""
+        """Step ``optimizer``: ``closure`` (passed on, for LBFGS-like optimizers), then ``before_step``, the update."""
         if evaluates_closure_once(optimizer):
             # Same result as optimizer.step(closure=...) for these optimizers, without its per-step overhead.
             result = closure()
@@ -122,6 +121,8 @@ class Precision:
     def _wrap_closure(
         self, optimizer: Optimizer, closure: Callable[[], Any], before_step: BeforeStep | None
     ) -> Callable[[], Any]:
+        """``closure``, followed by ``_after_closure``: what ``optimizer.step(closure=...)`` receives."""
+
         def closure_then_prepare_step() -> Any:
             result = closure()
             self._after_closure(optimizer, before_step)
@@ -130,7 +131,7 @@ class Precision:
         return closure_then_prepare_step
 
     def _after_closure(self, optimizer: Optimizer, before_step: BeforeStep | None) -> None:
-        # Gradients are final here: the driver's before-step callback (on_before_optimizer_step hooks, clipping).
+        """Gradients are final here: run the driver's ``before_step`` (on_before_optimizer_step hooks, clipping)."""
         if before_step is not None:
             before_step(optimizer)
 
@@ -140,8 +141,7 @@ class Precision:
     def clip_gradients(
         self, optimizer: Optimizer, clip_val: float | int, gradient_clip_algorithm: str = "norm"
     ) -> Tensor | None:
-        """Clip the gradients of ``optimizer``'s parameters by total norm or by value; returns the norm when clipping by
-        norm."""
+        """Clip ``optimizer``'s gradients by total norm or by value; return the total norm when clipping by norm."""
         # Check the algorithm first: a typo must fail on the first step, not only once gradients exist.
         self._check_clip_algorithm(gradient_clip_algorithm)
         parameters = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

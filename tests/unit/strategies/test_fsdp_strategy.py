@@ -99,9 +99,16 @@ class _NoConfigureModel(phalanx.TrainingModule):
         return batch.sum()
 
 
-def test_model_parallel_needs_configure_model():
-    with pytest.raises(TypeError, match=r"ModelParallelStrategy needs _NoConfigureModel.configure_model\(\)"):
-        ModelParallelStrategy().connect(_NoConfigureModel())
+@pytest.mark.parametrize(
+    "module",
+    [_NoConfigureModel(), torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2))],
+    ids=["training_module_without_configure_model", "plain_linear", "plain_sequential"],
+)
+def test_model_parallel_needs_configure_model(module):
+    # a plain nn.Module (for example through Cohort.setup) is refused with the same message, not an AttributeError
+    name = type(module).__name__
+    with pytest.raises(TypeError, match=rf"ModelParallelStrategy needs a TrainingModule whose {name}.configure_model"):
+        ModelParallelStrategy().connect(module)
 
 
 @pytest.mark.parametrize(

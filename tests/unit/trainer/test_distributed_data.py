@@ -25,11 +25,10 @@ from torch.utils.data import (
 from phalanx.trainer.distributed_data import (
     DistributedSamplerWrapper,
     UnrepeatedDistributedSampler,
-    batch_indices,
     distributed_dataloader,
-    reassemble_predictions,
     with_sampler,
 )
+from phalanx.trainer.prediction_order import batch_indices, reassemble_predictions
 
 
 class Indices(Dataset):

@@ -83,7 +83,9 @@ def test_unknown_name_lists_the_known_names() -> None:
         STRATEGY_REGISTRY.get("no_such_strategy")
     with pytest.raises(ValueError, match=r"Registered strategies: .*single_device"):
         STRATEGY_REGISTRY.get_class("no_such_strategy")
-    with pytest.raises(ValueError, match=r"Registered accelerators: .*cpu, cuda, mps, tpu, xla"):
+    with pytest.raises(
+        ValueError, match=r"Registered accelerators: .*cpu, cuda, .*mps, .*tpu, .*xla"
+    ):  # plug-ins may sort between
         ACCELERATOR_REGISTRY.get("ipu")
 
 
@@ -187,7 +189,7 @@ def test_a_fresh_strategy_registry_finds_an_entry_point_strategy(fake_distributi
 
 def test_a_fresh_accelerator_registry_finds_an_entry_point_accelerator(fake_distribution: Path) -> None:
     registry = Registry("accelerator", "phalanx.accelerators")
-    assert registry.available() == ["fake_accel"]
+    assert "fake_accel" in registry.available()  # beside any installed plug-in (CI installs integrations/)
     accelerator = registry.get("fake_accel")
     assert type(accelerator).__name__ == "FakeAccelerator"
     assert accelerator.parse_devices(2) == 2

@@ -1,0 +1,156 @@
+"""Logging from a Cohort loop: ``cohort.log`` / ``cohort.log_dict``, and ``self.log`` of a TrainingModule that a Cohort
+set up.
+
+Every rank may call them (``sync_dist=True`` needs every rank to, as in the Trainer); only global rank zero converts
+the values to numbers and hands them to the loggers, so the other ranks pay no host-device synchronisation.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable
+
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from phalanx.cohort.cohort import Cohort
+    from phalanx.loggers.logger import Logger
+
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+# The Cohort that set each module up. Weak both ways: the module keeps no Cohort alive, and deep copies or pickles of
+# the module carry nothing of it.
+_COHORTS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Cohort]] = weakref.WeakKeyDictionary()
+
+
+def attach(module: nn.Module, cohort: Cohort) -> None:
+    """Record that ``cohort`` runs ``module`` (its ``self.log`` and ``self.device_mesh`` then reach the Cohort)."""
+    _COHORTS[module] = weakref.ref(cohort)
+
+
+def cohort_of(module: nn.Module) -> Cohort | None:
+    """The live Cohort that set ``module`` up, or None."""
+    reference = _COHORTS.get(module)
+    return reference() if reference is not None else None
+
+
+def resolve_loggers(loggers: Any) -> list[Logger]:
+    """``Cohort(loggers=...)``: None, one phalanx Logger, or a list or tuple of them."""
+    from phalanx.loggers.logger import Logger
+
+    if loggers is None:
+        return []
+    listed = isinstance(loggers, (list, tuple))
+    items = list(loggers) if listed else [loggers]
+    for index, item in enumerate(items):
+        name = f"loggers[{index}]" if listed else "loggers"
+        if isinstance(item, type) and issubclass(item, Logger):
+            raise TypeError(
+                f"Cohort({name}={item.__qualname__}) is a class; pass an instance, e.g."
+                f" {item.__qualname__}(save_dir=...)."
+            )
+        if not isinstance(item, Logger):
+            raise TypeError(
+                f"Cohort({name}=...) got {type(item).__name__}; pass None, a phalanx Logger (e.g."
+                " phalanx.loggers.CSVLogger(save_dir=...)) or a list of them."
+            )
+    return items
+
+
+def check_metrics(metrics: Any, step: Any, caller: str) -> dict[str, Any]:
+    """``metrics`` as a dict of names to numbers or one-element tensors (checked without reading tensor values)."""
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"{caller} takes a mapping of names to values, got {type(metrics).__name__}.")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"{caller}(step={step!r}): step must be an int >= 0, or None for the Cohort's global_step.")
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{caller}: metric names must be non-empty str, got {name!r}.")
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"{caller}: metric {name!r} must be a number or a one-element tensor, got a tensor of shape"
+                    f" {list(value.shape)}."
+                )
+        elif isinstance(value, complex) or not isinstance(value, (int, float)):
+            raise TypeError(
+                f"{caller}: metric {name!r} must be a number or a one-element tensor, got {type(value).__name__}."
+            )
+    return dict(metrics)
+
+
+class CohortLogging:
+    """The logging half of a Cohort: ``loggers``, ``log``, ``log_dict``, and what ``self.log`` of its module calls."""
+
+    _loggers: list[Logger]
+    _optimizer_steps: int
+    is_global_zero: bool
+    all_reduce: Callable[..., Any]
+
+    @property
+    def loggers(self) -> list[Logger]:
+        """The loggers given as ``Cohort(loggers=...)``."""
+        return list(self._loggers)
+
+    @property
+    def logger(self) -> Logger | None:
+        """The first logger, or None."""
+        return self._loggers[0] if self._loggers else None
+
+    def log(self, name: str, value: Any, step: int | None = None) -> None:
+        """Write ``value`` (a number or one-element tensor) as ``name`` to the loggers, on global rank zero only."""
+        self._write({name: value}, step, "Cohort.log")
+
+    def log_dict(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Write ``metrics`` as one entry (one CSV row) at ``step`` (default: ``global_step``), on global rank zero."""
+        self._write(metrics, step, "Cohort.log_dict")
+
+    def _write(self, metrics: Any, step: int | None, caller: str) -> None:
+        metrics = check_metrics(metrics, step, caller)
+        if not self._loggers or not self.is_global_zero:
+            return  # the other ranks never read the values: no device synchronisation for them
+        values = {
+            name: value.detach().item() if isinstance(value, Tensor) else value for name, value in metrics.items()
+        }
+        for logger in self._loggers:
+            logger.log_metrics(values, step=self._optimizer_steps if step is None else step)
+
+    def _log_from_module(
+        self,
+        metrics: Mapping[str, Any],
+        method: str,
+        *,
+        prog_bar: bool = False,
+        logger: bool | None = None,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: Any = "mean",
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+        add_dataloader_idx: bool = True,
+    ) -> None:
+        """``self.log`` / ``self.log_dict`` of the module this Cohort set up (the Trainer's keywords, same meaning
+        where a Cohort has one).
+
+        ``prog_bar``, ``on_step``, ``on_epoch``, ``batch_size`` and ``add_dataloader_idx`` belong to the Trainer's
+        progress bar and epoch aggregation, which a Cohort does not have: values are written as they are logged, at
+        the Cohort's ``global_step``. ``logger=False`` writes nothing; ``sync_dist=True`` reduces across processes
+        first with ``reduce_fx`` (every process must log then, as under the Trainer).
+        """
+        caller = f"self.{method}"
+        metrics = check_metrics(metrics, None, caller)
+        if logger is False or not self._loggers:
+            return
+        if sync_dist:
+            if reduce_fx not in REDUCE_OPS:
+                raise ValueError(
+                    f"{caller}(..., sync_dist=True, reduce_fx={reduce_fx!r}) under a Cohort: choose one of"
+                    f" {list(REDUCE_OPS)}."
+                )
+            metrics = {name: self.all_reduce(value, reduce_op=reduce_fx) for name, value in metrics.items()}
+        self._write(metrics, None, caller)
+
+    def _finalize_loggers(self, status: str) -> None:
+        for logger in self._loggers:
+            logger.finalize(status)

@@ -1,0 +1,85 @@
+"""The metrics of a run as callbacks, loggers and the progress bar see them, and their delivery to the loggers.
+
+:class:`~phalanx.trainer.logged_results.LoggedResults` records what ``self.log`` is given; the Trainer's
+:class:`LoggedMetrics` publishes what those results hold at each step and epoch end into the dictionaries behind
+``trainer.callback_metrics``, ``trainer.logged_metrics`` and ``trainer.progress_bar_metrics``, and sends the logged
+ones to the loggers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from phalanx.module import TrainingModule
+    from phalanx.trainer.logged_results import LoggedResults
+    from phalanx.trainer.trainer import Trainer
+
+
+class LoggedMetrics:
+    """The Trainer's published metrics: ``callback`` (every logged value), ``logged`` (``logger=True``) and
+    ``progress_bar`` (``prog_bar=True``), with the step values still to send to the loggers."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        # The loggers, the step and the epoch are read from the Trainer when metrics are sent.
+        self._trainer = trainer
+        self.callback: dict[str, Tensor] = {}
+        self.logged: dict[str, Tensor] = {}
+        self.progress_bar: dict[str, Tensor] = {}
+        self._pending_step_log: dict[str, Tensor] = {}
+
+    def reset(self) -> None:
+        """Start empty (new dictionaries: one read before keeps the values it had)."""
+        self.callback, self.logged, self.progress_bar = {}, {}, {}
+
+    def publish_step(self, results: LoggedResults) -> None:
+        """Publish the latest step values of ``results``; the logged ones wait for :meth:`log_step`."""
+        callback, logged, bar = results.step_metrics()
+        self.callback.update(callback)
+        self.logged.update(logged)
+        self.progress_bar.update(bar)
+        self._pending_step_log.update(logged)
+
+    def publish_epoch(self, results: LoggedResults) -> dict[str, Tensor]:
+        """Publish the epoch aggregates of ``results``; return those callbacks see."""
+        callback, logged, bar = results.epoch_metrics()
+        self.callback.update(callback)
+        self.logged.update(logged)
+        self.progress_bar.update(bar)
+        return callback
+
+    def log_step(self) -> None:
+        """Send the step values published since the last call to the loggers."""
+        pending, self._pending_step_log = self._pending_step_log, {}
+        if pending:
+            self._send(pending)
+
+    def log_epoch(self, results: LoggedResults) -> None:
+        """Send the logged epoch aggregates of ``results`` to the loggers."""
+        _, logged, _ = results.epoch_metrics()
+        if logged:
+            self._send(logged)
+
+    def log_hyperparameters(self, module: TrainingModule) -> None:
+        """Send the hyperparameters of ``module`` and of the Trainer's datamodule to the loggers."""
+        trainer = self._trainer
+        if not trainer.loggers:
+            return
+        params = dict(module.hparams) if getattr(module, "_log_hyperparams", True) else {}
+        if trainer.datamodule is not None:
+            params.update(trainer.datamodule.hparams)
+        if params:
+            for logger in trainer.loggers:
+                logger.log_hyperparams(params)
+
+    def _send(self, metrics: dict[str, Tensor]) -> None:
+        trainer = self._trainer
+        values = {name: float(value.item()) for name, value in metrics.items()}
+        values["epoch"] = float(trainer.current_epoch)
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=trainer.global_step)
+
+
+__all__ = ["LoggedMetrics"]

@@ -1,0 +1,103 @@
+"""The Trainer's loggers and callbacks: built from its ``logger=`` and ``callbacks=`` arguments, and merged with the
+callbacks a module adds in ``configure_callbacks``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from phalanx.callbacks.callback import Callback
+from phalanx.trainer.argument_checks import reject_class, shown
+
+if TYPE_CHECKING:
+    from phalanx.loggers import Logger
+    from phalanx.module import TrainingModule
+
+
+def build_loggers(logger: Any, *, default_root_dir: str) -> list[Logger]:
+    """The loggers ``logger=`` asks for: a CSVLogger under ``default_root_dir`` for True or None, none for False."""
+    from phalanx.loggers import CSVLogger, Logger
+
+    if logger is True or logger is None:
+        return [CSVLogger(save_dir=default_root_dir, name="logs")]
+    if logger is False:
+        return []
+    listed = isinstance(logger, (list, tuple))
+    items = list(logger) if listed else [logger]
+    for index, item in enumerate(items):
+        name = f"logger[{index}]" if listed else "logger"
+        reject_class(name, item, Logger, "")
+        if not isinstance(item, Logger):
+            raise TypeError(
+                f"{name}={shown(item)} (of type {type(item).__name__}) is not valid; pass True, False, a Logger"
+                " instance (e.g. CSVLogger(save_dir=...)) or a list of them."
+            )
+    return items
+
+
+def build_callbacks(
+    callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool
+) -> list[Callback]:
+    """The user's callbacks, checked, plus the default checkpoint, progress bar and summary callbacks left enabled."""
+    from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
+
+    items = _callback_list(callbacks)
+    if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
+        items.append(ModelCheckpoint())
+    elif not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in items):
+        raise ValueError("enable_checkpointing=False, but a ModelCheckpoint callback was passed; remove one of them.")
+    if enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in items):
+        items.append(TQDMProgressBar())
+    elif not enable_progress_bar and any(isinstance(cb, ProgressBar) for cb in items):
+        raise ValueError("enable_progress_bar=False, but a progress bar callback was passed; remove one of them.")
+    if enable_model_summary and not any(isinstance(cb, ModelSummary) for cb in items):
+        items.append(ModelSummary())
+    return checkpoints_last(items)
+
+
+def _callback_list(callbacks: Any) -> list[Callback]:
+    reject_class("callbacks", callbacks, Callback, "")
+    if callbacks is None:
+        items: list[Callback] = []
+    elif isinstance(callbacks, Callback):
+        items = [callbacks]
+    elif isinstance(callbacks, (list, tuple)):
+        items = list(callbacks)
+    else:
+        raise TypeError(
+            f"callbacks={shown(callbacks)} (of type {type(callbacks).__name__}) is not valid; pass a Callback"
+            " instance or a list of them."
+        )
+    for index, callback in enumerate(items):
+        reject_class(f"callbacks[{index}]", callback, Callback, "")
+        if not isinstance(callback, Callback):
+            raise TypeError(
+                f"callbacks[{index}]={shown(callback)} (of type {type(callback).__name__}) is not a phalanx"
+                " Callback; pass Callback instances."
+            )
+    return items
+
+
+def merge_module_callbacks(callbacks: list[Callback], module: TrainingModule) -> list[Callback]:
+    """``callbacks`` with those of ``module.configure_callbacks()``, which replace the callbacks of the same types."""
+    extra = module.configure_callbacks()
+    if extra is None:
+        return callbacks
+    extra = [extra] if isinstance(extra, Callback) else list(extra)
+    if not extra:
+        return callbacks
+    replaced_types = {type(cb) for cb in extra}
+    kept = [cb for cb in callbacks if type(cb) not in replaced_types and cb not in extra]
+    return checkpoints_last(kept + extra)
+
+
+def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
+    """``callbacks`` with the ModelCheckpoint callbacks moved to the end, in their order."""
+    # Checkpointing runs after every other callback so that it saves the state they produced.
+    from phalanx.callbacks import ModelCheckpoint
+
+    return [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)] + [
+        cb for cb in callbacks if isinstance(cb, ModelCheckpoint)
+    ]
+
+
+__all__ = ["build_callbacks", "build_loggers", "checkpoints_last", "merge_module_callbacks"]

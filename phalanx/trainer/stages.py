@@ -1,0 +1,294 @@
+"""Running one of the Trainer's stages (fit, validate, test, predict): launching it, setting the run up around the
+strategy, and tearing it down.
+
+:func:`start` runs a stage function ``run(trainer, *args)`` through the strategy's launcher (in every process it
+starts) and records the outcome in ``trainer.state``; the stage functions below set up with :func:`setup_run`, run
+their loop and finish with :func:`teardown_run`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from phalanx.datamodule import DataModule
+from phalanx.module import TrainingModule
+from phalanx.strategies.migration import refuse_trainer_launcher
+from phalanx.trainer.data import DataSource, limited_batches, prepare_dataloader
+from phalanx.trainer.evaluation_loop import (
+    print_results,
+    run_evaluation,
+    run_prediction,
+    sanity_check,
+    split_by_dataloader,
+)
+from phalanx.trainer.fit_data import prepare_fit_data
+from phalanx.trainer.fit_loop import FitLoop
+from phalanx.trainer.loggers_and_callbacks import merge_module_callbacks
+from phalanx.trainer.optimizer import prepare_optimization
+from phalanx.trainer.run_settings import run_settings
+from phalanx.trainer.spawn_state import TrainerWorkerState
+from phalanx.trainer.state import RunningStage, TrainerFn, TrainerStatus
+from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
+
+if TYPE_CHECKING:
+    from phalanx.trainer.trainer import Trainer
+
+
+def check_module(model: Any, method: str) -> TrainingModule:
+    """``model``, refused unless it is a TrainingModule."""
+    if not isinstance(model, TrainingModule):
+        raise TypeError(f"Trainer.{method} expects a phalanx.TrainingModule, got {type(model).__name__}.")
+    return model
+
+
+def check_datamodule(datamodule: Any) -> None:
+    """Refuse a ``datamodule`` that is not a DataModule (None is no datamodule)."""
+    if datamodule is not None and not isinstance(datamodule, DataModule):
+        raise TypeError(f"datamodule must be a phalanx.DataModule, got {type(datamodule).__name__}.")
+
+
+def start(trainer: Trainer, fn: TrainerFn, run: Callable[..., Any], *args: Any) -> Any:
+    """Run ``run(trainer, *args)`` as stage ``fn`` in every process of the strategy; on failure tell the callbacks,
+    the strategy and the loggers, tear the strategy down and raise."""
+    trainer.state.fn = fn
+    trainer.state.status = TrainerStatus.RUNNING
+    trainer.should_stop = False
+    trainer._stop_now = False
+    try:
+        launcher = trainer.strategy.launcher
+        worker_state = None
+        if launcher is not None:
+            refuse_trainer_launcher(launcher)
+            # The module the user passed (first argument of each run) lives in this process: spawned workers update it.
+            worker_state = TrainerWorkerState(trainer, next((a for a in args if isinstance(a, torch.nn.Module)), None))
+        call_args = (trainer, *args)
+        if trainer.detect_anomaly:
+            call_args, run = (run, *call_args), _run_detecting_anomalies
+        result = (
+            launcher.launch(run, *call_args, worker_state=worker_state) if launcher is not None else run(*call_args)
+        )
+    except BaseException as exception:
+        _fail(trainer, exception)
+        raise
+    trainer.state.status = TrainerStatus.FINISHED
+    trainer.state.stage = None
+    return result
+
+
+def _fail(trainer: Trainer, exception: BaseException) -> None:
+    interrupted = isinstance(exception, KeyboardInterrupt)
+    trainer.state.status = TrainerStatus.INTERRUPTED if interrupted else TrainerStatus.FAILED
+    trainer.state.stage = None
+    module = trainer.strategy.module
+    for callback in trainer.callbacks:
+        callback.on_exception(trainer, module, exception)  # type: ignore[arg-type]
+    try:
+        trainer.strategy.on_exception(exception)  # may stop other processes, or raise a clearer error
+    finally:
+        for logger in trainer.loggers:
+            logger.finalize("interrupted" if interrupted else "failed")
+        trainer.strategy.teardown()
+
+
+def _run_detecting_anomalies(run: Callable[..., Any], *args: Any) -> Any:
+    # Entered in the process that runs the stage (a launcher's worker too): the switch is per thread.
+    with torch.autograd.detect_anomaly(check_nan=True):
+        return run(*args)
+
+
+def setup_run(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_path: Any) -> dict[str, Any] | None:
+    """Everything common to the four entry points, up to a set-up strategy; returns the loaded checkpoint."""
+    strategy = trainer.strategy
+    trainer.datamodule = source.datamodule
+    trainer._data_source = source
+    strategy.connect(module)
+    module.trainer = trainer
+    if trainer.datamodule is not None:
+        trainer.datamodule.trainer = trainer
+    strategy.setup_environment()
+    set_global_rank(strategy.global_rank)
+    stage = str(trainer.state.fn)
+    if strategy.local_rank == 0:
+        if trainer.datamodule is not None:
+            trainer.datamodule.prepare_data()
+        module.prepare_data()
+    strategy.barrier("prepare_data")
+    trainer.callbacks = merge_module_callbacks(trainer.callbacks, module)
+    trainer._hooks.build(trainer, module, trainer.callbacks)
+    if trainer.datamodule is not None:
+        trainer.datamodule.setup(stage)
+    for callback in trainer.callbacks:
+        callback.setup(trainer, module, stage)
+    module.setup(stage)
+    with strategy.tensor_init_context(), strategy.model_sharded_context():
+        module.configure_model()
+    return _setup_strategy_and_checkpoint(trainer, source, ckpt_path)
+
+
+def _setup_strategy_and_checkpoint(trainer: Trainer, source: DataSource, ckpt_path: Any) -> dict[str, Any] | None:
+    strategy, connector = trainer.strategy, trainer._checkpoint_connector
+    path = connector.resolve_path(ckpt_path)
+    trainer.ckpt_path = path
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    checkpoint = None
+    if path is not None and not strategy.restore_checkpoint_after_setup:
+        checkpoint = connector.load(path, fitting=fitting)
+        if fitting:
+            # Applied once the optimizers exist and their states are checked too: a damaged checkpoint is refused
+            # before it changes anything of the model, the optimizers or the loops.
+            connector.check_model_state(checkpoint)
+        else:
+            connector.restore_model(checkpoint)
+    strategy.setup(run_settings(trainer, source))
+    if path is not None and strategy.restore_checkpoint_after_setup:
+        # Read once the model is sharded (and its optimizers exist), so that each rank reads only its shards.
+        checkpoint = connector.load(path, fitting=fitting)
+        if fitting:
+            connector.check_training_state(checkpoint)
+        connector.restore_model(checkpoint)
+    elif checkpoint is not None and fitting:
+        connector.check_training_state(checkpoint)
+        connector.restore_model(checkpoint, hook_called=True)
+    return checkpoint
+
+
+def teardown_run(trainer: Trainer, module: TrainingModule) -> None:
+    """The end of a successful stage: teardown hooks, loggers finalised, the strategy torn down."""
+    stage = str(trainer.state.fn)
+    if trainer.datamodule is not None:
+        trainer.datamodule.teardown(stage)
+    for callback in trainer.callbacks:
+        callback.teardown(trainer, module, stage)
+    module.teardown(stage)
+    for logger in trainer.loggers:
+        logger.finalize("success")
+    trainer.strategy.teardown()
+    trainer._results = None
+
+
+def run_fit(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_path: Any) -> None:
+    """The fit stage: set up, resume, sanity check, train, tear down."""
+    checkpoint = setup_run(trainer, module, source, ckpt_path)
+    strategy = trainer.strategy
+    prepare_optimization(trainer, module)
+    if checkpoint is not None:
+        trainer._checkpoint_connector.restore_training_state(checkpoint)
+    else:
+        trainer.fit_loop = FitLoop(trainer)
+    prepare_fit_data(trainer, source)
+    trainer._metrics.log_hyperparameters(module)
+    trainer._metrics.reset()
+    trainer._hooks.call("on_fit_start")
+    sanity_check(trainer)
+    trainer._results = trainer._train_results
+    strategy.on_train_start()
+    trainer._hooks.call("on_train_start")
+    max_time = trainer._max_time
+    trainer._deadline = time.monotonic() + max_time if max_time is not None else None
+    for optimizer in strategy.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    _run_fit_loop(trainer)
+    trainer.state.stage = None
+    trainer._hooks.call("on_train_end")
+    strategy.on_train_end()
+    trainer._hooks.call("on_fit_end")
+    teardown_run(trainer, module)
+
+
+def _run_fit_loop(trainer: Trainer) -> None:
+    # Signals are routed to preemption handling only around the training loop: during set-up (joining the process
+    # group, loading a checkpoint) a process must still stop at once when its launcher tells it to.
+    preemption = trainer.preemption
+    if preemption is None:
+        return trainer.fit_loop.run()
+    preemption.install()
+    try:
+        trainer.fit_loop.run()
+    finally:
+        preemption.uninstall()
+
+
+def module_for_evaluation(trainer: Trainer, model: Any, ckpt_path: Any, method: str) -> tuple[TrainingModule, Any]:
+    """The module ``validate``/``test``/``predict`` run (the fitted one when none is given) and the checkpoint to load
+    (the best one of the previous fit by default)."""
+    if model is not None:
+        return check_module(model, method), ckpt_path
+    if trainer.strategy.module is None:
+        raise ValueError(f"Trainer.{method}() needs a model: pass one, or call fit() first.")
+    callback = trainer.checkpoint_callback
+    if ckpt_path is None and callback is not None and getattr(callback, "best_model_path", ""):
+        rank_zero_info(f"{method}(): no model given, using the best checkpoint of the previous fit.")
+        ckpt_path = "best"
+    return trainer.strategy.module, ckpt_path
+
+
+def run_evaluate(
+    trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_path: Any, verbose: bool
+) -> list[dict[str, float]]:
+    """The validate or test stage: one epoch of ``validation_step`` or ``test_step``; the metrics per dataloader."""
+    fn = trainer.state.fn
+    stage = "validation" if fn == TrainerFn.VALIDATING else "test"
+    short = "val" if stage == "validation" else "test"
+    step_name = f"{stage}_step"
+    if type(module).__dict__.get(step_name) is None and getattr(type(module), step_name) is getattr(
+        TrainingModule, step_name
+    ):
+        raise ValueError(f"Trainer.{fn}() needs {type(module).__name__}.{step_name}(batch, batch_idx) to be defined.")
+    setup_run(trainer, module, source, ckpt_path)
+    data_key = "validate" if stage == "validation" else "test"
+    dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in source.get(data_key)]
+    if not dataloaders:
+        raise ValueError(
+            f"Trainer.{fn}() needs data: pass dataloaders=, a datamodule with {short}_dataloader(), or define it on"
+            " the module."
+        )
+    limit = trainer.limit_val_batches if stage == "validation" else trainer.limit_test_batches
+    limits = [limited_batches(loader, limit, f"limit_{short}_batches") for loader in dataloaders]
+    if stage == "validation":
+        trainer.num_val_batches = limits
+    else:
+        trainer.num_test_batches = limits
+    trainer._metrics.reset()
+    trainer.state.stage = RunningStage.VALIDATING if stage == "validation" else RunningStage.TESTING
+    trainer._results = trainer._eval_results
+    metrics = run_evaluation(trainer, stage, dataloaders, limits, trainer._eval_results)
+    results = split_by_dataloader(metrics, len(dataloaders))
+    if verbose and trainer.is_global_zero:
+        print_results(stage, results)
+    teardown_run(trainer, module)
+    return results
+
+
+def run_predict(
+    trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_path: Any, return_predictions: bool
+) -> list[Any] | None:
+    """The predict stage: ``predict_step`` over the data; the outputs per batch (a list per dataloader if several)."""
+    setup_run(trainer, module, source, ckpt_path)
+    dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in source.get("predict")]
+    if not dataloaders:
+        raise ValueError(
+            "Trainer.predict() needs data: pass dataloaders=, a datamodule with predict_dataloader(), or define it"
+            " on the module."
+        )
+    limit = trainer.limit_predict_batches
+    trainer.num_predict_batches = [limited_batches(x, limit, "limit_predict_batches") for x in dataloaders]
+    trainer.state.stage = RunningStage.PREDICTING
+    outputs = run_prediction(trainer, dataloaders, trainer.num_predict_batches, return_predictions)
+    teardown_run(trainer, module)
+    return outputs
+
+
+__all__ = [
+    "check_datamodule",
+    "check_module",
+    "module_for_evaluation",
+    "run_evaluate",
+    "run_fit",
+    "run_predict",
+    "setup_run",
+    "start",
+    "teardown_run",
+]

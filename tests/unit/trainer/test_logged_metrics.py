@@ -1,0 +1,119 @@
+"""The Trainer's published metrics (phalanx.trainer.logged_metrics): what callbacks, loggers and the progress bar see,
+and when the loggers receive it, driven without a Trainer."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from phalanx.trainer.logged_metrics import LoggedMetrics
+
+
+class _Results:
+    """Stands in for LoggedResults: fixed step and epoch triples (callback, logged, progress bar)."""
+
+    def __init__(self, step: tuple[dict, dict, dict], epoch: tuple[dict, dict, dict]) -> None:
+        self.step, self.epoch = step, epoch
+
+    def step_metrics(self) -> tuple[dict, dict, dict]:
+        return self.step
+
+    def epoch_metrics(self) -> tuple[dict, dict, dict]:
+        return self.epoch
+
+
+class _Logger:
+    def __init__(self) -> None:
+        self.metrics: list[tuple[dict[str, float], int]] = []
+        self.hparams: list[dict[str, Any]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.metrics.append((metrics, step))
+
+    def log_hyperparams(self, params: dict[str, Any]) -> None:
+        self.hparams.append(params)
+
+
+def _trainer(loggers: int = 1, datamodule: Any = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        loggers=[_Logger() for _ in range(loggers)], current_epoch=2, global_step=7, datamodule=datamodule
+    )
+
+
+T = torch.tensor
+STEP = ({"a": T(1.0), "b": T(2.0)}, {"a": T(1.0)}, {"b": T(2.0)})
+EPOCH = ({"a_epoch": T(3.0)}, {"a_epoch": T(3.0)}, {})
+
+
+def test_step_values_are_published_at_once_and_sent_to_loggers_only_when_logged():
+    trainer = _trainer(loggers=2)
+    metrics = LoggedMetrics(trainer)
+    metrics.publish_step(_Results(STEP, EPOCH))
+    assert (metrics.callback, metrics.logged, metrics.progress_bar) == STEP
+    assert all(logger.metrics == [] for logger in trainer.loggers)
+    metrics.log_step()
+    for logger in trainer.loggers:
+        assert logger.metrics == [({"a": 1.0, "epoch": 2.0}, 7)]
+    metrics.log_step()  # nothing new since: nothing sent
+    assert all(len(logger.metrics) == 1 for logger in trainer.loggers)
+
+
+def test_epoch_aggregates_are_published_added_to_the_step_values_and_returned():
+    metrics = LoggedMetrics(_trainer())
+    results = _Results(STEP, EPOCH)
+    metrics.publish_step(results)
+    returned = metrics.publish_epoch(results)
+    assert returned == EPOCH[0]
+    assert set(metrics.callback) == {"a", "b", "a_epoch"}
+    assert set(metrics.logged) == {"a", "a_epoch"}
+    assert set(metrics.progress_bar) == {"b"}
+
+
+@pytest.mark.parametrize(("epoch", "sent"), [(EPOCH, [({"a_epoch": 3.0, "epoch": 2.0}, 7)]), (({}, {}, {}), [])])
+def test_log_epoch_sends_the_logged_aggregates(epoch, sent):
+    trainer = _trainer()
+    LoggedMetrics(trainer).log_epoch(_Results(STEP, epoch))
+    assert trainer.loggers[0].metrics == sent
+
+
+def test_reset_starts_new_dictionaries_and_keeps_pending_step_values():
+    trainer = _trainer()
+    metrics = LoggedMetrics(trainer)
+    metrics.publish_step(_Results(STEP, EPOCH))
+    kept = metrics.callback
+    metrics.reset()
+    assert (metrics.callback, metrics.logged, metrics.progress_bar) == ({}, {}, {})
+    assert kept == STEP[0]  # a dictionary read before the reset keeps its values
+    metrics.log_step()
+    assert trainer.loggers[0].metrics == [({"a": 1.0, "epoch": 2.0}, 7)]
+
+
+@pytest.mark.parametrize(
+    ("log_hyperparams", "datamodule_hparams", "expected"),
+    [
+        (True, None, [{"lr": 0.1}]),
+        (True, {"batch_size": 4}, [{"lr": 0.1, "batch_size": 4}]),
+        (False, {"batch_size": 4}, [{"batch_size": 4}]),
+        (False, None, []),
+    ],
+)
+def test_hyperparameters_of_the_module_and_datamodule_reach_the_loggers(log_hyperparams, datamodule_hparams, expected):
+    datamodule = SimpleNamespace(hparams=datamodule_hparams) if datamodule_hparams is not None else None
+    trainer = _trainer(datamodule=datamodule)
+    module = SimpleNamespace(hparams={"lr": 0.1}, _log_hyperparams=log_hyperparams)
+    LoggedMetrics(trainer).log_hyperparameters(module)
+    assert trainer.loggers[0].hparams == expected
+
+
+def test_without_loggers_nothing_is_sent_and_nothing_fails():
+    trainer = _trainer(loggers=0)
+    metrics = LoggedMetrics(trainer)
+    results = _Results(STEP, EPOCH)
+    metrics.publish_step(results)
+    metrics.log_step()
+    metrics.log_epoch(results)
+    metrics.log_hyperparameters(SimpleNamespace(hparams={"lr": 0.1}))
+    assert metrics.callback == STEP[0]
