@@ -52,7 +52,7 @@ class DeviceLoader:
     """
 
     def __init__(self, loader: Any, device: torch.device) -> None:
-        self.loader = loader
+        self.dataloader = loader  # the wrapped one: drivers that need the DataLoader itself find it here
         self.device = device
         self._parallel: Any = None
 
@@ -60,11 +60,11 @@ class DeviceLoader:
         import torch_xla.distributed.parallel_loader as pl
 
         self.close()
-        self._parallel = pl.ParallelLoader(iter(self.loader), [self.device])
+        self._parallel = pl.ParallelLoader(iter(self.dataloader), [self.device])
         return self._parallel.per_device_loader(self.device)
 
     def __len__(self) -> int:
-        return len(self.loader)
+        return len(self.dataloader)
 
     def close(self) -> None:
         """Stop the background threads of the last iteration."""
@@ -73,12 +73,12 @@ class DeviceLoader:
             self._parallel = None
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or "loader" not in self.__dict__:
+        if name.startswith("__") or "dataloader" not in self.__dict__:
             raise AttributeError(name)
-        return getattr(self.__dict__["loader"], name)
+        return getattr(self.__dict__["dataloader"], name)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"loader": self.loader, "device": self.device, "_parallel": None}
+        return {"dataloader": self.dataloader, "device": self.device, "_parallel": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

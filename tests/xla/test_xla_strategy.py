@@ -23,7 +23,14 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("key", "tolerance"), [("param_diff_32", 1e-6), ("param_diff_accumulate_clip", 1e-6), ("resume_diff", 1e-6)]
+    ("key", "tolerance"),
+    [
+        ("param_diff_32", 1e-6),
+        ("param_diff_accumulate_clip", 1e-6),
+        ("resume_diff", 1e-6),
+        ("validate_diff", 1e-6),
+        ("predict_diff", 1e-5),
+    ],
 )
 def test_two_devices_match_one_cpu_process(replicas: dict[str, Any], key: str, tolerance: float) -> None:
     assert replicas[key] <= tolerance, (key, replicas[key])
@@ -31,6 +38,10 @@ def test_two_devices_match_one_cpu_process(replicas: dict[str, Any], key: str, t
 
 def test_accumulation_and_clipping_changed_the_run(replicas: dict[str, Any]) -> None:
     assert replicas["accumulate_clip_vs_plain"] > 1e-3
+
+
+def test_predictions_come_back_whole_and_validation_metrics_synced(replicas: dict[str, Any]) -> None:
+    assert replicas["predict_rows"] == [16, 16, 16, 16] and replicas["validate_keys"] == ["val_loss"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
