@@ -25,6 +25,12 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_auto_strategy_on_one_device_is_single_xla(single: dict[str, Any]) -> None:
     assert single["strategy"] == "SingleDeviceXLAStrategy" and single["root_device"] == "xla:0"
+    assert single["xla_one_device_strategy"] == "XLAStrategy"
+
+
+def test_device_stats_are_what_the_runtime_reports(single: dict[str, Any]) -> None:
+    # The CPU runtime reports no memory figures; a TPU reports bytes_used / bytes_limit / peak_bytes_used.
+    assert set(single["device_stats"]) <= {"bytes_used", "bytes_limit", "peak_bytes_used"}
 
 
 @pytest.mark.parametrize(
@@ -36,6 +42,7 @@ def test_auto_strategy_on_one_device_is_single_xla(single: dict[str, Any]) -> No
         ("predict_diff", 1e-5),
         ("param_diff_accumulate_clip", 1e-6),
         ("resume_diff", 1e-6),
+        ("param_diff_xla_one_device", 1e-6),
         # bfloat16 keeps 8 bits of mantissa: one rounding step of a weight near 1 is 2**-8.
         ("param_diff_bf16-true", 2e-2),
         ("param_diff_bf16-mixed", 1e-2),

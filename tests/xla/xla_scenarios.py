@@ -107,6 +107,15 @@ def single() -> dict[str, Any]:
     trainer(accelerator="xla", devices=1, max_epochs=2).fit(second_model, train, val, ckpt_path="resume_ckpt/last.ckpt")
     result["resume_diff"] = max_difference(cpu_weights(second_model), torch.load("single_final.pt"))
 
+    # strategy="xla" on one device runs its one replica in this process, through torch_xla's launcher.
+    xla_model, cpu_model, xla_trainer = fit_both(
+        {"devices": 1, "strategy": "xla"}, {}, batch=8, cpu_batch=8, max_epochs=2
+    )
+    result["xla_one_device_strategy"] = type(xla_trainer.strategy).__name__
+    result["param_diff_xla_one_device"] = max_difference(cpu_weights(xla_model), cpu_weights(cpu_model))
+    stats = xla_trainer.strategy.accelerator.get_device_stats(torch.device("xla", 0))
+    result["device_stats"] = {key: int(value) for key, value in stats.items()}
+
     for precision in ("bf16-true", "bf16-mixed"):
         xla_model, cpu_model, _ = fit_both(
             {"devices": 1, "precision": precision}, {"precision": precision}, batch=8, cpu_batch=8, max_epochs=2
