@@ -40,6 +40,11 @@ def test_accumulation_and_clipping_changed_the_run(replicas: dict[str, Any]) -> 
     assert replicas["accumulate_clip_vs_plain"] > 1e-3
 
 
+def test_your_own_loop_with_cohort_learns_on_two_replicas(replicas: dict[str, Any]) -> None:
+    after_one, after_three = replicas["cohort_losses"]
+    assert after_three < 0.5 * after_one, replicas["cohort_losses"]
+
+
 def test_predictions_come_back_whole_and_validation_metrics_synced(replicas: dict[str, Any]) -> None:
     assert replicas["predict_rows"] == [16, 16, 16, 16] and replicas["validate_keys"] == ["val_loss"]
 

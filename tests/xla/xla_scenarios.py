@@ -245,6 +245,16 @@ def replicas() -> dict[str, Any]:
     xla_validated = evaluator.validate(validated, val, verbose=False)[0]
     xla_predicted = evaluator.predict(model, val)
 
+    # Your own loop on two replicas: examples/custom_loop.py through phalanx.Cohort.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from custom_loop import train as custom_train
+
+    result["cohort_losses"] = []
+    for epochs in (1, 3):
+        strategy = phalanx.strategies.XLAStrategy(start_method=start_method)
+        cohort = phalanx.Cohort(accelerator="xla", devices=2, strategy=strategy)
+        result["cohort_losses"].append(cohort.launch(custom_train, epochs, None, 1, 1.0))
+
     # The CPU references: one process, the global batch of 16.
     reference = fresh_model()
     cpu_fit(reference, 16, max_epochs=2)
