@@ -11,6 +11,7 @@ from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla import XLAStrategy
 from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
+from phalanx.strategies.xla_spmd import XLASPMDStrategy
 
 __all__ = [
     "DDPStrategy",
@@ -23,5 +24,6 @@ __all__ = [
     "SingleDeviceStrategy",
     "SingleDeviceXLAStrategy",
     "Strategy",
+    "XLASPMDStrategy",
     "XLAStrategy",
 ]

@@ -10,6 +10,7 @@ from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla import XLAStrategy
 from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
+from phalanx.strategies.xla_spmd import XLASPMDStrategy
 from phalanx.utilities.registry import Registry
 
 STRATEGY_REGISTRY: Registry[Strategy] = Registry("strategy", "phalanx.strategies")
@@ -22,5 +23,6 @@ for _strategy in (
     DeepSpeedStrategy,
     SingleDeviceXLAStrategy,
     XLAStrategy,
+    XLASPMDStrategy,
 ):
     _strategy.register_strategies(STRATEGY_REGISTRY)

@@ -25,7 +25,7 @@ from phalanx.strategies.launchers.xla import XLA_START_METHODS, XLALauncher
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.xla_common import XLAStrategyMixin, holds_xla_tensors, to_cpu
+from phalanx.strategies.xla_common import XLAParallelDevices, XLAStrategyMixin, holds_xla_tensors, to_cpu
 from phalanx.strategies.xla_environment import XLAEnvironment
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.distributed import normalize_reduce_op
@@ -34,7 +34,7 @@ from phalanx.utilities.rank_zero import set_global_rank
 _T = TypeVar("_T")
 
 
-class XLAStrategy(XLAStrategyMixin, ParallelStrategy):
+class XLAStrategy(XLAParallelDevices, XLAStrategyMixin, ParallelStrategy):
     """One replica per XLA device; gradients all-reduced in the step's graph; checkpoints written by rank 0.
 
     Args:
@@ -90,21 +90,6 @@ class XLAStrategy(XLAStrategyMixin, ParallelStrategy):
         if self._launcher is None and not self._launched:
             self._launcher = XLALauncher(self, start_method=self._xla_start_method)
         return self._launcher
-
-    @property
-    def parallel_devices(self) -> list[torch.device] | None:
-        """One XLA device per replica on this host."""
-        return self._parallel_devices
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device] | None) -> None:
-        wrong = [device for device in devices or [] if torch.device(device).type != "xla"]
-        if wrong:
-            raise ValueError(
-                f"XLAStrategy runs on XLA devices, got {wrong[0]}: pass accelerator='xla' (or 'tpu'), or use 'ddp' for"
-                " CPU or CUDA devices."
-            )
-        self._parallel_devices = [torch.device(device) for device in devices] if devices is not None else None
 
     @property
     def root_device(self) -> torch.device:

@@ -126,3 +126,22 @@ class XLAStrategyMixin:
             self.checkpoint_io.save_checkpoint(  # type: ignore[attr-defined]
                 to_cpu(checkpoint), filepath, storage_options=storage_options
             )
+
+
+class XLAParallelDevices:
+    """``parallel_devices`` that must be XLA devices (for the strategies that span several)."""
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """One XLA device per replica (or per mesh position) on this host."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        wrong = [device for device in devices or [] if torch.device(device).type != "xla"]
+        if wrong:
+            raise ValueError(
+                f"{type(self).__name__} runs on XLA devices, got {wrong[0]}: pass accelerator='xla' (or 'tpu'), or use"
+                " 'ddp' for CPU or CUDA devices."
+            )
+        self._parallel_devices = [torch.device(device) for device in devices] if devices is not None else None

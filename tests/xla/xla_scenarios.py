@@ -289,7 +289,54 @@ def failure() -> dict[str, Any]:
     return {"error": None, "seconds": time.perf_counter() - started}
 
 
-SCENARIOS = {"single": single, "replicas": replicas, "failure": failure}
+# ------------------------------------------------------------------ SPMD: one process drives both devices
+def spmd() -> dict[str, Any]:
+    import torch_xla
+
+    result: dict[str, Any] = {}
+    for name in ("xla_spmd", "xla_spmd_dp"):
+        model, reference = fresh_model(), fresh_model()
+        callbacks = [ModelCheckpoint(dirpath=f"{name}_ckpt", save_last=True)]
+        fitted = trainer(accelerator="xla", devices=2, strategy=name, max_epochs=2, callbacks=callbacks)
+        torch.manual_seed(7)
+        train, val = loaders(n=64, batch_size=16, shuffle=False)
+        fitted.fit(model, train, val)
+        result[f"{name}_strategy"] = type(fitted.strategy).__name__
+        result[f"{name}_world_size"] = fitted.world_size
+        weight = model.net[0].weight
+        result[f"{name}_weight_sharding"] = torch_xla._XLAC._get_xla_sharding_spec(weight)
+        result[f"{name}_shard_shapes"] = [
+            list(torch_xla._XLAC._get_local_shards([weight])[0][i][0].shape) for i in range(2)
+        ]
+        result[f"{name}_validate"] = fitted.validate(model, val, verbose=False)[0]["val_loss"]
+        torch.save(cpu_weights(model), f"{name}_final.pt")
+        result[f"{name}_checkpoint"] = str(Path(f"{name}_ckpt/last.ckpt").resolve())
+        cpu_fit(reference, 16, max_epochs=2)
+        result[f"{name}_param_diff"] = max_difference(cpu_weights(model), cpu_weights(reference))
+        result[f"{name}_cpu_validate"] = trainer(accelerator="cpu").validate(reference, val, verbose=False)[0][
+            "val_loss"
+        ]
+    # Exact resume under SPMD: 1 epoch, a checkpoint, then on to 2.
+    torch.manual_seed(7)
+    train, val = loaders(n=64, batch_size=16, shuffle=False)
+    first = trainer(
+        accelerator="xla",
+        devices=2,
+        strategy="xla_spmd",
+        max_epochs=1,
+        callbacks=[ModelCheckpoint(dirpath="spmd_resume", save_last=True)],
+    )
+    first.fit(fresh_model(), train, val)
+    resumed = fresh_model()
+    trainer(accelerator="xla", devices=2, strategy="xla_spmd", max_epochs=2).fit(
+        resumed, train, val, ckpt_path="spmd_resume/last.ckpt"
+    )
+    result["resume_diff"] = max_difference(cpu_weights(resumed), torch.load("xla_spmd_final.pt"))
+    result["resumed_weight_sharding"] = torch_xla._XLAC._get_xla_sharding_spec(resumed.net[0].weight)
+    return result
+
+
+SCENARIOS = {"single": single, "replicas": replicas, "failure": failure, "spmd": spmd}
 
 
 if __name__ == "__main__":

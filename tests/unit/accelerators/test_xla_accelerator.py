@@ -20,7 +20,7 @@ from phalanx.accelerators import ACCELERATOR_REGISTRY, XLAAccelerator
 from phalanx.accelerators import xla as xla_module
 from phalanx.accelerators.xla import import_torch_xla, parse_xla_devices
 from phalanx.plugins.precision import XLAPrecision
-from phalanx.strategies import SingleDeviceXLAStrategy, XLAStrategy
+from phalanx.strategies import SingleDeviceXLAStrategy, XLASPMDStrategy, XLAStrategy
 from phalanx.trainer.setup import resolve_strategy
 
 
@@ -146,6 +146,13 @@ def test_auto_strategy_is_single_xla_for_one_device_and_xla_for_several(
         assert strategy.root_device == torch.device("xla", 1 if devices == [1] else 0)
 
 
+def test_spmd_is_one_process_over_every_device(fake_xla_host: None) -> None:
+    strategy = resolve_strategy(accelerator="tpu", devices="auto", strategy="xla_spmd")
+    assert isinstance(strategy, XLASPMDStrategy) and strategy.parameter_sharding == "fsdp"
+    assert strategy.parallel_devices == [torch.device("xla", 0), torch.device("xla", 1)]
+    assert (strategy.world_size, strategy.global_rank, strategy.launcher) == (1, 0, None)
+
+
 def test_trainer_with_the_tpu_accelerator_builds_without_torch_xla(fake_xla_host: None) -> None:
     trainer = phalanx.Trainer(accelerator="tpu", devices=2, logger=False, enable_progress_bar=False)
     assert isinstance(trainer.strategy, XLAStrategy) and trainer.global_rank == 0
@@ -169,7 +176,7 @@ def test_import_phalanx_and_a_cpu_trainer_never_import_torch_xla(tmp_path: Path)
         from phalanx.accelerators import ACCELERATOR_REGISTRY
         from phalanx.strategies import STRATEGY_REGISTRY
         assert {"xla", "tpu"} <= set(ACCELERATOR_REGISTRY.available())
-        assert {"single_xla", "xla", "xla_debug"} <= set(STRATEGY_REGISTRY.available())
+        assert {"single_xla", "xla", "xla_debug", "xla_spmd", "xla_spmd_dp"} <= set(STRATEGY_REGISTRY.available())
         trainer = phalanx.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
         assert "torch_xla" not in sys.modules, sorted(m for m in sys.modules if "xla" in m)
         print("ok")

@@ -18,11 +18,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from phalanx.accelerators import XLAAccelerator
 from phalanx.plugins.precision import MixedPrecision, XLAPrecision
-from phalanx.strategies import STRATEGY_REGISTRY, SingleDeviceXLAStrategy, XLAStrategy
+from phalanx.strategies import STRATEGY_REGISTRY, SingleDeviceXLAStrategy, XLASPMDStrategy, XLAStrategy
 from phalanx.strategies.launchers.xla import XLALauncher, _variables
 from phalanx.strategies.xla_collectives import _padded_length
 from phalanx.strategies.xla_common import DeviceLoader, holds_xla_tensors, to_cpu
 from phalanx.strategies.xla_environment import XLAEnvironment
+from phalanx.strategies.xla_spmd import partition_spec
 from phalanx.utilities import rank_zero
 from phalanx.utilities.rank_zero import rank_zero_only, use_thread_rank
 
@@ -43,6 +44,9 @@ from phalanx.utilities.rank_zero import rank_zero_only, use_thread_rank
         (lambda: XLAPrecision("16-mixed"), ValueError, r"not supported on XLA devices; choose one of \['32-true'"),
         (lambda: XLAPrecision("64-true"), ValueError, r"'bf16-true', 'bf16-mixed'\]"),
         (lambda: XLALauncher(XLAStrategy(), start_method="forkserver"), ValueError, r"choose one of \('spawn'"),
+        (lambda: XLAStrategy(timeout=30), TypeError, r"timeout=30\) must be a positive datetime.timedelta"),
+        (lambda: XLASPMDStrategy(parameter_sharding="zero3"), ValueError, r"choose one of \['fsdp', 'replicated'\]"),
+        (lambda: XLASPMDStrategy(parallel_devices=[torch.device("cuda", 0)]), ValueError, "runs on XLA devices"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_valid_choices(
@@ -77,6 +81,8 @@ def test_sync_batchnorm_is_refused_at_setup_with_the_reason() -> None:
         ("single_xla", SingleDeviceXLAStrategy, {}),
         ("xla", XLAStrategy, {}),
         ("xla_debug", XLAStrategy, {"debug": True}),
+        ("xla_spmd", XLASPMDStrategy, {}),
+        ("xla_spmd_dp", XLASPMDStrategy, {"parameter_sharding": "replicated"}),
     ],
 )
 def test_registry_names(name: str, cls: type, init_params: dict[str, Any]) -> None:
@@ -84,6 +90,9 @@ def test_registry_names(name: str, cls: type, init_params: dict[str, Any]) -> No
     assert STRATEGY_REGISTRY.init_params(name) == init_params
     built = STRATEGY_REGISTRY.get(name)
     assert isinstance(built, cls)
+    if isinstance(built, XLASPMDStrategy):
+        assert built.parameter_sharding == init_params.get("parameter_sharding", "fsdp")
+        assert (built.launcher, built.world_size, built.distributed_sampler_kwargs) == (None, 1, None)
     if isinstance(built, XLAStrategy):
         assert built.debug == (name == "xla_debug")
         assert built.launch_environment() == ({"PT_XLA_DEBUG_LEVEL": "2"} if built.debug else {})
@@ -190,3 +199,20 @@ def test_checkpoint_conversion_leaves_cpu_data_alone() -> None:
     converted = to_cpu(state)
     assert converted["w"] is state["w"] and converted["nested"][1] == {"step": 3}
     assert holds_xla_tensors({"x": [torch.empty(1, device="meta")]}) is False
+
+
+@pytest.mark.parametrize(
+    ("shape", "parts", "spec"),
+    [
+        ((16, 4), 2, ("data", None)),
+        ((1, 16), 2, (None, "data")),  # the first dimension does not divide: the next one is split
+        ((3, 5), 2, (None, None)),  # nothing divides: the parameter stays whole on every device
+        ((16,), 4, ("data",)),
+        ((2, 8), 4, (None, "data")),  # 2 < 4 devices
+        ((), 2, ()),
+    ],
+)
+def test_spmd_splits_the_first_dimension_the_device_count_divides(
+    shape: tuple[int, ...], parts: int, spec: tuple[str | None, ...]
+) -> None:
+    assert partition_spec(torch.Size(shape), parts) == spec
