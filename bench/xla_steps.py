@@ -68,11 +68,12 @@ class StepTimes(phalanx.Callback):
             Path(self.out).write_text(json.dumps(self.times))
 
 
-def _child(devices: int, steps: int, out: str) -> None:
+def _child(devices: int, steps: int, out: str, strategy_name: str) -> None:
     torch.manual_seed(0)
-    per_device = 64 // devices
+    # Replicas each read their part of the global batch of 64; SPMD's one process reads all of it.
+    per_device = 64 if strategy_name == "xla_spmd" else 64 // devices
     data = TensorDataset(torch.randn(64 * steps, 32), torch.randn(64 * steps, 1))
-    strategy = XLAStrategy(start_method="fork") if devices > 1 else "auto"
+    strategy: Any = XLAStrategy(start_method="fork") if strategy_name == "xla" else strategy_name
     trainer = phalanx.Trainer(
         accelerator="xla",
         devices=devices,
@@ -87,11 +88,12 @@ def _child(devices: int, steps: int, out: str) -> None:
     trainer.fit(MLP(), DataLoader(data, batch_size=per_device))
 
 
-def _run(devices: int, steps: int) -> list[float]:
+def _run(devices: int, steps: int, strategy: str) -> list[float]:
     with tempfile.TemporaryDirectory() as directory:
         out = os.path.join(directory, "times.json")
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONPATH": str(ROOT)}
         command = [sys.executable, __file__, "--child", str(devices), "--steps", str(steps), "--out", out]
+        command += ["--strategy", strategy]
         subprocess.run(command, env=env, check=True, timeout=900, capture_output=True)
         return json.loads(Path(out).read_text())
 
@@ -101,21 +103,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="auto", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.steps, args.out)
+        _child(args.child, args.steps, args.out, args.strategy)
         return
     import torch_xla
 
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, {os.cpu_count()} CPUs")
-    print("| devices | step 1 (s) | step 2 (s) | step 3 (s) | later steps, median (ms) | later steps, min (ms) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for devices in (1, 2):
-        times = _run(devices, args.steps)
+    print("| strategy | devices | step 1 (s) | step 2 (s) | step 3 (s) | later, median (ms) | later, min (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for devices, strategy in ((1, "single_xla"), (2, "xla"), (2, "xla_spmd")):
+        times = _run(devices, args.steps, strategy)
         later = times[3:]
         print(
-            f"| {devices} | {times[0]:.2f} | {times[1]:.2f} | {times[2]:.3f} | {1000 * statistics.median(later):.1f} |"
-            f" {1000 * min(later):.1f} |"
+            f"| {strategy} | {devices} | {times[0]:.2f} | {times[1]:.2f} | {times[2]:.3f} |"
+            f" {1000 * statistics.median(later):.1f} | {1000 * min(later):.1f} |"
         )
 
 
