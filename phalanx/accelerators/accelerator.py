@@ -47,6 +47,16 @@ class Accelerator(ABC):
         """Return whether this kind of device can be used on this machine."""
 
     @classmethod
+    def unavailable_hint(cls) -> str:
+        """Why this kind of device is unusable here and what to do about it (appended to the refusal; may be empty)."""
+        return ""
+
+    @classmethod
+    def auto_strategy(cls, process_count: int) -> str:
+        """The registered strategy name that ``strategy="auto"`` means for ``process_count`` processes."""
+        return "ddp" if process_count > 1 else "single_device"
+
+    @classmethod
     def supported_precisions(cls) -> tuple[str, ...]:
         """Return the precision names this kind of device can run."""
         return ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")

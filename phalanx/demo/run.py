@@ -115,6 +115,10 @@ def run_demo(
     # Every rank generates the same sample from the same generator: a sharded model (FSDP) gathers its layers in
     # each forward pass, which needs all ranks; rank 0 prints it.
     device = next(model.parameters()).device
+    if device.type == "xla":
+        # torch has no random generator on XLA devices (and token-by-token sampling would compile a graph per length).
+        device = torch.device("cpu")
+        model.to(device)
     prompt = torch.tensor([datamodule.encode(SAMPLE_PROMPT)], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(prompt, SAMPLE_LENGTH - len(SAMPLE_PROMPT), temperature=0.8, generator=generator)

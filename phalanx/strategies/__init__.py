@@ -9,6 +9,9 @@ from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
+from phalanx.strategies.xla import XLAStrategy
+from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
+from phalanx.strategies.xla_spmd import XLASPMDStrategy
 
 __all__ = [
     "DDPStrategy",
@@ -19,5 +22,8 @@ __all__ = [
     "RunSettings",
     "STRATEGY_REGISTRY",
     "SingleDeviceStrategy",
+    "SingleDeviceXLAStrategy",
     "Strategy",
+    "XLASPMDStrategy",
+    "XLAStrategy",
 ]

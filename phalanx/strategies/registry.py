@@ -8,9 +8,21 @@ from phalanx.strategies.fsdp import FSDPStrategy
 from phalanx.strategies.model_parallel import ModelParallelStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
+from phalanx.strategies.xla import XLAStrategy
+from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
+from phalanx.strategies.xla_spmd import XLASPMDStrategy
 from phalanx.utilities.registry import Registry
 
 STRATEGY_REGISTRY: Registry[Strategy] = Registry("strategy", "phalanx.strategies")
 
-for _strategy in (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy):
+for _strategy in (
+    SingleDeviceStrategy,
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    DeepSpeedStrategy,
+    SingleDeviceXLAStrategy,
+    XLAStrategy,
+    XLASPMDStrategy,
+):
     _strategy.register_strategies(STRATEGY_REGISTRY)

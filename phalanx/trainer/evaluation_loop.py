@@ -239,7 +239,8 @@ def _gather_in_dataset_order(strategy: Any, dataloader: Any, outputs: list[Any])
     from phalanx.trainer.prediction_order import batch_indices, reassemble_predictions
     from phalanx.utilities.apply import apply_to_tensors
 
-    indices = batch_indices(dataloader)[: len(outputs)]
+    # A strategy's device-side wrapper (XLA's) keeps the DataLoader it wraps as `.dataloader`.
+    indices = batch_indices(getattr(dataloader, "dataloader", dataloader))[: len(outputs)]
     local = [(batch, apply_to_tensors(output, lambda t: t.detach().cpu())) for batch, output in zip(indices, outputs)]
     per_rank = strategy.all_gather_object(local)
     padded = strategy.pads_evaluation

@@ -84,7 +84,7 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
     accelerator_class = ACCELERATOR_REGISTRY.get_class(name)
     if not accelerator_class.is_available():  # type: ignore[attr-defined]
         usable = [n for n in ACCELERATOR_REGISTRY.available() if ACCELERATOR_REGISTRY.get_class(n).is_available()]  # type: ignore[attr-defined]
-        hint = " (torch.cuda.is_available() is False)" if name == "cuda" else ""
+        hint = " (torch.cuda.is_available() is False)" if name == "cuda" else accelerator_class.unavailable_hint()  # type: ignore[attr-defined]
         raise ValueError(
             f"accelerator={accelerator!r} was requested but is not available on this machine{hint}. Available"
             f" accelerators: {usable}."
@@ -161,19 +161,16 @@ def resolve_strategy(
     )
 
 
-def _registered_name(strategy: str, devices: Any, num_nodes: int, process_count: int) -> str:
-    """The registry name ``strategy`` stands for ('auto': DDP for several processes, else one device)."""
+def _registered_name(strategy: str, devices: Any, num_nodes: int, process_count: int, accelerator: Accelerator) -> str:
+    """The registry name ``strategy`` stands for ('auto': the accelerator's choice, e.g. DDP for several processes)."""
     name = strategy.lower()
     if name == "auto":
-        if process_count > 1:
-            if "ddp" not in STRATEGY_REGISTRY:
-                raise ValueError(
-                    f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a"
-                    f" parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}."
-                )
-            name = "ddp"
-        else:
-            name = "single_device"
+        name = accelerator.auto_strategy(process_count)  # 'ddp'/'single_device'; 'xla'/'single_xla' on XLA devices
+        if process_count > 1 and name not in STRATEGY_REGISTRY:
+            raise ValueError(
+                f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a"
+                f" parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}."
+            )
     if name not in STRATEGY_REGISTRY:
         raise ValueError(
             f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a"
@@ -195,12 +192,14 @@ def _build_registered(
     # A strategy named in the registry, built and completed with the Trainer's arguments.
     parallel_devices = accelerator.get_parallel_devices(devices)
     process_count = len(parallel_devices) * num_nodes
-    name = _registered_name(strategy, devices, num_nodes, process_count)
+    name = _registered_name(strategy, devices, num_nodes, process_count, accelerator)
     strategy_class = STRATEGY_REGISTRY.get_class(name)
     refuse_parallel_on_mps(strategy_class, accelerator, repr(strategy))
     make_plugin = getattr(strategy_class, "precision_plugin_for", None) or precision_plugin_for
     plugin = given.precision if given.precision is not None else make_plugin(precision_name, accelerator)
-    if name == "single_device" or strategy_class is SingleDeviceStrategy:
+    if name == "single_device" or (
+        isinstance(strategy_class, type) and issubclass(strategy_class, SingleDeviceStrategy)
+    ):
         if process_count > 1:
             raise ValueError(
                 f"strategy={strategy!r} runs one process, but devices={devices!r}, num_nodes={num_nodes} asks for"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import warnings
 from functools import wraps
 from typing import Any, Callable, TypeVar
@@ -25,24 +26,52 @@ def _rank_from_environment() -> int:
     return 0
 
 
-def rank_zero_only(fn: _F) -> _F:
-    """Decorate ``fn`` so that it runs only on global rank 0 and returns None elsewhere."""
+class _RankZeroOnly:
+    """The ``@rank_zero_only`` decorator; ``rank_zero_only.rank`` is the global rank of this process.
 
-    @wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if rank_zero_only.rank == 0:
-            return fn(*args, **kwargs)
-        return None
+    Replicas that run as threads of one process (torch_xla on its CPU runtime, TPU v2/v3 hosts) each get their own rank
+    with ``use_thread_rank``; ``rank_zero_only.rank`` then reads and sets the calling thread's rank.
+    """
 
-    return wrapped  # type: ignore[return-value]
+    def __init__(self) -> None:
+        self._process_rank = _rank_from_environment()
+        self._threads = threading.local()
+
+    @property
+    def rank(self) -> int:
+        """The calling thread's rank when it has one, else the process's."""
+        return getattr(self._threads, "rank", self._process_rank)
+
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        if hasattr(self._threads, "rank"):
+            self._threads.rank = rank
+        else:
+            self._process_rank = rank
+
+    def __call__(self, fn: _F) -> _F:
+        """Decorate ``fn`` so that it runs only on global rank 0 and returns None elsewhere."""
+
+        @wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if self.rank == 0:
+                return fn(*args, **kwargs)
+            return None
+
+        return wrapped  # type: ignore[return-value]
 
 
-rank_zero_only.rank = _rank_from_environment()  # type: ignore[attr-defined]
+rank_zero_only = _RankZeroOnly()
 
 
 def set_global_rank(rank: int) -> None:
-    """Record this process's global rank for the rank-zero helpers (called by strategies)."""
-    rank_zero_only.rank = rank  # type: ignore[attr-defined]
+    """Record this process's (or, after ``use_thread_rank``, this thread's) global rank for the rank-zero helpers."""
+    rank_zero_only.rank = rank
+
+
+def use_thread_rank(rank: int) -> None:
+    """Give the calling thread its own global rank (for replicas that run as threads of one process)."""
+    rank_zero_only._threads.rank = rank
 
 
 @rank_zero_only

@@ -6,5 +6,14 @@ from phalanx.plugins.precision.double import DoublePrecision
 from phalanx.plugins.precision.fsdp import FSDPPrecision
 from phalanx.plugins.precision.half import HalfPrecision
 from phalanx.plugins.precision.precision import Precision
+from phalanx.plugins.precision.xla import XLAPrecision
 
-__all__ = ["DeepSpeedPrecision", "DoublePrecision", "FSDPPrecision", "HalfPrecision", "MixedPrecision", "Precision"]
+__all__ = [
+    "DeepSpeedPrecision",
+    "DoublePrecision",
+    "FSDPPrecision",
+    "HalfPrecision",
+    "MixedPrecision",
+    "Precision",
+    "XLAPrecision",
+]

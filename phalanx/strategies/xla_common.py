@@ -1,0 +1,147 @@
+"""What every XLA strategy shares: the graph cut per step, the device-side dataloader, CPU checkpoints."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from phalanx.accelerators.accelerator import Accelerator
+from phalanx.plugins.precision.xla import XLAPrecision
+from phalanx.strategies.xla_collectives import cut_graph
+from phalanx.utilities.apply import apply_to_tensors
+
+
+def xla_device(device: Any, strategy: str) -> torch.device:
+    """``device`` as an XLA ``torch.device`` (an int is an index); ValueError for anything else."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = torch.device("xla", device)
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"{strategy} got device={device!r}, which is not a torch device: {error}") from None
+    if parsed.type != "xla":
+        raise ValueError(
+            f"{strategy} runs on XLA devices, got device={device!r}. Pass an XLA device ('xla', 'xla:0' or an index),"
+            " or use a strategy for this device type."
+        )
+    return parsed if parsed.index is not None else torch.device("xla", 0)
+
+
+def holds_xla_tensors(data: Any) -> bool:
+    """Whether ``data`` (nested containers) holds a tensor on an XLA device."""
+    found: list[bool] = []
+    apply_to_tensors(data, lambda t: found.append(t.device.type == "xla"))
+    return any(found)
+
+
+def to_cpu(data: Any) -> Any:
+    """``data`` with every XLA tensor copied to the CPU (plain tensors: a checkpoint loads with weights_only=True)."""
+    return apply_to_tensors(data, lambda t: t.detach().cpu() if t.device.type == "xla" else t)
+
+
+class DeviceLoader:
+    """Iterates a dataloader through torch_xla's ParallelLoader, which moves batches to ``device`` in the background.
+
+    Every other attribute (``sampler``, ``batch_sampler``, ``dataset``, ``batch_size``) is the wrapped loader's, so
+    the driver still finds the sampler to set its epoch. The CPU iterator is created in the calling thread, so a
+    shuffling sampler draws its seed there, in the same order as without the wrapper.
+    """
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self.dataloader = loader  # the wrapped one: drivers that need the DataLoader itself find it here
+        self.device = device
+        self._parallel: Any = None
+
+    def __iter__(self) -> Any:
+        import torch_xla.distributed.parallel_loader as pl
+
+        self.close()
+        self._parallel = pl.ParallelLoader(iter(self.dataloader), [self.device])
+        return self._parallel.per_device_loader(self.device)
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def close(self) -> None:
+        """Stop the background threads of the last iteration."""
+        if self._parallel is not None:
+            self._parallel.close()
+            self._parallel = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "dataloader" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["dataloader"], name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dataloader": self.dataloader, "device": self.device, "_parallel": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+class XLAStrategyMixin:
+    """Steps end with a graph cut; dataloaders feed the device; checkpoints are written from CPU copies."""
+
+    precision_plugin_type: type[XLAPrecision] = XLAPrecision
+
+    @classmethod
+    def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> XLAPrecision:
+        """The XLA precision plugin for ``precision`` ('32-true', 'bf16-true', 'bf16-mixed')."""
+        return XLAPrecision(precision)
+
+    def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
+        if method == "training_step" or not torch.is_inference_mode_enabled():
+            return super()._run_step(method, context, *args, **kwargs)  # type: ignore[misc]
+        # torch_xla cannot run a module under inference mode (its tensors lack version counters): evaluation steps
+        # run under no_grad instead, as Lightning does on XLA.
+        with torch.inference_mode(False), torch.no_grad():
+            return super()._run_step(method, context, *args, **kwargs)  # type: ignore[misc]
+
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
+    ) -> Any:
+        """Step as usual, then cut the graph: the step (and its gradient all-reduce) compiles and runs once."""
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        cut_graph()
+        return result
+
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Wrap ``dataloader`` so that batches arrive on this replica's device."""
+        if isinstance(dataloader, DeviceLoader):
+            return dataloader
+        return DeviceLoader(dataloader, self.root_device)  # type: ignore[attr-defined]
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Finish pending work (every replica), then write CPU copies of the tensors on global rank 0."""
+        if holds_xla_tensors(checkpoint):
+            # Only then: after a multi-device fit, the launching process holds CPU weights and must not start the
+            # XLA runtime (torch_xla's launcher refuses to start once it runs).
+            cut_graph()
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            self.checkpoint_io.save_checkpoint(  # type: ignore[attr-defined]
+                to_cpu(checkpoint), filepath, storage_options=storage_options
+            )
+
+
+class XLAParallelDevices:
+    """``parallel_devices`` that must be XLA devices (for the strategies that span several)."""
+
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        """One XLA device per replica (or per mesh position) on this host."""
+        return self._parallel_devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
+        wrong = [device for device in devices or [] if torch.device(device).type != "xla"]
+        if wrong:
+            raise ValueError(
+                f"{type(self).__name__} runs on XLA devices, got {wrong[0]}: pass accelerator='xla' (or 'tpu'), or use"
+                " 'ddp' for CPU or CUDA devices."
+            )
+        self._parallel_devices = [torch.device(device) for device in devices] if devices is not None else None
