@@ -114,7 +114,15 @@ class XLAStrategyMixin:
         """Wrap ``dataloader`` so that batches arrive on this replica's device."""
         if isinstance(dataloader, DeviceLoader):
             return dataloader
-        return DeviceLoader(dataloader, self.root_device)  # type: ignore[attr-defined]
+        wrapped = DeviceLoader(dataloader, self.root_device)  # type: ignore[attr-defined]
+        self.__dict__.setdefault("_device_loaders", []).append(wrapped)
+        return wrapped
+
+    def teardown(self) -> None:
+        """Stop the dataloaders' background threads (a later iteration starts new ones), then tear down as usual."""
+        for loader in self.__dict__.pop("_device_loaders", []):
+            loader.close()
+        super().teardown()  # type: ignore[misc]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Finish pending work (every replica), then write CPU copies of the tensors on global rank 0."""

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_scenario(name: str, workdir: Path, devices: int, timeout: float = 420, **env: str) -> dict[str, Any]:
     """The scenario's result; a failure, a crash or running past ``timeout`` seconds fails with its output."""
-    variables = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), **env}
+    # PYTHONFAULTHANDLER: a crash of the scenario (or of the process torch_xla's launcher starts) prints every thread.
+    variables = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONFAULTHANDLER": "1", **env}
     variables["PYTHONPATH"] = os.pathsep.join([str(ROOT), variables.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     # A session of its own: on a hang the scenario and the process torch_xla's launcher started end together.
     with subprocess.Popen(
@@ -36,5 +37,5 @@ def run_scenario(name: str, workdir: Path, devices: int, timeout: float = 420, *
             message = f"scenario {name!r} ran past {timeout} s (a hang); its output:\n{stderr[-4000:]}"
             raise AssertionError(message) from None
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert process.returncode == 0 and lines, f"scenario {name!r} failed ({process.returncode}):\n{stderr[-6000:]}"
+    assert process.returncode == 0 and lines, f"scenario {name!r} failed ({process.returncode}):\n{stderr[-12000:]}"
     return json.loads(lines[-1][len("RESULT ") :])

@@ -133,14 +133,18 @@ def _run_replica(index: int, payload: tuple, results_path: str, settings: dict[s
     from phalanx.strategies.xla_collectives import PeerReplicaFailed, join_replica_threads, threads_share_process
     from phalanx.utilities.rank_zero import use_thread_rank
 
-    _apply_global_settings(settings)
     barrier = None
     if threads_share_process():
-        # The threads of this process received the same objects: each replica trains its own copy.
         with _COPY_LOCK:
+            # torch's switches are process-wide (set concurrently from two threads, they have crashed the process):
+            # the first replica thread sets them.
+            _apply_settings_once(settings)
+            # The threads of this process received the same objects: each replica trains its own copy.
             payload = copy.deepcopy(payload)
         use_thread_rank(xr.global_ordinal())
         barrier = join_replica_threads(xr.addressable_device_count(), payload[0].replica_timeout.total_seconds())
+    else:
+        _apply_settings_once(settings)
     strategy, function, args, kwargs, worker_state = payload
     strategy._launched = True
     try:
@@ -163,6 +167,16 @@ def _run_replica(index: int, payload: tuple, results_path: str, settings: dict[s
         state = _cpu(worker_state.collect()) if worker_state is not None else None
         with open(results_path, "wb") as results:
             results.write(_to_bytes({"result": _cpu(result), "state": state}))
+
+
+_SETTINGS_APPLIED = False
+
+
+def _apply_settings_once(settings: dict[str, Any]) -> None:
+    global _SETTINGS_APPLIED
+    if not _SETTINGS_APPLIED:
+        _apply_global_settings(settings)
+        _SETTINGS_APPLIED = True
 
 
 def _record_failure(directory: str, error: BaseException) -> None:
