@@ -42,6 +42,16 @@ def same_location(path: Any, target: str) -> bool:
     return os.path.realpath(path) == os.path.realpath(target)
 
 
+def resumed_locations(ckpt_path: Any) -> tuple[str, ...]:
+    """``ckpt_path`` as given and, for a local path, what it resolves to now (fixed before any link is switched)."""
+    if not isinstance(ckpt_path, (str, os.PathLike)) or not os.fspath(ckpt_path):
+        return ()
+    path = os.fspath(ckpt_path)
+    if is_url(path):
+        return (str(path).rstrip("/"),)
+    return (os.path.abspath(path), os.path.realpath(path))
+
+
 # ---------------------------------------------------------------------------- what a path is
 def _is_checkpoint_name(name: str) -> bool:
     # Hidden names are temporary files and staging directories of atomic writes, never finished checkpoints.

@@ -24,6 +24,7 @@ from phalanx.callbacks._checkpoint_files import (
     release,
     removal_refusal,
     remove_link,
+    resumed_locations,
     same_location,
 )
 from phalanx.utilities.exceptions import CheckpointError
@@ -51,6 +52,13 @@ class CheckpointSaves:
     _written: set[str]  # files this run wrote
     _claimed: set[str]  # names reserved on rank 0 and not yet written
     _links: set[str]  # symbolic links this run made (save_last="link"): the only links ever removed
+    _resumed_from: tuple[str, ...] = ()  # the checkpoint this run resumed from, as given and resolved at resume
+
+    # ------------------------------------------------------------------ the checkpoint resumed from
+    def _note_resumed_from(self, trainer: Trainer) -> None:
+        """Remember the checkpoint this run resumed from, and what it resolves to now (it may be a link that
+        ``save_last="link"`` later switches to a newer file): neither is ever removed."""
+        self._resumed_from = resumed_locations(getattr(trainer, "ckpt_path", None))
 
     # ------------------------------------------------------------------ timer and exception
     def _time_to_save(self, trainer: Trainer) -> bool:
@@ -93,22 +101,51 @@ class CheckpointSaves:
             self._warn_nonfinite(trainer)
             return
         candidates = self._monitor_candidates(trainer)
+        previous = self._claim_last(trainer, candidates) if self.save_last else None
         # Always a name nobody holds: the state at a failure must not replace a checkpoint kept for its score.
         filepath = self._filepath_for(candidates, trainer, reusable=None, force_version=True)
-        self._save_checkpoint(trainer, filepath)
-        self._save_last_checkpoint(trainer, candidates)
+        try:
+            self._save_checkpoint(trainer, filepath)
+        except BaseException:
+            if previous is not None:
+                self._unclaim_last(previous)
+            raise
+        self._save_last_checkpoint(trainer, candidates, previous)
         rank_zero_info(f"ModelCheckpoint: {type(exception).__name__} during fit; saved {filepath}")
 
     # ------------------------------------------------------------------ last.ckpt
-    def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
-        if not self.save_last:
-            return
+    def _claim_last(self, trainer: Trainer, candidates: dict[str, Any]) -> str:
+        """Name ``last.ckpt`` for this save point (rank 0 claims it, all ranks agree); returns the previous name.
+
+        Named before the save point's top-k write, so that the callback state inside that write already names it:
+        ``last.ckpt`` can then be a copy of that file, and a run resumed from either continues alike.
+        """
         filepath = self._filepath_for(
             candidates, trainer, reusable=self.last_model_path, template=self.CHECKPOINT_NAME_LAST
         )
         previous, self.last_model_path = self.last_model_path, filepath
+        return previous
+
+    def _unclaim_last(self, previous: str) -> None:
+        """Undo :meth:`_claim_last` when the save point failed before ``last.ckpt`` was written."""
+        if self.last_model_path in self._claimed:
+            release(self.last_model_path)
+            self._claimed.discard(self.last_model_path)
+            self.last_model_path = previous
+
+    def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any], previous: str | None = None) -> None:
+        """Write ``last.ckpt``: a link or a copy of the checkpoint just written at this step, else its own save.
+
+        ``previous``: the name :meth:`_claim_last` replaced, when it was already called at this save point.
+        """
+        if not self.save_last:
+            return
+        if previous is None:
+            previous = self._claim_last(trainer, candidates)
+        filepath = self.last_model_path
         if not (self._links_last(trainer) and self._link(trainer, self._last_checkpoint_saved, filepath)):
-            self._save_checkpoint(trainer, filepath)
+            if not (self._copies_last(trainer) and self._copy(trainer, self._last_checkpoint_saved, filepath)):
+                self._save_checkpoint(trainer, filepath)
         if (
             previous
             and previous != filepath
@@ -116,6 +153,45 @@ class CheckpointSaves:
             and previous != self.best_model_path
         ):
             self._remove_checkpoint(trainer, previous)
+
+    def _copies_last(self, trainer: Trainer) -> bool:
+        """Whether last.ckpt can be a copy: a checkpoint other than last, of this same state, was just written."""
+        return (
+            bool(self._last_checkpoint_saved)
+            and self._last_checkpoint_step == trainer.global_step
+            and self._last_checkpoint_saved != self.last_model_path
+        )
+
+    def _copy(self, trainer: Trainer, source: str, filepath: str) -> bool:
+        """Copy ``source`` to ``filepath`` through the strategy's CheckpointIO on rank 0; False: the IO cannot copy."""
+        outcome: str | None = None
+        checkpoint_io = getattr(trainer.strategy, "checkpoint_io", None)
+        if checkpoint_io is None:
+            return False  # a strategy without a CheckpointIO: nothing to copy through (every rank sees the same)
+        if trainer.is_global_zero:
+            try:
+                checkpoint_io.copy_checkpoint(source, filepath)
+                outcome = "copied"
+            except NotImplementedError:
+                outcome = "unsupported"
+            except Exception as error:  # reported on every rank below, rather than leaving them waiting
+                outcome = f"{type(error).__name__}: {error}"
+        outcome = trainer.strategy.broadcast(outcome)
+        if outcome == "unsupported":  # the name stays claimed: the regular save that follows replaces the placeholder
+            return False
+        if outcome != "copied":
+            if filepath in self._claimed:
+                release(filepath)
+                self._claimed.discard(filepath)
+            raise CheckpointError(
+                f"ModelCheckpoint(save_last={self.save_last!r}) could not copy {source} to {filepath}: {outcome}"
+            )
+        self._claimed.discard(filepath)
+        self._written.add(filepath)
+        self._links.discard(filepath)
+        for logger in trainer.loggers or []:
+            logger.after_save_checkpoint(self)
+        return True
 
     def _links_last(self, trainer: Trainer) -> bool:
         """Whether last.ckpt can be a link now: a checkpoint other than last holds the current step."""
@@ -129,7 +205,7 @@ class CheckpointSaves:
     def _relink_before_removal(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
         # save_last="link": last.ckpt moves to the file just written before an older checkpoint it may name is removed.
         if self.last_model_path and self._links_last(trainer):
-            self._save_last_checkpoint(trainer, candidates)
+            self._save_last_checkpoint(trainer, candidates, previous=self.last_model_path)
 
     def _link(self, trainer: Trainer, target: str, filepath: str) -> bool:
         """Make ``filepath`` (last.ckpt) a link to ``target`` on rank 0; False (all ranks) where links cannot be."""
@@ -220,8 +296,9 @@ class CheckpointSaves:
         """Why rank 0 keeps ``filepath``: None to remove it, "" to keep it silently, else the reason."""
         if target is None:
             return f"it is not a '*{FILE_EXTENSION}' entry directly inside dirpath {self.dirpath!r}"
-        if same_location(getattr(trainer, "ckpt_path", None), target):
-            return ""  # never delete the checkpoint this run resumed from
+        resumed = [*self._resumed_from, getattr(trainer, "ckpt_path", None)]
+        if any(same_location(path, target) for path in resumed):
+            return ""  # never delete the checkpoint this run resumed from (nor what its link named at resume)
         return removal_refusal(target, may_be_pending=filepath in self._written, own_link=filepath in self._links)
 
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:

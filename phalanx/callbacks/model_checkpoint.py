@@ -63,7 +63,10 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
             leading '.', or an empty template.
         monitor: Metric (a key of ``trainer.callback_metrics``) that ranks the checkpoints; None keeps the newest.
         verbose: Report each decision.
-        save_last: Also write ``last.ckpt`` (the current state) at every save point. ``"link"``: when a checkpoint of
+        save_last: Also write ``last.ckpt`` (the current state) at every save point. True: when a checkpoint of
+            this state was just written at this save point, ``last.ckpt`` is a copy of it made by the strategy's
+            ``CheckpointIO.copy_checkpoint`` (atomic; no second dump, no second FSDP gather), else its own save.
+            ``"link"``: when a checkpoint of
             the current step was just written, ``last.ckpt`` is a relative symbolic link to it instead of a second
             copy (else a regular file, as with True); the link is switched, in one rename, before any older checkpoint
             is removed, so it never dangles. Where links cannot be made (some file systems, Windows without the
@@ -229,6 +232,7 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
 
     def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._last_time_checked = time.monotonic()
+        self._note_resumed_from(trainer)
 
     def on_sanity_check_start(self, trainer: Trainer, module: TrainingModule) -> None:
         self._sanity_checking = True
@@ -361,8 +365,16 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
             self._last_global_step_saved = trainer.global_step
             return
         candidates = self._monitor_candidates(trainer)
-        self._save_topk_checkpoint(trainer, candidates)
-        self._save_last_checkpoint(trainer, candidates)
+        # last.ckpt is named first, so that the top-k checkpoint written next (whose callback state names it) can
+        # become last.ckpt by a link or a copy: one dump, and one gather of a sharded model, per save point.
+        previous = self._claim_last(trainer, candidates) if self.save_last else None
+        try:
+            self._save_topk_checkpoint(trainer, candidates)
+        except BaseException:
+            if previous is not None:
+                self._unclaim_last(previous)
+            raise
+        self._save_last_checkpoint(trainer, candidates, previous)
 
     def _save_topk_checkpoint(self, trainer: Trainer, candidates: dict[str, Any]) -> None:
         if self.save_top_k == 0:

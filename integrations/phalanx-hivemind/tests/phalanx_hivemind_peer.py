@@ -126,6 +126,7 @@ def main() -> None:
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
         load_state_timeout=15.0,
+        verbose=True,  # hivemind's per-round status lines: the test reads which rounds a peer averaged alone
     )
     deadline = time.time() + args.max_seconds
     recorder = Recorder(args.out / f"{args.name}.jsonl", args.swarm_steps, deadline, args.stop_file, args.go_file)

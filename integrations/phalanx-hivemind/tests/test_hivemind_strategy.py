@@ -194,29 +194,43 @@ def _trajectory(swarm: Swarm, name: str, since: float, until: float) -> list[Any
     return vectors
 
 
+# hivemind's status lines (the peers run with verbose=True) for a round in which a peer did not average with the others
+# and stepped on its own gradients: only after such a round may its parameters differ from A's.
+SOLO_ROUND_LINES = ("Proceeding with local gradients", "Averaging gradients failed", "Peer is out of sync")
+
+
+def _solo_rounds(swarm: Swarm, name: str) -> int:
+    text = (swarm.workdir / f"{name}.log").read_text(errors="replace")
+    return sum(text.count(line) for line in SOLO_ROUND_LINES)
+
+
 def _assert_in_step(swarm: Swarm, name: str, since: float = 0.0, until: float = float("inf"), catch_up: int = 0) -> int:
-    """From its ``catch_up``-th recorded step at the latest, ``name`` holds A's parameters after each swarm step, in the
-    same order; returns how many steps they shared.
+    """From its ``catch_up``-th recorded step at the latest, ``name`` holds A's parameters after each swarm step, in A's
+    order; returns how many of its steps matched one of A's.
 
     Steps are matched by their parameters, not their numbers: hivemind lets a peer that has just caught up count one
-    step behind the others (it stays in sync as long as it is at most one behind) while it averages with them.
+    step behind the others (it stays in sync as long as it is at most one behind) while it averages with them, and a
+    peer may miss one of A's steps. A step of ``name`` that matches none of A's is allowed only for a round that
+    hivemind logged as not averaged together (SOLO_ROUND_LINES in A's or ``name``'s log): peers that averaged agree.
     """
     reference, other = _trajectory(swarm, "a", 0.0, float("inf")), _trajectory(swarm, name, since, until)
     close = lambda x, y: (x - y).abs().max().item() <= PARAM_ATOL  # noqa: E731
-    pairs = (
-        (i, j)
-        for i, vector in enumerate(other[: catch_up + 1])
-        for j, past in enumerate(reference)
-        if close(past, vector)
+    first = next(
+        (i for i, vector in enumerate(other[: catch_up + 1]) if any(close(p, vector) for p in reference)), None
     )
-    first = next(pairs, None)
     if first is None:
         pytest.fail(f"{name} never held A's parameters within its first {catch_up + 1} recorded step(s)")
-    shared = list(zip(reference[first[1] :], other[first[0] :]))
-    for offset, (expected, actual) in enumerate(shared):
-        difference = (expected - actual).abs().max().item()
-        assert difference <= PARAM_ATOL, f"{name} left A's parameters {offset} steps after joining: {difference}"
-    return len(shared)
+    position, matched, strays = 0, 0, []
+    for offset, vector in enumerate(other[first:]):
+        found = next((k for k in range(position, len(reference)) if close(reference[k], vector)), None)
+        if found is None:
+            nearest = min((reference[k] - vector).abs().max().item() for k in range(len(reference)))
+            strays.append(f"step {offset} after joining (nearest of A's: {nearest:.3g})")
+        else:
+            matched, position = matched + 1, found + 1
+    solo = _solo_rounds(swarm, "a") + _solo_rounds(swarm, name)
+    assert len(strays) <= solo, f"{name} left A's parameters without a logged solo round ({solo} logged): {strays}"
+    return matched
 
 
 def test_two_peers_step_together_with_identical_parameters(swarm: Swarm) -> None:

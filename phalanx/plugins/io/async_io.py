@@ -36,6 +36,13 @@ class AsyncCheckpointIO(CheckpointIO):
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-checkpoint")
         self._pending.append(self._executor.submit(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options))
 
+    def copy_checkpoint(self, source: _PathLike, target: _PathLike) -> None:
+        """Queue the copy behind the saves already queued (one of them may be writing ``source``)."""
+        self._raise_finished_errors()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-checkpoint")
+        self._pending.append(self._executor.submit(self.checkpoint_io.copy_checkpoint, source, target))
+
     def load_checkpoint(self, path: _PathLike, map_location: Any | None = None) -> dict[str, Any]:
         """Wait for queued saves, then load."""
         self.wait()

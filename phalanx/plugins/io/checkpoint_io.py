@@ -24,5 +24,14 @@ class CheckpointIO(ABC):
     def remove_checkpoint(self, path: _PathLike) -> None:
         """Delete the checkpoint at ``path``."""
 
+    def copy_checkpoint(self, source: _PathLike, target: _PathLike) -> None:
+        """Put a copy of the finished checkpoint ``source`` (a file or a directory) at ``target``, atomically."""
+        # The default copies the files at the paths (local, or fsspec URLs through the file system's own copy): right
+        # for every IO that writes to the path it is given. An IO that stores checkpoints elsewhere overrides this,
+        # or raises NotImplementedError: ModelCheckpoint then writes last.ckpt with a second save.
+        from phalanx.plugins.io.copying import copy_checkpoint_files
+
+        copy_checkpoint_files(source, target)
+
     def teardown(self) -> None:
         """Finish pending work and release resources."""
