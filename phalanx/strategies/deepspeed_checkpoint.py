@@ -104,7 +104,10 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike) -> dict[str, Any]
         load_part(file, directory, "optimizer_state_dict")["optimizer_state_dict"] for file in files.optim_files
     ]
     try:
-        weights, optimizer_state = _consolidate(model_states, optim_states, str(files.directory))
+        # DeepSpeed saves its master weights with requires_grad: without no_grad, the merged tensors would carry a
+        # graph (and FSDP refuses to distribute non-leaf tensors); _detached covers what passes through unchanged.
+        with torch.no_grad():
+            weights, optimizer_state = _detached(_consolidate(model_states, optim_states, str(files.directory)))
     except CheckpointError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError) as error:
@@ -121,6 +124,18 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike) -> dict[str, Any]
         else:
             full["optimizer_states"] = [optimizer_state]
     return full
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, OrderedDict):
+        return OrderedDict((key, _detached(item)) for key, item in value.items())
+    if isinstance(value, dict):
+        return {key: _detached(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(item) for item in value)
+    return value
 
 
 def _consolidate(

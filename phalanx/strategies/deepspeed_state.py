@@ -13,7 +13,6 @@ from phalanx.strategies.deepspeed_checkpoint import (
     STATE_FILE,
     TAG,
     is_deepspeed_checkpoint,
-    is_optimizer_marker,
     load_deepspeed_checkpoint_as_full,
     read_trainer_state,
 )
@@ -36,6 +35,7 @@ class DeepSpeedCheckpointMixin:
     _optimizer_restored: bool
     _allow_unsafe_checkpoint_load: bool
     _exclude_frozen_parameters: bool
+    _resume_path: Any = None
     optimizers: list[Any]
 
     # ------------------------------------------------------------------ module state
@@ -51,26 +51,61 @@ class DeepSpeedCheckpointMixin:
             return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        """Fitting from a DeepSpeed directory: the engine loads weights and optimizer partitions. Otherwise: full
-        weights."""
+        """Fitting: the engine loads weights and optimizer (converted when the checkpoint has another layout).
+        Otherwise: full weights."""
         meta = checkpoint.get("deepspeed")
         fitting = self._engine is not None and self._engine_trains
+        from_directory = isinstance(meta, dict) and "directory" in meta
         if fitting:
-            if not isinstance(meta, dict) or "directory" not in meta:
-                raise CheckpointError(
-                    "Resuming DeepSpeed training needs a checkpoint directory written by DeepSpeedStrategy; this"
-                    " checkpoint is"
-                    " an ordinary file. To start DeepSpeed training from its weights, load them into the module before"
-                    " fit"
-                    " (TrainingModule.load_from_checkpoint) and call fit without ckpt_path."
-                )
-            self._load_engine_checkpoint(meta, strict)
+            if from_directory and self._same_layout(meta):
+                self._load_engine_checkpoint(meta, strict)
+            else:
+                self._load_converted(checkpoint, meta if from_directory else None, strict)
             return
-        if isinstance(meta, dict) and "directory" in meta:
+        if from_directory:
             weights = load_deepspeed_checkpoint_as_full(meta["directory"])["state_dict"]
         else:
             weights = checkpoint["state_dict"]
         self._load_full_weights(weights, strict)
+
+    def _same_layout(self, meta: dict[str, Any]) -> bool:
+        # A directory of this world size and stage is read by the engine itself (each rank its own partition files).
+        world_size, stage = meta.get("world_size"), meta.get("zero_stage")
+        return (world_size is None or world_size == self.world_size) and (stage is None or stage == self.zero_stage)
+
+    def _load_converted(self, checkpoint: dict[str, Any], meta: dict[str, Any] | None, strict: bool) -> None:
+        """Another layout: read it whole, load the weights into the module and the optimizer state into the engine."""
+        from phalanx.strategies.checkpoint_conversion import (
+            conversion_error,
+            deepspeed_layout,
+            load_into_zero_optimizer,
+            single_optimizer_state,
+            source_layout,
+        )
+
+        engine = self._require_training_engine()
+        path = meta["directory"] if meta is not None else self._resume_path
+        source = source_layout(path, meta)
+        target = f"DeepSpeed ZeRO stage {self.zero_stage} on {self.world_size} processes"
+        full = load_deepspeed_checkpoint_as_full(meta["directory"]) if meta is not None else checkpoint
+        saved = single_optimizer_state(
+            full.get("optimizer_states"), source=source, path=path, target=target, optimizers=len(self.optimizers)
+        )
+        weights = full["state_dict"]
+        self._load_full_weights(weights, strict)
+        if self.zero_stage == 0:
+            engine.optimizer.load_state_dict(saved)
+        elif self.zero_stage in (1, 2, 3):
+            names = {id(parameter): name for name, parameter in self._module.named_parameters()}
+            load_into_zero_optimizer(
+                engine.optimizer, self.zero_stage, weights, names, saved, source=source, path=path, target=target
+            )
+        else:
+            raise conversion_error(
+                source, path, target, f"ZeRO stage {self.zero_stage} is not one phalanx converts into",
+                f"Resume it as {deepspeed_layout(self.zero_stage, self.world_size)} only",
+            )  # fmt: skip
+        self._optimizer_restored = True
 
     def _load_engine_checkpoint(self, meta: dict[str, Any], strict: bool) -> None:
         engine = self._require_training_engine()
@@ -130,10 +165,11 @@ class DeepSpeedCheckpointMixin:
                 f"The checkpoint holds {len(states)} optimizer state(s) but DeepSpeed drives {len(self.optimizers)};"
                 " resume with the same optimizer configuration."
             )
-        if not all(is_optimizer_marker(state) for state in states) or not self._optimizer_restored:
+        if not self._optimizer_restored:
+            # load_model_state_dict restores the optimizer with the weights (from any layout); never resume without it.
             raise CheckpointError(
-                "DeepSpeed resumes its optimizer only from a DeepSpeed checkpoint directory written by"
-                " DeepSpeedStrategy."
+                "DeepSpeed's optimizer state was not restored with the weights: the checkpoint was read without"
+                " load_model_state_dict. Resume through Trainer.fit(ckpt_path=...)."
             )
 
     # ------------------------------------------------------------------ checkpoint directories
@@ -171,6 +207,7 @@ class DeepSpeedCheckpointMixin:
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
         """A DeepSpeed directory: the Trainer's state (its weights stay in DeepSpeed's files, see
         ``load_model_state_dict``)."""
+        self._resume_path = checkpoint_path
         if (
             isinstance(checkpoint_path, (str, os.PathLike))
             and not is_url(checkpoint_path)

@@ -1,0 +1,182 @@
+"""The resume matrix (tests/distributed/test_resume_matrix.py): checkpoints in every layout written on 2 processes,
+resumed on every strategy.
+
+Usage: python resume_matrix_job.py OUT   (phalanx starts the second process itself)
+
+On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds2,ds3}.ckpt (after SAVE_AT steps), runs each
+target strategy uninterrupted for STEPS steps (OUT/ref_{target}.pt) and resumes every source on every 2-process
+target to STEPS (OUT/{source}__{target}.pt); OUT/src_{ds2,ds3}.pt is the DeepSpeed runs' state at the save. Each
+.pt holds, by parameter name, the weights, Adam's state, the global step and the sample indices each rank saw (rank 0
+writes it; every rank takes part in gathering). ``run_one`` is the single-device column (called in the test's own
+process); a cell of it that fails writes its error to OUT/{source}__single.error. A failing 2-process cell fails the
+whole job (its output names the cell).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import phalanx
+
+STEPS, SAVE_AT = 12, 5  # 8 steps an epoch: the save is mid-epoch and the resumed run crosses an epoch boundary
+SAMPLES, GLOBAL_BATCH, FEATURES, WIDTH = 64, 8, 16, 64
+SOURCES = {
+    "ddp": "ddp",
+    "fsdp": "fsdp_sharded",
+    "ds2": "deepspeed_stage_2",
+    "ds3": "deepspeed_stage_3",
+}
+TARGETS = ["ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_3"]
+
+
+class Indexed(Dataset):
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(5)
+        self.x = torch.randn(SAMPLES, FEATURES, generator=generator)
+        self.y = torch.sin(self.x[:, :1]) + self.x[:, 1:2] * self.x[:, 2:3]
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[index], self.y[index], index
+
+
+class MatrixMLP(phalanx.TrainingModule):
+    """A small MLP without dropout, Adam; records the sample indices of each training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh())
+        self.head = nn.Linear(WIDTH, 1)
+        self.seen: list[list[int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.net(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, index = batch
+        self.seen.append([int(i) for i in index])
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+def strategy_for(name: str) -> Any:
+    if name == "fsdp_sharded":
+        from phalanx.strategies import FSDPStrategy
+
+        return FSDPStrategy(state_dict_type="sharded")
+    return name
+
+
+def make_trainer(strategy: str, devices: int, steps: int, root: Path) -> phalanx.Trainer:
+    return phalanx.Trainer(
+        strategy=strategy_for(strategy),
+        devices=devices,
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+
+
+def fit(strategy: str, devices: int, steps: int, root: Path, ckpt_path: Any = None) -> tuple[Any, Any]:
+    phalanx.seed_everything(11)
+    model = MatrixMLP()
+    trainer = make_trainer(strategy, devices, steps, root)
+    # Not shuffled: a DistributedSampler deals sample i to rank i % 2, so every world size trains on the same global
+    # batches (a shuffled single-device order would come from the saving run's RNG state, another world size's).
+    loader = DataLoader(Indexed(), batch_size=GLOBAL_BATCH // devices, shuffle=False)
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return model, trainer
+
+
+def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | None:
+    """Weights, Adam's state (by parameter name), step and seen samples; every rank calls, rank 0 gets it."""
+    strategy = trainer.strategy
+    names = [name for name, _ in model.named_parameters()]
+    optimizer = trainer.optimizers[0]
+    if hasattr(strategy, "zero_stage"):
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        params = dict(model.named_parameters())
+        weights = {name: safe_get_full_fp32_param(params[name]).detach().clone() for name in names}
+        moments = {
+            name: {key: safe_get_full_optimizer_state(params[name], key).clone() for key in ("exp_avg", "exp_avg_sq")}
+            for name in names
+        }
+        base = optimizer.optimizer
+        steps = {float(entry["step"]) for entry in base.state.values()}
+    else:
+        weights = {name: value.float() for name, value in strategy.module_state_dict().items() if name in names}
+        saved = strategy.optimizer_state(optimizer)
+        if not trainer.is_global_zero:
+            weights, saved = {}, {"state": {}}
+        order = [index for group in saved.get("param_groups", []) for index in group["params"]]
+        moments = {
+            name: {key: saved["state"][index][key] for key in ("exp_avg", "exp_avg_sq")}
+            for name, index in zip(names, order)
+        }
+        steps = {float(entry["step"]) for entry in saved["state"].values()}
+    seen = strategy.all_gather_object(model.seen)
+    if not trainer.is_global_zero:
+        return None
+    return {
+        "weights": weights,
+        "moments": moments,
+        "adam_steps": sorted(steps),
+        "global_step": trainer.global_step,
+        "seen": seen,
+    }
+
+
+def record(path: Path, model: MatrixMLP, trainer: phalanx.Trainer) -> None:
+    state = full_state(model, trainer)
+    if state is not None:
+        torch.save(state, path)
+
+
+def run_one(out: Path) -> None:
+    """The single-device column: the uninterrupted run and a resume from every source."""
+    model, trainer = fit("auto", 1, STEPS, out / "one")
+    record(out / "ref_single.pt", model, trainer)
+    for source in SOURCES:
+        try:
+            model, trainer = fit("auto", 1, STEPS, out / "one", ckpt_path=out / f"src_{source}.ckpt")
+        except Exception as error:  # the test reports which cell failed and why
+            (out / f"{source}__single.error").write_text(f"{type(error).__name__}: {error}")
+            continue
+        record(out / f"{source}__single.pt", model, trainer)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    for source, strategy in SOURCES.items():
+        model, trainer = fit(strategy, 2, SAVE_AT, out / "two")
+        trainer.save_checkpoint(out / f"src_{source}.ckpt")
+        if source.startswith("ds"):  # what `phalanx checkpoint consolidate` must reproduce
+            record(out / f"src_{source}.pt", model, trainer)
+    for target in TARGETS:
+        model, trainer = fit(target, 2, STEPS, out / "two")
+        record(out / f"ref_{target}.pt", model, trainer)
+        for source in SOURCES:
+            # A failing cell fails the job: an error caught on one rank only would leave the other in a collective.
+            print(f"resume matrix: {source} -> {target}", flush=True)
+            model, trainer = fit(target, 2, STEPS, out / "two", ckpt_path=out / f"src_{source}.ckpt")
+            record(out / f"{source}__{target}.pt", model, trainer)
+
+
+if __name__ == "__main__":
+    main()
