@@ -105,14 +105,18 @@ def test_two_peers_end_each_swarm_step_with_the_same_parameters(tmp_path, option
     steps = _run_pair(tmp_path, options, scheduler)
     common = sorted(set(steps["a"]) & set(steps["b"]) - {0})
     assert len(common) >= STEPS - 1, f"the peers shared only swarm steps {common}"
-    differ = {}
+    differ, alone = {}, 0
     for step in common:
+        # A peer that saw no swarm of two at this step (its progress tracker had not read the other's entry yet)
+        # skips averaging, as hivemind does for a swarm of one: its step is its own.
+        alone += min(steps[name][step]["peers"] for name in "ab") < 2
         a, b = (torch.tensor(steps[name][step]["params"]) for name in "ab")
         gap = (a - b).abs().max().item()
         if gap > atol:
             differ[step] = gap
     # A round hivemind logged as not averaged together may leave a peer's step its own; any other gap is a failure.
-    assert len(differ) <= _solo_rounds(tmp_path), f"parameters differ at swarm steps {differ} (tolerance {atol})"
+    allowed = _solo_rounds(tmp_path) + alone
+    assert len(differ) <= allowed, f"parameters differ at swarm steps {differ} (tolerance {atol}; {allowed} allowed)"
     assert len(common) - len(differ) >= 2, f"only {len(common) - len(differ)} steps in step: {differ}"
     assert max(steps["a"][s]["peers"] for s in common) == 2
     losses = [steps["a"][s]["loss"] for s in sorted(steps["a"])]
