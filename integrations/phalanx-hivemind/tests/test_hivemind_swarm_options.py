@@ -103,21 +103,26 @@ def _solo_rounds(workdir: Path) -> int:
 @pytest.mark.parametrize(("options", "scheduler", "atol"), [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
 def test_two_peers_end_each_swarm_step_with_the_same_parameters(tmp_path, options, scheduler, atol) -> None:
     steps = _run_pair(tmp_path, options, scheduler)
-    common = sorted(set(steps["a"]) & set(steps["b"]) - {0})
-    assert len(common) >= STEPS - 1, f"the peers shared only swarm steps {common}"
-    differ, alone = {}, 0
-    for step in common:
-        # A peer that saw no swarm of two at this step (its progress tracker had not read the other's entry yet)
-        # skips averaging, as hivemind does for a swarm of one: its step is its own.
-        alone += min(steps[name][step]["peers"] for name in "ab") < 2
-        a, b = (torch.tensor(steps[name][step]["params"]) for name in "ab")
-        gap = (a - b).abs().max().item()
+    # Steps are matched by their parameters, not their numbers: hivemind lets a peer one step behind count itself on
+    # (the two then number the same averaged step differently until the next state download).
+    reference = [torch.tensor(record["params"]) for _, record in sorted(steps["a"].items())]
+    differ, alone, matched = {}, 0, 0
+    for step, record in sorted(steps["b"].items()):
+        if step == 0:
+            continue
+        vector = torch.tensor(record["params"])
+        gap = min((vector - other).abs().max().item() for other in reference)
         if gap > atol:
             differ[step] = gap
+            # B saw no swarm of two at this step (its progress tracker had not read A's entry yet): hivemind skips
+            # averaging for a swarm of one, so the step is its own.
+            alone += record["peers"] < 2
+        else:
+            matched += 1
     # A round hivemind logged as not averaged together may leave a peer's step its own; any other gap is a failure.
     allowed = _solo_rounds(tmp_path) + alone
-    assert len(differ) <= allowed, f"parameters differ at swarm steps {differ} (tolerance {atol}; {allowed} allowed)"
-    assert len(common) - len(differ) >= 2, f"only {len(common) - len(differ)} steps in step: {differ}"
-    assert max(steps["a"][s]["peers"] for s in common) == 2
+    assert len(differ) <= allowed, f"B's steps {differ} match none of A's (tolerance {atol}; {allowed} allowed)"
+    assert matched >= STEPS - 2, f"only {matched} of B's steps match A's: {differ}"
+    assert max(record["peers"] for record in steps["a"].values()) == 2
     losses = [steps["a"][s]["loss"] for s in sorted(steps["a"])]
     assert losses[-1] < losses[0], f"the loss did not go down: {losses}"
