@@ -5,6 +5,7 @@ through the ``phalanx.strategies`` entry point; options then come from ``PHALANX
 Importing this package does not import hivemind: that happens when a run starts.
 """
 
+from phalanx_hivemind.download import SwarmStateError
 from phalanx_hivemind.options import COMPRESSIONS, INITIAL_PEERS_ENV, RUN_ID_ENV, TARGET_BATCH_SIZE_ENV
 from phalanx_hivemind.strategy import HivemindStrategy
 from phalanx_hivemind.swarm import SwarmProgress, SwarmScheduler
@@ -19,4 +20,5 @@ __all__ = [
     "HivemindStrategy",
     "SwarmProgress",
     "SwarmScheduler",
+    "SwarmStateError",
 ]

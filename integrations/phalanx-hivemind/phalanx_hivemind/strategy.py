@@ -23,6 +23,7 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies import RunSettings, SingleDeviceStrategy
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx_hivemind import options
+from phalanx_hivemind.download import bound_state_download, keep_schedule_on_download
 from phalanx_hivemind.swarm import SwarmProgress, SwarmScheduler
 
 log = logging.getLogger("phalanx_hivemind")
@@ -230,7 +231,8 @@ class HivemindStrategy(SingleDeviceStrategy):
             averager_opts=dict(request_timeout=min(3.0, 0.6 * self.matchmaking_time)),
         )
         if scheduler is not None:
-            _keep_schedule_on_download(self._hivemind_optimizer.state_averager)
+            keep_schedule_on_download(self._hivemind_optimizer.state_averager)
+        bound_state_download(self._hivemind_optimizer, self.load_state_timeout)
         self.optimizers = [self._hivemind_optimizer]
         self._logged_epoch = -1
 
@@ -278,7 +280,7 @@ class HivemindStrategy(SingleDeviceStrategy):
                 optimizer.tracker.global_epoch,
                 optimizer.local_epoch,
             )
-            optimizer.load_state_from_peers()
+            optimizer.load_state_from_peers(require_state=True)
 
     def _copy_module_into_offloaded_parameters(self) -> None:
         # hivemind copied the parameters when it was built; a checkpoint restored since then changed the module.
@@ -309,7 +311,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         if size is None:
             raise ValueError(
                 "HivemindStrategy could not tell how many samples this step holds (the batch has no tensor with a"
-                " batch dimension, or no batch was seen); pass HivemindStrategy(batch_size=...)."
+                " batch dimension, or no batch was seen, as in a phalanx.Cohort loop); pass"
+                " HivemindStrategy(batch_size=...)."
             )
         return size
 
@@ -338,6 +341,11 @@ class HivemindStrategy(SingleDeviceStrategy):
     @property
     def handles_gradient_accumulation(self) -> bool:
         """True: hivemind accumulates until the swarm reaches ``target_batch_size`` (the driver steps every batch)."""
+        return True
+
+    @property
+    def wraps_module_with_optimizers(self) -> bool:
+        """True: the optimizer must be known at ``setup`` (hivemind wraps it); Cohort.setup_module is refused."""
         return True
 
     # ------------------------------------------------------------------ checkpoints
@@ -401,28 +409,6 @@ def _rebuild_with(optimizer_class: type) -> Callable[[Any], Optimizer]:
         return optimizer_class(param_groups)
 
     return build
-
-
-def _keep_schedule_on_download(averager: Any) -> None:
-    """After a state download, move the LR scheduler's counters to the downloaded step without stepping it.
-
-    hivemind steps the scheduler until it reaches the downloaded step, but the downloaded optimizer state already
-    holds the peer's learning rate: a chainable scheduler (StepLR, ExponentialLR, ...) would apply its decay twice.
-    """
-    download = averager.load_state_from_peers
-
-    def download_keeping_schedule(**kwargs: Any) -> Any:
-        scheduler, averager.scheduler = averager.scheduler, None
-        try:
-            return download(**kwargs)
-        finally:
-            averager.scheduler = scheduler
-            if scheduler is not None and scheduler.last_epoch < averager.local_epoch:
-                scheduler.last_epoch = averager.local_epoch
-                scheduler._step_count = averager.local_epoch + 1
-                scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
-
-    averager.load_state_from_peers = download_keeping_schedule
 
 
 def _batch_size_of(batch: Any) -> int | None:

@@ -25,9 +25,9 @@ import phalanx
 class Regressor(phalanx.TrainingModule):
     """A small MLP fitting a fixed linear map; every peer builds it from the same seed."""
 
-    def __init__(self, step_sleep: float, lr: float) -> None:
+    def __init__(self, step_sleep: float, lr: float, scheduler: bool = True) -> None:
         super().__init__()
-        self.lr = lr
+        self.lr, self.scheduler = lr, scheduler
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
         self.step_sleep = step_sleep
 
@@ -39,6 +39,8 @@ class Regressor(phalanx.TrainingModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.5)
+        if not self.scheduler:
+            return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.99)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -101,8 +103,8 @@ def main() -> None:
     parser.add_argument("--swarm-steps", type=int, default=1000)
     parser.add_argument("--step-sleep", type=float, default=0.02)
     parser.add_argument("--data-seed", type=int, default=1)
-    parser.add_argument("--matchmaking-time", type=float, default=2.0)
-    parser.add_argument("--averaging-timeout", type=float, default=30.0)
+    parser.add_argument("--matchmaking-time", type=float, default=3.0)
+    parser.add_argument("--averaging-timeout", type=float, default=10.0)
     parser.add_argument("--max-seconds", type=float, default=120.0)
     parser.add_argument("--stop-file", type=Path, default=None)
     parser.add_argument("--go-file", type=Path, default=None)
@@ -110,10 +112,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--save", type=Path, default=None)
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--options", default="{}", help="more HivemindStrategy arguments, as JSON")
+    parser.add_argument("--no-scheduler", action="store_true", help="train without the StepLR")
     args = parser.parse_args()
 
+    # One thread per peer: several peers and their averager processes share a few cores, and torch's intra-op pool
+    # in each of them made averaging requests miss their deadlines on a loaded machine.
+    torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial weights on every peer
-    module = Regressor(args.step_sleep, args.lr)
+    module = Regressor(args.step_sleep, args.lr, scheduler=not args.no_scheduler)
     generator = torch.Generator().manual_seed(args.data_seed)  # each peer its own data
     true_map = torch.randn(8, 1, generator=torch.Generator().manual_seed(123))
     x = torch.randn(4096, 8, generator=generator)
@@ -127,6 +134,7 @@ def main() -> None:
         averaging_timeout=args.averaging_timeout,
         load_state_timeout=15.0,
         verbose=True,  # hivemind's per-round status lines: the test reads which rounds a peer averaged alone
+        **json.loads(args.options),
     )
     deadline = time.time() + args.max_seconds
     recorder = Recorder(args.out / f"{args.name}.jsonl", args.swarm_steps, deadline, args.stop_file, args.go_file)
