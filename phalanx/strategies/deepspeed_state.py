@@ -12,10 +12,8 @@ from phalanx.plugins.io.torch_io import is_url
 from phalanx.strategies.deepspeed_checkpoint import (
     STATE_FILE,
     TAG,
-    is_deepspeed_checkpoint,
     is_optimizer_marker,
     load_deepspeed_checkpoint_as_full,
-    read_trainer_state,
 )
 from phalanx.strategies.deepspeed_engine import partitioned_parameters
 from phalanx.strategies.deepspeed_files import (
@@ -171,16 +169,21 @@ class DeepSpeedCheckpointMixin:
         )
 
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
-        """A DeepSpeed directory: the Trainer's state (its weights stay in DeepSpeed's files, see
-        ``load_model_state_dict``)."""
+        """A DeepSpeed directory: the Trainer's state, read through the CheckpointIO (its weights stay in DeepSpeed's
+        files, see ``load_model_state_dict``)."""
+        from phalanx.plugins.io.checkpoint_files import entry_inside
+        from phalanx.plugins.io.layout import checkpoint_layout
+
         if (
             isinstance(checkpoint_path, (str, os.PathLike))
             and not is_url(checkpoint_path)
-            and is_deepspeed_checkpoint(checkpoint_path)
+            and checkpoint_layout(checkpoint_path) == "deepspeed"
         ):
-            state = read_trainer_state(checkpoint_path)
+            directory = Path(checkpoint_path)
+            state_file = entry_inside(directory, STATE_FILE, root=directory, what="phalanx's state file")
+            state = self.checkpoint_io.load_checkpoint(state_file)  # weights_only=True with TorchCheckpointIO
             meta = dict(state.get("deepspeed") or {})
-            meta["directory"] = str(Path(checkpoint_path).absolute())
+            meta["directory"] = str(directory.absolute())
             state["deepspeed"] = meta
             state.setdefault("state_dict", {})  # DeepSpeed's files hold the weights
             return state

@@ -82,7 +82,12 @@ def finish_in_background(
             f"The background save of {path} failed ({'; '.join(failures)}). Nothing was published: the previous"
             f" checkpoint at {path}, if there is one, is unchanged."
         ) from error
-    io.finish_directory_checkpoint(staging, path, collectives=background_collectives(collectives, group))
+    try:
+        io.finish_directory_checkpoint(staging, path, collectives=background_collectives(collectives, group))
+    except BaseException:
+        if collectives.is_global_zero:
+            discard(staging)  # unpublished (or published and renamed away: then it no longer exists)
+        raise
 
 
 def start_sharded_write(
