@@ -91,7 +91,13 @@ def finish_in_background(
 
 
 def start_sharded_write(
-    tensors: dict[str, Any], staging: Any, *, storage_options: Any | None, group: Any, distributed: bool
+    tensors: dict[str, Any],
+    staging: Any,
+    *,
+    storage_options: Any | None,
+    group: Any,
+    distributed: bool,
+    stager: Any = None,
 ) -> Future:
     """Stage ``tensors`` (copied off the training tensors, now) and write them in DCP's background thread."""
     import torch.distributed.checkpoint as dcp
@@ -103,4 +109,5 @@ def start_sharded_write(
         storage_writer=storage_writer(staging, storage_options),
         process_group=group,
         no_dist=not distributed,
+        async_stager=stager,
     )

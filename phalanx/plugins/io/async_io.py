@@ -8,6 +8,7 @@ from typing import Any
 from phalanx.plugins.io.async_directory import checkpoint_group, finish_in_background, start_sharded_write
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
 from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.staging import StagedAlready, StagingBuffers
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.apply import apply_to_tensors
 
@@ -23,11 +24,13 @@ class AsyncCheckpointIO(CheckpointIO):
     Every layout: one file (snapshot, then the wrapped IO's ``save_checkpoint`` in the background); sharded (DCP's
     ``async_save`` into the wrapped IO's staging directory, published by its ``finish_directory_checkpoint`` once
     every rank's write finished); DeepSpeed (each file snapshotted and saved in the background, the directory
-    published in the background after every rank's files). A new directory save first waits for the one in flight.
-    An error raised by a background save is re-raised at the next save, load or removal, or at teardown.
+    published in the background after every rank's files). A new save first waits for the one in flight. An error
+    raised by a background save is re-raised at the next save, load or removal, or at teardown.
+    ``reuse_staging_buffers`` keeps the CPU copies between saves (one more copy of the checkpoint's tensors in
+    memory; staging is then a copy, not an allocation).
     """
 
-    def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
+    def __init__(self, checkpoint_io: CheckpointIO | None = None, *, reuse_staging_buffers: bool = True) -> None:
         if checkpoint_io is not None and not isinstance(checkpoint_io, CheckpointIO):
             raise TypeError(f"checkpoint_io must be a CheckpointIO, got {type(checkpoint_io).__name__}.")
         self.checkpoint_io = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
@@ -37,11 +40,16 @@ class AsyncCheckpointIO(CheckpointIO):
         self._group_made = False
         self._directory_writes: list[Future] = []  # this rank's file writes of the directory being saved
         self._directory_open = False
+        self._staging = StagingBuffers(reuse=reuse_staging_buffers)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None = None) -> None:
         """Snapshot ``checkpoint`` and queue the write."""
-        self._raise_finished_errors()
-        snapshot = _snapshot(checkpoint)
+        if self._directory_open:  # one of a directory's files: staged under its name (start_... waited already)
+            self._raise_finished_errors()
+            snapshot = self._staging.stage(checkpoint, ("file", _name(path)))
+        else:
+            self.wait()  # the save in flight may still be writing from the staging buffers
+            snapshot = self._staging.stage(checkpoint, ("one file",))
         future = self._submit(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options)
         if self._directory_open:
             self._directory_writes.append(future)
@@ -76,9 +84,15 @@ class AsyncCheckpointIO(CheckpointIO):
         group = self._background_group(collectives)
         staging = self.checkpoint_io.start_directory_checkpoint(path, collectives=collectives)
         tensors, meta = split_checkpoint(checkpoint)
+        tensors = self._staging.stage(tensors, ("sharded",))  # DTensors stay DTensors: this rank's shards copied
         meta = _snapshot(meta)
         write = start_sharded_write(
-            tensors, staging, storage_options=storage_options, group=group, distributed=group is not None
+            tensors,
+            staging,
+            storage_options=storage_options,
+            group=group,
+            distributed=group is not None,
+            stager=StagedAlready(),
         )
         self._submit(
             finish_in_background,
@@ -160,4 +174,9 @@ class AsyncCheckpointIO(CheckpointIO):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._staging.clear()
             self.checkpoint_io.teardown()
+
+
+def _name(path: _PathLike) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]

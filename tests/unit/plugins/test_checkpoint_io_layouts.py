@@ -220,3 +220,41 @@ def test_a_failed_background_write_raises_a_checkpoint_write_error_naming_the_pa
         io.wait()
     assert not (tmp_path / "a.ckpt").exists()
     io.teardown()
+
+
+# ---------------------------------------------------------------------------- staging buffers
+@pytest.mark.parametrize("reuse", [True, False])
+def test_staging_copies_every_tensor_of_nested_containers_and_reuses_buffers_only_when_asked(reuse):
+    from collections import OrderedDict
+
+    from phalanx.plugins.io.staging import StagingBuffers
+
+    buffers = StagingBuffers(reuse=reuse)
+    data = {"a": [torch.ones(3), (torch.zeros(2, 2), 5)], "b": OrderedDict(x=torch.arange(4)), "c": "text"}
+    first = buffers.stage(data)
+    assert type(first["b"]) is OrderedDict and first["c"] == "text" and first["a"][1][1] == 5
+    torch.testing.assert_close(first["a"][0], torch.ones(3))
+    assert first["a"][0].data_ptr() != data["a"][0].data_ptr()  # a copy, not the training tensor
+    data["a"][0].add_(1)
+    second = buffers.stage(data)
+    torch.testing.assert_close(second["a"][0], torch.full((3,), 2.0))
+    assert (second["a"][0].data_ptr() == first["a"][0].data_ptr()) is reuse
+    data["a"][0] = torch.ones(5)  # another shape: a new buffer
+    assert buffers.stage(data)["a"][0].shape == (5,)
+
+
+class SlowIO(TorchCheckpointIO):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        threading.Event().wait(0.3)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_a_later_one_file_save_waits_for_the_one_in_flight_so_staged_values_are_never_overwritten(tmp_path):
+    io = AsyncCheckpointIO(SlowIO())
+    checkpoint = _checkpoint(1.0)
+    io.save_checkpoint(checkpoint, tmp_path / "one.ckpt")
+    checkpoint["state_dict"]["w"].fill_(2.0)
+    io.save_checkpoint(checkpoint, tmp_path / "two.ckpt")  # reuses the staging buffers: waits for 'one' first
+    io.teardown()
+    assert TorchCheckpointIO().load_checkpoint(tmp_path / "one.ckpt")["state_dict"]["w"].eq(1.0).all()
+    assert TorchCheckpointIO().load_checkpoint(tmp_path / "two.ckpt")["state_dict"]["w"].eq(2.0).all()
