@@ -30,11 +30,13 @@ def expected(kind: str, rank: int) -> tuple[str, list[list[str]]]:
     """(layout, IO calls of ``rank``) for: fit, save NAME, resume from NAME, remove NAME."""
     name = "url.ckpt" if kind == "fsdp_sharded_url" else f"{kind}.ckpt"
     removal = [["remove", name]] if rank == 0 else []
+    if kind == "fsdp_sharded_async":  # DCP's async_save writes the shards into the IO's staging directory
+        return "sharded", [["start", name], ["finish", name], ["load_sharded", name], *removal]
     if kind in ("ddp", "fsdp_full"):  # one file: rank 0 writes it, every rank reads it
         return "file", ([["save", name]] if rank == 0 else []) + [["load", name]] + removal
     if kind in ("fsdp_sharded", "fsdp_sharded_url", "model_parallel"):  # every rank writes and reads its shards
         return "sharded", [["save_sharded", name], ["load_sharded", name], *removal]
-    stage = int(kind[-1])
+    stage = int(kind.split("_")[1])
     saves = [["save", file] for file in _deepspeed_files(stage, rank)]
     saves += [["save", "phalanx_deepspeed_state.pt"]] if rank == 0 else []
     return "deepspeed", [["start", name], *saves, ["finish", name], ["load", "phalanx_deepspeed_state.pt"], *removal]
@@ -43,10 +45,11 @@ def expected(kind: str, rank: int) -> tuple[str, list[list[str]]]:
 KINDS = ["ddp", "fsdp_full", "fsdp_sharded", "fsdp_sharded_url", "model_parallel"] + [
     f"deepspeed_{stage}" for stage in (1, 2, 3)
 ]
+ASYNC_KINDS = ["fsdp_sharded_async", "deepspeed_2_async"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ASYNC_KINDS)
 def test_every_save_load_and_removal_of_every_strategy_reaches_the_checkpoint_io(results, kind, rank):
     result = results[rank][kind]
     layout, calls = expected(kind, rank)

@@ -175,6 +175,7 @@ class AsyncCheckpointIO(CheckpointIO):
                 self._executor.shutdown(wait=True)
                 self._executor = None
             self._staging.clear()
+            self._group, self._group_made = None, False  # a later fit may bring a new default process group
             self.checkpoint_io.teardown()
 
 

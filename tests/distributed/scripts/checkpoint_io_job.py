@@ -83,14 +83,18 @@ def model_and_data(name: str) -> tuple[Any, Any]:
     return MLP(), loader(2)
 
 
-def record(name: str, path: str) -> dict[str, Any]:
-    """Fit 2 steps and save; resume from it for 1 more step; remove it. Every step with a recording IO."""
+def record(name: str, path: str, asynchronous: bool = False) -> dict[str, Any]:
+    """Fit 2 steps and save; resume from it for 1 more step; remove it. Every step with a recording IO (wrapped in
+    AsyncCheckpointIO when ``asynchronous``)."""
     phalanx.seed_everything(7)
-    io = RecordingIO()
+    recorder = RecordingIO()
+    io = AsyncCheckpointIO(recorder) if asynchronous else recorder
     module, data = model_and_data(name)
     trainer = quiet(strategy=STRATEGIES[name](), devices=2, max_steps=2, plugins=[io])
     trainer.fit(module, data)
     trainer.save_checkpoint(path)
+    if asynchronous:
+        io.wait()  # published in the background: wait for it before looking
     layout = checkpoint_layout(path)
     module, data = model_and_data(name)
     resumed = quiet(strategy=STRATEGIES[name](), devices=2, max_steps=3, plugins=[io])
@@ -103,7 +107,7 @@ def record(name: str, path: str) -> dict[str, Any]:
     except FileNotFoundError:
         removed = True
     return {
-        "io": io.calls,
+        "io": recorder.calls,
         "layout": layout,
         "resumed_step": resumed.global_step,
         "removed": removed,
@@ -159,5 +163,7 @@ if __name__ == "__main__":
     for name in STRATEGIES:
         results[name] = record(name, str(OUT / f"{name}.ckpt"))
     results["fsdp_sharded_url"] = record("fsdp_sharded", f"file://{OUT / 'url.ckpt'}")
+    results["fsdp_sharded_async"] = record("fsdp_sharded", str(OUT / "fsdp_sharded_async.ckpt"), asynchronous=True)
+    results["deepspeed_2_async"] = record("deepspeed_2", str(OUT / "deepspeed_2_async.ckpt"), asynchronous=True)
     results["async"] = asynchronous(str(OUT / "async.ckpt"))
     (OUT / f"rank{results['ddp']['rank']}.json").write_text(json.dumps(results))
