@@ -46,6 +46,13 @@ def _engine_class() -> type:
         def commit(self, info: Any) -> bool:
             return True
 
+        def preserves_storage_sharing(self) -> bool:
+            # True makes DeepSpeed clone every tensor before handing it over (so that a view does not save its whole
+            # flat buffer). AsyncCheckpointIO copies each tensor into its own staging buffer anyway: no clone twice.
+            from phalanx.plugins.io.async_io import AsyncCheckpointIO
+
+            return not isinstance(self.io, AsyncCheckpointIO)
+
     return IOCheckpointEngine
 
 
@@ -84,13 +91,41 @@ def save_deepspeed_directory(
     """Every rank: DeepSpeed writes its partitions into the IO's staging directory; rank 0 adds ``state`` (the
     Trainer's) and the ``latest`` tag file; the IO publishes the directory at ``path`` once every rank is done."""
     staging = io.start_directory_checkpoint(path, collectives=collectives)
-    with writes_through(engine, io):
-        # save_latest=False: DeepSpeed would write 'latest' with open(), past the IO; phalanx writes it below.
-        engine.save_checkpoint(
-            staging, tag=tag, client_state={}, save_latest=False, exclude_frozen_parameters=exclude_frozen_parameters
-        )
+    if is_url(staging):
+        # DeepSpeed copies its zero_to_fp32.py scripts in with shutil, past the checkpoint engine; at a URL they are
+        # left out (``phalanx checkpoint consolidate`` does their work).
+        engine._copy_recovery_script = lambda save_path: None
+    try:
+        with writes_through(engine, io):
+            # save_latest=False: DeepSpeed would write 'latest' with open(), past the IO; phalanx writes it below.
+            engine.save_checkpoint(
+                staging,
+                tag=tag,
+                client_state={},
+                save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
+    finally:
+        engine.__dict__.pop("_copy_recovery_script", None)  # local saves copy the scripts again
     if collectives.is_global_zero:
         assert state is not None
         io.save_checkpoint(state, f"{str(staging).rstrip('/')}/{state_file}")
         _write_text(f"{str(staging).rstrip('/')}/latest", tag)
     io.finish_directory_checkpoint(staging, path, collectives=collectives)
+
+
+def local_copy_for_resume(url: Any, owner: Any) -> str:
+    """A local copy of the DeepSpeed directory at ``url`` (DeepSpeed's engine reads local files only), removed when
+    ``owner`` is garbage-collected or the process exits."""
+    import shutil
+    import tempfile
+    import weakref
+    from pathlib import Path
+
+    from phalanx.plugins.io.sharded_io import copy_tree
+
+    scratch = tempfile.mkdtemp(prefix="phalanx-deepspeed-")
+    weakref.finalize(owner, shutil.rmtree, scratch, True)
+    local = Path(scratch) / "checkpoint"
+    copy_tree(url, local)
+    return str(local)

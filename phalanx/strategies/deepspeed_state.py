@@ -174,11 +174,11 @@ class DeepSpeedCheckpointMixin:
         from phalanx.plugins.io.checkpoint_files import entry_inside
         from phalanx.plugins.io.layout import checkpoint_layout
 
-        if (
-            isinstance(checkpoint_path, (str, os.PathLike))
-            and not is_url(checkpoint_path)
-            and checkpoint_layout(checkpoint_path) == "deepspeed"
-        ):
+        if isinstance(checkpoint_path, (str, os.PathLike)) and checkpoint_layout(checkpoint_path) == "deepspeed":
+            if is_url(checkpoint_path):  # DeepSpeed's engine reads local files: a local copy, kept while resuming
+                from phalanx.strategies.deepspeed_io import local_copy_for_resume
+
+                checkpoint_path = local_copy_for_resume(checkpoint_path, self)
             directory = Path(checkpoint_path)
             state_file = entry_inside(directory, STATE_FILE, root=directory, what="phalanx's state file")
             state = self.checkpoint_io.load_checkpoint(state_file)  # weights_only=True with TorchCheckpointIO

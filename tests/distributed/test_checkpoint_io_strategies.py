@@ -28,7 +28,7 @@ def _deepspeed_files(stage: int, rank: int) -> list[str]:
 
 def expected(kind: str, rank: int) -> tuple[str, list[list[str]]]:
     """(layout, IO calls of ``rank``) for: fit, save NAME, resume from NAME, remove NAME."""
-    name = "url.ckpt" if kind == "fsdp_sharded_url" else f"{kind}.ckpt"
+    name = {"fsdp_sharded_url": "url.ckpt", "deepspeed_2_url": "ds_url.ckpt"}.get(kind, f"{kind}.ckpt")
     removal = [["remove", name]] if rank == 0 else []
     if kind == "fsdp_sharded_async":  # DCP's async_save writes the shards into the IO's staging directory
         return "sharded", [["start", name], ["finish", name], ["load_sharded", name], *removal]
@@ -45,7 +45,7 @@ def expected(kind: str, rank: int) -> tuple[str, list[list[str]]]:
 KINDS = ["ddp", "fsdp_full", "fsdp_sharded", "fsdp_sharded_url", "model_parallel"] + [
     f"deepspeed_{stage}" for stage in (1, 2, 3)
 ]
-ASYNC_KINDS = ["fsdp_sharded_async", "deepspeed_2_async"]
+ASYNC_KINDS = ["fsdp_sharded_async", "deepspeed_2_async", "deepspeed_2_url"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

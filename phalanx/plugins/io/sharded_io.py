@@ -172,18 +172,23 @@ def load_sharded_checkpoint(path: Any, *, module_state: dict[str, Any], optimize
 @contextlib.contextmanager
 def local_copy(url: Any) -> Any:
     """A local temporary copy of the checkpoint directory at ``url``, removed on exit."""
-    fs, root = _fsspec_filesystem(url)
     scratch = Path(tempfile.mkdtemp(prefix="phalanx-checkpoint-"))
     try:
         local = scratch / "checkpoint"
-        local.mkdir()
-        for remote in fs.find(root):
-            relative = remote[len(root.rstrip("/")) + 1 :] if remote.startswith(root.rstrip("/")) else None
-            if not relative or relative.startswith("/") or ".." in relative.split("/"):
-                raise CheckpointError(f"{url}: the entry {remote!r} does not lie inside the checkpoint directory.")
-            destination = local / relative
-            destination.parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(remote, str(destination))
+        copy_tree(url, local)
         yield local
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def copy_tree(url: Any, local: Path) -> None:
+    """Copy the directory at the fsspec ``url`` to the new local directory ``local``, refusing entries outside it."""
+    fs, root = _fsspec_filesystem(url)
+    local.mkdir()
+    for remote in fs.find(root):
+        relative = remote[len(root.rstrip("/")) + 1 :] if remote.startswith(root.rstrip("/")) else None
+        if not relative or relative.startswith("/") or ".." in relative.split("/"):
+            raise CheckpointError(f"{url}: the entry {remote!r} does not lie inside the checkpoint directory.")
+        destination = local / relative
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(destination))

@@ -163,6 +163,7 @@ if __name__ == "__main__":
     for name in STRATEGIES:
         results[name] = record(name, str(OUT / f"{name}.ckpt"))
     results["fsdp_sharded_url"] = record("fsdp_sharded", f"file://{OUT / 'url.ckpt'}")
+    results["deepspeed_2_url"] = record("deepspeed_2", f"file://{OUT / 'ds_url.ckpt'}")
     results["fsdp_sharded_async"] = record("fsdp_sharded", str(OUT / "fsdp_sharded_async.ckpt"), asynchronous=True)
     results["deepspeed_2_async"] = record("deepspeed_2", str(OUT / "deepspeed_2_async.ckpt"), asynchronous=True)
     results["async"] = asynchronous(str(OUT / "async.ckpt"))
