@@ -24,19 +24,20 @@ def _run_until_stalled(out: Path) -> list[str]:
     """Start the job, wait until both second writes stalled and the saves returned, then SIGKILL it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), os.getcwd()]))}
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        [sys.executable, str(SCRIPT), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
     )
-    lines: list[str] = []
+    received = b""  # read from the file descriptor itself: a buffered reader would hide lines from select()
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + 120
+    lines: list[str] = []
     try:
         while time.monotonic() < deadline and process.poll() is None:
-            stalled = sum(line.startswith("stalled") for line in lines)
-            if "second-returned" in lines and stalled >= 2:
+            lines = received.decode(errors="replace").splitlines()
+            if "second-returned" in lines and sum(line.startswith("stalled") for line in lines) >= 2:
                 break
             if selector.select(timeout=1):
-                lines.append(process.stdout.readline().strip())
+                received += os.read(process.stdout.fileno(), 65536)
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
