@@ -12,9 +12,7 @@ from phalanx.plugins.io.torch_io import is_url
 from phalanx.strategies.deepspeed_checkpoint import (
     STATE_FILE,
     TAG,
-    is_deepspeed_checkpoint,
     load_deepspeed_checkpoint_as_full,
-    read_trainer_state,
 )
 from phalanx.strategies.deepspeed_engine import partitioned_parameters
 from phalanx.strategies.deepspeed_files import (
@@ -174,22 +172,18 @@ class DeepSpeedCheckpointMixin:
 
     # ------------------------------------------------------------------ checkpoint directories
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank writes its partitions into a hidden directory; rank 0 adds the Trainer's state and ``.complete``,
-        then renames it into place."""
-        from phalanx.plugins.io.directory import publish_directory, staging_directory
-        from phalanx.plugins.io.torch_io import TorchCheckpointIO
+        """Every rank writes its partitions through the CheckpointIO into a staging directory; rank 0 adds the
+        Trainer's state; the IO publishes it with ``.complete`` (see ``deepspeed_io``)."""
+        from phalanx.plugins.io.collectives import Collectives
+        from phalanx.strategies.deepspeed_io import save_deepspeed_directory
 
         engine = self._require_training_engine()
-        if storage_options is not None or is_url(filepath):
-            raise ValueError(
-                f"DeepSpeed writes checkpoints to a local (or shared) file system path; {str(filepath)!r} with"
-                f" storage_options={storage_options!r} is not one."
+        if storage_options is not None:
+            raise TypeError(
+                f"DeepSpeedStrategy.save_checkpoint takes no storage_options (got {storage_options!r} for"
+                f" {str(filepath)!r}); configure the file system through the CheckpointIO."
             )
-        target = Path(filepath).absolute()
-        staging = staging_directory(target, is_global_zero=self.is_global_zero, broadcast=self.broadcast)
-        engine.save_checkpoint(
-            str(staging), tag=TAG, client_state={}, exclude_frozen_parameters=self._exclude_frozen_parameters
-        )
+        state = None
         if self.is_global_zero:
             state = {key: value for key, value in checkpoint.items() if key != "state_dict"}
             state["deepspeed"] = {
@@ -198,24 +192,35 @@ class DeepSpeedCheckpointMixin:
                 "world_size": self.world_size,
                 "precision": self.precision_plugin.precision,
             }
-            TorchCheckpointIO().save_checkpoint(state, staging / STATE_FILE)
-        self.barrier("DeepSpeedStrategy.save_checkpoint")
-        if self.is_global_zero:
-            publish_directory(staging, target)
-        self.barrier("DeepSpeedStrategy.save_checkpoint(renamed)")
+        target = filepath if is_url(filepath) else Path(filepath).absolute()
+        save_deepspeed_directory(
+            engine,
+            self.checkpoint_io,
+            state,
+            target,
+            tag=TAG,
+            state_file=STATE_FILE,
+            collectives=Collectives.of(self),
+            exclude_frozen_parameters=self._exclude_frozen_parameters,
+        )
 
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
-        """A DeepSpeed directory: the Trainer's state (its weights stay in DeepSpeed's files, see
-        ``load_model_state_dict``)."""
+        """A DeepSpeed directory: the Trainer's state, read through the CheckpointIO (its weights stay in DeepSpeed's
+        files, see ``load_model_state_dict``)."""
+        from phalanx.plugins.io.checkpoint_files import entry_inside
+        from phalanx.plugins.io.layout import checkpoint_layout
+
         self._resume_path = checkpoint_path
-        if (
-            isinstance(checkpoint_path, (str, os.PathLike))
-            and not is_url(checkpoint_path)
-            and is_deepspeed_checkpoint(checkpoint_path)
-        ):
-            state = read_trainer_state(checkpoint_path)
+        if isinstance(checkpoint_path, (str, os.PathLike)) and checkpoint_layout(checkpoint_path) == "deepspeed":
+            if is_url(checkpoint_path):  # DeepSpeed's engine reads local files: a local copy, kept while resuming
+                from phalanx.strategies.deepspeed_io import local_copy_for_resume
+
+                checkpoint_path = local_copy_for_resume(checkpoint_path, self)
+            directory = Path(checkpoint_path)
+            state_file = entry_inside(directory, STATE_FILE, root=directory, what="phalanx's state file")
+            state = self.checkpoint_io.load_checkpoint(state_file)  # weights_only=True with TorchCheckpointIO
             meta = dict(state.get("deepspeed") or {})
-            meta["directory"] = str(Path(checkpoint_path).absolute())
+            meta["directory"] = str(directory.absolute())
             state["deepspeed"] = meta
             state.setdefault("state_dict", {})  # DeepSpeed's files hold the weights
             return state

@@ -4,15 +4,14 @@ module, gradient accumulation without synchronisation, creation on the meta devi
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from phalanx.plugins.io.distributed_checkpoint import is_sharded_checkpoint, load_into, save_sharded
-from phalanx.plugins.io.torch_io import is_url
+from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.layout import checkpoint_layout
 from phalanx.strategies.dtensor_state import (
     full_module_state,
     full_optimizer_state,
@@ -104,24 +103,25 @@ class ShardedStrategyMixin:
         return full_optimizer_state(optimizer, keep=self.is_global_zero)  # type: ignore[attr-defined]
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """'full': rank 0 writes one file; 'sharded': every rank writes its shards into the directory ``filepath``."""
+        """'full': rank 0 writes one file; 'sharded': every rank writes its shards into the directory ``filepath``
+        (both through the CheckpointIO)."""
         if self._state_dict_type != "sharded":
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
-        if is_url(filepath) or storage_options is not None:
-            raise ValueError(
-                f"state_dict_type='sharded' writes to a local (or shared) file system path, not {str(filepath)!r} with"
-                " storage_options; use state_dict_type='full' for fsspec URLs."
-            )
-        save_sharded(
-            checkpoint, filepath, is_global_zero=self.is_global_zero, broadcast=self.broadcast, barrier=self.barrier
-        )  # type: ignore[attr-defined]
+        self.checkpoint_io.save_sharded_checkpoint(  # type: ignore[attr-defined]
+            checkpoint, filepath, collectives=Collectives.of(self), storage_options=storage_options
+        )
 
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
         """Read a checkpoint into the sharded model; when fitting, restore optimizer and scheduler states as well."""
-        if not is_url(checkpoint_path) and is_sharded_checkpoint(checkpoint_path):
-            checkpoint = load_into(Path(checkpoint_path), self._module.state_dict(), self.optimizers)  # type: ignore[attr-defined]
+        io = self.checkpoint_io  # type: ignore[attr-defined]
+        if checkpoint_layout(checkpoint_path) == "sharded":
+            checkpoint = io.load_sharded_checkpoint(
+                checkpoint_path,
+                module_state=self._module.state_dict(),
+                optimizers=self.optimizers,  # type: ignore[attr-defined]
+            )
         else:
-            checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path)  # type: ignore[attr-defined]
+            checkpoint = io.load_checkpoint(checkpoint_path)
         if self.optimizers and "optimizer_states" in checkpoint:  # type: ignore[attr-defined]
             self.load_optimizer_state_dict(checkpoint)
             states = checkpoint.get("lr_schedulers", [])

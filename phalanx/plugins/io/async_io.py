@@ -5,7 +5,10 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from phalanx.plugins.io.async_directory import checkpoint_group, finish_in_background, start_sharded_write
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
+from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.staging import StagedAlready, StagingBuffers
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.apply import apply_to_tensors
 
@@ -18,30 +21,126 @@ def _snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
 class AsyncCheckpointIO(CheckpointIO):
     """Wraps another CheckpointIO; each save snapshots the state, then writes it on one background thread.
 
-    An error raised by a background save is re-raised at the next save, load or removal, or at teardown.
+    Every layout: one file (snapshot, then the wrapped IO's ``save_checkpoint`` in the background); sharded (DCP's
+    ``async_save`` into the wrapped IO's staging directory, published by its ``finish_directory_checkpoint`` once
+    every rank's write finished); DeepSpeed (each file snapshotted and saved in the background, the directory
+    published in the background after every rank's files). A new save first waits for the one in flight. An error
+    raised by a background save is re-raised at the next save, load or removal, or at teardown.
+    ``reuse_staging_buffers`` keeps the CPU copies between saves (one more copy of the checkpoint's tensors in
+    memory; staging is then a copy, not an allocation).
     """
 
-    def __init__(self, checkpoint_io: CheckpointIO | None = None) -> None:
+    def __init__(self, checkpoint_io: CheckpointIO | None = None, *, reuse_staging_buffers: bool = True) -> None:
         if checkpoint_io is not None and not isinstance(checkpoint_io, CheckpointIO):
             raise TypeError(f"checkpoint_io must be a CheckpointIO, got {type(checkpoint_io).__name__}.")
         self.checkpoint_io = checkpoint_io if checkpoint_io is not None else TorchCheckpointIO()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        self._group: Any = None  # the process group of the background collectives (see async_directory)
+        self._group_made = False
+        self._directory_writes: list[Future] = []  # this rank's file writes of the directory being saved
+        self._directory_open = False
+        self._staging = StagingBuffers(reuse=reuse_staging_buffers)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None = None) -> None:
         """Snapshot ``checkpoint`` and queue the write."""
-        self._raise_finished_errors()
-        snapshot = _snapshot(checkpoint)
+        if self._directory_open:  # one of a directory's files: staged under its name (start_... waited already)
+            self._raise_finished_errors()
+            snapshot = self._staging.stage(checkpoint, ("file", _name(path)))
+        else:
+            self.wait()  # the save in flight may still be writing from the staging buffers
+            snapshot = self._staging.stage(checkpoint, ("one file",))
+        future = self._submit(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options)
+        if self._directory_open:
+            self._directory_writes.append(future)
+
+    def _submit(self, function: Any, *args: Any, **kwargs: Any) -> Future:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-checkpoint")
-        self._pending.append(self._executor.submit(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options))
+        future = self._executor.submit(function, *args, **kwargs)
+        self._pending.append(future)
+        return future
+
+    def _background_group(self, collectives: Collectives) -> Any:
+        if not self._group_made:  # every rank reaches this together, in the main thread
+            self._group = checkpoint_group(collectives)
+            self._group_made = True
+        return self._group
+
+    def save_sharded_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: _PathLike,
+        *,
+        collectives: Collectives,
+        storage_options: Any | None = None,
+    ) -> None:
+        """Stage the shards (DCP's ``async_save`` copies them off the training tensors), write and publish them in
+        the background; returns once staged."""
+        from phalanx.plugins.io.distributed_checkpoint import split_checkpoint
+        from phalanx.plugins.io.sharded_io import write_meta
+
+        self.wait()  # the save in flight finishes first (and its error, if any, is raised here)
+        group = self._background_group(collectives)
+        staging = self.checkpoint_io.start_directory_checkpoint(path, collectives=collectives)
+        tensors, meta = split_checkpoint(checkpoint)
+        tensors = self._staging.stage(tensors, ("sharded",))  # DTensors stay DTensors: this rank's shards copied
+        meta = _snapshot(meta)
+        write = start_sharded_write(
+            tensors,
+            staging,
+            storage_options=storage_options,
+            group=group,
+            distributed=group is not None,
+            stager=StagedAlready(),
+        )
+        self._submit(
+            finish_in_background,
+            io=self.checkpoint_io,
+            writes=[write],
+            before_publish=lambda results: write_meta(staging, meta, results[0]),
+            staging=staging,
+            path=path,
+            collectives=collectives,
+            group=group,
+        )
+
+    def load_sharded_checkpoint(
+        self, path: _PathLike, *, module_state: dict[str, Any], optimizers: list[Any]
+    ) -> dict[str, Any]:
+        """Wait for queued saves, then load through the wrapped IO."""
+        self.wait()
+        return self.checkpoint_io.load_sharded_checkpoint(path, module_state=module_state, optimizers=optimizers)
+
+    def start_directory_checkpoint(self, path: _PathLike, *, collectives: Collectives) -> str:
+        """Wait for the save in flight; then the wrapped IO's staging directory."""
+        self.wait()
+        self._background_group(collectives)
+        self._directory_writes, self._directory_open = [], True
+        return self.checkpoint_io.start_directory_checkpoint(path, collectives=collectives)
+
+    def makedirs(self, path: _PathLike) -> None:
+        """Create the directory now (the files queued after it go there)."""
+        self.checkpoint_io.makedirs(path)
+
+    def finish_directory_checkpoint(self, staging: _PathLike, path: _PathLike, *, collectives: Collectives) -> None:
+        """Publish in the background, once every rank's queued files are written."""
+        writes, self._directory_writes, self._directory_open = self._directory_writes, [], False
+        self._submit(
+            finish_in_background,
+            io=self.checkpoint_io,
+            writes=writes,
+            before_publish=None,
+            staging=staging,
+            path=path,
+            collectives=collectives,
+            group=self._background_group(collectives),
+        )
 
     def copy_checkpoint(self, source: _PathLike, target: _PathLike) -> None:
         """Queue the copy behind the saves already queued (one of them may be writing ``source``)."""
         self._raise_finished_errors()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-checkpoint")
-        self._pending.append(self._executor.submit(self.checkpoint_io.copy_checkpoint, source, target))
+        self._submit(self.checkpoint_io.copy_checkpoint, source, target)
 
     def load_checkpoint(self, path: _PathLike, map_location: Any | None = None) -> dict[str, Any]:
         """Wait for queued saves, then load."""
@@ -75,4 +174,10 @@ class AsyncCheckpointIO(CheckpointIO):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._staging.clear()
+            self._group, self._group_made = None, False  # a later fit may bring a new default process group
             self.checkpoint_io.teardown()
+
+
+def _name(path: _PathLike) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]

@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from phalanx.plugins.io.collectives import Collectives
 
 _PathLike = str | os.PathLike
 
 
 class CheckpointIO(ABC):
-    """Saves, loads and removes checkpoint dictionaries at a path."""
+    """Saves, loads and removes checkpoints at a path, in the layout the strategy chooses."""
+
+    # The protocol, by layout (the strategy picks the layout, the IO does every write, read and removal):
+    # - one file (single_device, ddp, fsdp/model_parallel 'full'): save_checkpoint / load_checkpoint on rank 0;
+    # - sharded DCP directory (fsdp/model_parallel 'sharded'): save_sharded_checkpoint / load_sharded_checkpoint,
+    #   called on every rank;
+    # - DeepSpeed directory: start_directory_checkpoint, then save_checkpoint + makedirs for every file DeepSpeed
+    #   writes (through phalanx's DeepSpeed checkpoint engine), then finish_directory_checkpoint, on every rank;
+    # - every layout: remove_checkpoint and copy_checkpoint (rank 0).
+    # The directory methods have default implementations, so a subclass of the three abstract methods works as-is.
 
     @abstractmethod
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None = None) -> None:
@@ -32,6 +44,45 @@ class CheckpointIO(ABC):
         from phalanx.plugins.io.copying import copy_checkpoint_files
 
         copy_checkpoint_files(source, target)
+
+    def save_sharded_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: _PathLike,
+        *,
+        collectives: Collectives,
+        storage_options: Any | None = None,
+    ) -> None:
+        """Write ``checkpoint`` as a sharded DCP directory at ``path`` (every rank calls this, with its shards)."""
+        from phalanx.plugins.io.sharded_io import save_sharded_checkpoint
+
+        save_sharded_checkpoint(checkpoint, path, collectives=collectives, storage_options=storage_options)
+
+    def load_sharded_checkpoint(
+        self, path: _PathLike, *, module_state: dict[str, Any], optimizers: list[Any]
+    ) -> dict[str, Any]:
+        """Read the sharded directory at ``path`` into the live shards ``module_state`` and ``optimizers``."""
+        from phalanx.plugins.io.sharded_io import load_sharded_checkpoint
+
+        return load_sharded_checkpoint(path, module_state=module_state, optimizers=optimizers)
+
+    def start_directory_checkpoint(self, path: _PathLike, *, collectives: Collectives) -> str:
+        """Return the hidden staging directory (the same on every rank) that a directory checkpoint is written to."""
+        from phalanx.plugins.io.sharded_io import start_directory
+
+        return start_directory(path, collectives=collectives)
+
+    def makedirs(self, path: _PathLike) -> None:
+        """Create the directory ``path`` (and its parents) inside a staging directory."""
+        from phalanx.plugins.io.sharded_io import makedirs
+
+        makedirs(path)
+
+    def finish_directory_checkpoint(self, staging: _PathLike, path: _PathLike, *, collectives: Collectives) -> None:
+        """Once every rank has written its files into ``staging``, mark it complete and publish it at ``path``."""
+        from phalanx.plugins.io.sharded_io import finish_directory
+
+        finish_directory(staging, path, collectives=collectives)
 
     def teardown(self) -> None:
         """Finish pending work and release resources."""

@@ -165,6 +165,20 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
 
 
+def _load_directory(path: _PathLike) -> dict[str, Any]:
+    """A sharded (or DeepSpeed) checkpoint directory, read whole: any strategy can resume from it."""
+    from phalanx.plugins.io.distributed_checkpoint import consolidate
+    from phalanx.plugins.io.layout import checkpoint_layout
+
+    checkpoint_layout(path)  # refuses a directory whose save did not finish
+    if not is_url(path):
+        return consolidate(path)
+    from phalanx.plugins.io.sharded_io import local_copy
+
+    with local_copy(path) as local:
+        return consolidate(local)
+
+
 class TorchCheckpointIO(CheckpointIO):
     """Writes with ``torch.save`` to a temporary file and renames it into place; reads with ``weights_only=True``."""
 
@@ -201,17 +215,14 @@ class TorchCheckpointIO(CheckpointIO):
             if not fs.exists(fs_path):
                 raise FileNotFoundError(f"Checkpoint not found: {path}")
             if fs.isdir(fs_path):
-                raise CheckpointError(f"{path} is a directory, not a checkpoint file readable by TorchCheckpointIO.")
+                return _load_directory(path)
             with fs.open(fs_path, "rb") as handle:
                 return load_bytes(handle.read(), str(path), map_location)
         local = Path(path)
         if not local.exists():
             raise FileNotFoundError(f"Checkpoint not found: {path}")
         if local.is_dir():
-            # A sharded (or DeepSpeed) checkpoint directory, read whole: any strategy can resume from it.
-            from phalanx.plugins.io.distributed_checkpoint import consolidate
-
-            return consolidate(local)
+            return _load_directory(local)
         with open(local, "rb") as handle:
             return load_bytes(handle, str(path), map_location)
 

@@ -24,7 +24,7 @@ OUT = Path(sys.argv[1])
 
 
 class RecordingIO(TorchCheckpointIO):
-    """Records (per rank) every save and copy that reaches the CheckpointIO."""
+    """Records (per rank) every save, directory start/finish, copy and removal that reaches the CheckpointIO."""
 
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
@@ -33,9 +33,25 @@ class RecordingIO(TorchCheckpointIO):
         self.calls.append(["save", os.path.basename(path)])
         super().save_checkpoint(checkpoint, path, storage_options)
 
+    def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Any, **kwargs: Any) -> None:
+        self.calls.append(["save_sharded", os.path.basename(path)])
+        super().save_sharded_checkpoint(checkpoint, path, **kwargs)
+
+    def start_directory_checkpoint(self, path: Any, **kwargs: Any) -> str:
+        self.calls.append(["start", os.path.basename(path)])
+        return super().start_directory_checkpoint(path, **kwargs)
+
+    def finish_directory_checkpoint(self, staging: Any, path: Any, **kwargs: Any) -> None:
+        self.calls.append(["finish", os.path.basename(path)])
+        super().finish_directory_checkpoint(staging, path, **kwargs)
+
     def copy_checkpoint(self, source: Any, target: Any) -> None:
         self.calls.append(["copy", os.path.basename(source), os.path.basename(target)])
         super().copy_checkpoint(source, target)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.calls.append(["remove", os.path.basename(path)])
+        super().remove_checkpoint(path)
 
 
 def counting(base: type) -> type:

@@ -1,0 +1,113 @@
+"""The background half of AsyncCheckpointIO's directory checkpoints (sharded DCP and DeepSpeed directories).
+
+Collectives in a background thread must not share a process group with the training loop's collectives (their order
+would interleave differently on each rank), so the background work coordinates over a process group of its own,
+created once, collectively, from the main thread (``checkpoint_group``). Every rank reports whether its writes
+succeeded before rank 0 publishes: a failure on any rank publishes nothing, and every rank raises it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.io.collectives import Collectives
+
+
+def checkpoint_group(collectives: Collectives) -> Any:
+    """A gloo process group for the background work (``None`` for one process); every rank calls this together."""
+    import torch.distributed as dist
+
+    if collectives.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def background_collectives(collectives: Collectives, group: Any) -> Collectives:
+    """``collectives`` whose broadcast and barrier run over ``group`` (usable from the background thread)."""
+    if group is None:
+        return Collectives(rank=collectives.rank, world_size=collectives.world_size)
+    import torch.distributed as dist
+
+    def broadcast(obj: Any, src: int = 0) -> Any:
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=src, group=group)
+        return holder[0]
+
+    def barrier(name: str | None = None) -> None:
+        dist.barrier(group=group)
+
+    return Collectives(rank=collectives.rank, world_size=collectives.world_size, broadcast=broadcast, barrier=barrier)
+
+
+def _all_ranks_succeeded(error: BaseException | None, collectives: Collectives, group: Any) -> list[str]:
+    """Every rank's failure (``rank N: message``), gathered over ``group``: empty when every rank succeeded."""
+    mine = None if error is None else f"rank {collectives.rank}: {type(error).__name__}: {error}"
+    if group is None:
+        return [mine] if mine else []
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * collectives.world_size
+    dist.all_gather_object(gathered, mine, group=group)
+    return [failure for failure in gathered if failure]
+
+
+def finish_in_background(
+    *,
+    io: CheckpointIO,
+    writes: list[Future],
+    before_publish: Callable[[list[Any]], None] | None,
+    staging: Any,
+    path: Any,
+    collectives: Collectives,
+    group: Any,
+) -> None:
+    """Wait for this rank's ``writes``, agree with every rank that all succeeded, then publish through ``io``."""
+    from phalanx.plugins.io.sharded_io import discard
+    from phalanx.utilities.exceptions import CheckpointWriteError
+
+    error: BaseException | None = None
+    try:
+        results = [write.result() for write in writes]
+        if before_publish is not None and collectives.is_global_zero:
+            before_publish(results)
+    except BaseException as caught:  # reported to every rank below, then raised
+        error = caught
+    failures = _all_ranks_succeeded(error, collectives, group)
+    if failures:
+        if collectives.is_global_zero:
+            discard(staging)
+        raise CheckpointWriteError(
+            f"The background save of {path} failed ({'; '.join(failures)}). Nothing was published: the previous"
+            f" checkpoint at {path}, if there is one, is unchanged."
+        ) from error
+    try:
+        io.finish_directory_checkpoint(staging, path, collectives=background_collectives(collectives, group))
+    except BaseException:
+        if collectives.is_global_zero:
+            discard(staging)  # unpublished (or published and renamed away: then it no longer exists)
+        raise
+
+
+def start_sharded_write(
+    tensors: dict[str, Any],
+    staging: Any,
+    *,
+    storage_options: Any | None,
+    group: Any,
+    distributed: bool,
+    stager: Any = None,
+) -> Future:
+    """Stage ``tensors`` (copied off the training tensors, now) and write them in DCP's background thread."""
+    import torch.distributed.checkpoint as dcp
+
+    from phalanx.plugins.io.sharded_io import storage_writer
+
+    return dcp.async_save(
+        tensors,
+        storage_writer=storage_writer(staging, storage_options),
+        process_group=group,
+        no_dist=not distributed,
+        async_stager=stager,
+    )

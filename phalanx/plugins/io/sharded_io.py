@@ -1,0 +1,194 @@
+"""CheckpointIO's default directory methods: sharded (DCP) and DeepSpeed directories, local or at an fsspec URL.
+
+Local directories are staged in a hidden sibling directory and renamed into place (``directory.publish_directory``).
+At an fsspec URL the same happens with the file system's own operations: every rank writes into a hidden staging
+directory next to the target, rank 0 writes ``.complete`` last and moves the staging directory into place (the
+previous checkpoint is moved aside first and removed only after). Object stores have no atomic rename of a
+directory; a directory without its marker is never loaded (``layout.checkpoint_layout``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, staging_directory
+from phalanx.plugins.io.torch_io import _fsspec_filesystem, is_url, serialize
+from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
+
+
+def _sibling(url: str, prefix: str, suffix: str) -> str:
+    parent, _, name = str(url).rstrip("/").rpartition("/")
+    return f"{parent}/{prefix}{name}.{uuid.uuid4().hex}{suffix}"
+
+
+def _join(url: Any, name: str) -> str:
+    return f"{str(url).rstrip('/')}/{name}"
+
+
+# ---------------------------------------------------------------------------- directory checkpoints
+def start_directory(path: Any, *, collectives: Collectives) -> str:
+    """The hidden staging directory next to ``path`` (named by rank 0, the same on every rank)."""
+    if not is_url(path):
+        target = Path(path).absolute()
+        return str(
+            staging_directory(target, is_global_zero=collectives.is_global_zero, broadcast=collectives.broadcast)
+        )
+    name = _sibling(str(path), ".", ".tmp") if collectives.is_global_zero else None
+    return collectives.broadcast(name)
+
+
+def makedirs(path: Any) -> None:
+    """Create the directory ``path`` with its parents, locally or at an fsspec URL."""
+    if is_url(path):
+        fs, root = _fsspec_filesystem(path)
+        fs.makedirs(root, exist_ok=True)
+    else:
+        os.makedirs(path, exist_ok=True)
+
+
+def publish(staging: Any, path: Any) -> None:
+    """Mark the finished ``staging`` complete and put it at ``path`` (rank 0, after every rank wrote)."""
+    if not is_url(path):
+        publish_directory(Path(staging), Path(path).absolute())
+        return
+    fs, target = _fsspec_filesystem(path)
+    _, staged = _fsspec_filesystem(staging)
+    fs.pipe_file(_join(staged, COMPLETE_MARKER), b"")
+    retired = None
+    if fs.exists(target):
+        retired = _fsspec_filesystem(_sibling(str(path), ".", ".retired"))[1]
+        fs.mv(target, retired, recursive=True)
+    fs.mv(staged, target, recursive=True)
+    if retired is not None:
+        fs.rm(retired, recursive=True)
+
+
+def discard(staging: Any) -> None:
+    """Remove an unfinished staging directory (best effort: it is hidden and never loaded)."""
+    if is_url(staging):
+        with contextlib.suppress(Exception):
+            fs, root = _fsspec_filesystem(staging)
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+    else:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def finish_directory(staging: Any, path: Any, *, collectives: Collectives) -> None:
+    """Wait for every rank's files, publish on rank 0, then let every rank go on once the checkpoint is in place."""
+    collectives.barrier("phalanx: directory checkpoint written")
+    if collectives.is_global_zero:
+        publish(staging, path)
+    collectives.barrier("phalanx: directory checkpoint published")
+
+
+# ---------------------------------------------------------------------------- sharded (DCP) directories
+def storage_writer(staging: Any, storage_options: Any | None = None) -> Any:
+    """DCP's writer for ``staging``: the local file system writer, or torch's fsspec writer for URLs."""
+    import torch.distributed.checkpoint as dcp
+
+    if is_url(staging):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(str(staging), **(storage_options or {}))
+    return dcp.FileSystemWriter(staging)
+
+
+def write_meta(staging: Any, meta: dict[str, Any], metadata: Any) -> None:
+    """Write the plain part of a sharded checkpoint (rank 0), with the id DCP gave the save."""
+    from phalanx.plugins.io import distributed_checkpoint as dc
+    from phalanx.plugins.io.directory import write_synced
+
+    meta[dc._SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    if is_url(staging):
+        fs, root = _fsspec_filesystem(staging)
+        fs.pipe_file(_join(root, dc.META_FILE), serialize(meta))
+    else:
+        write_synced(Path(staging) / dc.META_FILE, serialize(meta))
+
+
+def save_sharded_checkpoint(
+    checkpoint: dict[str, Any], path: Any, *, collectives: Collectives, storage_options: Any | None = None
+) -> None:
+    """Every rank writes its shards of ``checkpoint`` into a staging directory; rank 0 publishes it at ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    from phalanx.plugins.io.distributed_checkpoint import save_sharded, split_checkpoint
+
+    if not is_url(path):
+        if storage_options is not None:
+            raise TypeError(f"storage_options are only used for fsspec URLs, not for the local path {str(path)!r}.")
+        save_sharded(
+            checkpoint,
+            path,
+            is_global_zero=collectives.is_global_zero,
+            broadcast=collectives.broadcast,
+            barrier=collectives.barrier,
+        )
+        return
+    staging = start_directory(path, collectives=collectives)
+    tensors, meta = split_checkpoint(checkpoint)
+    try:
+        try:
+            metadata = dcp.save(tensors, storage_writer=storage_writer(staging, storage_options))
+            if collectives.is_global_zero:
+                write_meta(staging, meta, metadata)
+        except BaseException as error:
+            raise CheckpointWriteError(
+                f"Could not write the sharded checkpoint {path}: {type(error).__name__}: {error}. Nothing was"
+                f" published: the previous checkpoint at {path}, if there is one, is unchanged."
+            ) from error
+        collectives.barrier("phalanx: sharded checkpoint written")
+        if collectives.is_global_zero:
+            publish(staging, path)
+    except BaseException:
+        if collectives.is_global_zero:
+            discard(staging)
+        raise
+
+
+def load_sharded_checkpoint(path: Any, *, module_state: dict[str, Any], optimizers: list[Any]) -> dict[str, Any]:
+    """Read a sharded directory into the live shards; a URL is first copied to a local temporary directory (every
+    check that guards a local read then applies to it)."""
+    from phalanx.plugins.io.distributed_checkpoint import load_into
+    from phalanx.plugins.io.layout import checkpoint_layout
+
+    layout = checkpoint_layout(path)
+    if layout != "sharded":
+        raise CheckpointError(f"{path} is a {layout} checkpoint, not a sharded (DCP) directory.")
+    if not is_url(path):
+        return load_into(Path(path), module_state, optimizers)
+    with local_copy(path) as local:
+        return load_into(local, module_state, optimizers)
+
+
+@contextlib.contextmanager
+def local_copy(url: Any) -> Any:
+    """A local temporary copy of the checkpoint directory at ``url``, removed on exit."""
+    scratch = Path(tempfile.mkdtemp(prefix="phalanx-checkpoint-"))
+    try:
+        local = scratch / "checkpoint"
+        copy_tree(url, local)
+        yield local
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def copy_tree(url: Any, local: Path) -> None:
+    """Copy the directory at the fsspec ``url`` to the new local directory ``local``, refusing entries outside it."""
+    fs, root = _fsspec_filesystem(url)
+    local.mkdir()
+    for remote in fs.find(root):
+        relative = remote[len(root.rstrip("/")) + 1 :] if remote.startswith(root.rstrip("/")) else None
+        if not relative or relative.startswith("/") or ".." in relative.split("/"):
+            raise CheckpointError(f"{url}: the entry {remote!r} does not lie inside the checkpoint directory.")
+        destination = local / relative
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(remote, str(destination))

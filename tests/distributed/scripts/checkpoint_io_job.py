@@ -1,0 +1,170 @@
+"""Every strategy's checkpoint save, load and removal reach the CheckpointIO, on 2 CPU processes; one job, results
+in OUT for tests/distributed/test_checkpoint_io_strategies.py. Also: FSDP sharded at a file:// URL, and an
+asynchronous FSDP sharded save that returns while its (slowed) write is pending.
+
+Usage: python checkpoint_io_job.py OUT   (phalanx starts the second process itself)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from sharded_common import MLP, TransformerBlock, loader, quiet, sequences
+from torch.utils.data import DataLoader
+
+import phalanx
+import phalanx.plugins.io.sharded_io as sharded_io
+from phalanx.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+from phalanx.plugins.io.layout import checkpoint_layout
+from phalanx.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+OUT = Path(sys.argv[1]) if __name__ == "__main__" else Path()
+
+
+class RecordingIO(TorchCheckpointIO):
+    """Records (per rank) every call of the protocol, with the base name of its path."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+
+    def _record(self, what: str, path: Any) -> None:
+        self.calls.append([what, os.path.basename(str(path).rstrip("/"))])
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        self._record("save", path)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None) -> dict[str, Any]:
+        self._record("load", path)
+        return super().load_checkpoint(path, map_location)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self._record("remove", path)
+        super().remove_checkpoint(path)
+
+    def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Any, **kwargs: Any) -> None:
+        self._record("save_sharded", path)
+        super().save_sharded_checkpoint(checkpoint, path, **kwargs)
+
+    def load_sharded_checkpoint(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        self._record("load_sharded", path)
+        return super().load_sharded_checkpoint(path, **kwargs)
+
+    def start_directory_checkpoint(self, path: Any, **kwargs: Any) -> str:
+        self._record("start", path)
+        return super().start_directory_checkpoint(path, **kwargs)
+
+    def finish_directory_checkpoint(self, staging: Any, path: Any, **kwargs: Any) -> None:
+        self._record("finish", path)
+        super().finish_directory_checkpoint(staging, path, **kwargs)
+
+
+STRATEGIES = {
+    "ddp": lambda: DDPStrategy(),
+    "fsdp_full": lambda: FSDPStrategy(state_dict_type="full"),
+    "fsdp_sharded": lambda: FSDPStrategy(state_dict_type="sharded"),
+    "model_parallel": lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+    "deepspeed_1": lambda: DeepSpeedStrategy(stage=1),
+    "deepspeed_2": lambda: DeepSpeedStrategy(stage=2),
+    "deepspeed_3": lambda: DeepSpeedStrategy(stage=3),
+}
+
+
+def model_and_data(name: str) -> tuple[Any, Any]:
+    if name == "model_parallel":
+        return TransformerBlock(), DataLoader(sequences(), batch_size=8)
+    return MLP(), loader(2)
+
+
+def record(name: str, path: str, asynchronous: bool = False) -> dict[str, Any]:
+    """Fit 2 steps and save; resume from it for 1 more step; remove it. Every step with a recording IO (wrapped in
+    AsyncCheckpointIO when ``asynchronous``)."""
+    phalanx.seed_everything(7)
+    recorder = RecordingIO()
+    io = AsyncCheckpointIO(recorder) if asynchronous else recorder
+    module, data = model_and_data(name)
+    trainer = quiet(strategy=STRATEGIES[name](), devices=2, max_steps=2, plugins=[io])
+    trainer.fit(module, data)
+    trainer.save_checkpoint(path)
+    if asynchronous:
+        io.wait()  # published in the background: wait for it before looking
+    layout = checkpoint_layout(path)
+    module, data = model_and_data(name)
+    resumed = quiet(strategy=STRATEGIES[name](), devices=2, max_steps=3, plugins=[io])
+    resumed.fit(module, data, ckpt_path=path)
+    resumed.strategy.remove_checkpoint(path)
+    resumed.strategy.barrier("removed")
+    try:
+        checkpoint_layout(path)
+        removed = False
+    except FileNotFoundError:
+        removed = True
+    return {
+        "io": recorder.calls,
+        "layout": layout,
+        "resumed_step": resumed.global_step,
+        "removed": removed,
+        "rank": resumed.global_rank,
+    }
+
+
+def whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from phalanx.strategies.dtensor_state import is_dtensor
+
+    return {k: (v.full_tensor() if is_dtensor(v) else v).detach().clone() for k, v in module.state_dict().items()}
+
+
+def asynchronous(path: str) -> dict[str, Any]:
+    """An FSDP sharded save through AsyncCheckpointIO returns while its write (slowed) is pending; then it loads."""
+    release = threading.Event()
+    original = sharded_io.storage_writer
+
+    def slowed(staging: Any, storage_options: Any | None = None) -> Any:
+        writer = original(staging, storage_options)
+        write_data = writer.write_data
+        writer.write_data = lambda plan, planner: (release.wait(60), write_data(plan, planner))[1]
+        return writer
+
+    sharded_io.storage_writer = slowed
+    phalanx.seed_everything(7)
+    io = AsyncCheckpointIO(RecordingIO())
+    module = MLP()
+    trainer = quiet(strategy=FSDPStrategy(state_dict_type="sharded"), devices=2, max_steps=2, plugins=[io])
+    trainer.fit(module, loader(2))
+    expected = whole(trainer.strategy.module)
+    start = time.perf_counter()
+    trainer.save_checkpoint(path)
+    returned_after = time.perf_counter() - start
+    pending = not os.path.exists(path) and not release.is_set()
+    release.set()
+    io.wait()
+    sharded_io.storage_writer = original
+    loaded = TorchCheckpointIO().load_checkpoint(path)["state_dict"]
+    equal = loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
+    io.teardown()
+    return {
+        "pending_at_return": pending,
+        "returned_after": returned_after,
+        "loads_equal": equal,
+        "inner_io": io.checkpoint_io.calls,
+    }
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for name in STRATEGIES:
+        results[name] = record(name, str(OUT / f"{name}.ckpt"))
+    results["fsdp_sharded_url"] = record("fsdp_sharded", f"file://{OUT / 'url.ckpt'}")
+    results["deepspeed_2_url"] = record("deepspeed_2", f"file://{OUT / 'ds_url.ckpt'}")
+    results["fsdp_sharded_async"] = record("fsdp_sharded", str(OUT / "fsdp_sharded_async.ckpt"), asynchronous=True)
+    results["deepspeed_2_async"] = record("deepspeed_2", str(OUT / "deepspeed_2_async.ckpt"), asynchronous=True)
+    results["async"] = asynchronous(str(OUT / "async.ckpt"))
+    (OUT / f"rank{results['ddp']['rank']}.json").write_text(json.dumps(results))
