@@ -76,6 +76,9 @@ def _fsdp_rank(rank: int, mib: int, repeats: int, directory: str, port: int) -> 
     from phalanx.plugins.io.collectives import Collectives
 
     warnings.filterwarnings("ignore")
+    # One thread per rank, as torchrun sets (OMP_NUM_THREADS=1): two ranks with a thread per core each oversubscribe
+    # the machine and make every copy, synchronous or not, slower by a random amount.
+    torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
