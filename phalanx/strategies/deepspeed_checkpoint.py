@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from phalanx.plugins.io.checkpoint_files import entry_inside
+from phalanx.plugins.io.checkpoint_files import OPTIMIZER_OMITTED, entry_inside
 from phalanx.strategies.deepspeed_files import Files, load_part, tag_directory
 from phalanx.utilities.exceptions import CheckpointError
 
@@ -121,6 +121,12 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike) -> dict[str, Any]
     if "optimizer_states" in full:
         if optimizer_state is None:
             del full["optimizer_states"]  # weights and progress only: see the module docstring
+            # Said in the checkpoint, so that a resume from it (or from its consolidated file) names the real cause.
+            full[OPTIMIZER_OMITTED] = (
+                f"the optimizer state of the DeepSpeed checkpoint {files.directory} could not be mapped to torch's"
+                " optimizer layout (an optimizer whose state is not one value per parameter element, or a state"
+                " offloaded to NVMe)"
+            )
         else:
             full["optimizer_states"] = [optimizer_state]
     return full

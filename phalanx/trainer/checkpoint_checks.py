@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import torch
 from torch import Tensor
 
+from phalanx.plugins.io.checkpoint_files import OPTIMIZER_OMITTED
 from phalanx.utilities.exceptions import CheckpointError
 
 #: Where the fit loop was inside an epoch when the checkpoint was taken (see phalanx.trainer.fit_loop).
@@ -86,6 +87,12 @@ def check_checkpoint(checkpoint: Any, source: str, *, fitting: bool) -> None:
             check_dict(source, f"[{key!r}]", checkpoint[key])
     if not fitting:
         return
+    omitted = checkpoint.get(OPTIMIZER_OMITTED)
+    if "optimizer_states" not in checkpoint and isinstance(omitted, str):
+        raise CheckpointError(
+            f"{source} holds no optimizer state: {omitted}, so training cannot resume from it. Load the weights with"
+            " TrainingModule.load_from_checkpoint and call fit without ckpt_path."
+        )
     if "optimizer_states" not in checkpoint:
         raise CheckpointError(
             f"{source} was saved with weights_only=True and holds no optimizer or loop state, so training cannot resume"

@@ -15,6 +15,10 @@ from typing import Any
 
 from phalanx.utilities.exceptions import UnsafeCheckpointError
 
+#: A checkpoint entry (a sentence) saying why a checkpoint written during training holds no ``optimizer_states``, so
+#: that resuming from it names the real cause.
+OPTIMIZER_OMITTED = "optimizer_states_omitted"
+
 
 def entry_inside(directory: Path, name: Any, *, root: Path, what: str) -> Path:
     """``directory / name`` resolved, if ``name`` is a plain file name and the result lies inside ``root``."""

@@ -255,7 +255,9 @@ def test_zero2_directory_becomes_full_weights_and_per_parameter_optimizer_state(
     assert full["global_step"] == 3 and full["lr_schedulers"] == [{"last_epoch": 3}] and "deepspeed" not in full
     if lean_state:  # a lean (per-group list) base state carries no hyper-parameters to rebuild param_groups from
         assert "optimizer_states" not in full
+        assert str(directory) in full["optimizer_states_omitted"]  # the reason a resume from it will give
         return
+    assert "optimizer_states_omitted" not in full
     optimizer = full["optimizer_states"][0]
     moments = _moments(model)
     assert [group["params"] for group in optimizer["param_groups"]] == [[0, 1], [2, 3]]
@@ -301,6 +303,7 @@ def test_shared_parameters_and_unmappable_optimizer_state(tmp_path, deepspeed_ty
     full = load_deepspeed_checkpoint_as_full(directory)
     assert torch.equal(full["state_dict"]["tied.weight"], full["state_dict"]["a.weight"])
     assert "optimizer_states" not in full  # weights and progress only; documented
+    assert "could not be mapped to torch's optimizer layout" in full["optimizer_states_omitted"]
 
 
 class _RunsCode:

@@ -249,6 +249,14 @@ DAMAGE = [
         _drop("optimizer_states"),
         "was saved with weights_only=True and holds no optimizer or loop state",
     ),
+    (
+        "no optimizer states, and why",
+        lambda checkpoint: (
+            checkpoint.pop("optimizer_states"),
+            checkpoint.update(optimizer_states_omitted="the optimizer state of X could not be mapped"),
+        ),
+        "holds no optimizer state: the optimizer state of X could not be mapped, so training cannot resume",
+    ),
 ]
 
 
