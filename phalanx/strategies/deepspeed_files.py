@@ -18,7 +18,7 @@ import re
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -87,13 +87,20 @@ _GLOBALS_LOCK = threading.Lock()
 
 
 def load_deepspeed_file(
-    path: str | os.PathLike, *, root: Path, allowed_globals: list[Any] | None = None, map_location: Any = "cpu"
+    path: str | os.PathLike,
+    *,
+    root: Path,
+    allowed_globals: list[Any] | None = None,
+    map_location: Any = "cpu",
+    read: Callable[[Path, Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One of DeepSpeed's files, read with ``weights_only=True`` and ``allowed_globals`` (default: inert stand-ins).
 
     ``path`` must lie inside ``root`` (the checkpoint directory) after resolving symbolic links. The allow-list is
     active only during this read; another thread's ``torch.load`` in that moment would see it too, which is why the
-    default maps DeepSpeed's names to objects that run no code.
+    default maps DeepSpeed's names to objects that run no code. ``read(file, map_location)`` reads the file (a
+    CheckpointIO's ``load_checkpoint``, whose ``torch.load(weights_only=True)`` sees the allow-list); by default
+    phalanx reads it here.
     """
     from phalanx.plugins.io.torch_io import load_bytes
 
@@ -104,9 +111,11 @@ def load_deepspeed_file(
             torch.serialization.safe_globals(
                 allowed_globals if allowed_globals is not None else _ALLOWED_DEEPSPEED_GLOBALS
             ),
-            open(file, "rb") as handle,
         ):
-            return load_bytes(handle, str(path), map_location=map_location)
+            if read is not None:
+                return read(file, map_location)
+            with open(file, "rb") as handle:
+                return load_bytes(handle, str(path), map_location=map_location)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the DeepSpeed checkpoint {root} is incomplete.") from None
 
@@ -214,13 +223,15 @@ def deepspeed_record_types() -> list[type]:
 class _SafeReads:
     """An engine's checkpoint engine while it resumes: ``load`` is phalanx's reader, the rest is DeepSpeed's."""
 
-    def __init__(self, inner: Any, root: Path, folder: Path, allowed: list[Any]) -> None:
-        self._inner, self._root, self._folder, self._allowed = inner, root, folder, allowed
+    def __init__(self, inner: Any, root: Path, folder: Path, allowed: list[Any], read: Any = None) -> None:
+        self._inner, self._root, self._folder, self._allowed, self._read = inner, root, folder, allowed, read
 
     def load(self, path: str | os.PathLike, map_location: Any = None) -> Any:
         """Read one of DeepSpeed's files of the tag directory with ``weights_only=True``."""
         path_inside(path, root=self._folder, what="a file DeepSpeed reads to resume")
-        return load_deepspeed_file(path, root=self._root, allowed_globals=self._allowed, map_location=map_location)
+        return load_deepspeed_file(
+            path, root=self._root, allowed_globals=self._allowed, map_location=map_location, read=self._read
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -248,10 +259,12 @@ def refuse_unsafe_engine_reads(engine: Any, directory: Path) -> None:
 
 
 @contextmanager
-def safe_engine_reads(engine: Any, directory: Path, folder: Path) -> Iterator[None]:
-    """While active, every file ``engine`` reads through its checkpoint engine is read by phalanx's safe reader."""
+def safe_engine_reads(engine: Any, directory: Path, folder: Path, *, io: Any = None) -> Iterator[None]:
+    """While active, every file ``engine`` reads through its checkpoint engine is checked by phalanx and read with
+    ``weights_only=True`` (through ``io.load_checkpoint`` when a CheckpointIO is given)."""
     original = engine.checkpoint_engine
-    engine.checkpoint_engine = _SafeReads(original, directory, folder, deepspeed_record_types())
+    read = io.load_checkpoint if io is not None else None
+    engine.checkpoint_engine = _SafeReads(original, directory, folder, deepspeed_record_types(), read)
     try:
         yield
     finally:

@@ -4,7 +4,8 @@ DeepSpeed writes its files through ``engine.checkpoint_engine``. While ``DeepSpe
 phalanx puts an engine of its own there whose ``makedirs``/``save`` call the CheckpointIO (``makedirs`` and
 ``save_checkpoint``, one call per file), so a custom, remote (fsspec) or asynchronous IO sees and writes every
 file; the directory is staged and published by the IO (``start_directory_checkpoint`` /
-``finish_directory_checkpoint``). Reads are left to ``deepspeed_files.safe_engine_reads``.
+``finish_directory_checkpoint``). Resuming reads DeepSpeed's files through
+the same IO's ``load_checkpoint`` (``deepspeed_files.safe_engine_reads``).
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class DeepSpeedCheckpointMixin:
         reads: AbstractContextManager = nullcontext()
         if not self._allow_unsafe_checkpoint_load:
             refuse_unsafe_engine_reads(engine, directory)
-            reads = safe_engine_reads(engine, directory, folder)
+            reads = safe_engine_reads(engine, directory, folder, io=self.checkpoint_io)
         with reads:
             load_path, _ = engine.load_checkpoint(
                 str(directory),

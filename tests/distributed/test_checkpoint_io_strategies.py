@@ -39,7 +39,18 @@ def expected(kind: str, rank: int) -> tuple[str, list[list[str]]]:
     stage = int(kind.split("_")[1])
     saves = [["save", file] for file in _deepspeed_files(stage, rank)]
     saves += [["save", "phalanx_deepspeed_state.pt"]] if rank == 0 else []
-    return "deepspeed", [["start", name], *saves, ["finish", name], ["load", "phalanx_deepspeed_state.pt"], *removal]
+    # Resuming, DeepSpeed's engine reads its files through the IO too (the module's file twice: weights, then its
+    # client state), each rank the model file it needs and its own optimizer partition.
+    model_file = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    reads = [["load", model_file], ["load", model_file], ["load", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]]
+    return "deepspeed", [
+        ["start", name],
+        *saves,
+        ["finish", name],
+        ["load", "phalanx_deepspeed_state.pt"],
+        *reads,
+        *removal,
+    ]
 
 
 KINDS = ["ddp", "fsdp_full", "fsdp_sharded", "fsdp_sharded_url", "model_parallel"] + [
