@@ -9,12 +9,11 @@ never followed; the only ones removed are those the callback made itself (``save
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import uuid
 from typing import Any
 
-from phalanx.plugins.io.directory import sync_directory
+from phalanx.plugins.io.directory import replace_with, sync_directory
 
 FILE_EXTENSION = ".ckpt"
 
@@ -203,13 +202,7 @@ def publish_link(target: str, link: str) -> bool:
     except (OSError, NotImplementedError):
         return False
     try:
-        if os.path.isdir(link) and not os.path.islink(link):
-            retired = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.retired")
-            os.replace(link, retired)
-            os.replace(temporary, link)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(temporary, link)
+        replace_with(temporary, link)
     except BaseException:
         remove_link(temporary)
         raise

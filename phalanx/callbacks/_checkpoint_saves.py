@@ -179,16 +179,11 @@ class CheckpointSaves:
         outcome = trainer.strategy.broadcast(outcome)
         if outcome == "unsupported":  # the name stays claimed: the regular save that follows replaces the placeholder
             return False
-        if outcome != "copied":
-            if filepath in self._claimed:
-                release(filepath)
-                self._claimed.discard(filepath)
-            raise CheckpointError(
-                f"ModelCheckpoint(save_last={self.save_last!r}) could not copy {source} to {filepath}: {outcome}"
-            )
-        self._claimed.discard(filepath)
-        self._written.add(filepath)
-        self._links.discard(filepath)
+        self._settle_last(
+            filepath,
+            failure=None if outcome == "copied" else f"could not copy {source} to {filepath}: {outcome}",
+            is_link=False,
+        )
         for logger in trainer.loggers or []:
             logger.after_save_checkpoint(self)
         return True
@@ -223,17 +218,27 @@ class CheckpointSaves:
                 " as a regular checkpoint instead."
             )
             return False
-        if outcome != "linked":
+        self._settle_last(
+            filepath,
+            failure=None if outcome == "linked" else f"could not point {filepath} at {target}: {outcome}",
+            is_link=True,
+        )
+        return True
+
+    def _settle_last(self, filepath: str, *, failure: str | None, is_link: bool) -> None:
+        """After rank 0 copied or linked last.ckpt (every rank, same outcome): record it, or release its name and
+        raise ``failure``."""
+        if failure is not None:
             if filepath in self._claimed:
                 release(filepath)
                 self._claimed.discard(filepath)
-            raise CheckpointError(
-                f"ModelCheckpoint(save_last='link') could not point {filepath} at {target}: {outcome}"
-            )
+            raise CheckpointError(f"ModelCheckpoint(save_last={self.save_last!r}) {failure}")
         self._claimed.discard(filepath)
         self._written.add(filepath)
-        self._links.add(filepath)
-        return True
+        if is_link:
+            self._links.add(filepath)
+        else:
+            self._links.discard(filepath)
 
     # ------------------------------------------------------------------ names, writes, removals
     def _filepath_for(

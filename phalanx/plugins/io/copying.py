@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, sync_directory
+from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, replace_with, sync_directory
 
 
 def copy_checkpoint_files(source: str | os.PathLike, target: str | os.PathLike) -> None:
@@ -38,14 +38,7 @@ def copy_checkpoint_files(source: str | os.PathLike, target: str | os.PathLike) 
             publish_directory(staging, target)
             return
         _copy_file_synced(source, staging)
-        if target.is_dir() and not target.is_symlink():
-            # A rename cannot replace a directory: move it aside first (a retired copy stays a resume candidate).
-            retired = target.with_name(f".{target.name}.{uuid.uuid4().hex}.retired")
-            os.replace(target, retired)
-            os.replace(staging, target)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, target)
+        replace_with(staging, target)
     except BaseException:
         if staging.is_dir() and not staging.is_symlink():
             shutil.rmtree(staging, ignore_errors=True)

@@ -66,6 +66,19 @@ def publish_directory(staging: Path, target: Path) -> None:
         _remove(stale)  # left by a save killed between its two renames; the new checkpoint supersedes it
 
 
+def replace_with(new: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Rename the file or link ``new`` over ``target``; a directory at ``target`` (which a rename cannot replace) is
+    first moved to a *retired* name, which resume still considers, and removed once ``new`` is in place."""
+    if os.path.isdir(target) and not os.path.islink(target):
+        folder, name = os.path.split(os.fspath(target))
+        retired = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.retired")
+        os.replace(target, retired)
+        os.replace(new, target)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(new, target)
+
+
 def retired_copies(directory: Path, *, name: str | None = None) -> list[Path]:
     """Previous checkpoints moved aside by a save that replaces them (all of ``directory``'s, or those of ``name``)."""
     try:
