@@ -33,7 +33,7 @@ import math
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -41,6 +41,9 @@ from torch import Tensor
 from phalanx.plugins.io.checkpoint_files import OPTIMIZER_OMITTED, entry_inside
 from phalanx.strategies.deepspeed_files import Files, load_part, tag_directory
 from phalanx.utilities.exceptions import CheckpointError
+
+#: Reads one file of the checkpoint: ``read(path, map_location)`` (a CheckpointIO's ``load_checkpoint``).
+Reader = Callable[[Path, Any], dict[str, Any]]
 
 #: The Trainer's own state in a DeepSpeed checkpoint directory.
 STATE_FILE = "phalanx_deepspeed_state.pt"
@@ -64,8 +67,8 @@ def is_optimizer_marker(state: Any) -> bool:
     return isinstance(state, dict) and state.get(OPTIMIZER_MARKER_KEY) == OPTIMIZER_MARKER[OPTIMIZER_MARKER_KEY]
 
 
-def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
-    """The Trainer's state saved beside DeepSpeed's files (``weights_only=True``)."""
+def read_trainer_state(path: str | os.PathLike, *, read: Reader | None = None) -> dict[str, Any]:
+    """The Trainer's state saved beside DeepSpeed's files (``weights_only=True``; read by ``read`` if given)."""
     from phalanx.plugins.io.torch_io import load_bytes
 
     directory = Path(path)
@@ -79,29 +82,33 @@ def read_trainer_state(path: str | os.PathLike) -> dict[str, Any]:
             f" 'latest'){detail}."
         )
     file = entry_inside(directory, STATE_FILE, root=directory, what="phalanx's state file")
+    if read is not None:
+        return read(file, "cpu")
     with open(file, "rb") as handle:
         return load_bytes(handle, str(directory / STATE_FILE), map_location="cpu")
 
 
 # ---------------------------------------------------------------------------- consolidation
-def load_deepspeed_checkpoint_as_full(path: str | os.PathLike) -> dict[str, Any]:
+def load_deepspeed_checkpoint_as_full(path: str | os.PathLike, *, read: Reader | None = None) -> dict[str, Any]:
     """Turn a DeepSpeed checkpoint directory into the dictionary of an ordinary single-file phalanx checkpoint.
 
     The result has full float32 weights under the module's own parameter names in ``state_dict`` (buffers keep their
     dtype, except float16/bfloat16 ones, which become float32), the Trainer's state as saved (``epoch``,
     ``global_step``, ``loops``, ``callbacks``, ``rng_states``, ``lr_schedulers``, ``hyper_parameters``...), and
     ``optimizer_states`` in torch's ``optimizer.state_dict()`` layout when the optimizer state can be mapped (see the
-    module docstring). Needs no process group and no deepspeed installation.
+    module docstring). Needs no process group and no deepspeed installation. ``read(file, map_location)`` reads each
+    file (a strategy passes its CheckpointIO's ``load_checkpoint``); by default phalanx reads them here.
     """
     directory = Path(path)
-    state = read_trainer_state(directory)
+    state = read_trainer_state(directory, read=read)
     meta = state.get("deepspeed")
     tag, _ = tag_directory(directory, meta.get("tag") if isinstance(meta, dict) else None)
     files = Files(directory / tag)  # checked to lie inside; named as the user names the directory
-    model_states = [load_part(file, directory, "module") for file in files.model_files]
+    model_states = [load_part(file, directory, "module", read=read) for file in files.model_files]
     files.check_world_size(model_states[0].get("dp_world_size", len(files.optim_files) or 1))
     optim_states = [
-        load_part(file, directory, "optimizer_state_dict")["optimizer_state_dict"] for file in files.optim_files
+        load_part(file, directory, "optimizer_state_dict", read=read)["optimizer_state_dict"]
+        for file in files.optim_files
     ]
     try:
         # DeepSpeed saves its master weights with requires_grad: without no_grad, the merged tensors would carry a

@@ -120,9 +120,11 @@ def load_deepspeed_file(
         raise CheckpointError(f"{path} is missing: the DeepSpeed checkpoint {root} is incomplete.") from None
 
 
-def load_part(path: Path, root: Path, key: str) -> dict[str, Any]:
-    """One of DeepSpeed's files (inert stand-ins for its records), which must hold ``key``."""
-    content = load_deepspeed_file(path, root=root)
+def load_part(
+    path: Path, root: Path, key: str, *, read: Callable[[Path, Any], dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """One of DeepSpeed's files (inert stand-ins for its records; read by ``read`` if given); it must hold ``key``."""
+    content = load_deepspeed_file(path, root=root, read=read)
     if key not in content:
         raise CheckpointError(
             f"{path} is not a DeepSpeed file of the kind its name says: it has no {key!r} entry (damaged, or from"

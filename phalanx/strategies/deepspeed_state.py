@@ -61,7 +61,8 @@ class DeepSpeedCheckpointMixin:
                 self._load_converted(checkpoint, meta if from_directory else None, strict)
             return
         if from_directory:
-            weights = load_deepspeed_checkpoint_as_full(meta["directory"])["state_dict"]
+            weights = load_deepspeed_checkpoint_as_full(meta["directory"], read=self.checkpoint_io.load_checkpoint)
+            weights = weights["state_dict"]
         else:
             weights = checkpoint["state_dict"]
         self._load_full_weights(weights, strict)
@@ -85,7 +86,8 @@ class DeepSpeedCheckpointMixin:
         path = meta["directory"] if meta is not None else self._resume_path
         source = source_layout(path, meta)
         target = f"DeepSpeed ZeRO stage {self.zero_stage} on {self.world_size} processes"
-        full = load_deepspeed_checkpoint_as_full(meta["directory"]) if meta is not None else checkpoint
+        read = self.checkpoint_io.load_checkpoint
+        full = load_deepspeed_checkpoint_as_full(meta["directory"], read=read) if meta is not None else checkpoint
         saved = single_optimizer_state(
             full.get("optimizer_states"), source=source, path=path, target=target, optimizers=len(self.optimizers)
         )

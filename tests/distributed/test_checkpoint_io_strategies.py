@@ -1,6 +1,7 @@
 """A recording CheckpointIO sees every save, load and removal of every strategy: single_device in this process,
 ddp, fsdp (full, sharded, sharded at a file:// URL), model_parallel and deepspeed 1/2/3 on 2 CPU processes (one
-launch: scripts/checkpoint_io_job.py); an asynchronous FSDP sharded save returns while its write is pending."""
+launch: scripts/checkpoint_io_job.py), also DeepSpeed ZeRO-2 checkpoints converted on resume (to ZeRO-3, to ddp);
+an asynchronous FSDP sharded save returns while its write is pending."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _deepspeed_files(stage: int, rank: int) -> list[str]:
 
 def expected(kind: str, rank: int) -> tuple[str, list[list[str]]]:
     """(layout, IO calls of ``rank``) for: fit, save NAME, resume from NAME, remove NAME."""
-    name = {"fsdp_sharded_url": "url.ckpt", "deepspeed_2_url": "ds_url.ckpt"}.get(kind, f"{kind}.ckpt")
+    names = {"fsdp_sharded_url": "url", "deepspeed_2_url": "ds_url", "deepspeed_2_as_3": "ds2_as_3"}
+    name = {**names, "deepspeed_2_as_ddp": "ds2_as_ddp"}.get(kind, kind) + ".ckpt"
     removal = [["remove", name]] if rank == 0 else []
     if kind == "fsdp_sharded_async":  # DCP's async_save writes the shards into the IO's staging directory
         return "sharded", [["start", name], ["finish", name], ["load_sharded", name], *removal]
@@ -43,11 +45,17 @@ def expected(kind: str, rank: int) -> tuple[str, list[list[str]]]:
     # client state), each rank the model file it needs and its own optimizer partition.
     model_file = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
     reads = [["load", model_file], ["load", model_file], ["load", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]]
+    if kind == "deepspeed_2_as_ddp":  # ddp reads the directory whole, as one checkpoint
+        reads = [["load", name]]
+    elif kind == "deepspeed_2_as_3":  # converted: every rank reads the state, the weights and every partition
+        optimizer_files = [f"zero_pp_rank_{other}_mp_rank_00_optim_states.pt" for other in (0, 1)]
+        reads = [["load", file] for file in ("phalanx_deepspeed_state.pt", model_file, *optimizer_files)]
+    state_read = [] if kind == "deepspeed_2_as_ddp" else [["load", "phalanx_deepspeed_state.pt"]]
     return "deepspeed", [
         ["start", name],
         *saves,
         ["finish", name],
-        ["load", "phalanx_deepspeed_state.pt"],
+        *state_read,
         *reads,
         *removal,
     ]
@@ -56,7 +64,7 @@ def expected(kind: str, rank: int) -> tuple[str, list[list[str]]]:
 KINDS = ["ddp", "fsdp_full", "fsdp_sharded", "fsdp_sharded_url", "model_parallel"] + [
     f"deepspeed_{stage}" for stage in (1, 2, 3)
 ]
-ASYNC_KINDS = ["fsdp_sharded_async", "deepspeed_2_async", "deepspeed_2_url"]
+ASYNC_KINDS = ["fsdp_sharded_async", "deepspeed_2_async", "deepspeed_2_url", "deepspeed_2_as_3", "deepspeed_2_as_ddp"]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

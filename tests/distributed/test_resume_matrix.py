@@ -1,7 +1,7 @@
 """Resume anywhere: checkpoints written on 2 CPU processes as one file (ddp), a sharded FSDP directory and DeepSpeed
-ZeRO-2 / ZeRO-3 directories resume with ``ckpt_path=`` on 1 process (single device) and on 2 processes (ddp, fsdp,
-DeepSpeed stage 1 and 3), each ending where the target's uninterrupted run ends: weights, Adam's moments and step,
-the global step and the samples seen after the resume.
+ZeRO-2 / ZeRO-3 directories, and one file written on 1 process, resume with ``ckpt_path=`` on 1 process (single
+device) and on 2 processes (ddp, fsdp, model_parallel, DeepSpeed stage 1, 2 and 3), each ending where the target's
+uninterrupted run ends: weights, Adam's moments and step, the global step and the samples seen after the resume.
 
 One 2-process launch (scripts/resume_matrix_job.py) writes the sources and runs every 2-process cell; the
 single-device column runs in this process. Skipped when deepspeed is not installed.
@@ -26,18 +26,35 @@ from phalanx.cli import main as phalanx_cli  # noqa: E402
 
 sys.path.insert(0, str(SCRIPTS))
 
-from resume_matrix_job import SAVE_AT, SOURCES, STEPS, TARGETS, MatrixMLP, run_one  # noqa: E402
+from resume_matrix_job import (  # noqa: E402
+    ALL_SOURCES,
+    SAVE_AT,
+    STEPS,
+    TARGETS,
+    MatrixMLP,
+    run_one,
+    write_one_process_sources,
+)
 
 # Observed: 2-process cells end bit-identical to their reference, single-device ones within 7e-8. Weights use
 # test_sharded's tolerance (a strategy against one process); Adam's moments (exp_avg_sq is ~1e-5 here) a finer atol.
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 MOMENT_TOLERANCE = dict(rtol=1e-4, atol=1e-7)
-CELLS = [(source, target) for source in SOURCES for target in ["single", *TARGETS]]
+CELLS = [(source, target) for source in ALL_SOURCES for target in ["single", *TARGETS]]
+#: What each target runs as: the strategy class, and whether the module's parameters are sharded DTensors.
+TARGET_KINDS = {
+    "single": ("SingleDeviceStrategy", False),
+    "ddp": ("DDPStrategy", False),
+    "fsdp": ("FSDPStrategy", True),
+    "model_parallel": ("ModelParallelStrategy", True),
+    **{f"deepspeed_stage_{stage}": ("DeepSpeedStrategy", False) for stage in (1, 2, 3)},
+}
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("resume_matrix")
+    write_one_process_sources(out)
     assert_ok(run_script("resume_matrix_job.py", str(out), env=clean_environment(DS_ACCELERATOR="cpu"), timeout=400))
     run_one(out)
     return out
@@ -60,6 +77,9 @@ def test_a_checkpoint_resumes_on_every_strategy_like_the_uninterrupted_run(matri
     error = matrix / f"{source}__{target}.error"
     assert not error.exists(), f"{source} -> {target}: {error.read_text() if error.exists() else ''}"
     resumed, reference = _load(matrix / f"{source}__{target}.pt"), _load(matrix / f"ref_{target}.pt")
+    strategy, sharded = TARGET_KINDS[target]
+    assert resumed["strategy"] == reference["strategy"] == strategy
+    assert bool(resumed["dtensor_parameters"]) is sharded  # FSDP and ModelParallel really hold shards
     assert resumed["global_step"] == reference["global_step"] == STEPS
     assert resumed["adam_steps"] == reference["adam_steps"] == [float(STEPS)]  # the optimizer state went on
     # The data position continues: each rank sees exactly the batches the uninterrupted run saw after the save.

@@ -1,6 +1,7 @@
 """Every strategy's checkpoint save, load and removal reach the CheckpointIO, on 2 CPU processes; one job, results
-in OUT for tests/distributed/test_checkpoint_io_strategies.py. Also: FSDP sharded at a file:// URL, and an
-asynchronous FSDP sharded save that returns while its (slowed) write is pending.
+in OUT for tests/distributed/test_checkpoint_io_strategies.py. Also: FSDP sharded at a file:// URL, DeepSpeed ZeRO-2
+checkpoints resumed (converted) on ZeRO-3 and on ddp, and an asynchronous FSDP sharded save that returns while its
+(slowed) write is pending.
 
 Usage: python checkpoint_io_job.py OUT   (phalanx starts the second process itself)
 """
@@ -83,9 +84,9 @@ def model_and_data(name: str) -> tuple[Any, Any]:
     return MLP(), loader(2)
 
 
-def record(name: str, path: str, asynchronous: bool = False) -> dict[str, Any]:
-    """Fit 2 steps and save; resume from it for 1 more step; remove it. Every step with a recording IO (wrapped in
-    AsyncCheckpointIO when ``asynchronous``)."""
+def record(name: str, path: str, asynchronous: bool = False, resume_as: str | None = None) -> dict[str, Any]:
+    """Fit 2 steps and save; resume from it for 1 more step (on ``resume_as``, default the same strategy); remove it.
+    Every step with a recording IO (wrapped in AsyncCheckpointIO when ``asynchronous``)."""
     phalanx.seed_everything(7)
     recorder = RecordingIO()
     io = AsyncCheckpointIO(recorder) if asynchronous else recorder
@@ -96,8 +97,8 @@ def record(name: str, path: str, asynchronous: bool = False) -> dict[str, Any]:
     if asynchronous:
         io.wait()  # published in the background: wait for it before looking
     layout = checkpoint_layout(path)
-    module, data = model_and_data(name)
-    resumed = quiet(strategy=STRATEGIES[name](), devices=2, max_steps=3, plugins=[io])
+    module, data = model_and_data(resume_as or name)
+    resumed = quiet(strategy=STRATEGIES[resume_as or name](), devices=2, max_steps=3, plugins=[io])
     resumed.fit(module, data, ckpt_path=path)
     resumed.strategy.remove_checkpoint(path)
     resumed.strategy.barrier("removed")
@@ -165,6 +166,9 @@ if __name__ == "__main__":
     results["fsdp_sharded_url"] = record("fsdp_sharded", f"file://{OUT / 'url.ckpt'}")
     results["deepspeed_2_url"] = record("deepspeed_2", f"file://{OUT / 'ds_url.ckpt'}")
     results["fsdp_sharded_async"] = record("fsdp_sharded", str(OUT / "fsdp_sharded_async.ckpt"), asynchronous=True)
+    # Resumes that convert: DeepSpeed's files read whole, each one through the IO (stage 3), or as one directory (ddp).
+    results["deepspeed_2_as_3"] = record("deepspeed_2", str(OUT / "ds2_as_3.ckpt"), resume_as="deepspeed_3")
+    results["deepspeed_2_as_ddp"] = record("deepspeed_2", str(OUT / "ds2_as_ddp.ckpt"), resume_as="ddp")
     results["deepspeed_2_async"] = record("deepspeed_2", str(OUT / "deepspeed_2_async.ckpt"), asynchronous=True)
     results["async"] = asynchronous(str(OUT / "async.ckpt"))
     (OUT / f"rank{results['ddp']['rank']}.json").write_text(json.dumps(results))

@@ -3,9 +3,10 @@ resumed on every strategy.
 
 Usage: python resume_matrix_job.py OUT   (phalanx starts the second process itself)
 
-On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds2,ds3}.ckpt (after SAVE_AT steps), runs each
-target strategy uninterrupted for STEPS steps (OUT/ref_{target}.pt) and resumes every source on every 2-process
-target to STEPS (OUT/{source}__{target}.pt); OUT/src_{ds2,ds3}.pt is the DeepSpeed runs' state at the save. Each
+On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds2,ds3}.ckpt (after SAVE_AT steps;
+OUT/src_one.ckpt was written on 1 process by ``write_one_process_sources`` before the launch), runs each target
+strategy uninterrupted for STEPS steps (OUT/ref_{target}.pt) and resumes every source on every 2-process target to
+STEPS (OUT/{source}__{target}.pt); OUT/src_{ds2,ds3}.pt is the DeepSpeed runs' state at the save. Each
 .pt holds, by parameter name, the weights, Adam's state, the global step and the sample indices each rank saw (rank 0
 writes it; every rank takes part in gathering). ``run_one`` is the single-device column (called in the test's own
 process); a cell of it that fails writes its error to OUT/{source}__single.error. A failing 2-process cell fails the
@@ -32,7 +33,10 @@ SOURCES = {
     "ds2": "deepspeed_stage_2",
     "ds3": "deepspeed_stage_3",
 }
-TARGETS = ["ddp", "fsdp", "deepspeed_stage_1", "deepspeed_stage_3"]
+#: Written on 1 process (by the test, before the 2-process launch): checkpoints also change world size upwards.
+ONE_PROCESS_SOURCES = {"one": "auto"}
+ALL_SOURCES = [*SOURCES, *ONE_PROCESS_SOURCES]
+TARGETS = ["ddp", "fsdp", "model_parallel", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]
 
 
 class Indexed(Dataset):
@@ -57,6 +61,17 @@ class MatrixMLP(phalanx.TrainingModule):
         self.head = nn.Linear(WIDTH, 1)
         self.seen: list[list[int]] = []
 
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None or mesh.mesh_dim_names != ("data_parallel", "tensor_parallel"):
+            return  # only ModelParallel leaves the parallelisation to the module
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (*self.net, self.head):
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(self, mesh=mesh["data_parallel"])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.net(x))
 
@@ -74,6 +89,10 @@ def strategy_for(name: str) -> Any:
         from phalanx.strategies import FSDPStrategy
 
         return FSDPStrategy(state_dict_type="sharded")
+    if name == "model_parallel":  # 2 processes: data parallel over both, the module shards itself with fully_shard
+        from phalanx.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
     return name
 
 
@@ -120,8 +139,12 @@ def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | N
         base = optimizer.optimizer
         steps = {float(entry["step"]) for entry in base.state.values()}
     else:
-        weights = {name: value.float() for name, value in strategy.module_state_dict().items() if name in names}
-        saved = strategy.optimizer_state(optimizer)
+        from phalanx.strategies.dtensor_state import full_module_state, full_optimizer_state
+
+        # Whole tensors whatever the strategy's checkpoint layout (ModelParallel's default is sharded).
+        whole = full_module_state(model, keep=trainer.is_global_zero)
+        weights = {name: value.float() for name, value in whole.items() if name in names}
+        saved = full_optimizer_state(optimizer, keep=trainer.is_global_zero)
         if not trainer.is_global_zero:
             weights, saved = {}, {"state": {}}
         order = [index for group in saved.get("param_groups", []) for index in group["params"]]
@@ -133,7 +156,11 @@ def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | N
     seen = strategy.all_gather_object(model.seen)
     if not trainer.is_global_zero:
         return None
+    from phalanx.strategies.dtensor_state import is_dtensor
+
     return {
+        "strategy": type(strategy).__name__,
+        "dtensor_parameters": sorted(name for name, value in model.named_parameters() if is_dtensor(value)),
         "weights": weights,
         "moments": moments,
         "adam_steps": sorted(steps),
@@ -148,11 +175,18 @@ def record(path: Path, model: MatrixMLP, trainer: phalanx.Trainer) -> None:
         torch.save(state, path)
 
 
+def write_one_process_sources(out: Path) -> None:
+    """The sources written on 1 process (run before the launch, whose cells resume them on 2)."""
+    for source, strategy in ONE_PROCESS_SOURCES.items():
+        _, trainer = fit(strategy, 1, SAVE_AT, out / "one")
+        trainer.save_checkpoint(out / f"src_{source}.ckpt")
+
+
 def run_one(out: Path) -> None:
     """The single-device column: the uninterrupted run and a resume from every source."""
     model, trainer = fit("auto", 1, STEPS, out / "one")
     record(out / "ref_single.pt", model, trainer)
-    for source in SOURCES:
+    for source in ALL_SOURCES:
         try:
             model, trainer = fit("auto", 1, STEPS, out / "one", ckpt_path=out / f"src_{source}.ckpt")
         except Exception as error:  # the test reports which cell failed and why
@@ -171,7 +205,7 @@ def main() -> None:
     for target in TARGETS:
         model, trainer = fit(target, 2, STEPS, out / "two")
         record(out / f"ref_{target}.pt", model, trainer)
-        for source in SOURCES:
+        for source in ALL_SOURCES:
             # A failing cell fails the job: an error caught on one rank only would leave the other in a collective.
             print(f"resume matrix: {source} -> {target}", flush=True)
             model, trainer = fit(target, 2, STEPS, out / "two", ckpt_path=out / f"src_{source}.ckpt")
