@@ -11,6 +11,7 @@ from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.staging import StagedAlready, StagingBuffers
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.rank_zero import rank_zero_warn
 
 
 def _snapshot(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -24,8 +25,9 @@ class AsyncCheckpointIO(CheckpointIO):
     Every layout: one file (snapshot, then the wrapped IO's ``save_checkpoint`` in the background); sharded (DCP's
     ``async_save`` into the wrapped IO's staging directory, published by its ``finish_directory_checkpoint`` once
     every rank's write finished); DeepSpeed (each file snapshotted and saved in the background, the directory
-    published in the background after every rank's files). A new save first waits for the one in flight. An error
-    raised by a background save is re-raised at the next save, load or removal, or at teardown.
+    published in the background after every rank's files). A wrapped IO that overrides ``save_sharded_checkpoint``
+    writes its sharded checkpoints itself, synchronously (with a warning). A new save first waits for the one in
+    flight. An error raised by a background save is re-raised at the next save, load or removal, or at teardown.
     ``reuse_staging_buffers`` keeps the CPU copies between saves (one more copy of the checkpoint's tensors in
     memory; staging is then a copy, not an allocation).
     """
@@ -41,6 +43,7 @@ class AsyncCheckpointIO(CheckpointIO):
         self._directory_writes: list[Future] = []  # this rank's file writes of the directory being saved
         self._directory_open = False
         self._staging = StagingBuffers(reuse=reuse_staging_buffers)
+        self._warned_synchronous = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None = None) -> None:
         """Snapshot ``checkpoint`` and queue the write."""
@@ -76,11 +79,17 @@ class AsyncCheckpointIO(CheckpointIO):
         storage_options: Any | None = None,
     ) -> None:
         """Stage the shards (DCP's ``async_save`` copies them off the training tensors), write and publish them in
-        the background; returns once staged."""
+        the background; returns once staged. A wrapped IO that overrides this method saves synchronously, itself."""
         from phalanx.plugins.io.distributed_checkpoint import split_checkpoint
         from phalanx.plugins.io.sharded_io import write_meta
 
         self.wait()  # the save in flight finishes first (and its error, if any, is raised here)
+        if _overrides_sharded_save(self.checkpoint_io):
+            self._warn_synchronous_sharded_save()
+            self.checkpoint_io.save_sharded_checkpoint(
+                checkpoint, path, collectives=collectives, storage_options=storage_options
+            )
+            return
         group = self._background_group(collectives)
         staging = self.checkpoint_io.start_directory_checkpoint(path, collectives=collectives)
         tensors, meta = split_checkpoint(checkpoint)
@@ -103,6 +112,19 @@ class AsyncCheckpointIO(CheckpointIO):
             path=path,
             collectives=collectives,
             group=group,
+        )
+
+    def _warn_synchronous_sharded_save(self) -> None:
+        if self._warned_synchronous:
+            return
+        self._warned_synchronous = True
+        name = type(self.checkpoint_io).__name__
+        rank_zero_warn(
+            f"{name} overrides save_sharded_checkpoint, so AsyncCheckpointIO lets it write sharded checkpoints itself,"
+            " on the training thread: those saves block the loop (a background thread cannot run the collectives an"
+            " override may make on the training process group). To write them in the background, customise"
+            f" {name}'s start_directory_checkpoint / finish_directory_checkpoint instead; AsyncCheckpointIO writes"
+            " the shards into the staging directory the first returns and publishes through the second."
         )
 
     def load_sharded_checkpoint(
@@ -177,6 +199,11 @@ class AsyncCheckpointIO(CheckpointIO):
             self._staging.clear()
             self._group, self._group_made = None, False  # a later fit may bring a new default process group
             self.checkpoint_io.teardown()
+
+
+def _overrides_sharded_save(io: CheckpointIO) -> bool:
+    """Whether ``io`` writes sharded checkpoints its own way (then it must do so itself: its writes are the point)."""
+    return type(io).save_sharded_checkpoint is not CheckpointIO.save_sharded_checkpoint
 
 
 def _name(path: _PathLike) -> str:

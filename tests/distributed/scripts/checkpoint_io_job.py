@@ -29,8 +29,9 @@ from phalanx.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, Mod
 OUT = Path(sys.argv[1]) if __name__ == "__main__" else Path()
 
 
-class RecordingIO(TorchCheckpointIO):
-    """Records (per rank) every call of the protocol, with the base name of its path."""
+class DirectoryRecordingIO(TorchCheckpointIO):
+    """Records (per rank) every call of the protocol but the sharded save, with the base name of its path. (An IO that
+    overrides ``save_sharded_checkpoint`` makes AsyncCheckpointIO save sharded checkpoints through it synchronously.)"""
 
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
@@ -50,10 +51,6 @@ class RecordingIO(TorchCheckpointIO):
         self._record("remove", path)
         super().remove_checkpoint(path)
 
-    def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Any, **kwargs: Any) -> None:
-        self._record("save_sharded", path)
-        super().save_sharded_checkpoint(checkpoint, path, **kwargs)
-
     def load_sharded_checkpoint(self, path: Any, **kwargs: Any) -> dict[str, Any]:
         self._record("load_sharded", path)
         return super().load_sharded_checkpoint(path, **kwargs)
@@ -65,6 +62,14 @@ class RecordingIO(TorchCheckpointIO):
     def finish_directory_checkpoint(self, staging: Any, path: Any, **kwargs: Any) -> None:
         self._record("finish", path)
         super().finish_directory_checkpoint(staging, path, **kwargs)
+
+
+class RecordingIO(DirectoryRecordingIO):
+    """Records every call of the protocol, the sharded save too."""
+
+    def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Any, **kwargs: Any) -> None:
+        self._record("save_sharded", path)
+        super().save_sharded_checkpoint(checkpoint, path, **kwargs)
 
 
 STRATEGIES = {
@@ -88,7 +93,7 @@ def record(name: str, path: str, asynchronous: bool = False, resume_as: str | No
     """Fit 2 steps and save; resume from it for 1 more step (on ``resume_as``, default the same strategy); remove it.
     Every step with a recording IO (wrapped in AsyncCheckpointIO when ``asynchronous``)."""
     phalanx.seed_everything(7)
-    recorder = RecordingIO()
+    recorder = DirectoryRecordingIO() if asynchronous else RecordingIO()
     io = AsyncCheckpointIO(recorder) if asynchronous else recorder
     module, data = model_and_data(name)
     trainer = quiet(strategy=STRATEGIES[name](), devices=2, max_steps=2, plugins=[io])
@@ -135,7 +140,7 @@ def asynchronous(path: str) -> dict[str, Any]:
 
     sharded_io.storage_writer = slowed
     phalanx.seed_everything(7)
-    io = AsyncCheckpointIO(RecordingIO())
+    io = AsyncCheckpointIO(DirectoryRecordingIO())
     module = MLP()
     trainer = quiet(strategy=FSDPStrategy(state_dict_type="sharded"), devices=2, max_steps=2, plugins=[io])
     trainer.fit(module, loader(2))

@@ -222,6 +222,54 @@ def test_a_failed_background_write_raises_a_checkpoint_write_error_naming_the_pa
     io.teardown()
 
 
+class RedirectingShardedIO(TorchCheckpointIO):
+    """A user's IO that writes sharded checkpoints its own way (here: under another name, recorded)."""
+
+    def __init__(self) -> None:
+        self.saved: list[str] = []
+
+    def save_sharded_checkpoint(self, checkpoint: dict[str, Any], path: Any, **kwargs: Any) -> None:
+        self.saved.append(str(path))
+        super().save_sharded_checkpoint(checkpoint, f"{path}.redirected", **kwargs)
+
+
+class StagingRecordingIO(TorchCheckpointIO):
+    """A user's IO that customises only the directory methods (what AsyncCheckpointIO uses in the background)."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def start_directory_checkpoint(self, path: Any, **kwargs: Any) -> str:
+        self.started.append(str(path))
+        return super().start_directory_checkpoint(path, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("inner", "synchronous"),
+    [(TorchCheckpointIO, False), (MinimalIO, False), (StagingRecordingIO, False), (RedirectingShardedIO, True)],
+)
+def test_async_sharded_saves_run_an_overridden_save_sharded_checkpoint_itself_synchronously_and_say_so(
+    tmp_path, inner, synchronous, slowed_writes, recwarn
+):
+    io, path = AsyncCheckpointIO(inner()), tmp_path / "a.ckpt"
+    for value in (1.0, 2.0):  # the warning comes once per AsyncCheckpointIO
+        io.save_sharded_checkpoint(_checkpoint(value), path, collectives=Collectives())
+        if value == 1.0 and not synchronous:
+            assert not path.exists()  # in the background: nothing published while the write is held back
+            slowed_writes.set()
+    io.wait()
+    warnings = [str(w.message) for w in recwarn if "overrides save_sharded_checkpoint" in str(w.message)]
+    assert len(warnings) == (1 if synchronous else 0)
+    written = Path(f"{path}.redirected") if synchronous else path
+    torch.testing.assert_close(io.load_checkpoint(written)["state_dict"], _checkpoint(2.0)["state_dict"])
+    if synchronous:  # the user's own save ran, for both saves, and nothing was written where it did not write
+        assert io.checkpoint_io.saved == [str(path)] * 2 and not path.exists()
+        assert "RedirectingShardedIO" in warnings[0] and "start_directory_checkpoint" in warnings[0]
+    if inner is StagingRecordingIO:
+        assert io.checkpoint_io.started == [str(path)] * 2
+    io.teardown()
+
+
 # ---------------------------------------------------------------------------- staging buffers
 @pytest.mark.parametrize("reuse", [True, False])
 def test_staging_copies_every_tensor_of_nested_containers_and_reuses_buffers_only_when_asked(reuse):
