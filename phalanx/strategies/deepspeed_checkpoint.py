@@ -42,6 +42,9 @@ from phalanx.plugins.io.checkpoint_files import OPTIMIZER_OMITTED, entry_inside
 from phalanx.strategies.deepspeed_files import Files, load_part, tag_directory
 from phalanx.utilities.exceptions import CheckpointError
 
+#: The key of a consolidated checkpoint that holds DeepSpeed's engine counters (``global_steps``, ``global_samples``).
+ENGINE_STEPS = "deepspeed_engine_steps"
+
 #: Reads one file of the checkpoint: ``read(path, map_location)`` (a CheckpointIO's ``load_checkpoint``).
 Reader = Callable[[Path, Any], dict[str, Any]]
 
@@ -125,6 +128,9 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike, *, read: Reader |
         ) from None
     full = {key: value for key, value in state.items() if key != "deepspeed"}
     full["state_dict"] = weights
+    # DeepSpeed's own count of optimizer updates (global_step counts batches under accumulation): a DeepSpeed run
+    # resumed from this goes on counting from it.
+    full[ENGINE_STEPS] = {key: int(model_states[0].get(key) or 0) for key in ("global_steps", "global_samples")}
     if "optimizer_states" in full:
         if optimizer_state is None:
             del full["optimizer_states"]  # weights and progress only: see the module docstring

@@ -10,6 +10,7 @@ from typing import Any
 
 from phalanx.plugins.io.torch_io import is_url
 from phalanx.strategies.deepspeed_checkpoint import (
+    ENGINE_STEPS,
     STATE_FILE,
     TAG,
     load_deepspeed_checkpoint_as_full,
@@ -105,7 +106,22 @@ class DeepSpeedCheckpointMixin:
                 source, path, target, f"ZeRO stage {self.zero_stage} is not one phalanx converts into",
                 f"Resume it as {deepspeed_layout(self.zero_stage, self.world_size)} only",
             )  # fmt: skip
+        self._continue_engine_counters(engine, full)
         self._optimizer_restored = True
+
+    @staticmethod
+    def _continue_engine_counters(engine: Any, full: dict[str, Any]) -> None:
+        """DeepSpeed's own counts of updates and samples (its schedules, logs and monitors read them) go on from the
+        checkpoint, as ``engine.load_checkpoint`` would set them."""
+        saved = full.get(ENGINE_STEPS)
+        if isinstance(saved, dict) and isinstance(saved.get("global_steps"), int):
+            engine.global_steps = saved["global_steps"]
+            engine.global_samples = int(saved.get("global_samples") or 0)
+            return
+        # Written by another strategy, whose global_step counts optimizer updates; samples as DeepSpeed counts them
+        # when its own checkpoint lacks them.
+        engine.global_steps = int(full.get("global_step", 0))
+        engine.global_samples = engine.global_steps * engine.train_batch_size()
 
     def _load_engine_checkpoint(self, meta: dict[str, Any], strict: bool) -> None:
         engine = self._require_training_engine()

@@ -81,6 +81,7 @@ def test_a_checkpoint_resumes_on_every_strategy_like_the_uninterrupted_run(matri
     assert resumed["strategy"] == reference["strategy"] == strategy
     assert bool(resumed["dtensor_parameters"]) is sharded  # FSDP and ModelParallel really hold shards
     assert resumed["global_step"] == reference["global_step"] == STEPS
+    assert resumed["engine_steps"] == reference["engine_steps"]  # DeepSpeed's engine counts on from the checkpoint
     assert resumed["adam_steps"] == reference["adam_steps"] == [float(STEPS)]  # the optimizer state went on
     # The data position continues: each rank sees exactly the batches the uninterrupted run saw after the save.
     assert len(resumed["seen"]) == len(reference["seen"])
@@ -108,6 +109,8 @@ def test_consolidate_turns_a_two_process_deepspeed_directory_into_one_file(
     saved = _load(matrix / f"src_{source}.pt")
     _assert_close(dict(model.named_parameters()), saved["weights"], "consolidated weight")
     assert checkpoint["global_step"] == SAVE_AT
+    # DeepSpeed's engine counters (what a DeepSpeed run resumed from the file counts on from): updates, samples.
+    assert checkpoint["deepspeed_engine_steps"] == {"global_steps": SAVE_AT, "global_samples": SAVE_AT * 8}
     names = [name for name, _ in model.named_parameters()]
     state = checkpoint["optimizer_states"][0]["state"]
     _assert_close({name: state[i]["exp_avg"] for i, name in enumerate(names)},

@@ -80,6 +80,10 @@ class MatrixMLP(phalanx.TrainingModule):
         self.seen.append([int(i) for i in index])
         return nn.functional.mse_loss(self(x), y)
 
+    def on_train_end(self) -> None:
+        engine = self.trainer.strategy.model  # DeepSpeed's engine, released after fit
+        self.engine_steps = (engine.global_steps, engine.global_samples) if hasattr(engine, "global_steps") else None
+
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
@@ -138,6 +142,7 @@ def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | N
         }
         base = optimizer.optimizer
         steps = {float(entry["step"]) for entry in base.state.values()}
+        engine_steps = model.engine_steps
     else:
         from phalanx.strategies.dtensor_state import full_module_state, full_optimizer_state
 
@@ -153,6 +158,7 @@ def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | N
             for name, index in zip(names, order)
         }
         steps = {float(entry["step"]) for entry in saved["state"].values()}
+        engine_steps = None
     seen = strategy.all_gather_object(model.seen)
     if not trainer.is_global_zero:
         return None
@@ -165,6 +171,7 @@ def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | N
         "moments": moments,
         "adam_steps": sorted(steps),
         "global_step": trainer.global_step,
+        "engine_steps": engine_steps,  # DeepSpeed's own count of steps and samples (its schedules and logs read it)
         "seen": seen,
     }
 
