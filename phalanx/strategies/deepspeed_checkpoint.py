@@ -128,8 +128,7 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike, *, read: Reader |
         ) from None
     full = {key: value for key, value in state.items() if key != "deepspeed"}
     full["state_dict"] = weights
-    # DeepSpeed's own count of optimizer updates (global_step counts batches under accumulation): a DeepSpeed run
-    # resumed from this goes on counting from it.
+    # DeepSpeed's count of updates (global_step counts batches under accumulation), for a DeepSpeed run resumed from it.
     full[ENGINE_STEPS] = {key: int(model_states[0].get(key) or 0) for key in ("global_steps", "global_samples")}
     if "optimizer_states" in full:
         if optimizer_state is None:
