@@ -1,5 +1,5 @@
 """Resume anywhere: checkpoints written on 2 CPU processes as one file (ddp), a sharded FSDP directory and DeepSpeed
-ZeRO-2 / ZeRO-3 directories, and one file written on 1 process, resume with ``ckpt_path=`` on 1 process (single
+ZeRO-1 / ZeRO-2 / ZeRO-3 directories, and one file written on 1 process, resume with ``ckpt_path=`` on 1 process (single
 device) and on 2 processes (ddp, fsdp, model_parallel, DeepSpeed stage 1, 2 and 3), each ending where the target's
 uninterrupted run ends: weights, Adam's moments and step, the global step and the samples seen after the resume.
 
@@ -97,7 +97,7 @@ def test_a_checkpoint_resumes_on_every_strategy_like_the_uninterrupted_run(matri
         )
 
 
-@pytest.mark.parametrize("source", ["ds2", "ds3"])
+@pytest.mark.parametrize("source", ["ds1", "ds2", "ds3"])
 def test_consolidate_turns_a_two_process_deepspeed_directory_into_one_file(
     matrix: Path, source: str, tmp_path: Path
 ) -> None:

@@ -3,10 +3,10 @@ resumed on every strategy.
 
 Usage: python resume_matrix_job.py OUT   (phalanx starts the second process itself)
 
-On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds2,ds3}.ckpt (after SAVE_AT steps;
+On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds1,ds2,ds3}.ckpt (after SAVE_AT steps;
 OUT/src_one.ckpt was written on 1 process by ``write_one_process_sources`` before the launch), runs each target
 strategy uninterrupted for STEPS steps (OUT/ref_{target}.pt) and resumes every source on every 2-process target to
-STEPS (OUT/{source}__{target}.pt); OUT/src_{ds2,ds3}.pt is the DeepSpeed runs' state at the save. Each
+STEPS (OUT/{source}__{target}.pt); OUT/src_{ds1,ds2,ds3}.pt is the DeepSpeed runs' state at the save. Each
 .pt holds, by parameter name, the weights, Adam's state, the global step and the sample indices each rank saw (rank 0
 writes it; every rank takes part in gathering). ``run_one`` is the single-device column (called in the test's own
 process); a cell of it that fails writes its error to OUT/{source}__single.error. A failing 2-process cell fails the
@@ -30,6 +30,7 @@ SAMPLES, GLOBAL_BATCH, FEATURES, WIDTH = 64, 8, 16, 64
 SOURCES = {
     "ddp": "ddp",
     "fsdp": "fsdp_sharded",
+    "ds1": "deepspeed_stage_1",
     "ds2": "deepspeed_stage_2",
     "ds3": "deepspeed_stage_3",
 }
