@@ -139,6 +139,11 @@ class XLAAccelerator(Accelerator):
             raise ValueError(f"XLAAccelerator got a non-XLA device: {device}")
         torch_xla = import_torch_xla()
         torch_xla.device(device.index)
+        seed = os.environ.get("PHALANX_GLOBAL_SEED")
+        if seed is not None:  # seed_everything's seed, as for torch's generators (torch.manual_seed leaves XLA's alone)
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(int(seed), device=str(device))
 
     def get_device_stats(self, device: torch.device) -> dict[str, Any]:
         """Memory use as torch_xla reports it (empty where the runtime does not implement it, e.g. on the CPU)."""

@@ -161,7 +161,7 @@ class XLAStrategy(XLAParallelDevices, XLAStrategyMixin, ParallelStrategy):
         if tensors:
             with torch.no_grad():
                 xm.collective_broadcast(tensors, root_ordinal=0, pin_layout=False)
-            collectives.cut_graph()
+            collectives.cut_graph(keep_generator=True)
 
     def _before_optimizer_step(self) -> Callable[[Optimizer], None] | None:
         hooks = super()._before_optimizer_step()

@@ -49,13 +49,27 @@ def join_replica_threads(parties: int, timeout: float) -> threading.Barrier:
         return _REPLICA_THREADS
 
 
-def cut_graph() -> None:
+def cut_graph(*, keep_generator: bool = False) -> None:
     """End the pending graph and launch it; threads sharing a process meet, take turns, then wait for their device.
 
     XLA:CPU gives up on a collective after 10 s if a replica has not launched its part by then, and a replica can lag
     that much behind (rank 0 writing a checkpoint, a loaded machine): the replica threads first meet at a barrier
-    without such a limit, so they launch each graph together.
+    without such a limit, so they launch each graph together. Every cut moves XLA's random generator on;
+    ``keep_generator`` puts it back, for the cuts phalanx adds outside the training step's own (collectives,
+    checkpoints): dropout then draws the same whether or not a run logs with sync_dist or saves checkpoints, and a run
+    resumed from a checkpoint's generator state draws what the uninterrupted run draws.
     """
+    import torch_xla.core.xla_model as xm
+
+    state = xm.get_rng_state() if keep_generator else None
+    try:
+        _cut_graph()
+    finally:
+        if state is not None:
+            xm.set_rng_state(state)
+
+
+def _cut_graph() -> None:
     import torch_xla
 
     if not threads_share_process():
@@ -94,7 +108,7 @@ def all_reduce(tensor: Tensor, reduce_op: str, device: torch.device) -> Tensor:
     reduced = xm.all_reduce(_REDUCE_TYPES[reduce_op], value)
     if reduce_op == "mean":
         reduced = reduced / world_size()
-    cut_graph()
+    cut_graph(keep_generator=True)
     return reduced.to(original) if original != device else reduced
 
 
@@ -104,7 +118,7 @@ def all_gather(tensor: Tensor, device: torch.device) -> Tensor:
 
     original = tensor.device
     gathered = xm.all_gather(tensor.to(device).unsqueeze(0), dim=0, pin_layout=False)
-    cut_graph()
+    cut_graph(keep_generator=True)
     return gathered.to(original) if original != device else gathered
 
 

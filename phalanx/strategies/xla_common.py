@@ -128,8 +128,9 @@ class XLAStrategyMixin:
         """Finish pending work (every replica), then write CPU copies of the tensors on global rank 0."""
         if holds_xla_tensors(checkpoint):
             # Only then: after a multi-device fit, the launching process holds CPU weights and must not start the
-            # XLA runtime (torch_xla's launcher refuses to start once it runs).
-            cut_graph()
+            # XLA runtime (torch_xla's launcher refuses to start once it runs). The generator state this checkpoint
+            # holds is the one before this cut: the cut leaves it there.
+            cut_graph(keep_generator=True)
         if self.is_global_zero:  # type: ignore[attr-defined]
             self.checkpoint_io.save_checkpoint(  # type: ignore[attr-defined]
                 to_cpu(checkpoint), filepath, storage_options=storage_options
@@ -152,4 +153,16 @@ class XLAParallelDevices:
                 f"{type(self).__name__} runs on XLA devices, got {wrong[0]}: pass accelerator='xla' (or 'tpu'), or use"
                 " 'ddp' for CPU or CUDA devices."
             )
-        self._parallel_devices = [torch.device(device) for device in devices] if devices is not None else None
+        devices = [torch.device(device) for device in devices] if devices is not None else None
+        indices = [device.index or 0 for device in devices or []]
+        if indices != list(range(len(indices))):
+            # torch_xla's launcher gives replica i the device of ordinal i: other indices would silently be others.
+            alone = (
+                f" To train on device {indices[0]} alone, use strategy='single_xla' (or 'auto') with devices={indices}."
+            )
+            single = alone if len(indices) == 1 else ""
+            raise ValueError(
+                f"{type(self).__name__} runs its replicas on the host's XLA devices 0..N-1 in order, got indices"
+                f" {indices}: pass devices=N or 'auto'.{single}"
+            )
+        self._parallel_devices = devices

@@ -191,6 +191,9 @@ def check_rng_states(source: str, entry: str, states: Any) -> None:
             fail(source, f"{entry}['torch.cuda'][{index}]", f"holds {_kind(state)}; expected a uint8 tensor")
     if "numpy" in states:
         _check_numpy_state(source, f"{entry}['numpy']", states["numpy"])
+    xla = states.get("xla", 0)
+    if isinstance(xla, bool) or not isinstance(xla, int) or not 0 <= xla < 2**64:
+        fail(source, f"{entry}['xla']", f"holds {_kind(xla)}; expected the XLA generator's seed, an int in [0, 2**64)")
 
 
 def _check_numpy_state(source: str, entry: str, state: Any) -> None:

@@ -143,7 +143,7 @@ def resolve_strategy(
         )
     if isinstance(strategy, Strategy):
         built = _complete_strategy_instance(strategy, accelerator, precision_name, given.precision, given.checkpoint_io)
-        refuse_parallel_on_mps(type(built), built.accelerator, f"a {type(built).__name__} instance")
+        refuse_unfit_strategy(type(built), built.accelerator, f"a {type(built).__name__} instance")
         if isinstance(built, ParallelStrategy):
             assert built.accelerator is not None
             devices_of_built = built.parallel_devices or built.accelerator.get_parallel_devices(devices)
@@ -194,7 +194,7 @@ def _build_registered(
     process_count = len(parallel_devices) * num_nodes
     name = _registered_name(strategy, devices, num_nodes, process_count, accelerator)
     strategy_class = STRATEGY_REGISTRY.get_class(name)
-    refuse_parallel_on_mps(strategy_class, accelerator, repr(strategy))
+    refuse_unfit_strategy(strategy_class, accelerator, repr(strategy))
     make_plugin = getattr(strategy_class, "precision_plugin_for", None) or precision_plugin_for
     plugin = given.precision if given.precision is not None else make_plugin(precision_name, accelerator)
     if name == "single_device" or (
@@ -227,6 +227,34 @@ def _build_registered(
             f" for {process_count} processes."
         )
     return built
+
+
+def refuse_unfit_strategy(strategy_class: type, accelerator: Accelerator | None, shown_strategy: str) -> None:
+    """Refuse, before anything is built, a strategy the accelerator cannot run (see the two checks)."""
+    refuse_parallel_on_mps(strategy_class, accelerator, shown_strategy)
+    refuse_non_xla_strategy(strategy_class, accelerator, shown_strategy)
+
+
+def refuse_non_xla_strategy(strategy_class: type, accelerator: Accelerator | None, shown_strategy: str) -> None:
+    """Refuse a strategy that is not one of the XLA strategies on XLA devices (TPUs, torch_xla's CPU runtime).
+
+    The others would put their tensors on XLA devices and fail much later, in torch.distributed's CPU or CUDA backends
+    or in a launcher that starts one process per device without torch_xla's runtime.
+    """
+    from phalanx.accelerators.xla import XLAAccelerator
+    from phalanx.strategies.xla_common import XLAStrategyMixin
+
+    if not isinstance(accelerator, XLAAccelerator) or issubclass(strategy_class, XLAStrategyMixin):
+        return
+    names = []
+    for name in STRATEGY_REGISTRY.available():
+        candidate = STRATEGY_REGISTRY.get_class(name)
+        if isinstance(candidate, type) and issubclass(candidate, XLAStrategyMixin):
+            names.append(name)
+    raise ValueError(
+        f"strategy={shown_strategy} does not run on XLA devices (accelerator={accelerator.name!r}). Use one of the XLA"
+        f" strategies, {names} (or strategy='auto'), or keep this strategy and pass accelerator='cpu' or 'cuda'."
+    )
 
 
 def refuse_parallel_on_mps(strategy_class: type, accelerator: Accelerator | None, shown_strategy: str) -> None:

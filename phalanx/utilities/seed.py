@@ -37,6 +37,10 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed)
     torch.manual_seed(seed)
+    if _xla_runtime_running():  # XLA's generators are not torch's (an XLA replica not yet started seeds at set-up)
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(seed)
     return seed
 
 
@@ -62,7 +66,26 @@ def collect_rng_states() -> dict[str, Any]:
     if "numpy" in sys.modules:
         kind, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
         states["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    xla_seed = _xla_rng_state()
+    if xla_seed is not None:
+        states["xla"] = xla_seed
     return states
+
+
+def _xla_runtime_running() -> bool:
+    # Only a process that already runs XLA has an XLA generator to save; asking torch_xla for it otherwise would start
+    # the runtime, after which torch_xla's launcher refuses to start replicas. torch_xla is never imported here.
+    torch_xla = sys.modules.get("torch_xla")
+    return torch_xla is not None and bool(torch_xla._XLAC._xla_runtime_is_initialized())
+
+
+def _xla_rng_state() -> int | None:
+    """The XLA generator's state (a plain int) of this thread's default XLA device, when XLA runs in this process."""
+    if not _xla_runtime_running():
+        return None
+    import torch_xla.core.xla_model as xm
+
+    return int(xm.get_rng_state())
 
 
 def restore_rng_states(states: dict[str, Any]) -> None:
@@ -77,3 +100,7 @@ def restore_rng_states(states: dict[str, Any]) -> None:
 
         kind, keys, pos, has_gauss, cached = states["numpy"]
         np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "xla" in states and _xla_runtime_running():  # an XLA checkpoint resumed elsewhere leaves XLA alone
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(int(states["xla"]))

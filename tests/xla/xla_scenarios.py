@@ -336,7 +336,74 @@ def spmd() -> dict[str, Any]:
     return result
 
 
-SCENARIOS = {"single": single, "replicas": replicas, "failure": failure, "spmd": spmd}
+# ------------------------------------------------------------------ a device index, and dropout resumed exactly
+class DeviceProbe(phalanx.Callback):
+    """Where the parameters and the batches of each training batch are."""
+
+    def __init__(self) -> None:
+        self.devices: set[str] = set()
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.devices.update({str(next(module.parameters()).device), str(batch[0].device)})
+
+
+def dropout_resume(strategy: str, devices: int, batch: int) -> dict[str, float]:
+    """A model with dropout: 2 epochs at once against 1 epoch, a checkpoint and a resume to 2 (as in a new process:
+    the XLA generator moved on), with the checkpoint as written and without its XLA generator states."""
+
+    def fit(epochs: int, name: str, ckpt_path: str | None = None) -> Regressor:
+        phalanx.seed_everything(3)
+        model = fresh_model(dropout=0.3)
+        train, _ = loaders(n=64, batch_size=batch, shuffle=True)
+        callbacks = [ModelCheckpoint(dirpath=name, save_last=True)]
+        options = dict(accelerator="xla", devices=devices, strategy=strategy, max_epochs=epochs, callbacks=callbacks)
+        trainer(**options).fit(model, train, ckpt_path=ckpt_path)
+        return model
+
+    whole = cpu_weights(fit(2, f"{strategy}_whole"))
+    fit(1, f"{strategy}_first")
+    checkpoint = torch.load(f"{strategy}_first/last.ckpt", weights_only=True)
+    seeds = [states.get("xla") for states in checkpoint["rng_states"]]
+    for states in checkpoint["rng_states"]:
+        states.pop("xla", None)
+    torch.save(checkpoint, f"{strategy}_first/without_xla.ckpt")
+    result: dict[str, Any] = {"xla_seeds": seeds}
+    for key, path in (("resume_diff", "last.ckpt"), ("resume_diff_without_xla_state", "without_xla.ckpt")):
+        if strategy == "single_xla":  # in this process: a new process would start from another state ("xla" starts one)
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(987654321)
+        resumed = fit(2, f"{strategy}_{key}", ckpt_path=f"{strategy}_first/{path}")
+        result[key] = max_difference(cpu_weights(resumed), whole)
+    return result
+
+
+def extras() -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    probe = DeviceProbe()
+    xla_model, cpu_model, xla_trainer = fit_both(
+        {"devices": [1], "callbacks": [probe]}, {}, batch=8, cpu_batch=8, max_epochs=1
+    )
+    result["index_strategy"] = type(xla_trainer.strategy).__name__
+    result["index_devices"] = sorted(probe.devices)
+    result["index_param_diff"] = max_difference(cpu_weights(xla_model), cpu_weights(cpu_model))
+    result["single_xla"] = dropout_resume("single_xla", 1, batch=8)
+    return result
+
+
+def replica_dropout() -> dict[str, Any]:
+    # torch_xla's launcher starts a process of its own for every fit, and only before this one ran anything on XLA.
+    return dropout_resume("xla", 2, batch=4)
+
+
+SCENARIOS = {
+    "single": single,
+    "replicas": replicas,
+    "failure": failure,
+    "spmd": spmd,
+    "extras": extras,
+    "replica_dropout": replica_dropout,
+}
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -156,6 +157,43 @@ def test_spmd_is_one_process_over_every_device(fake_xla_host: None) -> None:
 def test_trainer_with_the_tpu_accelerator_builds_without_torch_xla(fake_xla_host: None) -> None:
     trainer = phalanx.Trainer(accelerator="tpu", devices=2, logger=False, enable_progress_bar=False)
     assert isinstance(trainer.strategy, XLAStrategy) and trainer.global_rank == 0
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ["ddp", "ddp_spawn", "fsdp", "deepspeed", "single_device", "model_parallel", "DDPStrategy()", "FSDPStrategy()"],
+)
+@pytest.mark.parametrize("accelerator", ["xla", "tpu"])
+def test_strategies_that_do_not_run_on_xla_are_refused_naming_the_xla_ones(
+    fake_xla_host: None, accelerator: str, strategy: str
+) -> None:
+    from phalanx.strategies import DDPStrategy, FSDPStrategy
+
+    given: Any = {"DDPStrategy()": DDPStrategy, "FSDPStrategy()": FSDPStrategy}.get(strategy, lambda: strategy)()
+    devices = 1 if strategy == "single_device" else 2
+    with pytest.raises(ValueError, match="does not run on XLA devices") as raised:
+        phalanx.Trainer(accelerator=accelerator, strategy=given, devices=devices, logger=False)
+    for name in ("'single_xla'", "'xla'", "'xla_spmd'", "accelerator='cpu'"):
+        assert name in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "devices", "message"),
+    [
+        ("xla", [1], r"got indices \[1\].*use strategy='single_xla' \(or 'auto'\) with devices=\[1\]"),
+        ("xla_spmd", [1], r"got indices \[1\]"),
+        (XLAStrategy, [1, 0], r"devices 0..N-1 in order, got indices \[1, 0\]"),  # an instance given its devices
+        (XLAStrategy, [0, 2], r"got indices \[0, 2\]"),
+    ],
+)
+def test_replica_strategies_refuse_device_indices_torch_xla_would_not_use(
+    fake_xla_host: None, strategy: Any, devices: list[int], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        if isinstance(strategy, str):
+            resolve_strategy(accelerator="xla", devices=devices, strategy=strategy)
+        else:
+            strategy(parallel_devices=[torch.device("xla", index) for index in devices])
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "16-true", "64-true"])

@@ -141,6 +141,10 @@ DAMAGE = [
         "['rng_states'][0]['numpy'] is not a state of numpy's random generator",
     ),
     ("cuda generator states garbage", _set(*RNG, "torch.cuda", value=[3]), "['torch.cuda'][0] holds int 3"),
+    ("xla generator state a string", _set(*RNG, "xla", value="seed"), "['rng_states'][0]['xla'] holds str 'seed'"),
+    ("xla generator state negative", _set(*RNG, "xla", value=-1), "['rng_states'][0]['xla'] holds int -1"),
+    ("xla generator state too big", _set(*RNG, "xla", value=2**64), "expected the XLA generator's seed"),
+    ("xla generator state a tensor", _set(*RNG, "xla", value=torch.ones(2)), "['rng_states'][0]['xla'] holds"),
     (
         "optimizer_states a string",
         _set("optimizer_states", value="x"),

@@ -183,3 +183,59 @@ def test_move_to_device_on_cpu_keeps_cpu_tensors_as_they_are() -> None:
     tensor = torch.ones(2)
     moved = move_to_device([tensor, {"t": tensor}], torch.device("cpu"))
     assert moved[0] is tensor and moved[1]["t"] is tensor
+
+
+# ------------------------------------------------------------------ the XLA generator
+class _FakeXla:
+    """Stands in for torch_xla in sys.modules: a runtime that is running or not, and one device generator."""
+
+    def __init__(self, running: bool) -> None:
+        import types
+
+        self.running, self.seed, self.calls = running, 123, []
+        self.module = types.ModuleType("torch_xla")
+        self.module._XLAC = types.SimpleNamespace(_xla_runtime_is_initialized=lambda: self.running)
+        self.xla_model = types.ModuleType("torch_xla.core.xla_model")
+        self.xla_model.get_rng_state = self._get
+        self.xla_model.set_rng_state = self._set
+        self.core = types.ModuleType("torch_xla.core")
+        self.core.xla_model = self.xla_model
+        self.module.core = self.core
+
+    def _get(self) -> int:
+        self.calls.append("get")
+        return self.seed
+
+    def _set(self, seed: int) -> None:
+        self.calls.append(("set", seed))
+        self.seed = seed
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import sys
+
+        monkeypatch.setitem(sys.modules, "torch_xla", self.module)
+        monkeypatch.setitem(sys.modules, "torch_xla.core", self.core)
+        monkeypatch.setitem(sys.modules, "torch_xla.core.xla_model", self.xla_model)
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_the_xla_generator_is_saved_and_restored_only_where_xla_already_runs(monkeypatch, running):
+    fake = _FakeXla(running)
+    fake.install(monkeypatch)
+    states = collect_rng_states()
+    assert states.get("xla") == (123 if running else None)
+    fake.seed = 999  # training draws on
+    restore_rng_states({**collect_rng_states(), "xla": 77})
+    # Without a running runtime, torch_xla is not even asked: asking would start it and block its launcher later.
+    assert fake.calls == (["get", "get", ("set", 77)] if running else [])
+    assert fake.seed == (77 if running else 999)
+
+
+def test_a_checkpoint_with_an_xla_generator_restores_where_torch_xla_is_absent(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "torch_xla", raising=False)
+    states = {**collect_rng_states(), "xla": 5}
+    torch.manual_seed(0)
+    restore_rng_states(states)  # the CPU generators come back; the XLA entry is left alone
+    assert torch.equal(torch.get_rng_state(), states["torch"]) and "torch_xla" not in sys.modules
