@@ -10,6 +10,7 @@ from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla import XLAStrategy
+from phalanx.strategies.xla_fsdp import XLAFSDPStrategy
 from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
 from phalanx.strategies.xla_spmd import XLASPMDStrategy
 
@@ -24,6 +25,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "SingleDeviceXLAStrategy",
     "Strategy",
+    "XLAFSDPStrategy",
     "XLASPMDStrategy",
     "XLAStrategy",
 ]

@@ -9,6 +9,7 @@ from phalanx.strategies.model_parallel import ModelParallelStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla import XLAStrategy
+from phalanx.strategies.xla_fsdp import XLAFSDPStrategy
 from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
 from phalanx.strategies.xla_spmd import XLASPMDStrategy
 from phalanx.utilities.registry import Registry
@@ -24,5 +25,6 @@ for _strategy in (
     SingleDeviceXLAStrategy,
     XLAStrategy,
     XLASPMDStrategy,
+    XLAFSDPStrategy,
 ):
     _strategy.register_strategies(STRATEGY_REGISTRY)

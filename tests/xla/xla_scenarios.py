@@ -396,6 +396,74 @@ def replica_dropout() -> dict[str, Any]:
     return dropout_resume("xla", 2, batch=4)
 
 
+# ------------------------------------------------------------------ fully sharded (xla_fsdp), two devices
+class AdamRegressor(Regressor):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class ShardProbe(phalanx.Callback):
+    """What each replica holds at the start of training: its shards (shape, and how much of it is weight)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        shards = trainer.strategy._shards.entries
+        self.seen = {
+            "registered": len(list(module.parameters())),  # the module itself holds no parameter any more
+            "shards": {entry.name: [list(entry.shard.shape), list(entry.size)] for entry in shards},
+            "nonzero": {entry.name: int((entry.shard.detach().cpu() != 0).sum()) for entry in shards},
+        }
+        Path(f"shards_rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+def fsdp_fit(model: Regressor, batch: int, epochs: int, ckpt_path: str | None = None, **options: Any) -> Any:
+    strategy = phalanx.strategies.XLAFSDPStrategy(start_method=os.environ.get("XLA_START_METHOD", "fork"))
+    fitted = trainer(accelerator="xla", devices=2, strategy=strategy, max_epochs=epochs, **options)
+    torch.manual_seed(7)
+    train, val = loaders(n=64, batch_size=batch, shuffle=False)
+    fitted.fit(model, train, val, ckpt_path=ckpt_path)
+    return fitted
+
+
+def fully_sharded() -> dict[str, Any]:
+    # Every XLA fit first (a fork after a CPU backward pass fails), then the CPU references.
+    result: dict[str, Any] = {}
+    torch.manual_seed(1234)
+    model = AdamRegressor(hidden=64)
+    callbacks = [ModelCheckpoint(dirpath="fsdp_ckpt", save_last=True), ShardProbe()]
+    fitted = fsdp_fit(model, 8, 2, callbacks=callbacks)
+    result["strategy"] = type(fitted.strategy).__name__
+    result["shards"] = [json.loads(Path(f"shards_rank{rank}.json").read_text()) for rank in (0, 1)]
+    torch.save(cpu_weights(model), "fsdp_final.pt")
+    result["checkpoint"] = str(Path("fsdp_ckpt/last.ckpt").resolve())
+    torch.manual_seed(1234)
+    clipped = AdamRegressor(hidden=64)
+    fsdp_fit(clipped, 8, 1, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    # Exact resume: 1 epoch with a checkpoint, then on to 2 from it, against the 2 epochs above.
+    torch.manual_seed(1234)
+    fsdp_fit(AdamRegressor(hidden=64), 8, 1, callbacks=[ModelCheckpoint(dirpath="fsdp_resume", save_last=True)])
+    torch.manual_seed(1234)
+    resumed = AdamRegressor(hidden=64)
+    fsdp_fit(resumed, 8, 2, ckpt_path="fsdp_resume/last.ckpt")
+    result["resume_diff"] = max_difference(cpu_weights(resumed), cpu_weights(model))
+
+    torch.manual_seed(1234)
+    reference = AdamRegressor(hidden=64)
+    cpu_fit(reference, 16, max_epochs=2)
+    result["param_diff"] = max_difference(cpu_weights(model), cpu_weights(reference))
+    torch.manual_seed(1234)
+    reference = AdamRegressor(hidden=64)
+    cpu_fit(reference, 16, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.05)
+    result["param_diff_accumulate_clip"] = max_difference(cpu_weights(clipped), cpu_weights(reference))
+    torch.manual_seed(1234)
+    plain = AdamRegressor(hidden=64)
+    cpu_fit(plain, 16, max_epochs=1)
+    result["accumulate_clip_vs_plain"] = max_difference(cpu_weights(clipped), cpu_weights(plain))
+    return result
+
+
 SCENARIOS = {
     "single": single,
     "replicas": replicas,
@@ -403,6 +471,7 @@ SCENARIOS = {
     "spmd": spmd,
     "extras": extras,
     "replica_dropout": replica_dropout,
+    "fully_sharded": fully_sharded,
 }
 
 

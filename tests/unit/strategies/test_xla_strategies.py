@@ -18,7 +18,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from phalanx.accelerators import XLAAccelerator
 from phalanx.plugins.precision import MixedPrecision, XLAPrecision
-from phalanx.strategies import STRATEGY_REGISTRY, SingleDeviceXLAStrategy, XLASPMDStrategy, XLAStrategy
+from phalanx.strategies import (
+    STRATEGY_REGISTRY,
+    SingleDeviceXLAStrategy,
+    XLAFSDPStrategy,
+    XLASPMDStrategy,
+    XLAStrategy,
+)
 from phalanx.strategies.launchers.xla import XLALauncher, _variables
 from phalanx.strategies.xla_collectives import _padded_length
 from phalanx.strategies.xla_common import DeviceLoader, holds_xla_tensors, to_cpu
@@ -47,6 +53,18 @@ from phalanx.utilities.rank_zero import rank_zero_only, use_thread_rank
         (lambda: XLAStrategy(timeout=30), TypeError, r"timeout=30\) must be a positive datetime.timedelta"),
         (lambda: XLASPMDStrategy(parameter_sharding="zero3"), ValueError, r"choose one of \['fsdp', 'replicated'\]"),
         (lambda: XLASPMDStrategy(parallel_devices=[torch.device("cuda", 0)]), ValueError, "runs on XLA devices"),
+        (lambda: XLAFSDPStrategy(state_dict_type="sharded"), ValueError, r"state_dict_type='sharded'.*choose 'full'"),
+        (lambda: XLAFSDPStrategy(auto_wrap_policy={1, 2}), TypeError, r"auto_wrap_policy=.* nn.Module class or a"),
+        (lambda: XLAFSDPStrategy(auto_wrap_policy="Linear"), TypeError, r"or a callable \(module, recurse"),
+        (lambda: XLAFSDPStrategy(activation_checkpointing_policy={"x"}), TypeError, r"activation_checkpointing"),
+        (
+            lambda: XLAFSDPStrategy(activation_checkpointing_policy={torch.nn.Linear}),
+            ValueError,
+            r"needs auto_wrap_policy to name the same module classes",
+        ),
+        (lambda: XLAFSDPStrategy(pin_layout_in_collective_ops=True), TypeError, r"sets \['pin_layout_in_collective"),
+        (lambda: XLAFSDPStrategy(flatten_parameters=True), TypeError, r"flatten_parameters stays False"),
+        (lambda: XLAFSDPStrategy(parallel_devices=[torch.device("cpu")]), ValueError, r"runs on XLA devices, got cpu"),
     ],
 )
 def test_bad_arguments_are_refused_naming_the_valid_choices(
@@ -61,6 +79,45 @@ def test_bad_arguments_are_refused_naming_the_valid_choices(
 )
 def test_single_device_accepts_xla_devices_and_indices(device: Any, expected: str) -> None:
     assert SingleDeviceXLAStrategy(device=device).root_device == torch.device(expected)
+
+
+@pytest.mark.parametrize(
+    ("options", "accepted"),
+    [
+        ({"auto_wrap_policy": torch.nn.Linear}, True),
+        ({"auto_wrap_policy": {torch.nn.Linear, torch.nn.Conv2d}}, True),
+        ({"auto_wrap_policy": lambda module, recurse, unwrapped_params: False}, True),
+        ({"auto_wrap_policy": {torch.nn.Linear}, "activation_checkpointing_policy": {torch.nn.Linear}}, True),
+        ({"compute_dtype": torch.bfloat16, "reshard_after_forward": False}, True),  # passed to the wrapper
+        ({"auto_wrap_policy": set()}, False),
+        ({"auto_wrap_policy": [torch.nn.Linear, int]}, False),
+    ],
+)
+def test_xla_fsdp_policies_take_what_lightning_users_write(options: dict[str, Any], accepted: bool) -> None:
+    if accepted:
+        strategy = XLAFSDPStrategy(**options)
+        assert isinstance(strategy, XLAStrategy) and strategy._wrapper_options == {
+            key: value
+            for key, value in options.items()
+            if key not in ("auto_wrap_policy", "activation_checkpointing_policy")
+        }
+    else:
+        with pytest.raises(TypeError, match="auto_wrap_policy"):
+            XLAFSDPStrategy(**options)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true"])
+def test_xla_fsdp_refuses_half_precision_weights_at_setup(precision: str) -> None:
+    from phalanx.strategies import RunSettings
+
+    strategy = XLAFSDPStrategy(
+        accelerator=XLAAccelerator(),
+        parallel_devices=[torch.device("xla", 0)],
+        precision_plugin=XLAPrecision(precision),
+    )
+    strategy.connect(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"float32 parameters only .* precision='bf16-mixed'"):
+        strategy.setup(RunSettings())
 
 
 def test_sync_batchnorm_is_refused_at_setup_with_the_reason() -> None:
@@ -83,6 +140,7 @@ def test_sync_batchnorm_is_refused_at_setup_with_the_reason() -> None:
         ("xla_debug", XLAStrategy, {"debug": True}),
         ("xla_spmd", XLASPMDStrategy, {}),
         ("xla_spmd_dp", XLASPMDStrategy, {"parameter_sharding": "replicated"}),
+        ("xla_fsdp", XLAFSDPStrategy, {}),
     ],
 )
 def test_registry_names(name: str, cls: type, init_params: dict[str, Any]) -> None:

@@ -1,0 +1,251 @@
+"""XLAFSDPStrategy ("xla_fsdp"): torch_xla's fully sharded data parallel, one replica per XLA device.
+
+Each replica holds a flat 1-D shard of every parameter, of its gradient and of the optimizer's state; the wrapper
+all-gathers parameters for each forward and backward and reduce-scatters gradients itself (no all-reduce on top).
+The optimizer the module's ``configure_optimizers`` builds on its own parameters is pointed at their shards, so the
+Lightning idiom ``torch.optim.Adam(self.parameters())`` works unchanged. Checkpoints hold whole CPU tensors under the
+module's own names (gathered from the shards), so they load with ``weights_only=True`` in a plain CPU process, into
+a single-device model, or back into xla_fsdp on any number of devices.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from functools import partial
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from phalanx.accelerators.accelerator import Accelerator
+from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
+from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.precision.precision import Precision
+from phalanx.strategies import xla_collectives as collectives
+from phalanx.strategies.parallel import DEFAULT_TIMEOUT
+from phalanx.strategies.settings import RunSettings
+from phalanx.strategies.xla import XLAStrategy
+from phalanx.strategies.xla_fsdp_state import ShardedParameters
+
+#: Options phalanx sets itself (the wrapper's other keyword arguments pass through).
+_RESERVED = ("auto_wrap_policy", "auto_wrapper_callable", "pin_layout_in_collective_ops", "flatten_parameters")
+
+
+def _check_class_set(name: str, value: Any) -> None:
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        return
+    if isinstance(value, (set, frozenset, list, tuple)) and value:
+        if all(isinstance(item, type) and issubclass(item, nn.Module) for item in value):
+            return
+    raise TypeError(
+        f"XLAFSDPStrategy({name}={value!r}) must be an nn.Module class or a non-empty set of them"
+        + (", or a callable (module, recurse, unwrapped_params) -> bool." if name == "auto_wrap_policy" else ".")
+    )
+
+
+class XLAFSDPStrategy(XLAStrategy):
+    """Fully sharded data parallel on XLA devices (torch_xla's ``XlaFullyShardedDataParallel``).
+
+    Args:
+        auto_wrap_policy: module classes (a class or a set) each wrapped in its own shard unit, or torch_xla's callable
+            ``(module, recurse, unwrapped_params) -> bool``; None wraps the whole module as one unit.
+        activation_checkpointing_policy: module classes whose activations are recomputed in the backward pass (they
+            must also be wrap units: name them in ``auto_wrap_policy`` too).
+        state_dict_type: "full" only, for now: checkpoints hold whole tensors under the module's own names.
+        **wrapper_options: passed to ``XlaFullyShardedDataParallel`` (e.g. ``compute_dtype``).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        *,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        state_dict_type: str = "full",
+        cluster_environment: ClusterEnvironment | None = None,
+        sync_module_states: bool = True,
+        start_method: str = "spawn",
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        **wrapper_options: Any,
+    ) -> None:
+        if auto_wrap_policy is not None and not callable(auto_wrap_policy) or isinstance(auto_wrap_policy, type):
+            _check_class_set("auto_wrap_policy", auto_wrap_policy)
+        if activation_checkpointing_policy is not None:
+            _check_class_set("activation_checkpointing_policy", activation_checkpointing_policy)
+            if auto_wrap_policy is None or (callable(auto_wrap_policy) and not isinstance(auto_wrap_policy, type)):
+                raise ValueError(
+                    "XLAFSDPStrategy(activation_checkpointing_policy=...) needs auto_wrap_policy to name the same"
+                    " module classes (each checkpointed module is its own shard unit)."
+                )
+        if state_dict_type != "full":
+            raise ValueError(
+                f"XLAFSDPStrategy(state_dict_type={state_dict_type!r}) is not supported; choose 'full' (whole tensors"
+                " under the module's names, written by rank 0). Sharded checkpoints are not built yet."
+            )
+        reserved = [name for name in wrapper_options if name in _RESERVED]
+        if reserved:
+            raise TypeError(
+                f"XLAFSDPStrategy sets {reserved} itself; pass auto_wrap_policy / activation_checkpointing_policy"
+                " instead (flatten_parameters stays False so that each shard belongs to one parameter)."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            cluster_environment=cluster_environment,
+            sync_module_states=sync_module_states,
+            start_method=start_method,
+            timeout=timeout,
+        )
+        self._auto_wrap_policy = auto_wrap_policy
+        self._checkpointing_policy = activation_checkpointing_policy
+        self._wrapper_options = wrapper_options
+        self._shards: ShardedParameters | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self, settings: RunSettings) -> None:
+        """Place the module, build the optimizers on its parameters, wrap it, then point them at the shards."""
+        self._begin_setup(settings)
+        if self.layer_sync is not None:
+            raise ValueError("sync_batchnorm=True (or a LayerSync plugin) is not supported by XLAFSDPStrategy.")
+        if self.precision_plugin.precision == "bf16-true":
+            raise ValueError(
+                "XLAFSDPStrategy shards float32 parameters only (torch_xla's wrapper refuses others): use"
+                " precision='bf16-mixed', or XLAFSDPStrategy(compute_dtype=torch.bfloat16)."
+            )
+        assert self._module is not None
+        self._module = self.precision_plugin.convert_module(self._module)
+        self._model = self._module
+        self.model_to_device()
+        if self._sync_module_states and self.world_size > 1:
+            self._broadcast_module_states()
+        if settings.fitting:
+            self.setup_optimizers(settings)  # on the whole parameters: the module's own configure_optimizers
+        names = {id(parameter): name for name, parameter in self._module.named_parameters()}
+        self._model = self._wrap(self._module)
+        self._shards = ShardedParameters.of(self._model, names, rank=self.global_rank, world_size=self.world_size)
+        for optimizer in self.optimizers:
+            self._shards.point_at_shards(optimizer)
+        self.setup_precision_plugin()
+
+    def _broadcast_module_states(self) -> None:
+        super()._broadcast_module_states()
+        # The broadcast leaves each tensor a view of the collective's result; torch_xla's wrapper swaps the storage of
+        # the parameters it shards, which does not take on such views (weights stayed at their first value: measured).
+        # Fresh copies first.
+        assert self._module is not None
+        with torch.no_grad():
+            for tensor in [*self._module.parameters(), *self._module.buffers()]:
+                tensor.data = tensor.detach().clone()
+        collectives.cut_graph(keep_generator=True)
+
+    def _wrap(self, module: nn.Module) -> nn.Module:
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel, checkpoint_module
+        from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        options: dict[str, Any] = dict(self._wrapper_options)
+        # The native all-gather / reduce-scatter: the pinned-layout ones build another graph on each CPU device.
+        options["pin_layout_in_collective_ops"] = not collectives.threads_share_process()
+        policy = self._auto_wrap_policy
+        if policy is not None:
+            if isinstance(policy, type) or isinstance(policy, (set, frozenset, list, tuple)):
+                classes = {policy} if isinstance(policy, type) else set(policy)
+                policy = partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
+            options["auto_wrap_policy"] = policy
+        checkpointed = self._checkpointing_policy
+        if checkpointed is not None:
+            classes = (checkpointed,) if isinstance(checkpointed, type) else tuple(checkpointed)
+
+            def wrap_unit(unit: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+                inner = checkpoint_module(unit) if isinstance(unit, classes) else unit
+                return XlaFullyShardedDataParallel(inner, *args, **kwargs)
+
+            options["auto_wrapper_callable"] = wrap_unit
+        return XlaFullyShardedDataParallel(module, **options)
+
+    # The wrapper's all-gathers and reduce-scatters sit inside the forward and backward graphs. Every graph holding
+    # them must be launched at phalanx's graph cut (replica threads take turns there), never by the dataloader's own
+    # sync before the next batch: so the graph is cut after each backward pass and after each evaluation step.
+    def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
+        result = super()._run_step(method, context, *args, **kwargs)
+        if method != "training_step":
+            collectives.cut_graph()
+        return result
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Launch the backward graph (with its reduce-scatters) at phalanx's graph cut."""
+        super().post_backward(closure_loss)
+        collectives.cut_graph()
+
+    def _before_optimizer_step(self) -> Callable[[Optimizer], None] | None:
+        # The wrapper reduce-scatters gradients in the backward pass: no all-reduce on top of it (XLAStrategy's).
+        return super(XLAStrategy, self)._before_optimizer_step()
+
+    def clip_gradients(
+        self,
+        module: nn.Module | None,
+        optimizer: Optimizer,
+        *,
+        max_norm: float | None = None,
+        clip_val: float | None = None,
+    ) -> Tensor | None:
+        """By norm: the norm of the whole model's gradients, computed over the shards; by value: on each shard."""
+        by_norm = clip_val is None and isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+        if not by_norm or max_norm <= 0 or self._shards is None:  # type: ignore[operator]
+            # Validation, no clipping (0), or by value: element by element, the same on shards as on whole tensors.
+            return super().clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
+        return self._model.clip_grad_norm_(max_norm)  # type: ignore[union-attr, operator]
+
+    # ------------------------------------------------------------------ checkpoints: whole tensors
+    def module_state_dict(self) -> dict[str, Any]:
+        """Whole CPU tensors under the module's own names (every replica gathers; every replica gets them)."""
+        if self._shards is None:
+            return super().module_state_dict()
+        return self._shards.full_module_state(self._module, self.root_device)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state with whole tensors, in the layout of the module's own parameters."""
+        if self._shards is None:
+            return super().optimizer_state(optimizer)
+        return self._shards.full_optimizer_state(getattr(optimizer, "optimizer", optimizer), self.root_device)
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Load whole weights: each replica keeps its own shard of every parameter."""
+        if self._shards is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._shards.load_full_module_state(self._module, checkpoint["state_dict"], strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Load whole optimizer states: each replica keeps the shards of its own parameters' states."""
+        if self._shards is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"The checkpoint holds {len(states)} optimizer state(s) but configure_optimizers created"
+                f" {len(self.optimizers)}; resume with the same optimizer configuration."
+            )
+        for optimizer, state in zip(self.optimizers, states):
+            self._shards.load_full_optimizer_state(getattr(optimizer, "optimizer", optimizer), state)
+
+    def teardown(self) -> None:
+        """Give the module back its whole parameters (every replica gathers them: rank 0's go back to the caller)."""
+        shards, self._shards = self._shards, None
+        if shards is not None and self._module is not None:
+            shards.restore_whole_parameters(self._module, self.root_device)
+            self._model = self._module
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        """Register "xla_fsdp"."""
+        registry.register("xla_fsdp", cls, description="Fully sharded data parallel over XLA devices (torch_xla).")
+
+
+__all__ = ["XLAFSDPStrategy"]
