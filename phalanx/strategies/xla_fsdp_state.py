@@ -25,27 +25,56 @@ class _Sharded:
     whole: nn.Parameter  # the original parameter object (its storage freed by the wrapper)
     shard: nn.Parameter  # this replica's 1-D piece, registered on the wrapper
     size: torch.Size
+    owner: nn.Module  # the module the parameter belonged to, and its attribute name there
+    attribute: str
+
+
+@dataclass
+class ModuleTree:
+    """The module's parameters, buffers and children as they were before wrapping (wrappers replace children)."""
+
+    parameter_names: dict[int, str]
+    buffers: list[tuple[str, Tensor]]
+    children: list[tuple[nn.Module, str, nn.Module]]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> ModuleTree:
+        """Record ``module`` before it is wrapped."""
+        return cls(
+            {id(parameter): name for name, parameter in module.named_parameters()},
+            list(module.named_buffers()),
+            [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()],
+        )
+
+    def restore_children(self) -> None:
+        """Put the original children back where nested wrappers took their place."""
+        for parent, name, child in self.children:
+            if parent._modules.get(name) is not child:
+                parent._modules[name] = child
 
 
 class ShardedParameters:
     """Every sharded parameter of a wrapped module, in the order of the module's own ``named_parameters()``."""
 
-    def __init__(self, entries: list[_Sharded], rank: int, world_size: int) -> None:
-        self.entries = entries
+    def __init__(self, entries: list[_Sharded], tree: ModuleTree, rank: int, world_size: int) -> None:
+        self.entries, self.tree = entries, tree
         self.rank, self.world_size = rank, world_size
         self._by_whole = {id(entry.whole): entry for entry in entries}
 
     @classmethod
-    def of(cls, wrapped: nn.Module, names: dict[int, str], *, rank: int, world_size: int) -> ShardedParameters:
-        """The shards of every wrapper unit in ``wrapped``; ``names`` maps ``id(parameter)`` to its name."""
+    def of(cls, wrapped: nn.Module, tree: ModuleTree, *, rank: int, world_size: int) -> ShardedParameters:
+        """The shards of every wrapper unit in ``wrapped`` (``tree``: the module as it was before wrapping)."""
         found: dict[str, _Sharded] = {}
         for unit in wrapped.modules():
-            for whole, shard in zip(getattr(unit, "full_params", ()), getattr(unit, "sharded_params", ())):
-                name = names.get(id(whole))
+            infos = getattr(unit, "full_param_infos", ())
+            for whole, shard, (_, owner, attribute) in zip(
+                getattr(unit, "full_params", ()), getattr(unit, "sharded_params", ()), infos
+            ):
+                name = tree.parameter_names.get(id(whole))
                 assert name is not None, "a sharded parameter that the module did not have before wrapping"
-                found[name] = _Sharded(name, whole, shard, torch.Size(shard._orig_size))
-        order = list(names.values())
-        return cls([found[name] for name in order if name in found], rank, world_size)
+                found[name] = _Sharded(name, whole, shard, torch.Size(shard._orig_size), owner, attribute)
+        order = list(tree.parameter_names.values())
+        return cls([found[name] for name in order if name in found], tree, rank, world_size)
 
     # ------------------------------------------------------------------ optimizers
     def point_at_shards(self, optimizer: Optimizer) -> None:
@@ -70,12 +99,12 @@ class ShardedParameters:
     def full_module_state(self, module: nn.Module, device: torch.device) -> dict[str, Tensor]:
         """Whole CPU tensors of every parameter (gathered: every replica calls) and of every buffer."""
         state = {entry.name: self._gather(entry.shard, entry.size, device) for entry in self.entries}
-        state.update({name: buffer.detach().cpu() for name, buffer in module.named_buffers()})
+        state.update({name: buffer.detach().cpu() for name, buffer in self.tree.buffers})
         return state
 
     def load_full_module_state(self, module: nn.Module, state: dict[str, Any], *, strict: bool) -> None:
         """Copy each whole parameter's piece into this replica's shard, and the buffers into the module."""
-        buffers = dict(module.named_buffers())
+        buffers = dict(self.tree.buffers)
         expected = [entry.name for entry in self.entries] + list(buffers)
         missing = [name for name in expected if name not in state]
         unexpected = [name for name in state if name not in expected]
@@ -136,10 +165,12 @@ class ShardedParameters:
         """Give ``module`` back its parameters, whole (every replica calls): what a run ends with."""
         for entry in self.entries:
             whole = self._gather(entry.shard, entry.size, device)
-            owner_name, _, attribute = entry.name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            owner.__dict__.pop(attribute, None)  # the wrapper left the emptied parameter there as a plain attribute
-            owner.register_parameter(attribute, nn.Parameter(whole, requires_grad=entry.whole.requires_grad))
+            # The wrapper left the emptied parameter on its module as a plain attribute: a parameter again.
+            entry.owner.__dict__.pop(entry.attribute, None)
+            entry.owner.register_parameter(
+                entry.attribute, nn.Parameter(whole, requires_grad=entry.whole.requires_grad)
+            )
+        self.tree.restore_children()
 
 
 __all__ = ["ShardedParameters"]

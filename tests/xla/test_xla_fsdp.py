@@ -26,6 +26,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_trains_like_one_cpu_process_on_the_global_batch(sharded: dict[str, Any]) -> None:
     assert sharded["strategy"] == "XLAFSDPStrategy"
     assert sharded["param_diff"] < 1e-6  # measured: 6e-8 (Adam, 2 epochs, validation each epoch)
+    assert sharded["param_diff_auto_wrap"] < 1e-6  # auto_wrap_policy={nn.Linear}: nested shard units
 
 
 def test_accumulation_and_clipping_match_and_change_the_run(sharded: dict[str, Any]) -> None:

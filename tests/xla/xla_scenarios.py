@@ -448,11 +448,21 @@ def fully_sharded() -> dict[str, Any]:
     resumed = AdamRegressor(hidden=64)
     fsdp_fit(resumed, 8, 2, ckpt_path="fsdp_resume/last.ckpt")
     result["resume_diff"] = max_difference(cpu_weights(resumed), cpu_weights(model))
+    # Each Linear its own shard unit (nested wrappers), as Lightning users pass auto_wrap_policy.
+    torch.manual_seed(1234)
+    wrapped = AdamRegressor(hidden=64)
+    strategy = phalanx.strategies.XLAFSDPStrategy(
+        start_method=os.environ.get("XLA_START_METHOD", "fork"), auto_wrap_policy={nn.Linear}
+    )
+    torch.manual_seed(7)
+    train, val = loaders(n=64, batch_size=8, shuffle=False)
+    trainer(accelerator="xla", devices=2, strategy=strategy, max_epochs=2).fit(wrapped, train, val)
 
     torch.manual_seed(1234)
     reference = AdamRegressor(hidden=64)
     cpu_fit(reference, 16, max_epochs=2)
     result["param_diff"] = max_difference(cpu_weights(model), cpu_weights(reference))
+    result["param_diff_auto_wrap"] = max_difference(cpu_weights(wrapped), cpu_weights(reference))
     torch.manual_seed(1234)
     reference = AdamRegressor(hidden=64)
     cpu_fit(reference, 16, max_epochs=1, accumulate_grad_batches=2, gradient_clip_val=0.05)
