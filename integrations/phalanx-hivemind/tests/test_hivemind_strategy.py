@@ -92,6 +92,12 @@ class Swarm:
         reached = lambda: all(self.last_step(name) >= step for name in names)  # noqa: E731
         self.wait_for(f"{' and '.join(names)} to reach swarm step {step} ({why})", reached, names)
 
+    def wait_in_step(self, names: list[str], count: int, since: float, why: str) -> None:
+        """Wait until each peer recorded ``count`` distinct parameter vectors since ``since``: what the tests count
+        (under load a joiner can skip swarm steps, so reaching a step number alone is not enough)."""
+        enough = lambda: all(len(_trajectory(self, name, since, float("inf"))) >= count for name in names)  # noqa: E731
+        self.wait_for(f"{' and '.join(names)} to record {count} steps ({why})", enough, ["a", *names])
+
     def ready(self, name: str) -> None:
         ready = lambda: any(record.get("ready") for record in self.records(name))  # noqa: E731
         self.wait_for(f"peer {name} to be ready to train", ready, [name])
@@ -150,11 +156,13 @@ def _run_scenario(swarm: Swarm) -> None:
     swarm.wait_steps(["a"], SOLO_STEPS, "alone")
     joined = swarm.join("b")
     swarm.wait_steps(["a", "b"], joined + CATCH_UP + TOGETHER, "two peers")
+    swarm.wait_in_step(["b"], CATCH_UP + TOGETHER + 1, 0.0, "two peers")
     swarm.times["c joined"] = time.time()
     joined = swarm.join("c")
     swarm.wait_steps(["a", "c"], joined + CATCH_UP, "C catching up")
     swarm.times["c in step"] = time.time()
     swarm.wait_steps(["a", "b", "c"], joined + CATCH_UP + TOGETHER, "three peers")
+    swarm.wait_in_step(["b", "c"], TOGETHER + 1, swarm.times["c in step"], "three peers")
     swarm.killed_at = max(swarm.last_step(name) for name in ("a", "b", "c"))
     swarm.kill("b")
     swarm.times["b killed"] = time.time()
