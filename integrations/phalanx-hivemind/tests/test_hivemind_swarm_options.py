@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 PEER_SCRIPT = Path(__file__).with_name("phalanx_hivemind_peer.py")
 STEPS = 6  # swarm steps both peers take together (slow enough for each to see the other in the DHT)
 WAIT_SECONDS = 120
+ATTEMPTS = 2  # runs of a pair whose steps hivemind reports as averaged alone before the test gives up
 SOLO_ROUND_LINES = ("Proceeding with local gradients", "Averaging gradients failed", "Peer is out of sync")
 
 # (id, HivemindStrategy arguments, scheduler, tolerance): float16 compression rounds what travels between peers, and
@@ -100,9 +101,8 @@ def _solo_rounds(workdir: Path) -> int:
     return sum(text.count(line) for line in SOLO_ROUND_LINES)
 
 
-@pytest.mark.parametrize(("options", "scheduler", "atol"), [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
-def test_two_peers_end_each_swarm_step_with_the_same_parameters(tmp_path, options, scheduler, atol) -> None:
-    steps = _run_pair(tmp_path, options, scheduler)
+def _compare(steps: dict[str, dict[int, dict]], atol: float, workdir: Path) -> tuple[dict[int, float], int, int]:
+    """B's steps that match none of A's (with their gaps), how many of those hivemind explains, and how many match."""
     # Steps are matched by their parameters, not their numbers: hivemind lets a peer one step behind count itself on
     # (the two then number the same averaged step differently until the next state download).
     reference = [torch.tensor(record["params"]) for _, record in sorted(steps["a"].items())]
@@ -120,9 +120,27 @@ def test_two_peers_end_each_swarm_step_with_the_same_parameters(tmp_path, option
         else:
             matched += 1
     # A round hivemind logged as not averaged together may leave a peer's step its own; any other gap is a failure.
-    allowed = _solo_rounds(tmp_path) + alone
-    assert len(differ) <= allowed, f"B's steps {differ} match none of A's (tolerance {atol}; {allowed} allowed)"
-    assert matched >= STEPS - 2, f"only {matched} of B's steps match A's: {differ}"
+    return differ, _solo_rounds(workdir) + alone, matched
+
+
+@pytest.mark.parametrize(("options", "scheduler", "atol"), [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_two_peers_end_each_swarm_step_with_the_same_parameters(tmp_path, options, scheduler, atol) -> None:
+    attempts = []
+    for attempt in range(ATTEMPTS):
+        workdir = tmp_path / f"attempt{attempt}"
+        workdir.mkdir()
+        steps = _run_pair(workdir, options, scheduler)
+        differ, allowed, matched = _compare(steps, atol, workdir)
+        assert len(differ) <= allowed, f"B's steps {differ} match none of A's (tolerance {atol}; {allowed} allowed)"
+        attempts.append(f"attempt {attempt}: {matched} matched, unmatched {differ}, {allowed} solo rounds logged")
+        if matched >= STEPS - 2:
+            break
+        # Every unmatched step was one hivemind says it took alone (averaging timed out on a loaded machine): the
+        # pair proved nothing either way, so it runs again in a fresh swarm.
+    logs = "\n".join(f"--- {n}\n{(workdir / f'{n}.log').read_text(errors='replace')[-2000:]}" for n in "ab")
+    assert matched >= STEPS - 2, (
+        f"too few of B's steps match A's in {ATTEMPTS} attempts: {attempts}; last logs:\n{logs}"
+    )
     assert max(record["peers"] for record in steps["a"].values()) == 2
     losses = [steps["a"][s]["loss"] for s in sorted(steps["a"])]
     assert losses[-1] < losses[0], f"the loss did not go down: {losses}"
