@@ -190,10 +190,14 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
     from phalanx.plugins.io.distributed_checkpoint import consolidate, is_sharded_checkpoint
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
     from phalanx.strategies.deepspeed_checkpoint import is_deepspeed_checkpoint
+    from phalanx.strategies.xla_fsdp_checkpoint import is_xla_fsdp_checkpoint
     from phalanx.utilities.exceptions import CheckpointError
 
     try:
-        known = is_sharded_checkpoint(directory) or is_deepspeed_checkpoint(directory)
+        known = any(
+            is_layout(directory)
+            for is_layout in (is_sharded_checkpoint, is_deepspeed_checkpoint, is_xla_fsdp_checkpoint)
+        )
     except OSError as err:
         return _error(name, f"cannot read {directory}: {err.strerror or err}")
     if not known:
@@ -203,8 +207,8 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
             return _error(name, str(err))
         return _error(
             name,
-            f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor"
-            " a DeepSpeed one",
+            f"{directory} is a directory but not a checkpoint phalanx can read: not a sharded (DCP) checkpoint, a"
+            " DeepSpeed one or an xla_fsdp one",
         )
     problem = _consolidate_output_problem(directory, output, args.overwrite)
     if problem is not None:

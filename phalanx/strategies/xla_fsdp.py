@@ -20,14 +20,21 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.accelerators.xla import local_device_count
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
+from phalanx.plugins.io.async_io import AsyncCheckpointIO
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.layout import checkpoint_layout
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies import xla_collectives as collectives
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.xla import XLAStrategy
+from phalanx.strategies.xla_common import to_cpu
+from phalanx.strategies.xla_fsdp_checkpoint import ShardState, consolidate_xla_fsdp, read_own_pieces, write_sharded
 from phalanx.strategies.xla_fsdp_state import ModuleTree, ShardedParameters
+from phalanx.utilities.rank_zero import rank_zero_warn
 
 #: Options phalanx sets itself (the wrapper's other keyword arguments pass through).
 _RESERVED = ("auto_wrap_policy", "auto_wrapper_callable", "pin_layout_in_collective_ops", "flatten_parameters")
@@ -52,7 +59,9 @@ class XLAFSDPStrategy(XLAStrategy):
         auto_wrap_policy: module classes (a class or a set) each wrapped in its own shard unit, or torch_xla's callable
             ``(module, recurse, unwrapped_params) -> bool``; None wraps the whole module as one unit.
         activation_checkpointing_policy: refused for now (Lightning's option; see the error for why).
-        state_dict_type: "full" only, for now: checkpoints hold whole tensors under the module's own names.
+        state_dict_type: "full": one file of whole tensors under the module's own names (written by rank 0);
+            "sharded": a directory where each replica writes its own pieces (no gathering; see
+            ``xla_fsdp_checkpoint``). Either resumes on xla_fsdp with any number of devices, or on any other strategy.
         **wrapper_options: passed to ``XlaFullyShardedDataParallel`` (e.g. ``compute_dtype``).
     """
 
@@ -76,14 +85,16 @@ class XLAFSDPStrategy(XLAStrategy):
             _check_class_set("auto_wrap_policy", auto_wrap_policy)
         if activation_checkpointing_policy is not None:
             raise ValueError(
-                "XLAFSDPStrategy(activation_checkpointing_policy=...) is not supported yet: the recomputation in the"
-                " backward pass failed on torch_xla's CPU runtime (shape errors in the recomputed forward), so phalanx"
-                " does not offer it untested. Leave it out, or checkpoint inside the module (torch.utils.checkpoint)."
+                "XLAFSDPStrategy(activation_checkpointing_policy=...) is not supported yet: torch_xla's recomputation"
+                " failed on its CPU runtime (a checkpointed module outside its shard unit recomputed with freed"
+                " parameters; inside it, the recomputed all-gathers missed their rendezvous between replicas), so"
+                " phalanx does not offer what it could not test. Leave it out."
             )
-        if state_dict_type != "full":
+        if state_dict_type not in ("full", "sharded"):
             raise ValueError(
-                f"XLAFSDPStrategy(state_dict_type={state_dict_type!r}) is not supported; choose 'full' (whole tensors"
-                " under the module's names, written by rank 0). Sharded checkpoints are not built yet."
+                f"XLAFSDPStrategy(state_dict_type={state_dict_type!r}) is not valid; choose 'full' (one file of whole"
+                " tensors under the module's names, written by rank 0) or 'sharded' (a directory: each replica writes"
+                " its own pieces)."
             )
         reserved = [name for name in wrapper_options if name in _RESERVED]
         if reserved:
@@ -102,6 +113,7 @@ class XLAFSDPStrategy(XLAStrategy):
             timeout=timeout,
         )
         self._auto_wrap_policy = auto_wrap_policy
+        self._state_dict_type = state_dict_type
         self._wrapper_options = wrapper_options
         self._shards: ShardedParameters | None = None
 
@@ -115,6 +127,14 @@ class XLAFSDPStrategy(XLAStrategy):
             raise ValueError(
                 "XLAFSDPStrategy shards float32 parameters only (torch_xla's wrapper refuses others): use"
                 " precision='bf16-mixed', or XLAFSDPStrategy(compute_dtype=torch.bfloat16)."
+            )
+        host_devices = local_device_count()
+        if self.world_size == 1 and host_devices > 1:
+            # The wrapper still reduce-scatters over every device of the host: XLA's compiler refuses that graph
+            # (measured on 2 CPU devices: "shard_count == subgroup_size" failed in the first training step).
+            raise ValueError(
+                f"XLAFSDPStrategy on 1 of this host's {host_devices} XLA devices is not supported by torch_xla's"
+                f" wrapper: pass devices={host_devices} (or 'auto'), or strategy='single_xla' for one device."
             )
         assert self._module is not None
         self._module = self.precision_plugin.convert_module(self._module)
@@ -190,27 +210,82 @@ class XLAFSDPStrategy(XLAStrategy):
             return super().clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
         return self._model.clip_grad_norm_(max_norm)  # type: ignore[union-attr, operator]
 
-    # ------------------------------------------------------------------ checkpoints: whole tensors
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the shards: each replica keeps its own piece of every tensor."""
+        return True
+
     def module_state_dict(self) -> dict[str, Any]:
-        """Whole CPU tensors under the module's own names (every replica gathers; every replica gets them)."""
+        """'full': whole CPU tensors under the module's names (every replica gathers); 'sharded': this replica's
+        pieces."""
         if self._shards is None:
             return super().module_state_dict()
+        if self._state_dict_type == "sharded":
+            return self._shards.own_pieces()
         return self._shards.full_module_state(self._module, self.root_device)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state with whole tensors, in the layout of the module's own parameters."""
+        """The optimizer's state with whole tensors in the module's parameters' layout ('full'), or its pieces."""
         if self._shards is None:
             return super().optimizer_state(optimizer)
-        return self._shards.full_optimizer_state(getattr(optimizer, "optimizer", optimizer), self.root_device)
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        if self._state_dict_type == "sharded":
+            return optimizer.state_dict()
+        return self._shards.full_optimizer_state(optimizer, self.root_device)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """'full': rank 0 writes one file; 'sharded': every replica writes its pieces into the directory ``filepath``
+        (both through the CheckpointIO)."""
+        if self._state_dict_type != "sharded" or self._shards is None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        collectives.cut_graph(keep_generator=True)
+        write_sharded(
+            self._directory_io(),
+            to_cpu(checkpoint),
+            filepath,
+            layout=self._shards.layout(self.optimizers),
+            collectives=Collectives.of(self),
+            all_succeeded=lambda ok: self.reduce_boolean_decision(ok, all=True),
+            storage_options=storage_options,
+        )
+
+    def _directory_io(self) -> CheckpointIO:
+        io = self.checkpoint_io
+        if isinstance(io, AsyncCheckpointIO):
+            # Its background publishing agrees over a torch.distributed group, which replicas driven by torch_xla's
+            # launcher do not have: the wrapped IO writes the directory now.
+            io.wait()
+            if not self.__dict__.get("_warned_synchronous"):
+                self._warned_synchronous = True
+                rank_zero_warn(
+                    "XLAFSDPStrategy writes sharded checkpoints synchronously: AsyncCheckpointIO's background"
+                    " directory saves need a torch.distributed group (state_dict_type='full' saves in the background)."
+                )
+            return io.checkpoint_io
+        return io
+
+    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+        """A sharded directory written by as many replicas: each reads its own pieces; anything else: whole tensors
+        (read through the CheckpointIO), each replica keeping its piece."""
+        if checkpoint_layout(checkpoint_path) == "xla_fsdp":
+            read = self.checkpoint_io.load_checkpoint
+            own = read_own_pieces(checkpoint_path, rank=self.global_rank, world_size=self.world_size, read=read)
+            return own if own is not None else consolidate_xla_fsdp(checkpoint_path, read=read)
+        return super().load_checkpoint(checkpoint_path)
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        """Load whole weights: each replica keeps its own shard of every parameter."""
+        """Load whole weights, or this replica's pieces: each replica keeps its own shard of every parameter."""
         if self._shards is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        self._shards.load_full_module_state(self._module, checkpoint["state_dict"], strict=strict)
+        state = checkpoint["state_dict"]
+        if isinstance(state, ShardState):
+            self._shards.load_own_pieces(state, strict=strict)
+        else:
+            self._shards.load_full_module_state(self._module, state, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Load whole optimizer states: each replica keeps the shards of its own parameters' states."""
+        """Load whole optimizer states (each replica cuts its shards) or this replica's own."""
         if self._shards is None:
             return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
@@ -220,7 +295,11 @@ class XLAFSDPStrategy(XLAStrategy):
                 f" {len(self.optimizers)}; resume with the same optimizer configuration."
             )
         for optimizer, state in zip(self.optimizers, states):
-            self._shards.load_full_optimizer_state(getattr(optimizer, "optimizer", optimizer), state)
+            optimizer = getattr(optimizer, "optimizer", optimizer)
+            if isinstance(state, ShardState):
+                optimizer.load_state_dict(dict(state))
+            else:
+                self._shards.load_full_optimizer_state(optimizer, state)
 
     def teardown(self) -> None:
         """Give the module back its whole parameters (every replica gathers them: rank 0's go back to the caller)."""

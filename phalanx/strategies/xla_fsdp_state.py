@@ -84,6 +84,50 @@ class ShardedParameters:
         for group in optimizer.param_groups:
             group["params"] = [self._by_whole[id(p)].shard if id(p) in self._by_whole else p for p in group["params"]]
 
+    # ------------------------------------------------------------------ this replica's pieces (sharded checkpoints)
+    def layout(self, optimizers: list[Optimizer]) -> dict[str, Any]:
+        """What a reader needs to make whole tensors of the pieces: shapes, replicas, the optimizers' parameters."""
+        names = {id(entry.shard): entry.name for entry in self.entries}
+        owners = [
+            [names.get(id(p)) for group in getattr(o, "optimizer", o).param_groups for p in group["params"]]
+            for o in optimizers
+        ]
+        parameters = {
+            entry.name: {"shape": list(entry.size), "piece": list(entry.shard.shape)} for entry in self.entries
+        }
+        return {"format": 1, "world_size": self.world_size, "parameters": parameters, "optimizer_parameters": owners}
+
+    def own_pieces(self) -> dict[str, Tensor]:
+        """This replica's piece of every parameter, and every buffer whole (on the device)."""
+        state = {entry.name: entry.shard.detach() for entry in self.entries}
+        state.update({name: buffer.detach() for name, buffer in self.tree.buffers})
+        return state
+
+    def load_own_pieces(self, state: dict[str, Any], *, strict: bool) -> None:
+        """Copy this replica's pieces (written by as many replicas) into its shards, and the buffers."""
+        buffers = dict(self.tree.buffers)
+        expected = [entry.name for entry in self.entries] + list(buffers)
+        missing = [name for name in expected if name not in state]
+        unexpected = [name for name in state if name not in expected]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"The checkpoint's weights do not fit the module: missing {missing}, unexpected {unexpected}."
+            )
+        with torch.no_grad():
+            for entry in self.entries:
+                piece = state.get(entry.name)
+                if piece is None:
+                    continue
+                if tuple(piece.shape) != tuple(entry.shard.shape):
+                    raise RuntimeError(
+                        f"The checkpoint's piece of {entry.name} has shape {tuple(piece.shape)}, this replica's shard"
+                        f" {tuple(entry.shard.shape)}."
+                    )
+                entry.shard.copy_(piece.to(entry.shard.dtype).to(entry.shard.device))
+            for name, buffer in buffers.items():
+                if name in state:
+                    buffer.copy_(state[name].to(buffer.device))
+
     # ------------------------------------------------------------------ whole <-> shard
     def _gather(self, piece: Tensor, size: torch.Size, device: torch.device) -> Tensor:
         pieces = collectives.all_gather(piece.detach(), device) if self.world_size > 1 else piece.detach()[None]
@@ -94,7 +138,7 @@ class ShardedParameters:
         piece = like.numel()
         padded = torch.zeros(piece * self.world_size, dtype=like.dtype)
         padded[: flat.numel()] = flat
-        return padded[self.rank * piece : (self.rank + 1) * piece].to(like.device)
+        return padded[self.rank * piece : (self.rank + 1) * piece].reshape(like.shape).to(like.device)
 
     def full_module_state(self, module: nn.Module, device: torch.device) -> dict[str, Tensor]:
         """Whole CPU tensors of every parameter (gathered: every replica calls) and of every buffer."""

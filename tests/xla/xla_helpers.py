@@ -14,14 +14,16 @@ SCENARIOS = Path(__file__).with_name("xla_scenarios.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_scenario(name: str, workdir: Path, devices: int, timeout: float = 420, **env: str) -> dict[str, Any]:
+def run_scenario(
+    name: str, workdir: Path, devices: int, timeout: float = 420, script: Path = SCENARIOS, **env: str
+) -> dict[str, Any]:
     """The scenario's result; a failure, a crash or running past ``timeout`` seconds fails with its output."""
     # PYTHONFAULTHANDLER: a crash of the scenario (or of the process torch_xla's launcher starts) prints every thread.
     variables = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "PYTHONFAULTHANDLER": "1", **env}
     variables["PYTHONPATH"] = os.pathsep.join([str(ROOT), variables.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     # A session of its own: on a hang the scenario and the process torch_xla's launcher started end together.
     with subprocess.Popen(
-        [sys.executable, str(SCENARIOS), name],
+        [sys.executable, str(script), name],
         cwd=workdir,
         env=variables,
         stdout=subprocess.PIPE,

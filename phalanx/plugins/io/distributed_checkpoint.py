@@ -418,7 +418,7 @@ def _reassemble(meta: dict[str, Any], tensors: dict[str, Tensor]) -> dict[str, A
 
 
 def consolidate(path: str | os.PathLike) -> dict[str, Any]:
-    """One ordinary phalanx checkpoint from a checkpoint directory (sharded DCP, or DeepSpeed's)."""
+    """One ordinary phalanx checkpoint from a checkpoint directory (sharded DCP, DeepSpeed's or xla_fsdp's)."""
     directory = Path(path)
     if is_sharded_checkpoint(directory):
         return load_whole(directory)
@@ -433,6 +433,10 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
         STATE_FILE = None  # type: ignore[assignment]
     if is_deepspeed_checkpoint is not None and is_deepspeed_checkpoint(directory):
         return load_deepspeed_checkpoint_as_full(directory)
+    from phalanx.strategies.xla_fsdp_checkpoint import consolidate_xla_fsdp, is_xla_fsdp_checkpoint
+
+    if is_xla_fsdp_checkpoint(directory):
+        return consolidate_xla_fsdp(directory)
     for layout, files in (("sharded (DCP)", (DCP_METADATA_FILE, META_FILE)), ("DeepSpeed", (STATE_FILE, "latest"))):
         present = [name for name in files if name is not None and (directory / name).exists()]
         if present and len(present) < len(files):
@@ -442,6 +446,6 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
                 f" {', '.join(map(str, missing))}: it is incomplete or damaged."
             )
     raise CheckpointError(
-        f"{directory} is a directory but not a checkpoint phalanx can read: neither a sharded (DCP) checkpoint nor a"
-        " DeepSpeed one."
+        f"{directory} is a directory but not a checkpoint phalanx can read: not a sharded (DCP) checkpoint, a DeepSpeed"
+        " one or an xla_fsdp one."
     )

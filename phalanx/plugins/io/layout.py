@@ -1,4 +1,5 @@
-"""Which layout a checkpoint path holds: one file, a sharded (DCP) directory or a DeepSpeed directory.
+"""Which layout a checkpoint path holds: one file, a sharded (DCP) directory, a DeepSpeed directory or xla_fsdp's
+sharded directory.
 
 Every strategy's ``load_checkpoint`` asks ``checkpoint_layout`` first, for local paths and fsspec URLs alike, so that
 the three layouts follow one rule: a directory is a checkpoint only once its ``.complete`` marker is there.
@@ -11,13 +12,14 @@ from typing import Any, Literal
 
 from phalanx.utilities.exceptions import CheckpointError
 
-Layout = Literal["file", "sharded", "deepspeed"]
-LAYOUTS: tuple[str, ...] = ("file", "sharded", "deepspeed")
+Layout = Literal["file", "sharded", "deepspeed", "xla_fsdp"]
+LAYOUTS: tuple[str, ...] = ("file", "sharded", "deepspeed", "xla_fsdp")
 
 #: The files that make a directory one layout or the other (besides the ``.complete`` marker written last).
 _LAYOUT_FILES: dict[str, tuple[str, ...]] = {
     "sharded": (".metadata", "phalanx_meta.pt"),
     "deepspeed": ("phalanx_deepspeed_state.pt", "latest"),
+    "xla_fsdp": ("phalanx_xla_fsdp.pt",),  # xla_fsdp's sharded layout: the rest are the replicas' piece files
 }
 
 
@@ -54,6 +56,6 @@ def checkpoint_layout(path: str | os.PathLike, storage_options: dict[str, Any] |
     found = sorted(present)
     raise CheckpointError(
         f"{path} is a directory but not a complete checkpoint: a sharded one holds"
-        f" {', '.join(_LAYOUT_FILES['sharded'])}, a DeepSpeed one {', '.join(_LAYOUT_FILES['deepspeed'])}"
-        f" (found: {', '.join(found) if found else 'none of them'})."
+        f" {', '.join(_LAYOUT_FILES['sharded'])}, a DeepSpeed one {', '.join(_LAYOUT_FILES['deepspeed'])}, an xla_fsdp"
+        f" one {', '.join(_LAYOUT_FILES['xla_fsdp'])} (found: {', '.join(found) if found else 'none of them'})."
     )

@@ -108,7 +108,7 @@ def test_metadata_that_references_other_classes_is_refused(tmp_path):
 
 def test_a_directory_that_is_no_checkpoint_gets_a_clear_error(tmp_path):
     (tmp_path / "notes").mkdir()
-    with pytest.raises(CheckpointError, match="neither a sharded .DCP. checkpoint nor a DeepSpeed one"):
+    with pytest.raises(CheckpointError, match="not a sharded .DCP. checkpoint, a DeepSpeed one or an xla_fsdp one"):
         consolidate(tmp_path / "notes")
     with pytest.raises(CheckpointError, match="not a sharded phalanx checkpoint"):
         read_meta(tmp_path / "notes")

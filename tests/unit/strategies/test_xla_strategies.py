@@ -53,7 +53,11 @@ from phalanx.utilities.rank_zero import rank_zero_only, use_thread_rank
         (lambda: XLAStrategy(timeout=30), TypeError, r"timeout=30\) must be a positive datetime.timedelta"),
         (lambda: XLASPMDStrategy(parameter_sharding="zero3"), ValueError, r"choose one of \['fsdp', 'replicated'\]"),
         (lambda: XLASPMDStrategy(parallel_devices=[torch.device("cuda", 0)]), ValueError, "runs on XLA devices"),
-        (lambda: XLAFSDPStrategy(state_dict_type="sharded"), ValueError, r"state_dict_type='sharded'.*choose 'full'"),
+        (
+            lambda: XLAFSDPStrategy(state_dict_type="local"),
+            ValueError,
+            r"state_dict_type='local'.*'full'.*or 'sharded'",
+        ),
         (lambda: XLAFSDPStrategy(auto_wrap_policy={1, 2}), TypeError, r"auto_wrap_policy=.* nn.Module class or a"),
         (lambda: XLAFSDPStrategy(auto_wrap_policy="Linear"), TypeError, r"or a callable \(module, recurse"),
         (
@@ -116,6 +120,24 @@ def test_xla_fsdp_refuses_half_precision_weights_at_setup(precision: str) -> Non
     strategy.connect(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"float32 parameters only .* precision='bf16-mixed'"):
         strategy.setup(RunSettings())
+
+
+@pytest.mark.parametrize(("host_devices", "refused"), [(2, True), (8, True), (1, False)])
+def test_xla_fsdp_on_one_of_several_devices_is_refused_at_setup(
+    monkeypatch: pytest.MonkeyPatch, host_devices: int, refused: bool
+) -> None:
+    from phalanx.strategies import RunSettings, xla_fsdp
+
+    monkeypatch.setattr(xla_fsdp, "local_device_count", lambda: host_devices)  # asking for real needs torch_xla
+    strategy = XLAFSDPStrategy(accelerator=XLAAccelerator(), parallel_devices=[torch.device("xla", 0)])
+    strategy.connect(torch.nn.Linear(2, 2))
+    if refused:
+        with pytest.raises(ValueError, match=rf"1 of this host's {host_devices} XLA devices .* devices={host_devices}"):
+            strategy.setup(RunSettings())
+    else:  # past the check: the next step places the module on the device, which needs torch_xla
+        with pytest.raises(Exception) as caught:
+            strategy.setup(RunSettings())
+        assert "XLA devices is not supported" not in str(caught.value)
 
 
 def test_sync_batchnorm_is_refused_at_setup_with_the_reason() -> None:
