@@ -128,8 +128,7 @@ class XLAFSDPStrategy(XLAStrategy):
                 "XLAFSDPStrategy shards float32 parameters only (torch_xla's wrapper refuses others): use"
                 " precision='bf16-mixed', or XLAFSDPStrategy(compute_dtype=torch.bfloat16)."
             )
-        host_devices = local_device_count()
-        if self.world_size == 1 and host_devices > 1:
+        if self.world_size == 1 and (host_devices := local_device_count()) > 1:
             # The wrapper still reduce-scatters over every device of the host: XLA's compiler refuses that graph
             # (measured on 2 CPU devices: "shard_count == subgroup_size" failed in the first training step).
             raise ValueError(

@@ -120,7 +120,15 @@ def layout(world: int, multiple: int, dim0: bool) -> dict[str, Any]:
 
 
 def write(
-    path: Path, world: int, *, multiple: int = 1, dim0: bool = False, seed: int = 0, io: Any = None, fail: int = -1
+    path: Path,
+    world: int,
+    *,
+    multiple: int = 1,
+    dim0: bool = False,
+    seed: int = 0,
+    io: Any = None,
+    fail: int = -1,
+    weights_only: bool = False,
 ) -> list[BaseException | None]:
     """Every replica (a thread) saves its checkpoint to ``path``; returns what each raised."""
     group, state, errors = ThreadGroup(world), whole_state(seed), [None] * world
@@ -129,10 +137,13 @@ def write(
         writer = io or TorchCheckpointIO()
         if rank == fail:
             writer = FailingIO()
+        checkpoint = replica_checkpoint(state, rank, world, multiple, dim0)
+        if weights_only:  # Trainer.save_checkpoint(..., weights_only=True): no optimizer states
+            checkpoint.pop("optimizer_states")
         try:
             write_sharded(
                 writer,
-                replica_checkpoint(state, rank, world, multiple, dim0),
+                checkpoint,
                 path,
                 layout=layout(world, multiple, dim0),
                 collectives=group.collectives(rank),
@@ -204,6 +215,16 @@ def test_pieces_written_by_each_replica_read_back_whole_and_per_replica(tmp_path
     assert read_own_pieces(path, rank=0, world_size=other, read=TorchCheckpointIO().load_checkpoint) is None
 
 
+def test_a_weights_only_save_reads_back_without_optimizer_states(tmp_path):
+    path = tmp_path / "weights.ckpt"
+    assert write(path, 2, weights_only=True) == [None, None]
+    whole = consolidate_xla_fsdp(path)
+    assert "optimizer_states" not in whole
+    torch.testing.assert_close(whole["state_dict"]["net.0.weight"], whole_state()["params"]["net.0.weight"])
+    own = read_own_pieces(path, rank=1, world_size=2, read=TorchCheckpointIO().load_checkpoint)
+    assert "optimizer_states" not in own and set(own["state_dict"]) == {*SHAPES, "norm.running_mean"}
+
+
 def test_every_file_is_written_and_read_through_the_checkpoint_io(tmp_path):
     path, io = tmp_path / "last.ckpt", RecordingIO()
     assert write(path, 2, io=io) == [None, None]
@@ -224,6 +245,33 @@ def test_a_replica_whose_write_fails_fails_the_save_everywhere_and_keeps_the_pre
     assert "No space left on device" in str(errors[1]) and "another replica" in str(errors[0])
     assert_whole(consolidate_xla_fsdp(path), seed=0)  # the previous checkpoint, untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]  # no staging directory left behind
+
+
+def test_a_remote_directory_is_written_and_read_through_fsspec():
+    path = "memory://xla_fsdp_checkpoint_test/last.ckpt"
+    assert write(path, 2, multiple=128) == [None, None]
+    assert checkpoint_layout(path) == "xla_fsdp"
+    assert_whole(consolidate_xla_fsdp(path))
+    assert_whole(TorchCheckpointIO().load_checkpoint(path))
+    own = read_own_pieces(path, rank=1, world_size=2, read=TorchCheckpointIO().load_checkpoint)
+    assert own["state_dict"]["net.0.weight"].shape == (128,)
+
+
+def test_a_sharded_save_through_async_io_is_written_now_with_one_warning():
+    from phalanx.plugins.io.async_io import AsyncCheckpointIO
+    from phalanx.strategies import XLAFSDPStrategy
+
+    inner = TorchCheckpointIO()
+    strategy = XLAFSDPStrategy(checkpoint_io=AsyncCheckpointIO(inner), state_dict_type="sharded")
+    with pytest.warns(UserWarning, match="writes sharded checkpoints synchronously"):
+        assert strategy._directory_io() is inner
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert strategy._directory_io() is inner  # warned once
+    plain = XLAFSDPStrategy(checkpoint_io=inner, state_dict_type="sharded")
+    assert plain._directory_io() is inner
 
 
 def test_an_unfinished_directory_is_refused(tmp_path):
