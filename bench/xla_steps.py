@@ -27,7 +27,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import phalanx  # noqa: E402
-from phalanx.strategies import XLAStrategy  # noqa: E402
+from phalanx.strategies import XLAFSDPStrategy, XLAStrategy  # noqa: E402
 
 
 class MLP(phalanx.TrainingModule):
@@ -73,7 +73,8 @@ def _child(devices: int, steps: int, out: str, strategy_name: str) -> None:
     # Replicas each read their part of the global batch of 64; SPMD's one process reads all of it.
     per_device = 64 if strategy_name == "xla_spmd" else 64 // devices
     data = TensorDataset(torch.randn(64 * steps, 32), torch.randn(64 * steps, 1))
-    strategy: Any = XLAStrategy(start_method="fork") if strategy_name == "xla" else strategy_name
+    strategies = {"xla": XLAStrategy, "xla_fsdp": XLAFSDPStrategy}
+    strategy: Any = strategies[strategy_name](start_method="fork") if strategy_name in strategies else strategy_name
     trainer = phalanx.Trainer(
         accelerator="xla",
         devices=devices,
@@ -113,7 +114,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, torch_xla {torch_xla.__version__}, {os.cpu_count()} CPUs")
     print("| strategy | devices | step 1 (s) | step 2 (s) | step 3 (s) | later, median (ms) | later, min (ms) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    for devices, strategy in ((1, "single_xla"), (2, "xla"), (2, "xla_spmd")):
+    for devices, strategy in ((1, "single_xla"), (2, "xla"), (2, "xla_spmd"), (2, "xla_fsdp")):
         times = _run(devices, args.steps, strategy)
         later = times[3:]
         print(

@@ -33,7 +33,7 @@ from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.xla import XLAStrategy
 from phalanx.strategies.xla_common import to_cpu
 from phalanx.strategies.xla_fsdp_checkpoint import ShardState, consolidate_xla_fsdp, read_own_pieces, write_sharded
-from phalanx.strategies.xla_fsdp_state import ModuleTree, ShardedParameters
+from phalanx.strategies.xla_fsdp_state import ModuleTree, ShardedParameters, undo_activation_checkpointing
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 #: Options phalanx sets itself (the wrapper's other keyword arguments pass through).
@@ -52,13 +52,32 @@ def _check_class_set(name: str, value: Any) -> None:
     )
 
 
+def _class_set(value: Any) -> frozenset[type[nn.Module]]:
+    if value is None:
+        return frozenset()
+    return frozenset({value} if isinstance(value, type) else value)
+
+
+def _either_policy(first: Callable[..., bool], second: Callable[..., bool], *args: Any, **kwargs: Any) -> bool:
+    return bool(first(*args, **kwargs) or second(*args, **kwargs))
+
+
+def _checkpointed_unit(module: nn.Module, *args: Any, classes: tuple[type[nn.Module], ...], **kwargs: Any) -> nn.Module:
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel, checkpoint_module
+
+    if isinstance(module, classes):
+        module = checkpoint_module(module)
+    return XlaFullyShardedDataParallel(module, *args, **kwargs)
+
+
 class XLAFSDPStrategy(XLAStrategy):
     """Fully sharded data parallel on XLA devices (torch_xla's ``XlaFullyShardedDataParallel``).
 
     Args:
         auto_wrap_policy: module classes (a class or a set) each wrapped in its own shard unit, or torch_xla's callable
             ``(module, recurse, unwrapped_params) -> bool``; None wraps the whole module as one unit.
-        activation_checkpointing_policy: refused for now (Lightning's option; see the error for why).
+        activation_checkpointing_policy: module classes (a class or a set) whose activations are recomputed in the
+            backward pass (torch_xla's ``checkpoint_module``); each such module becomes its own shard unit too.
         state_dict_type: "full": one file of whole tensors under the module's own names (written by rank 0);
             "sharded": a directory where each replica writes its own pieces (no gathering; see
             ``xla_fsdp_checkpoint``). Either resumes on xla_fsdp with any number of devices, or on any other strategy.
@@ -84,12 +103,7 @@ class XLAFSDPStrategy(XLAStrategy):
         if auto_wrap_policy is not None and not callable(auto_wrap_policy) or isinstance(auto_wrap_policy, type):
             _check_class_set("auto_wrap_policy", auto_wrap_policy)
         if activation_checkpointing_policy is not None:
-            raise ValueError(
-                "XLAFSDPStrategy(activation_checkpointing_policy=...) is not supported yet: torch_xla's recomputation"
-                " failed on its CPU runtime (a checkpointed module outside its shard unit recomputed with freed"
-                " parameters; inside it, the recomputed all-gathers missed their rendezvous between replicas), so"
-                " phalanx does not offer what it could not test. Leave it out."
-            )
+            _check_class_set("activation_checkpointing_policy", activation_checkpointing_policy)
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(
                 f"XLAFSDPStrategy(state_dict_type={state_dict_type!r}) is not valid; choose 'full' (one file of whole"
@@ -113,6 +127,7 @@ class XLAFSDPStrategy(XLAStrategy):
             timeout=timeout,
         )
         self._auto_wrap_policy = auto_wrap_policy
+        self._checkpointed = _class_set(activation_checkpointing_policy)
         self._state_dict_type = state_dict_type
         self._wrapper_options = wrapper_options
         self._shards: ShardedParameters | None = None
@@ -134,6 +149,15 @@ class XLAFSDPStrategy(XLAStrategy):
             raise ValueError(
                 f"XLAFSDPStrategy on 1 of this host's {host_devices} XLA devices is not supported by torch_xla's"
                 f" wrapper: pass devices={host_devices} (or 'auto'), or strategy='single_xla' for one device."
+            )
+        if self._checkpointed and collectives.threads_share_process():
+            # Measured on torch_xla's CPU runtime (replicas as threads of one process): the recomputation in the
+            # backward pass ran before its shard unit gathered its parameters again (shape errors, 4 runs of 4), while
+            # one device per process matched plain PyTorch every time.
+            raise ValueError(
+                "XLAFSDPStrategy(activation_checkpointing_policy=...) is not supported where replicas are threads of"
+                " one process (torch_xla's CPU runtime with several devices): torch_xla's recomputation fails there."
+                " Run one replica per process (as on TPU), or leave the policy out."
             )
         assert self._module is not None
         self._module = self.precision_plugin.convert_module(self._module)
@@ -169,10 +193,15 @@ class XLAFSDPStrategy(XLAStrategy):
         # The native all-gather / reduce-scatter: the pinned-layout ones build another graph on each CPU device.
         options["pin_layout_in_collective_ops"] = not collectives.threads_share_process()
         policy = self._auto_wrap_policy
+        if isinstance(policy, type) or isinstance(policy, (set, frozenset, list, tuple)):
+            policy = partial(transformer_auto_wrap_policy, transformer_layer_cls=_class_set(policy))
+        if self._checkpointed:
+            # A checkpointed module must be a shard unit of its own: its recomputation then runs inside the unit's
+            # backward, after the unit gathered its parameters again.
+            units = partial(transformer_auto_wrap_policy, transformer_layer_cls=self._checkpointed)
+            policy = units if policy is None else partial(_either_policy, policy, units)
+            options["auto_wrapper_callable"] = partial(_checkpointed_unit, classes=tuple(self._checkpointed))
         if policy is not None:
-            if isinstance(policy, type) or isinstance(policy, (set, frozenset, list, tuple)):
-                classes = {policy} if isinstance(policy, type) else set(policy)
-                policy = partial(transformer_auto_wrap_policy, transformer_layer_cls=classes)
             options["auto_wrap_policy"] = policy
         return XlaFullyShardedDataParallel(module, **options)
 
@@ -305,6 +334,7 @@ class XLAFSDPStrategy(XLAStrategy):
         shards, self._shards = self._shards, None
         if shards is not None and self._module is not None:
             shards.restore_whole_parameters(self._module, self.root_device)
+            undo_activation_checkpointing(self._module)
             self._model = self._module
         super().teardown()
 

@@ -217,4 +217,12 @@ class ShardedParameters:
         self.tree.restore_children()
 
 
-__all__ = ["ShardedParameters"]
+def undo_activation_checkpointing(module: nn.Module) -> None:
+    """Give every module that torch_xla's ``checkpoint_module`` changed its own ``forward`` back."""
+    for child in module.modules():
+        if "_xla_checkpointed_forward_original" in child.__dict__:
+            for name in ("forward", "_xla_checkpointed_forward_original", "_xla_checkpointed_forward_no_kwargs"):
+                child.__dict__.pop(name, None)
+
+
+__all__ = ["ShardedParameters", "undo_activation_checkpointing"]

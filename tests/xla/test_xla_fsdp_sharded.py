@@ -15,7 +15,7 @@ from xla_helpers import run_scenario
 
 from phalanx.cli import main
 
-SCRIPT = Path(__file__).with_name("xla_sharded_scenarios.py")
+SCRIPT = Path(__file__).with_name("xla_fsdp_scenarios.py")
 
 
 @pytest.fixture(scope="module")

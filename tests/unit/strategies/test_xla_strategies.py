@@ -61,10 +61,11 @@ from phalanx.utilities.rank_zero import rank_zero_only, use_thread_rank
         (lambda: XLAFSDPStrategy(auto_wrap_policy={1, 2}), TypeError, r"auto_wrap_policy=.* nn.Module class or a"),
         (lambda: XLAFSDPStrategy(auto_wrap_policy="Linear"), TypeError, r"or a callable \(module, recurse"),
         (
-            lambda: XLAFSDPStrategy(activation_checkpointing_policy={torch.nn.Linear}),
-            ValueError,
-            r"activation_checkpointing_policy=...\) is not supported yet",
+            lambda: XLAFSDPStrategy(activation_checkpointing_policy=lambda module, recurse, unwrapped: True),
+            TypeError,
+            r"activation_checkpointing_policy=.* must be an nn.Module class or a non-empty set of them\.$",
         ),
+        (lambda: XLAFSDPStrategy(activation_checkpointing_policy="Linear"), TypeError, r"nn.Module class or a"),
         (lambda: XLAFSDPStrategy(pin_layout_in_collective_ops=True), TypeError, r"sets \['pin_layout_in_collective"),
         (lambda: XLAFSDPStrategy(flatten_parameters=True), TypeError, r"flatten_parameters stays False"),
         (lambda: XLAFSDPStrategy(parallel_devices=[torch.device("cpu")]), ValueError, r"runs on XLA devices, got cpu"),
@@ -91,6 +92,10 @@ def test_single_device_accepts_xla_devices_and_indices(device: Any, expected: st
         ({"auto_wrap_policy": {torch.nn.Linear, torch.nn.Conv2d}}, True),
         ({"auto_wrap_policy": lambda module, recurse, unwrapped_params: False}, True),
         ({"compute_dtype": torch.bfloat16, "reshard_after_forward": False}, True),  # passed to the wrapper
+        ({"activation_checkpointing_policy": torch.nn.Linear}, True),
+        ({"activation_checkpointing_policy": {torch.nn.Linear}, "auto_wrap_policy": {torch.nn.Conv2d}}, True),
+        ({"activation_checkpointing_policy": set()}, False),
+        ({"activation_checkpointing_policy": [torch.nn.Linear, int]}, False),
         ({"auto_wrap_policy": set()}, False),
         ({"auto_wrap_policy": [torch.nn.Linear, int]}, False),
     ],
@@ -104,7 +109,7 @@ def test_xla_fsdp_policies_take_what_lightning_users_write(options: dict[str, An
             if key not in ("auto_wrap_policy", "activation_checkpointing_policy")
         }
     else:
-        with pytest.raises(TypeError, match="auto_wrap_policy"):
+        with pytest.raises(TypeError, match=rf"XLAFSDPStrategy\({next(iter(options))}="):
             XLAFSDPStrategy(**options)
 
 
@@ -138,6 +143,24 @@ def test_xla_fsdp_on_one_of_several_devices_is_refused_at_setup(
         with pytest.raises(Exception) as caught:
             strategy.setup(RunSettings())
         assert "XLA devices is not supported" not in str(caught.value)
+
+
+def test_forwards_changed_by_activation_checkpointing_are_given_back() -> None:
+    from types import MethodType
+
+    from phalanx.strategies.xla_fsdp_state import undo_activation_checkpointing
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    changed = model[2]
+    # What torch_xla's checkpoint_module leaves on a module (its forward replaced by a checkpointing one).
+    changed._xla_checkpointed_forward_original = changed.forward
+    changed._xla_checkpointed_forward_no_kwargs = MethodType(lambda self, *a: None, changed)
+    changed.forward = MethodType(lambda self, x: torch.zeros(1), changed)
+    x = torch.ones(4, 2)
+    assert torch.equal(model(x), torch.zeros(1))
+    undo_activation_checkpointing(model)
+    assert not any(name.startswith("_xla_checkpointed") or name == "forward" for name in changed.__dict__)
+    assert model(x).shape == (4, 1)
 
 
 def test_sync_batchnorm_is_refused_at_setup_with_the_reason() -> None:

@@ -1,4 +1,5 @@
-"""xla_fsdp's sharded checkpoints on torch_xla's PJRT CPU runtime (run like xla_scenarios.py: ``python THIS NAME``).
+"""xla_fsdp's sharded checkpoints and activation checkpointing on torch_xla's PJRT CPU runtime (run like
+xla_scenarios.py: ``python THIS NAME``).
 
 Every XLA fit comes first (a forked launch after a CPU backward pass fails), then the CPU runs.
 """
@@ -15,7 +16,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import torch  # noqa: E402
 from phalanx_testing import loaders  # noqa: E402
-from xla_scenarios import AdamRegressor, cpu_weights, max_difference, trainer  # noqa: E402
+from torch import nn  # noqa: E402
+from xla_scenarios import AdamRegressor, cpu_fit, cpu_weights, max_difference, trainer  # noqa: E402
 
 import phalanx  # noqa: E402
 from phalanx.callbacks import ModelCheckpoint  # noqa: E402
@@ -65,7 +67,60 @@ def sharded_on_one_device() -> dict[str, Any]:
     return {"one_device_diff": max_difference(cpu_weights(alone), uninterrupted)}
 
 
-SCENARIOS = {"sharded": sharded, "sharded_on_one_device": sharded_on_one_device}
+class CountingLinear(nn.Linear):
+    """A Linear that counts how often its forward runs (a recomputation in the backward pass runs it again)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+class DeeperRegressor(AdamRegressor):
+    def __init__(self) -> None:
+        super().__init__(hidden=64)
+        self.net = nn.Sequential(
+            CountingLinear(4, 64), nn.Tanh(), CountingLinear(64, 64), nn.Tanh(), CountingLinear(64, 1)
+        )
+
+
+class CallCounts(phalanx.Callback):
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        calls = [layer.calls for layer in module.modules() if isinstance(layer, CountingLinear)]
+        Path(f"calls_rank{trainer.global_rank}.json").write_text(json.dumps([trainer.global_step, calls]))
+
+
+def checkpointed_activations() -> dict[str, Any]:
+    devices = int(os.environ["CPU_NUM_DEVICES"])
+    torch.manual_seed(1234)
+    model = DeeperRegressor()
+    strategy = phalanx.strategies.XLAFSDPStrategy(
+        start_method=os.environ.get("XLA_START_METHOD", "fork"), activation_checkpointing_policy={CountingLinear}
+    )
+    fitted = trainer(accelerator="xla", devices=devices, strategy=strategy, max_epochs=2, limit_val_batches=0)
+    fitted.callbacks.append(CallCounts())
+    torch.manual_seed(7)
+    train, _ = loaders(n=64, batch_size=16 // devices, shuffle=False)
+    try:
+        fitted.fit(model, train)
+    except Exception as error:  # noqa: BLE001 - the test checks the refusal's message
+        return {"refused": f"{type(error).__name__}: {error}"}
+    result: dict[str, Any] = {"calls": json.loads(Path("calls_rank0.json").read_text())}
+    result["restored_forwards"] = not any("_xla_checkpointed_forward_original" in m.__dict__ for m in model.modules())
+    torch.manual_seed(1234)
+    reference = DeeperRegressor()
+    cpu_fit(reference, 16, max_epochs=2, limit_val_batches=0)
+    result["param_diff"] = max_difference(cpu_weights(model), cpu_weights(reference))
+    result["cpu_calls"] = [layer.calls for layer in reference.modules() if isinstance(layer, CountingLinear)]
+    return result
+
+
+SCENARIOS = {
+    "sharded": sharded,
+    "sharded_on_one_device": sharded_on_one_device,
+    "checkpointed_activations": checkpointed_activations,
+}
 
 
 if __name__ == "__main__":
