@@ -307,10 +307,7 @@ class XLAFSDPStrategy(XLAStrategy):
         if self._shards is None:
             return super().load_model_state_dict(checkpoint, strict=strict)
         state = checkpoint["state_dict"]
-        if isinstance(state, ShardState):
-            self._shards.load_own_pieces(state, strict=strict)
-        else:
-            self._shards.load_full_module_state(self._module, state, strict=strict)
+        self._shards.load_module_state(state, strict=strict, pieces=isinstance(state, ShardState))
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Load whole optimizer states (each replica cuts its shards) or this replica's own."""

@@ -103,31 +103,6 @@ class ShardedParameters:
         state.update({name: buffer.detach() for name, buffer in self.tree.buffers})
         return state
 
-    def load_own_pieces(self, state: dict[str, Any], *, strict: bool) -> None:
-        """Copy this replica's pieces (written by as many replicas) into its shards, and the buffers."""
-        buffers = dict(self.tree.buffers)
-        expected = [entry.name for entry in self.entries] + list(buffers)
-        missing = [name for name in expected if name not in state]
-        unexpected = [name for name in state if name not in expected]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"The checkpoint's weights do not fit the module: missing {missing}, unexpected {unexpected}."
-            )
-        with torch.no_grad():
-            for entry in self.entries:
-                piece = state.get(entry.name)
-                if piece is None:
-                    continue
-                if tuple(piece.shape) != tuple(entry.shard.shape):
-                    raise RuntimeError(
-                        f"The checkpoint's piece of {entry.name} has shape {tuple(piece.shape)}, this replica's shard"
-                        f" {tuple(entry.shard.shape)}."
-                    )
-                entry.shard.copy_(piece.to(entry.shard.dtype).to(entry.shard.device))
-            for name, buffer in buffers.items():
-                if name in state:
-                    buffer.copy_(state[name].to(buffer.device))
-
     # ------------------------------------------------------------------ whole <-> shard
     def _gather(self, piece: Tensor, size: torch.Size, device: torch.device) -> Tensor:
         pieces = collectives.all_gather(piece.detach(), device) if self.world_size > 1 else piece.detach()[None]
@@ -146,8 +121,9 @@ class ShardedParameters:
         state.update({name: buffer.detach().cpu() for name, buffer in self.tree.buffers})
         return state
 
-    def load_full_module_state(self, module: nn.Module, state: dict[str, Any], *, strict: bool) -> None:
-        """Copy each whole parameter's piece into this replica's shard, and the buffers into the module."""
+    def load_module_state(self, state: dict[str, Any], *, strict: bool, pieces: bool) -> None:
+        """Load whole parameters (each cut to this replica's shard) or, with ``pieces``, this replica's own pieces
+        (written by as many replicas); buffers are whole either way."""
         buffers = dict(self.tree.buffers)
         expected = [entry.name for entry in self.entries] + list(buffers)
         missing = [name for name in expected if name not in state]
@@ -158,14 +134,18 @@ class ShardedParameters:
             )
         with torch.no_grad():
             for entry in self.entries:
-                if entry.name in state:
-                    value = state[entry.name]
-                    if tuple(value.shape) != tuple(entry.size):
-                        raise RuntimeError(
-                            f"The checkpoint's {entry.name} has shape {tuple(value.shape)}, the module's"
-                            f" {tuple(entry.size)}."
-                        )
-                    entry.shard.copy_(self._cut(value, entry.shard))
+                value = state.get(entry.name)
+                if value is None:
+                    continue
+                shape = tuple(entry.shard.shape if pieces else entry.size)
+                if tuple(value.shape) != shape:
+                    what = "this replica's shard" if pieces else "the module's"
+                    raise RuntimeError(
+                        f"The checkpoint's {'piece of ' if pieces else ''}{entry.name} has shape"
+                        f" {tuple(value.shape)}, {what} {shape}."
+                    )
+                piece = value.to(entry.shard.dtype).to(entry.shard.device) if pieces else self._cut(value, entry.shard)
+                entry.shard.copy_(piece)
             for name, buffer in buffers.items():
                 if name in state:
                     buffer.copy_(state[name].to(buffer.device))
