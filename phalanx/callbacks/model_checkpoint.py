@@ -332,7 +332,9 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
         module = getattr(trainer.strategy, "module", None)
         if module is None:
             return True
-        finite = bool(trainer.strategy.reduce_boolean_decision(local_parameters_finite(module), all=True))
+        with trainer.strategy.host_reads():
+            local = local_parameters_finite(module)
+        finite = bool(trainer.strategy.reduce_boolean_decision(local, all=True))
         self._finite_at = (trainer.global_step, finite)
         return finite
 

@@ -97,7 +97,6 @@ class Strategy(ABC):
     @classmethod
     def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> Precision:
         """The precision plugin this strategy needs for the precision name ``precision`` on ``accelerator``."""
-        # Strategies that own the precision machinery (FSDP's mixed-precision policy, DeepSpeed) override this.
         from phalanx.plugins.precision.selection import precision_plugin_for
 
         return precision_plugin_for(precision, accelerator)
@@ -211,6 +210,10 @@ class Strategy(ABC):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Combine a decision across processes: True if all (or any, with ``all=False``) processes decided True."""
         return decision
+
+    def host_reads(self) -> AbstractContextManager:
+        """Context for reading device values on the host outside a step (checks at save points); nothing by default."""
+        return nullcontext()
 
     # ------------------------------------------------------------------ lifecycle
     def setup_environment(self) -> None:
@@ -359,8 +362,7 @@ class Strategy(ABC):
             raise TypeError(f"clip_gradients({name}={value!r}) must be a number.")
         if value < 0:
             raise ValueError(f"clip_gradients({name}={value!r}) must be >= 0 (0 does not clip).")
-        # Handles (the Trainer's ManualOptimizer, ...) expose the optimizer they wrap as `.optimizer`.
-        optimizer = getattr(optimizer, "optimizer", optimizer)
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # the Trainer's ManualOptimizer wraps it
         return self.precision_plugin.clip_gradients(optimizer, value, "norm" if name == "max_norm" else "value")
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -493,7 +495,5 @@ class Strategy(ABC):
         """Register this strategy's names in ``registry``."""
 
     def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(accelerator={type(self.accelerator).__name__},"
-            f" precision={self.precision_plugin.precision!r})"
-        )
+        accelerator, precision = type(self.accelerator).__name__, self.precision_plugin.precision
+        return f"{type(self).__name__}(accelerator={accelerator}, precision={precision!r})"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -88,6 +89,11 @@ def _cut_graph() -> None:
     with _STEP_LOCK:
         torch_xla.sync()
     xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()]))
+
+
+def launch_turn() -> AbstractContextManager:
+    """Held while this replica thread launches a graph outside a cut (a host read): one thread at a time."""
+    return _STEP_LOCK if threads_share_process() else nullcontext()
 
 
 def world_size() -> int:

@@ -61,7 +61,8 @@ class NonFiniteLossCheck:
         """'warn': read the sum (called where the loop already reads values on the host) and warn once per fit."""
         if self._finite is None or self._recorded == 0:
             return
-        finite = bool(torch.isfinite(self._finite))
+        with self.trainer.strategy.host_reads():
+            finite = bool(torch.isfinite(self._finite))
         start, end = self._window_start, self.trainer.fit_loop.global_step
         if not finite:
             trainer = self.trainer

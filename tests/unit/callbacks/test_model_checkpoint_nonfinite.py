@@ -1,6 +1,7 @@
 """A NaN/inf model never replaces a good checkpoint: non-finite scores rank worst, and a save point at which the
 parameters are not all finite writes, replaces and removes nothing (unless ``save_on_nonfinite=True``)."""
 
+import contextlib
 import math
 import os
 import warnings
@@ -113,11 +114,22 @@ class Strategy:
         self.is_global_zero = True
         self.others_finite = others_finite
         self.decisions = []
+        self.reads, self.reading = 0, False
+
+    @contextlib.contextmanager
+    def host_reads(self):
+        self.reads, self.reading = self.reads + 1, True
+        try:
+            yield
+        finally:
+            self.reading = False
 
     def broadcast(self, obj, src=0):
         return obj
 
     def reduce_boolean_decision(self, decision, all=True):
+        # A collective inside host_reads would wait for replicas that cannot enter it (XLA holds a lock there).
+        assert not self.reading, "reduce_boolean_decision called inside host_reads"
         self.decisions.append((decision, all))
         return decision and self.others_finite if all else decision or self.others_finite
 
@@ -162,8 +174,10 @@ def test_every_process_takes_the_same_decision(tmp_path):
     with pytest.warns(UserWarning, match="not all finite"):
         steps(trainer, callback, 1, 4)
     assert os.listdir(tmp_path) == []
-    # Checked once per save point (steps 2 and 4), never in between, always combined with all=True.
+    # Checked once per save point (steps 2 and 4), never in between, always combined with all=True; the local check
+    # reads the parameters inside the strategy's host_reads context, the collective runs outside it.
     assert strategy.decisions == [(True, True), (True, True)]
+    assert strategy.reads == 2
 
 
 def test_no_check_without_a_save_point_or_with_save_on_nonfinite(tmp_path):

@@ -163,6 +163,18 @@ def test_forwards_changed_by_activation_checkpointing_are_given_back() -> None:
     assert model(x).shape == (4, 1)
 
 
+@pytest.mark.parametrize("threads", [True, False])
+def test_host_reads_take_turns_only_where_replicas_are_threads(monkeypatch: pytest.MonkeyPatch, threads: bool) -> None:
+    from phalanx.strategies import xla_collectives
+
+    monkeypatch.setattr(xla_collectives, "threads_share_process", lambda: threads)
+    strategy = XLAStrategy()
+    with strategy.host_reads():
+        # Held by this thread: a second replica thread (or a graph cut) waits; without threads nothing is held.
+        assert xla_collectives._STEP_LOCK.locked() is threads
+    assert not xla_collectives._STEP_LOCK.locked()
+
+
 def test_sync_batchnorm_is_refused_at_setup_with_the_reason() -> None:
     from phalanx.plugins.layer_sync import TorchSyncBatchNorm
     from phalanx.strategies import RunSettings

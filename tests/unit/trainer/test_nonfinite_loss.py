@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Any
@@ -120,6 +121,39 @@ def test_warn_reads_the_device_flag_only_where_the_loop_reads_values_anyway(monk
         counts[mode] = reads["count"]
     # One read at the epoch's end (log_every_n_steps=50 is never reached), not one per step.
     assert counts["warn"] - counts["ignore"] <= 1
+
+
+class ReadsInTurn(SingleDeviceStrategy):
+    """Records whether the warn-mode flag is read inside ``host_reads`` (where XLA replica threads take turns)."""
+
+    def __init__(self) -> None:
+        super().__init__(device=torch.device("cpu"))
+        self.reading, self.flag_reads_inside, self.flag_reads_outside = False, 0, 0
+
+    @contextlib.contextmanager
+    def host_reads(self) -> Any:
+        self.reading = True
+        try:
+            yield
+        finally:
+            self.reading = False
+
+
+def test_warn_reads_the_device_flag_inside_the_strategys_host_reads(monkeypatch):
+    strategy = ReadsInTurn()
+    original = torch.isfinite
+
+    def watched(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.ndim == 0 and tensor.dtype == torch.float64:  # the running sum of the losses
+            if strategy.reading:
+                strategy.flag_reads_inside += 1
+            else:
+                strategy.flag_reads_outside += 1
+        return original(tensor)
+
+    monkeypatch.setattr(torch, "isfinite", watched)
+    fit("warn", batches(), BadLossAt(), log_every_n_steps=50, strategy=strategy)
+    assert strategy.flag_reads_inside >= 1 and strategy.flag_reads_outside == 0
 
 
 def test_warn_reports_at_the_logging_interval_with_the_step_range():
