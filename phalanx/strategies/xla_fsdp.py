@@ -22,7 +22,6 @@ from torch.optim import Optimizer
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.accelerators.xla import local_device_count
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
-from phalanx.plugins.io.async_io import AsyncCheckpointIO
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.layout import checkpoint_layout
@@ -34,7 +33,6 @@ from phalanx.strategies.xla import XLAStrategy
 from phalanx.strategies.xla_common import to_cpu
 from phalanx.strategies.xla_fsdp_checkpoint import ShardState, consolidate_xla_fsdp, read_own_pieces, write_sharded
 from phalanx.strategies.xla_fsdp_state import ModuleTree, ShardedParameters, undo_activation_checkpointing
-from phalanx.utilities.rank_zero import rank_zero_warn
 
 #: Options phalanx sets itself (the wrapper's other keyword arguments pass through).
 _RESERVED = ("auto_wrap_policy", "auto_wrapper_callable", "pin_layout_in_collective_ops", "flatten_parameters")
@@ -269,7 +267,7 @@ class XLAFSDPStrategy(XLAStrategy):
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         collectives.cut_graph(keep_generator=True)
         write_sharded(
-            self._directory_io(),
+            self.checkpoint_io,
             to_cpu(checkpoint),
             filepath,
             layout=self._shards.layout(self.optimizers),
@@ -277,21 +275,6 @@ class XLAFSDPStrategy(XLAStrategy):
             all_succeeded=lambda ok: self.reduce_boolean_decision(ok, all=True),
             storage_options=storage_options,
         )
-
-    def _directory_io(self) -> CheckpointIO:
-        io = self.checkpoint_io
-        if isinstance(io, AsyncCheckpointIO):
-            # Its background publishing agrees over a torch.distributed group, which replicas driven by torch_xla's
-            # launcher do not have: the wrapped IO writes the directory now.
-            io.wait()
-            if not self.__dict__.get("_warned_synchronous"):
-                self._warned_synchronous = True
-                rank_zero_warn(
-                    "XLAFSDPStrategy writes sharded checkpoints synchronously: AsyncCheckpointIO's background"
-                    " directory saves need a torch.distributed group (state_dict_type='full' saves in the background)."
-                )
-            return io.checkpoint_io
-        return io
 
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
         """A sharded directory written by as many replicas: each reads its own pieces; anything else: whole tensors

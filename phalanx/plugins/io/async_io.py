@@ -42,11 +42,16 @@ class AsyncCheckpointIO(CheckpointIO):
         self._group_made = False
         self._directory_writes: list[Future] = []  # this rank's file writes of the directory being saved
         self._directory_open = False
+        self._directory_in_turn = False  # ranks without a process group: the directory is written synchronously
         self._staging = StagingBuffers(reuse=reuse_staging_buffers)
         self._warned_synchronous = False
+        self._warned_in_turn = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None = None) -> None:
         """Snapshot ``checkpoint`` and queue the write."""
+        if self._directory_in_turn:
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+            return
         if self._directory_open:  # one of a directory's files: staged under its name (start_... waited already)
             self._raise_finished_errors()
             snapshot = self._staging.stage(checkpoint, ("file", _name(path)))
@@ -137,8 +142,18 @@ class AsyncCheckpointIO(CheckpointIO):
     def start_directory_checkpoint(self, path: _PathLike, *, collectives: Collectives) -> str:
         """Wait for the save in flight; then the wrapped IO's staging directory."""
         self.wait()
-        self._background_group(collectives)
-        self._directory_writes, self._directory_open = [], True
+        group = self._background_group(collectives)
+        # Ranks that share no torch.distributed group (torch_xla's replica threads) cannot agree from a background
+        # thread that every rank's files are written: the directory is then written and published now.
+        self._directory_in_turn = group is None and collectives.world_size > 1
+        if self._directory_in_turn and not self._warned_in_turn:
+            self._warned_in_turn = True
+            rank_zero_warn(
+                "AsyncCheckpointIO writes directory checkpoints synchronously here: the ranks share no"
+                " torch.distributed process group, which the background publish needs (one-file checkpoints"
+                " still save in the background)."
+            )
+        self._directory_writes, self._directory_open = [], not self._directory_in_turn
         return self.checkpoint_io.start_directory_checkpoint(path, collectives=collectives)
 
     def makedirs(self, path: _PathLike) -> None:
@@ -147,6 +162,10 @@ class AsyncCheckpointIO(CheckpointIO):
 
     def finish_directory_checkpoint(self, staging: _PathLike, path: _PathLike, *, collectives: Collectives) -> None:
         """Publish in the background, once every rank's queued files are written."""
+        if self._directory_in_turn:
+            self._directory_in_turn = False
+            self.checkpoint_io.finish_directory_checkpoint(staging, path, collectives=collectives)
+            return
         writes, self._directory_writes, self._directory_open = self._directory_writes, [], False
         self._submit(
             finish_in_background,

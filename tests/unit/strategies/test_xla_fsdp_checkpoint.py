@@ -129,13 +129,16 @@ def write(
     io: Any = None,
     fail: int = -1,
     weights_only: bool = False,
+    make_io: Callable[[int], Any] | None = None,
 ) -> list[BaseException | None]:
     """Every replica (a thread) saves its checkpoint to ``path``; returns what each raised."""
     group, state, errors = ThreadGroup(world), whole_state(seed), [None] * world
 
     def replica(rank: int) -> None:
         writer = io or TorchCheckpointIO()
-        if rank == fail:
+        if make_io is not None:
+            writer = make_io(rank)
+        elif rank == fail:
             writer = FailingIO()
         checkpoint = replica_checkpoint(state, rank, world, multiple, dim0)
         if weights_only:  # Trainer.save_checkpoint(..., weights_only=True): no optimizer states
@@ -257,21 +260,30 @@ def test_a_remote_directory_is_written_and_read_through_fsspec():
     assert own["state_dict"]["net.0.weight"].shape == (128,)
 
 
-def test_a_sharded_save_through_async_io_is_written_now_with_one_warning():
+@pytest.mark.parametrize("fail", [-1, 1], ids=["every write succeeds", "replica 1's disk is full"])
+def test_async_io_writes_the_directory_now_where_replicas_share_no_process_group(tmp_path, fail):
+    """Replica threads have no torch.distributed group for AsyncCheckpointIO's background publish: it writes and
+    publishes the directory before the save returns (a background publish could not wait for the other replicas)."""
     from phalanx.plugins.io.async_io import AsyncCheckpointIO
-    from phalanx.strategies import XLAFSDPStrategy
 
-    inner = TorchCheckpointIO()
-    strategy = XLAFSDPStrategy(checkpoint_io=AsyncCheckpointIO(inner), state_dict_type="sharded")
-    with pytest.warns(UserWarning, match="writes sharded checkpoints synchronously"):
-        assert strategy._directory_io() is inner
-    import warnings
+    path = tmp_path / "last.ckpt"
+    assert write(path, 2, seed=0) == [None, None]
+    ios: list[AsyncCheckpointIO] = []
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert strategy._directory_io() is inner  # warned once
-    plain = XLAFSDPStrategy(checkpoint_io=inner, state_dict_type="sharded")
-    assert plain._directory_io() is inner
+    def make_io(rank: int) -> AsyncCheckpointIO:
+        ios.append(AsyncCheckpointIO(FailingIO() if rank == fail else TorchCheckpointIO()))
+        return ios[-1]
+
+    with pytest.warns(UserWarning, match="writes directory checkpoints synchronously here"):
+        errors = write(path, 2, seed=1, make_io=make_io)
+    if fail < 0:
+        assert errors == [None, None]
+        assert_whole(consolidate_xla_fsdp(path), seed=1)  # published before the save returned
+    else:
+        assert all(isinstance(error, CheckpointWriteError) for error in errors), errors
+        assert_whole(consolidate_xla_fsdp(path), seed=0)  # the previous checkpoint, untouched
+    assert all(not io._pending for io in ios)  # nothing left in the background
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
 def test_an_unfinished_directory_is_refused(tmp_path):
