@@ -55,12 +55,13 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
     """Return the Accelerator for a name ('cpu', 'cuda', 'gpu', 'mps', 'auto', or registered) or an instance."""
     if isinstance(accelerator, Accelerator):
         return accelerator
-    names = ["auto", "gpu", *ACCELERATOR_REGISTRY.available()]
-    reject_class("accelerator", accelerator, Accelerator, f"a name: {names}")
+    # The names are listed only for an error: listing them loads every installed plugin.
+    if isinstance(accelerator, type):
+        reject_class("accelerator", accelerator, Accelerator, f"a name: {_accelerator_names()}")
     if not isinstance(accelerator, str):
         raise TypeError(
             f"accelerator={shown(accelerator)} (of type {type(accelerator).__name__}) is not valid; pass a name"
-            f" ({names}) or an Accelerator instance."
+            f" ({_accelerator_names()}) or an Accelerator instance."
         )
     name = accelerator.lower()
     if name == "auto":
@@ -78,8 +79,8 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
         )
     if name not in ACCELERATOR_REGISTRY:
         raise ValueError(
-            f"Unknown accelerator {accelerator!r}. Choose one of {['auto', 'gpu', *ACCELERATOR_REGISTRY.available()]},"
-            " or pass an Accelerator instance."
+            f"Unknown accelerator {accelerator!r}. Choose one of {_accelerator_names()}, or pass an Accelerator"
+            f" instance.{ACCELERATOR_REGISTRY.failed_plugins_note()}"
         )
     accelerator_class = ACCELERATOR_REGISTRY.get_class(name)
     if not accelerator_class.is_available():  # type: ignore[attr-defined]
@@ -90,6 +91,10 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
             f" accelerators: {usable}."
         )
     return ACCELERATOR_REGISTRY.get(name)
+
+
+def _accelerator_names() -> list[str]:
+    return ["auto", "gpu", *ACCELERATOR_REGISTRY.available()]
 
 
 class _Plugins:
@@ -149,7 +154,8 @@ def resolve_strategy(
             devices_of_built = built.parallel_devices or built.accelerator.get_parallel_devices(devices)
             _configure_parallel(built, devices_of_built, num_nodes, sync_batchnorm, given)
         return built
-    reject_class("strategy", strategy, Strategy, f"a registered name: {['auto', *STRATEGY_REGISTRY.available()]}")
+    if isinstance(strategy, type):  # listing the names loads every installed plugin: only for an error
+        reject_class("strategy", strategy, Strategy, f"a registered name: {['auto', *STRATEGY_REGISTRY.available()]}")
     if not isinstance(strategy, str):
         raise TypeError(
             f"strategy={shown(strategy)} (of type {type(strategy).__name__}) is not valid; pass a registered name"
@@ -174,7 +180,7 @@ def _registered_name(strategy: str, devices: Any, num_nodes: int, process_count:
     if name not in STRATEGY_REGISTRY:
         raise ValueError(
             f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a"
-            " Strategy instance."
+            f" Strategy instance.{STRATEGY_REGISTRY.failed_plugins_note()}"
         )
     return name
 

@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
+from phalanx.utilities.rank_zero import rank_zero_warn
+
 _T = TypeVar("_T")
+
+
+@dataclass
+class _Plugin:
+    """One entry point of a registry's group, and what came of loading it (``error`` None: it registered)."""
+
+    distribution: str
+    entry_point: str
+    module: str
+    error: str | None = None
+
+    def __str__(self) -> str:
+        return f"entry point {self.entry_point!r} of distribution {self.distribution!r} (module {self.module!r})"
+
+
+class _PluginRefused(Exception):
+    """Raised inside a plugin's registration when it registers a name it may not take."""
 
 
 def _plural(word: str) -> str:
@@ -24,7 +44,10 @@ class Registry(Generic[_T]):
         self._kind = kind
         self._entry_point_group = entry_point_group
         self._entries: dict[str, dict[str, Any]] = {}
-        self._entry_points_loaded = False
+        # Every entry point tried so far, keyed by (distribution, name, value): each is loaded once, and one that
+        # appears later (a package installed since) is loaded at the next miss.
+        self._plugins: dict[tuple[str, str, str], _Plugin] = {}
+        self._loading: _Plugin | None = None  # the plugin whose registration is running
 
     def register(
         self,
@@ -41,12 +64,22 @@ class Registry(Generic[_T]):
         key = name.lower()
 
         def do_register(target: Callable[..., _T]) -> Callable[..., _T]:
+            if key in self._entries and self._loading is not None:
+                # A plugin never replaces a name, override or not: `strategy="ddp"` must mean phalanx's DDP.
+                owner = self._entries[key]["plugin"]
+                taken_by = "phalanx's own" if owner is None else f"already registered by {owner}"
+                raise _PluginRefused(f"it registers the {self._kind} name {name!r}, which is {taken_by}")
             if key in self._entries and not override:
                 raise ValueError(
                     f"{self._kind.capitalize()} {name!r} is already registered"
                     f" (to {_name_of(self._entries[key]['factory'])}); pass override=True to replace it."
                 )
-            self._entries[key] = {"factory": target, "description": description, "init_params": init_params}
+            self._entries[key] = {
+                "factory": target,
+                "description": description,
+                "init_params": init_params,
+                "plugin": self._loading,
+            }
             return target
 
         if factory is not None:
@@ -132,28 +165,64 @@ class Registry(Generic[_T]):
             self._load_entry_points()
         if key not in self._entries:
             raise ValueError(
-                f"Unknown {self._kind} {name!r}. Registered {_plural(self._kind)}: {', '.join(self.available())}"
+                f"Unknown {self._kind} {name!r}. Registered {_plural(self._kind)}: {', '.join(self.available())}."
+                f"{self.failed_plugins_note()}"
             )
         return self._entries[key]
 
+    def failed_plugins_note(self) -> str:
+        """For an unknown-name error: the plugins of this group that failed to load (one of them may provide the
+        name), each with its error; empty when none failed."""
+        failed = [f"{plugin} ({plugin.error})" for plugin in self._plugins.values() if plugin.error]
+        if not failed:
+            return ""
+        return (
+            f" Plugins of {self._entry_point_group!r} that failed to load, which may provide it: {'; '.join(failed)}."
+        )
+
     def _load_entry_points(self) -> None:
-        # Third-party plugins are discovered only when a lookup misses or the names are listed,
-        # so that `import phalanx` never scans installed distributions.
-        if self._entry_points_loaded:
-            return
-        self._entry_points_loaded = True
+        # Third-party plugins are discovered only when a lookup misses or the names are listed, so that
+        # `import phalanx` and a Trainer that names phalanx's own strategy and accelerator never import them.
+        if self._loading is not None:
+            return  # a plugin that looks a name up while it registers
         from importlib.metadata import entry_points
 
         for entry_point in entry_points(group=self._entry_point_group):
-            plugin = entry_point.load()
-            # The hook is named after the plural: register_strategies, register_accelerators.
-            register = getattr(plugin, self._register_hook, None)
-            if register is not None:
-                register(self)
-            elif callable(plugin):
-                plugin(self)
-            else:
-                raise TypeError(
-                    f"Entry point {entry_point.name!r} in group {self._entry_point_group!r} must be a class with"
-                    f" a {self._register_hook}(registry) classmethod or a callable taking the registry."
-                )
+            distribution = getattr(getattr(entry_point, "dist", None), "name", None) or "<unknown>"
+            key = (distribution, entry_point.name, entry_point.value)
+            if key not in self._plugins:
+                self._plugins[key] = self._load_plugin(entry_point, distribution)
+
+    def _load_plugin(self, entry_point: Any, distribution: str) -> _Plugin:
+        # One plugin, all or nothing: whatever it fails on, its names are taken back, a warning names it, and the
+        # registry goes on with phalanx's names and the other plugins'.
+        plugin = _Plugin(distribution, entry_point.name, getattr(entry_point, "module", entry_point.value))
+        before = dict(self._entries)
+        self._loading = plugin
+        try:
+            self._registrar(entry_point.load())(self)
+        except Exception as error:  # noqa: BLE001 - a third party's import or registration may raise anything
+            self._entries.clear()
+            self._entries.update(before)
+            plugin.error = str(error) if isinstance(error, _PluginRefused) else f"{type(error).__name__}: {error}"
+            rank_zero_warn(
+                f"Skipped the {self._entry_point_group!r} plugin {plugin}: {plugin.error}. phalanx's own"
+                f" {_plural(self._kind)} and the other plugins still work."
+            )
+        finally:
+            self._loading = None
+        return plugin
+
+    def _registrar(self, loaded: Any) -> Callable[[Registry[_T]], Any]:
+        # The hook is named after the plural: register_strategies, register_accelerators. A class without it is not
+        # a registrar (calling it would build an instance, not register anything).
+        register = getattr(loaded, self._register_hook, None)
+        if callable(register):
+            return register
+        if callable(loaded) and not isinstance(loaded, type):
+            return loaded
+        what = f"the class {_name_of(loaded)!r}" if isinstance(loaded, type) else f"a {type(loaded).__name__!r} object"
+        raise _PluginRefused(
+            f"it names {what}, which is neither a class with a {self._register_hook}(registry) classmethod nor a"
+            " function taking the registry"
+        )

@@ -115,7 +115,7 @@ def without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
         # Back to phalanx's own names; the entry points (this package's now hidden) load again on the next lookup.
         kept = {k: v for k, v in registry._entries.items() if v["factory"].__module__.startswith("phalanx.")}
         monkeypatch.setattr(registry, "_entries", kept)
-        monkeypatch.setattr(registry, "_entry_points_loaded", False)
+        monkeypatch.setattr(registry, "_plugins", {})
 
 
 @pytest.mark.parametrize(

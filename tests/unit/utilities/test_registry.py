@@ -201,9 +201,13 @@ def test_entry_point_may_be_a_plain_registering_function(fake_distribution: Path
     assert registry.description("from_function") == "Registered by a plain function."
 
 
-def test_entry_point_that_is_neither_class_nor_callable_raises(fake_distribution: Path) -> None:
+def test_entry_point_that_is_neither_class_nor_callable_is_skipped_and_named(fake_distribution: Path) -> None:
     registry = Registry("thing", "phalanx.tests.broken")
-    with pytest.raises(TypeError, match=r"'broken'.*register_things\(registry\)"):
+    with pytest.warns(
+        UserWarning, match=r"entry point 'broken' of distribution 'fakeplugin'.*register_things\(registry\)"
+    ):
+        assert registry.available() == []
+    with pytest.raises(ValueError, match=r"Unknown thing 'anything'.*'broken' of distribution 'fakeplugin'"):
         registry.get("anything")
 
 
