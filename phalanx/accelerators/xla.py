@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -128,6 +129,36 @@ def parse_xla_devices(devices: Any, available: int) -> int | list[int]:
     return devices
 
 
+# Per thread (replicas may be threads of one process): the switch that turned autograd's device threads off, if any.
+_backward_switch = threading.local()
+# The engine's answer, asked once per process: its queues, once sized, stay as they are.
+_engine_answer: list[bool] = []
+
+
+def engine_lacks_xla_queues(device: torch.device) -> bool:
+    """Whether PyTorch's autograd engine started before torch_xla registered its devices.
+
+    The engine sizes its per-device queues once per process, at the first backward pass, from the device types
+    registered then: after a backward pass that ran before torch_xla was imported (on the CPU or a GPU), it holds no
+    queue for XLA devices and every XLA backward pass trips its internal assert on ``device_ready_queues_``. Nothing
+    public tells which happened, so a backward pass through one zero-dimensional lazy tensor asks the engine itself
+    (it traces a few nodes; nothing compiles or runs).
+    """
+    if _engine_answer:
+        return _engine_answer[0]
+    probe = torch.zeros((), device=device, requires_grad=True)
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.set_multithreading_enabled(True):
+            torch.autograd.grad(probe * 1.0, probe)
+    except RuntimeError as error:
+        if "device_ready_queues_" not in str(error):
+            raise
+        _engine_answer.append(True)
+    else:
+        _engine_answer.append(False)
+    return _engine_answer[0]
+
+
 class XLAAccelerator(Accelerator):
     """TPUs (or the PJRT CPU runtime) through torch_xla; ``devices`` is 1, every device ('auto'), or indices."""
 
@@ -144,6 +175,17 @@ class XLAAccelerator(Accelerator):
             import torch_xla.core.xla_model as xm
 
             xm.set_rng_state(int(seed), device=str(device))
+        if getattr(_backward_switch, "switch", None) is None and engine_lacks_xla_queues(device):
+            # Backward passes of this thread then run in the thread itself, as they do on the CPU: they work, with the
+            # same results, where the engine has no XLA queue. Given back at teardown.
+            _backward_switch.switch = torch.autograd.set_multithreading_enabled(False)
+
+    def teardown(self) -> None:
+        """Give this thread back the autograd setting ``setup_device`` changed, if it changed it."""
+        switch = getattr(_backward_switch, "switch", None)
+        if switch is not None:
+            _backward_switch.switch = None
+            switch.__exit__(None, None, None)
 
     def get_device_stats(self, device: torch.device) -> dict[str, Any]:
         """Memory use as torch_xla reports it (empty where the runtime does not implement it, e.g. on the CPU)."""
