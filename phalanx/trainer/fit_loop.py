@@ -15,6 +15,7 @@ from phalanx.trainer.nonfinite import NonFiniteLossCheck, SkippedBatch
 from phalanx.trainer.optimizer import call_step_hook, step_schedulers
 from phalanx.trainer.preemption import save_if_preempted
 from phalanx.trainer.state import RunningStage
+from phalanx.trainer.step_output import extract_loss
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states, restore_rng_states
@@ -27,23 +28,6 @@ _IN_BATCHES = "batches"  # inside the batch loop: skip `batches_done` batches an
 _BATCH_END = "batch_end"  # in on_train_batch_end: skip the batches, then do that batch's validation check
 _VALIDATED = "validated"  # batches and epoch-end validation done: step epoch schedulers, run on_train_epoch_end
 _ENDED = "ended"  # on_train_epoch_end is running or ran: the next epoch starts fresh
-
-
-def extract_loss(output: Any) -> Tensor | None:
-    """The loss in a ``training_step`` result: the tensor itself, ``output['loss']``, or None (skip the batch)."""
-    if isinstance(output, Tensor) or output is None:
-        return output
-    if isinstance(output, Mapping):
-        if "loss" not in output:
-            raise ValueError(
-                f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}); add the loss under"
-                " 'loss'."
-            )
-        return output["loss"]
-    raise TypeError(
-        f"training_step returned a {type(output).__name__}; return the loss tensor, a dict with 'loss', or None to"
-        " skip the batch."
-    )
 
 
 class FitLoop:

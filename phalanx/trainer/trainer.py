@@ -45,6 +45,7 @@ from phalanx.trainer.stages import (
     start,
 )
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerState, TrainerStatus
+from phalanx.trainer.step_output import check_manual_backward_loss
 
 
 class Trainer(DeviceProperties):
@@ -418,6 +419,7 @@ class Trainer(DeviceProperties):
             )
 
     def _manual_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        check_manual_backward_loss(loss)
         for hook in self._hooks["on_before_backward"]:
             hook(loss)
         self.strategy.backward(loss, None, *args, **kwargs)
