@@ -207,11 +207,16 @@ class _DirectoryLogger(Logger):
     @property
     def version(self) -> int | str:
         """The run's version: on first access global rank 0 claims the next free ``version_N`` by creating it."""
-        # Other ranks write nothing and only compute the number, which may differ from rank 0's.
+        # Other ranks write nothing and only compute the number, which may differ from rank 0's (a run started in
+        # between claims it): the Trainer gives them rank 0's at the start of every stage (``use_version``).
         if self._version is None:
             claiming = rank_zero_only.rank == 0  # type: ignore[attr-defined]
             self._version = _claim_version(self.root_dir) if claiming else _next_version(self.root_dir)
         return self._version
+
+    def use_version(self, version: int | str) -> None:
+        """Take ``version`` as this run's (on the other ranks of a run: the one global rank 0 claimed)."""
+        self._version = version
 
     @property
     def save_dir(self) -> str:

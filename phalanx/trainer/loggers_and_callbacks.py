@@ -34,6 +34,26 @@ def build_loggers(logger: Any, *, default_root_dir: str) -> list[Logger]:
     return items
 
 
+def agree_on_log_versions(trainer: Any) -> None:
+    """Give every rank the versions global rank 0's loggers use (rank 0 claims its ``version_N`` folders here).
+
+    Each rank would otherwise compute its own, and a run started in the same folder between rank 0's claim and
+    another rank's count makes that rank name ``version_N+1``, a folder that run owns (Lightning broadcasts it too).
+    One broadcast per stage on every rank, whatever loggers each has, so that no rank waits for another.
+    """
+    from phalanx.loggers.logger import _DirectoryLogger
+
+    strategy = trainer.strategy
+    mine = [
+        logger.version if strategy.is_global_zero and isinstance(logger, _DirectoryLogger) else None
+        for logger in trainer.loggers
+    ]
+    versions = strategy.broadcast(mine)
+    for logger, version in zip(trainer.loggers, versions):
+        if version is not None and isinstance(logger, _DirectoryLogger):
+            logger.use_version(version)
+
+
 def build_callbacks(
     callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool
 ) -> list[Callback]:
@@ -100,4 +120,4 @@ def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
     ]
 
 
-__all__ = ["build_callbacks", "build_loggers", "checkpoints_last", "merge_module_callbacks"]
+__all__ = ["agree_on_log_versions", "build_callbacks", "build_loggers", "checkpoints_last", "merge_module_callbacks"]

@@ -26,7 +26,7 @@ from phalanx.trainer.evaluation_loop import (
 )
 from phalanx.trainer.fit_data import prepare_fit_data
 from phalanx.trainer.fit_loop import FitLoop
-from phalanx.trainer.loggers_and_callbacks import merge_module_callbacks
+from phalanx.trainer.loggers_and_callbacks import agree_on_log_versions, merge_module_callbacks
 from phalanx.trainer.optimizer import prepare_optimization
 from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.spawn_state import TrainerWorkerState
@@ -110,6 +110,7 @@ def setup_run(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt
         trainer.datamodule.trainer = trainer
     strategy.setup_environment()
     set_global_rank(strategy.global_rank)
+    agree_on_log_versions(trainer)
     stage = str(trainer.state.fn)
     if strategy.local_rank == 0:
         if trainer.datamodule is not None:
