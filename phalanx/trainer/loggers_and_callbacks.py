@@ -11,6 +11,7 @@ from phalanx.trainer.argument_checks import reject_class, shown
 if TYPE_CHECKING:
     from phalanx.loggers import Logger
     from phalanx.module import TrainingModule
+    from phalanx.trainer.trainer import Trainer
 
 
 def build_loggers(logger: Any, *, default_root_dir: str) -> list[Logger]:
@@ -34,7 +35,7 @@ def build_loggers(logger: Any, *, default_root_dir: str) -> list[Logger]:
     return items
 
 
-def agree_on_log_versions(trainer: Any) -> None:
+def agree_on_log_versions(trainer: Trainer) -> None:
     """Give every rank the versions global rank 0's loggers use (rank 0 claims its ``version_N`` folders here).
 
     Each rank would otherwise compute its own, and a run started in the same folder between rank 0's claim and
