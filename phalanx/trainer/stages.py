@@ -251,6 +251,10 @@ def run_evaluate(
         trainer.num_val_batches = limits
     else:
         trainer.num_test_batches = limits
+    if sum(limits) == 0:
+        # No batch to run (limit_*_batches=0): the stage is skipped, hooks and results included, as in Lightning.
+        teardown_run(trainer, module)
+        return []
     trainer._metrics.reset()
     trainer.state.stage = RunningStage.VALIDATING if stage == "validation" else RunningStage.TESTING
     trainer._results = trainer._eval_results
@@ -275,6 +279,11 @@ def run_predict(
         )
     limit = trainer.limit_predict_batches
     trainer.num_predict_batches = [limited_batches(x, limit, "limit_predict_batches") for x in dataloaders]
+    if sum(trainer.num_predict_batches) == 0:
+        teardown_run(
+            trainer, module
+        )  # nothing to predict: no predict hooks run and nothing is returned, as in Lightning
+        return None
     trainer.state.stage = RunningStage.PREDICTING
     outputs = run_prediction(trainer, dataloaders, trainer.num_predict_batches, return_predictions)
     teardown_run(trainer, module)
