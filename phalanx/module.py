@@ -290,7 +290,10 @@ class TrainingModule(nn.Module):
     def device_mesh(self) -> Any:
         """The strategy's DeviceMesh (ModelParallel: dims "data_parallel" and "tensor_parallel"), or None."""
         driver = self._driver()
-        return getattr(driver.strategy, "device_mesh", None) if driver is not None else None
+        try:
+            return getattr(driver.strategy, "device_mesh", None) if driver is not None else None
+        except RuntimeError:  # a strategy whose mesh is not built yet: None, as Lightning's module answers
+            return None
 
     def _driver(self) -> Any:
         # The Trainer running this module, else the phalanx.Cohort that set it up: both answer the rank questions.

@@ -1,0 +1,46 @@
+"""MixedPrecision.autocast_context_manager(), as in Lightning: a new torch.autocast for the plugin's device and dtype,
+and the context of every forward pass, so that a subclass overriding it changes how steps autocast."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from phalanx_testing import Regressor, quiet_trainer, regression_data
+from torch.utils.data import DataLoader
+
+from phalanx.plugins.precision import MixedPrecision
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16)])
+def test_autocast_context_manager_autocasts_to_the_plugin_dtype(precision, dtype):
+    plugin = MixedPrecision(precision, device="cpu")
+    manager = plugin.autocast_context_manager()
+    assert isinstance(manager, torch.autocast)
+    assert manager is not plugin.autocast_context_manager()  # a new one each time, usable in nested code
+    with manager:
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
+
+
+class NoCacheMixed(MixedPrecision):
+    """Lightning users override autocast_context_manager to change the autocast (here: its weight cache)."""
+
+    def autocast_context_manager(self) -> torch.autocast:
+        self.entered = getattr(self, "entered", 0) + 1
+        return torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+
+
+class DtypeProbe(Regressor):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen = self(batch[0]).dtype
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_overridden_autocast_context_manager_is_the_forward_context(tmp_path):
+    plugin = NoCacheMixed("bf16-mixed", device="cpu")
+    assert isinstance(plugin.forward_context(), torch.autocast) and plugin.entered == 1
+    module = DtypeProbe()
+    trainer = quiet_trainer(default_root_dir=tmp_path, max_steps=1, plugins=[plugin])
+    trainer.fit(module, DataLoader(regression_data(8), batch_size=4))
+    assert module.seen == torch.bfloat16 and plugin.entered >= 2
