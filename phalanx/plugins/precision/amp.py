@@ -33,8 +33,12 @@ class MixedPrecision(Precision):
 
     def autocast_context_manager(self) -> torch.autocast:
         """A new ``torch.autocast`` to the mixed dtype on this device (Lightning's name; override it to change how
-        forward passes autocast)."""
-        return torch.autocast(self.device, dtype=self.dtype)
+        forward passes autocast).
+
+        Its weight-cast cache is off, as in Lightning: the cache would keep the casts of weights that an optimizer step
+        inside the same step (manual optimization, e.g. a GAN's two optimizers) has updated since.
+        """
+        return torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
 
     def forward_context(self) -> AbstractContextManager:
         """Autocast to the mixed dtype on this device: :meth:`autocast_context_manager`."""

@@ -23,12 +23,25 @@ def test_autocast_context_manager_autocasts_to_the_plugin_dtype(precision, dtype
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
 
 
-class NoCacheMixed(MixedPrecision):
-    """Lightning users override autocast_context_manager to change the autocast (here: its weight cache)."""
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_a_weight_updated_inside_the_context_is_cast_again(precision):
+    # Manual optimization steps an optimizer inside training_step's autocast: the next forward must see the update.
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with MixedPrecision(precision, device="cpu").autocast_context_manager():
+        before = layer(x)
+        with torch.no_grad():
+            layer.weight.add_(10.0)
+        after = layer(x)
+    assert not torch.equal(before, after)
+
+
+class CountingMixed(MixedPrecision):
+    """Lightning users override autocast_context_manager to change how forward passes autocast."""
 
     def autocast_context_manager(self) -> torch.autocast:
         self.entered = getattr(self, "entered", 0) + 1
-        return torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+        return super().autocast_context_manager()
 
 
 class DtypeProbe(Regressor):
@@ -38,7 +51,7 @@ class DtypeProbe(Regressor):
 
 
 def test_an_overridden_autocast_context_manager_is_the_forward_context(tmp_path):
-    plugin = NoCacheMixed("bf16-mixed", device="cpu")
+    plugin = CountingMixed("bf16-mixed", device="cpu")
     assert isinstance(plugin.forward_context(), torch.autocast) and plugin.entered == 1
     module = DtypeProbe()
     trainer = quiet_trainer(default_root_dir=tmp_path, max_steps=1, plugins=[plugin])
