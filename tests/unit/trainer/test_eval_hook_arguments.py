@@ -118,3 +118,12 @@ def test_a_stage_with_no_batch_to_run_is_skipped(tmp_path, stage, limit, expecte
     step_name = {"validate": "validation", "test": "test", "predict": "predict"}[stage]
     assert [name for name in recorder.called if step_name in name] == []
     assert recorder.called == ["setup", "teardown"]
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_a_stage_limited_to_no_batch_needs_no_data(tmp_path, stage):
+    limit = {"validate": "limit_val_batches", "test": "limit_test_batches", "predict": "limit_predict_batches"}[stage]
+    trainer = quiet_trainer(default_root_dir=tmp_path, **{limit: 0})
+    assert getattr(trainer, stage)(MultiLoaderRegressor()) == ([] if stage != "predict" else None)
+    with pytest.raises(ValueError, match=rf"Trainer.{stage}\(\) needs data"):
+        getattr(quiet_trainer(default_root_dir=tmp_path), stage)(MultiLoaderRegressor())
