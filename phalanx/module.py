@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from phalanx.module_clipping import clip_settings
 from phalanx.module_loading import load_module_from_checkpoint
 from phalanx.module_toggling import toggle_requires_grad, untoggle_requires_grad
 from phalanx.utilities.apply import apply_to_tensors, move_to_device
@@ -289,7 +290,10 @@ class TrainingModule(nn.Module):
     def device_mesh(self) -> Any:
         """The strategy's DeviceMesh (ModelParallel: dims "data_parallel" and "tensor_parallel"), or None."""
         driver = self._driver()
-        return getattr(driver.strategy, "device_mesh", None) if driver is not None else None
+        try:
+            return getattr(driver.strategy, "device_mesh", None) if driver is not None else None
+        except RuntimeError:  # a strategy whose mesh is not built yet: None, as Lightning's module answers
+            return None
 
     def _driver(self) -> Any:
         # The Trainer running this module, else the phalanx.Cohort that set it up: both answer the rank questions.
@@ -462,18 +466,15 @@ class TrainingModule(nn.Module):
         gradient_clip_val: float | int | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip the gradients of ``optimizer``'s parameters by norm (default) or by value."""
-        if gradient_clip_val is None or gradient_clip_val == 0:
+        """Clip ``optimizer``'s gradients by norm or value; arguments left out are the Trainer's (see clip_settings)."""
+        gradient_clip_val, algorithm = clip_settings(self, gradient_clip_val, gradient_clip_algorithm)
+        if gradient_clip_val == 0:
             return
-        algorithm = gradient_clip_algorithm or "norm"
-        if algorithm not in ("norm", "value"):
-            raise ValueError(f"gradient_clip_algorithm={algorithm!r} is not valid; choose 'norm' or 'value'.")
         strategy = self.__dict__.get("_strategy")
         if strategy is None:
             raise RuntimeError(
                 f"{type(self).__name__}.clip_gradients needs the strategy that runs this module (its precision decides"
-                " how to"
-                " clip): call it while Trainer.fit runs, or after strategy.connect(module) in your own loop."
+                " how to clip): call it while Trainer.fit runs, or after strategy.connect(module) in your own loop."
             )
         if algorithm == "norm":
             strategy.clip_gradients(self, optimizer, max_norm=gradient_clip_val)

@@ -434,13 +434,18 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
 
     # ------------------------------------------------------------------ helpers
     def to_yaml(self, filepath: str | os.PathLike | None = None) -> None:
-        """Write ``best_k_models`` (path: score) as YAML, to ``dirpath/best_k_models.yaml`` by default."""
-        lines = [f"{path!s}: {score.item()!r}" for path, score in self.best_k_models.items()]
+        """Write ``best_k_models`` (path: score) as YAML, to ``dirpath/best_k_models.yaml`` by default.
+
+        ``yaml.safe_load`` reads it back as the same dict (``{}`` when nothing was saved; ``.inf`` for infinite scores).
+        """
+        from phalanx.loggers.csv import hparams_to_yaml  # the dependency-free YAML writer of hparams.yaml
+
+        text = hparams_to_yaml({str(path): score.item() for path, score in self.best_k_models.items()})
         if filepath is None:
             assert self.dirpath is not None, "dirpath is known after setup"
             filepath = os.path.join(self.dirpath, "best_k_models.yaml")
-        with open(filepath, "w") as handle:
-            handle.write("\n".join(lines) + ("\n" if lines else ""))
+        with open(filepath, "w", encoding="utf-8") as handle:
+            handle.write(text)
 
     def __repr__(self) -> str:
         return (

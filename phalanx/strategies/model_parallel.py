@@ -66,9 +66,24 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         self._data_parallel_size = data_parallel_size
         self._tensor_parallel_size = tensor_parallel_size
         self._state_dict_type = check_state_dict_type("sharded" if save_distributed_checkpoint else "full")
-        self.device_mesh: Any = None
+        self._device_mesh: Any = None
 
     # ------------------------------------------------------------------ the mesh
+    @property
+    def device_mesh(self) -> Any:
+        """The 2-D DeviceMesh (dims "data_parallel", "tensor_parallel"), built when the processes join their group."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "ModelParallelStrategy.device_mesh is built when the processes join their group (setup_environment,"
+                " at the start of fit/validate/test/predict); read it from there on, e.g. as self.device_mesh in"
+                " configure_model."
+            )
+        return self._device_mesh
+
+    @device_mesh.setter
+    def device_mesh(self, mesh: Any) -> None:
+        self._device_mesh = mesh
+
     def mesh_shape(self) -> tuple[int, int]:
         """(data parallel size, tensor parallel size); 'auto' is one node's processes for tensor parallelism."""
         world = self.num_nodes * self.num_processes

@@ -32,6 +32,7 @@ from phalanx.trainer.barebones import check_barebones
 from phalanx.trainer.data import validate_limit
 from phalanx.trainer.loggers_and_callbacks import build_callbacks, build_loggers
 from phalanx.trainer.preemption import Preemption
+from phalanx.utilities.enums import GradClipAlgorithmType
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class TrainerSettings:
     overfit_batches: int | float
     val_check_interval: int | float
     gradient_clip_val: int | float | None
-    gradient_clip_algorithm: str
+    gradient_clip_algorithm: GradClipAlgorithmType | None
     preemption: Preemption | None
     deterministic: bool | str | None
     sync_batchnorm: bool
@@ -240,8 +241,12 @@ def _resolve_val_check_interval(value: Any) -> int | float:
 def _resolve_clipping(gradient_clip_val: Any, gradient_clip_algorithm: Any) -> dict[str, Any]:
     if gradient_clip_val is not None:
         check_number("gradient_clip_val", gradient_clip_val, 0)
+    if isinstance(gradient_clip_algorithm, GradClipAlgorithmType):
+        gradient_clip_algorithm = gradient_clip_algorithm.value
     check_choice("gradient_clip_algorithm", gradient_clip_algorithm, (None, "norm", "value"))
-    return {"gradient_clip_val": gradient_clip_val, "gradient_clip_algorithm": gradient_clip_algorithm or "norm"}
+    # None stays None, as in Lightning: configure_gradient_clipping and clip_gradients tell "unset" from "norm".
+    algorithm = None if gradient_clip_algorithm is None else GradClipAlgorithmType(gradient_clip_algorithm)
+    return {"gradient_clip_val": gradient_clip_val, "gradient_clip_algorithm": algorithm}
 
 
 def _fast_dev_run_overrides(batches: int) -> dict[str, Any]:

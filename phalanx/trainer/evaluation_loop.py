@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import nn
 
+from phalanx.trainer.dataloader_idx import check_dataloader_idx_signatures, index_args
 from phalanx.trainer.fit_data import reload_val_data_if_due
 from phalanx.trainer.logged_results import LoggedResults
 from phalanx.trainer.state import RunningStage
@@ -101,6 +102,9 @@ def run_evaluation(
     step = strategy.validation_step if stage == "validation" else strategy.test_step
     step_name = f"{stage}_step"
     multiple = len(dataloaders) > 1
+    if sum(limits) == 0:
+        return {}  # no batch to run: the stage is skipped, its hooks included, as in Lightning
+    check_dataloader_idx_signatures(trainer, stage, multiple)
     results.reset()
     results.multiple_dataloaders = multiple
     batch_start = hooks[f"on_{stage}_batch_start"]
@@ -115,17 +119,18 @@ def run_evaluation(
             if limit == 0:
                 continue
             extra = _step_kwargs(multiple, dataloader_idx)
+            index = index_args(multiple, dataloader_idx)
             for batch_idx, batch in enumerate(dataloader):
                 if batch_idx >= limit:
                     break
                 batch = move_batch(batch, dataloader_idx=dataloader_idx)
                 results.new_batch(batch, dataloader_idx)
                 for hook in batch_start:
-                    hook(batch, batch_idx, dataloader_idx)
+                    hook(batch, batch_idx, *index)
                 module.__dict__["_current_fx"] = step_name
                 output = step(batch, batch_idx, **extra)
                 for hook in batch_end:
-                    hook(output, batch, batch_idx, dataloader_idx)
+                    hook(output, batch, batch_idx, *index)
         trainer._metrics.publish_epoch(results)
         module.__dict__["_current_fx"] = None
         hooks.call(f"on_{stage}_epoch_end")
@@ -203,6 +208,7 @@ def run_prediction(
     distributed = strategy.world_size > 1 and strategy.distributed_sampler_kwargs is not None
     all_outputs: list[list[Any]] = []
     move_batch = hooks.move_batch
+    check_dataloader_idx_signatures(trainer, "predict", multiple)
     with evaluation_mode(trainer, "predict"):
         check_equal_batches(strategy, limits, "predict")
         strategy.on_predict_start()
@@ -211,14 +217,15 @@ def run_prediction(
         for dataloader_idx, (dataloader, limit) in enumerate(zip(dataloaders, limits)):
             outputs: list[Any] = []
             extra = _step_kwargs(multiple, dataloader_idx)
+            index = index_args(multiple, dataloader_idx)
             for batch_idx, batch in enumerate(dataloader):
                 if batch_idx >= limit:
                     break
                 batch = move_batch(batch, dataloader_idx=dataloader_idx)
-                hooks.call("on_predict_batch_start", batch, batch_idx, dataloader_idx)
+                hooks.call("on_predict_batch_start", batch, batch_idx, *index)
                 module.__dict__["_current_fx"] = "predict_step"
                 output = strategy.predict_step(batch, batch_idx, **extra)
-                hooks.call("on_predict_batch_end", output, batch, batch_idx, dataloader_idx)
+                hooks.call("on_predict_batch_end", output, batch, batch_idx, *index)
                 if return_predictions:
                     outputs.append(output)
             if distributed and return_predictions:

@@ -15,6 +15,7 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from phalanx.plugins.precision.precision import Precision
 from phalanx.plugins.precision.selection import precision_plugin_for
+from phalanx.strategies.launchers.launcher import in_interactive_session
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
@@ -141,6 +142,11 @@ def resolve_strategy(
         raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1.")
     precision_name = normalize_precision(precision)
     given = _Plugins(plugins)
+    if sync_batchnorm and given.layer_sync is not None and not isinstance(given.layer_sync, TorchSyncBatchNorm):
+        raise ValueError(
+            f"sync_batchnorm=True and the {type(given.layer_sync).__name__} plugin both say how to synchronise layers."
+            " Choose one: drop sync_batchnorm=True to use your plugin, or drop the plugin for torch's SyncBatchNorm."
+        )
     if given.precision is not None and precision_name != "32-true":
         raise ValueError(
             f"Both precision={precision!r} and a Precision plugin ({type(given.precision).__name__}) were given; pass"
@@ -153,6 +159,7 @@ def resolve_strategy(
             assert built.accelerator is not None
             devices_of_built = built.parallel_devices or built.accelerator.get_parallel_devices(devices)
             _configure_parallel(built, devices_of_built, num_nodes, sync_batchnorm, given)
+        refuse_in_interactive_session(built, built)
         return built
     if isinstance(strategy, type):  # listing the names loads every installed plugin: only for an error
         reject_class("strategy", strategy, Strategy, f"a registered name: {['auto', *STRATEGY_REGISTRY.available()]}")
@@ -162,9 +169,25 @@ def resolve_strategy(
             f" ({['auto', *STRATEGY_REGISTRY.available()]}) or a Strategy instance."
         )
     accelerator_instance = resolve_accelerator(accelerator)
-    return _build_registered(
+    built = _build_registered(
         strategy, accelerator_instance, devices, num_nodes, precision_name, sync_batchnorm=sync_batchnorm, given=given
     )
+    refuse_in_interactive_session(built, strategy)
+    return built
+
+
+def refuse_in_interactive_session(strategy: Strategy, shown_strategy: Any) -> None:
+    """In a notebook or interactive interpreter, refuse a strategy whose launcher cannot start processes from there
+    (re-running a script, spawn); fork ('ddp_notebook') can."""
+    if not in_interactive_session():
+        return  # the launcher is built only here: in a script nothing changes
+    launcher = strategy.launcher
+    if launcher is not None and not launcher.is_interactive_compatible:
+        raise ValueError(
+            f"strategy={shown(shown_strategy)} cannot start its processes from an interactive session (notebook,"
+            " IPython, python -i). Use strategy='ddp_notebook' (processes started with fork), or run your code as a"
+            " script. If you start the processes yourself, create the Trainer inside the worker function."
+        )
 
 
 def _registered_name(strategy: str, devices: Any, num_nodes: int, process_count: int, accelerator: Accelerator) -> str:
@@ -172,6 +195,8 @@ def _registered_name(strategy: str, devices: Any, num_nodes: int, process_count:
     name = strategy.lower()
     if name == "auto":
         name = accelerator.auto_strategy(process_count)  # 'ddp'/'single_device'; 'xla'/'single_xla' on XLA devices
+        if name == "ddp" and num_nodes == 1 and in_interactive_session():
+            name = "ddp_notebook"  # 'ddp' re-runs a script, which a notebook does not have; fork works there
         if process_count > 1 and name not in STRATEGY_REGISTRY:
             raise ValueError(
                 f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a"
@@ -362,6 +387,7 @@ __all__ = [
     "PRECISIONS",
     "normalize_precision",
     "precision_plugin_for",
+    "refuse_in_interactive_session",
     "refuse_parallel_on_mps",
     "resolve_accelerator",
     "resolve_strategy",

@@ -239,19 +239,16 @@ def run_evaluate(
     ):
         raise ValueError(f"Trainer.{fn}() needs {type(module).__name__}.{step_name}(batch, batch_idx) to be defined.")
     setup_run(trainer, module, source, ckpt_path)
-    data_key = "validate" if stage == "validation" else "test"
-    dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in source.get(data_key)]
-    if not dataloaders:
-        raise ValueError(
-            f"Trainer.{fn}() needs data: pass dataloaders=, a datamodule with {short}_dataloader(), or define it on"
-            " the module."
-        )
     limit = trainer.limit_val_batches if stage == "validation" else trainer.limit_test_batches
-    limits = [limited_batches(loader, limit, f"limit_{short}_batches") for loader in dataloaders]
+    data_key = "validate" if stage == "validation" else "test"
+    dataloaders, limits = _evaluation_data(trainer, source, data_key, limit, f"limit_{short}_batches")
     if stage == "validation":
         trainer.num_val_batches = limits
     else:
         trainer.num_test_batches = limits
+    if sum(limits) == 0:
+        teardown_run(trainer, module)
+        return []
     trainer._metrics.reset()
     trainer.state.stage = RunningStage.VALIDATING if stage == "validation" else RunningStage.TESTING
     trainer._results = trainer._eval_results
@@ -268,18 +265,37 @@ def run_predict(
 ) -> list[Any] | None:
     """The predict stage: ``predict_step`` over the data; the outputs per batch (a list per dataloader if several)."""
     setup_run(trainer, module, source, ckpt_path)
-    dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in source.get("predict")]
-    if not dataloaders:
-        raise ValueError(
-            "Trainer.predict() needs data: pass dataloaders=, a datamodule with predict_dataloader(), or define it"
-            " on the module."
-        )
     limit = trainer.limit_predict_batches
-    trainer.num_predict_batches = [limited_batches(x, limit, "limit_predict_batches") for x in dataloaders]
+    dataloaders, trainer.num_predict_batches = _evaluation_data(
+        trainer, source, "predict", limit, "limit_predict_batches"
+    )
+    if sum(trainer.num_predict_batches) == 0:
+        teardown_run(trainer, module)
+        return None
     trainer.state.stage = RunningStage.PREDICTING
     outputs = run_prediction(trainer, dataloaders, trainer.num_predict_batches, return_predictions)
     teardown_run(trainer, module)
     return outputs
+
+
+def _evaluation_data(
+    trainer: Trainer, source: DataSource, key: str, limit: int | float, limit_name: str
+) -> tuple[list[Any], list[int | float]]:
+    """The dataloaders of validate/test/predict (``key``) and their batch counts.
+
+    With a limit of 0 there is no batch to run: as in Lightning, the stage is skipped (its hooks included, see
+    the callers) and its data is neither requested nor required.
+    """
+    if limit == 0:
+        return [], []
+    dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in source.get(key)]
+    if not dataloaders:
+        hook = "val" if key == "validate" else key
+        raise ValueError(
+            f"Trainer.{key}() needs data: pass dataloaders=, a datamodule with {hook}_dataloader(), or define it"
+            " on the module."
+        )
+    return dataloaders, [limited_batches(loader, limit, limit_name) for loader in dataloaders]
 
 
 __all__ = [

@@ -30,6 +30,16 @@ class RunningStage(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def evaluating(self) -> bool:
+        """Whether this is validation or test (the sanity check is not)."""
+        return self in (RunningStage.VALIDATING, RunningStage.TESTING)
+
+    @property
+    def dataloader_prefix(self) -> str:
+        """The prefix of this stage's dataloader hook and limit: 'train', 'val', 'test' or 'predict'."""
+        return "val" if self in (RunningStage.SANITY_CHECKING, RunningStage.VALIDATING) else self.value
+
 
 class TrainerStatus(str, Enum):
     """How the last run ended (or that one is running)."""
@@ -43,6 +53,11 @@ class TrainerStatus(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the run is over: finished, interrupted or failed."""
+        return self in (TrainerStatus.FINISHED, TrainerStatus.INTERRUPTED, TrainerStatus.FAILED)
+
 
 @dataclass
 class TrainerState:
@@ -51,3 +66,13 @@ class TrainerState:
     fn: TrainerFn | None = None
     stage: RunningStage | None = None
     status: TrainerStatus = TrainerStatus.INITIALIZING
+
+    @property
+    def finished(self) -> bool:
+        """Whether the last run ended normally."""
+        return self.status == TrainerStatus.FINISHED
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the last run is over, however it ended (see :attr:`TrainerStatus.stopped`)."""
+        return self.status.stopped

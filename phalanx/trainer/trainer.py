@@ -411,7 +411,13 @@ class Trainer(DeviceProperties):
         for hook in self._hooks["on_before_optimizer_step"]:
             hook(optimizer)
         module = self.strategy.module
-        if self.gradient_clip_val and module is not None and module.automatic_optimization:
+        # Lightning calls configure_gradient_clipping at every step of automatic optimization, whatever the Trainer's
+        # clipping settings; the default one clips only when gradient_clip_val is set, so it is skipped otherwise.
+        if (
+            module is not None
+            and module.automatic_optimization
+            and (self.gradient_clip_val or _overrides_gradient_clipping(module))
+        ):
             module.configure_gradient_clipping(
                 optimizer,
                 gradient_clip_val=self.gradient_clip_val,
@@ -425,6 +431,12 @@ class Trainer(DeviceProperties):
         self.strategy.backward(loss, None, *args, **kwargs)
         for hook in self._hooks["on_after_backward"]:
             hook()
+
+
+def _overrides_gradient_clipping(module: TrainingModule) -> bool:
+    if "configure_gradient_clipping" in module.__dict__:
+        return True  # assigned on the instance
+    return type(module).configure_gradient_clipping is not TrainingModule.configure_gradient_clipping
 
 
 __all__ = ["Trainer"]

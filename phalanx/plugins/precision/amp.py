@@ -31,9 +31,18 @@ class MixedPrecision(Precision):
         # GradScaler refuses a second unscale_() of one optimizer before update(): remember which were unscaled.
         self._unscaled: set[int] = set()
 
+    def autocast_context_manager(self) -> torch.autocast:
+        """A new ``torch.autocast`` to the mixed dtype on this device (Lightning's name; override it to change how
+        forward passes autocast).
+
+        Its weight-cast cache is off, as in Lightning: the cache would keep the casts of weights that an optimizer step
+        inside the same step (manual optimization, e.g. a GAN's two optimizers) has updated since.
+        """
+        return torch.autocast(self.device, dtype=self.dtype, cache_enabled=False)
+
     def forward_context(self) -> AbstractContextManager:
-        """Autocast to the mixed dtype on this device."""
-        return torch.autocast(self.device, dtype=self.dtype)
+        """Autocast to the mixed dtype on this device: :meth:`autocast_context_manager`."""
+        return self.autocast_context_manager()
 
     def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
         """Scale the loss when a GradScaler is used."""

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import signal
+import sys
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Protocol, runtime_checkable
+
+
+def in_interactive_session() -> bool:
+    """Whether Python runs interactively (a notebook, IPython, ``python -i``): there is no script to start again."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
 
 
 @runtime_checkable

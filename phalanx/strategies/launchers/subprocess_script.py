@@ -62,6 +62,15 @@ class SubprocessScriptLauncher(Launcher):
         """Start the children (once), then run ``function`` in this process (which keeps its state: nothing to carry
         back)."""
         if not self.cluster_environment.creates_processes_externally and not self.procs:
+            local_rank = self.cluster_environment.local_rank()
+            if local_rank != 0:
+                # Only local rank 0 starts the others: from any other process, the job would get extra processes.
+                raise RuntimeError(
+                    f"This process has local rank {local_rank} but was asked to start the job's other processes,"
+                    " which only local rank 0 does. Either LOCAL_RANK was set by hand, or the cluster environment"
+                    f" ({type(self.cluster_environment).__name__}) says creates_processes_externally=False while"
+                    " something else started this process."
+                )
             self._start_children()
         return function(*args, **kwargs)
 

@@ -15,6 +15,7 @@ from phalanx.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, TQDM
 from phalanx.loggers import CSVLogger
 from phalanx.trainer import Preemption
 from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, TrainerSettings, apply_process_switches, resolve_arguments
+from phalanx.utilities.enums import GradClipAlgorithmType
 
 _PARAMETERS = inspect.signature(phalanx.Trainer.__init__).parameters
 DEFAULTS = {name: p.default for name, p in _PARAMETERS.items() if name != "self"}
@@ -39,7 +40,7 @@ RESOLVED = [
             "limit_train_batches": 1.0,
             "limit_predict_batches": 1.0,
             "val_check_interval": 1.0,
-            "gradient_clip_algorithm": "norm",
+            "gradient_clip_algorithm": None,
             "fast_dev_run": False,
             "overfit_batches": 0.0,
         },
@@ -68,7 +69,9 @@ RESOLVED = [
     ({"overfit_batches": 0.25, "limit_test_batches": 4}, {"limit_train_batches": 0.25, "limit_test_batches": 4}),
     ({"barebones": True}, {"log_every_n_steps": 0, "num_sanity_val_steps": 0, "loggers": [], "callbacks": []}),
     ({"logger": False, "enable_checkpointing": False}, {"loggers": []}),
-    ({"gradient_clip_val": 0.5}, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": "norm"}),
+    ({"gradient_clip_val": 0.5}, {"gradient_clip_val": 0.5, "gradient_clip_algorithm": None}),
+    ({"gradient_clip_algorithm": "value"}, {"gradient_clip_algorithm": GradClipAlgorithmType.VALUE}),
+    ({"gradient_clip_algorithm": GradClipAlgorithmType.NORM}, {"gradient_clip_algorithm": "norm"}),
     ({"preemption": False}, {"preemption": None}),
     ({"val_check_interval": 7, "check_val_every_n_epoch": None}, {"val_check_interval": 7}),
 ]
