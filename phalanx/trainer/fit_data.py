@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 def prepare_fit_data(trainer: Trainer, source: DataSource) -> None:
     """Build the training and validation dataloaders of a ``fit`` and decide when validation runs."""
-    prepare_train_data(trainer, source)
+    if trainer._train_dataloader is None:
+        prepare_train_data(trainer, source)
+    else:  # built by estimated_stepping_batches in configure_optimizers; it serves the (maybe resumed) first epoch
+        trainer._train_data_epoch = trainer.current_epoch
     prepare_val_data(trainer, source, first=True)
     schedule_validation(trainer)
 
