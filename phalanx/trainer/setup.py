@@ -78,8 +78,8 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
         )
     if name not in ACCELERATOR_REGISTRY:
         raise ValueError(
-            f"Unknown accelerator {accelerator!r}. Choose one of {['auto', 'gpu', *ACCELERATOR_REGISTRY.available()]},"
-            " or pass an Accelerator instance."
+            f"Unknown accelerator {accelerator!r}.{ACCELERATOR_REGISTRY.suggestion(accelerator, ('auto', 'gpu'))}"
+            f" Choose one of {['auto', 'gpu', *ACCELERATOR_REGISTRY.available()]}, or pass an Accelerator instance."
         )
     accelerator_class = ACCELERATOR_REGISTRY.get_class(name)
     if not accelerator_class.is_available():  # type: ignore[attr-defined]
@@ -173,8 +173,8 @@ def _registered_name(strategy: str, devices: Any, num_nodes: int, process_count:
             )
     if name not in STRATEGY_REGISTRY:
         raise ValueError(
-            f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a"
-            " Strategy instance."
+            f"Unknown strategy {strategy!r}.{STRATEGY_REGISTRY.suggestion(strategy, ('auto',))} Choose 'auto' or one"
+            f" of {STRATEGY_REGISTRY.available()}, or pass a Strategy instance."
         )
     return name
 
