@@ -149,7 +149,11 @@ class Registry(Generic[_T]):
         if install is not None:
             return f" {self._kind.capitalize()} {name!r} comes from a separate package, not installed here: {install}."
         close = difflib.get_close_matches(key, [*extra_names, *self.available()], n=3, cutoff=0.6)
-        return f" Did you mean {' or '.join(repr(match) for match in close)}?" if close else ""
+        if not close:
+            return ""
+        quoted = [repr(match) for match in close]
+        listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+        return f" Did you mean {listed}?"
 
     def _load_entry_points(self) -> None:
         # Third-party plugins are discovered only when a lookup misses or the names are listed,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import phalanx
@@ -66,3 +68,9 @@ def test_the_registries_suggest_from_their_own_names():
     assert STRATEGY_REGISTRY.suggestion("fsdp_cpu_ofload") == " Did you mean 'fsdp_cpu_offload'?"
     assert ACCELERATOR_REGISTRY.suggestion("mpss") == " Did you mean 'mps'?"
     assert ACCELERATOR_REGISTRY.suggestion("quantum") == ""
+
+
+def test_several_close_names_read_as_a_list():
+    suggestion = ACCELERATOR_REGISTRY.suggestion("hpu", ("gpu",))
+    assert re.fullmatch(r" Did you mean '(\w+)', '(\w+)' or '(\w+)'\?", suggestion)
+    assert sorted(re.findall(r"'(\w+)'", suggestion)) == ["cpu", "gpu", "tpu"]
