@@ -1,9 +1,9 @@
 """phalanx: a PyTorch training framework built around a pluggable distribution Strategy layer."""
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+# Helpers are imported under private names and nothing else is bound here, so that `dir(phalanx)` and completion
+# show the public API only.
+import importlib as _importlib
+import typing as _typing
 
 __version__ = "0.1.0"
 
@@ -20,7 +20,7 @@ _PUBLIC = {
 # Subpackages reachable as attributes, as Lightning users write them: ``phalanx.callbacks.ModelCheckpoint(...)``.
 _SUBPACKAGES = ("accelerators", "callbacks", "loggers", "plugins", "strategies", "utilities")
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from phalanx.callbacks.callback import Callback
     from phalanx.cohort.cohort import Cohort
     from phalanx.datamodule import DataModule
@@ -29,19 +29,22 @@ if TYPE_CHECKING:
     from phalanx.utilities.seed import seed_everything
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> "_typing.Any":
     if name in _SUBPACKAGES:
-        return importlib.import_module(f"phalanx.{name}")  # importing binds it in this module's namespace
+        return _importlib.import_module(f"phalanx.{name}")  # importing binds it in this module's namespace
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_PUBLIC, *_SUBPACKAGES})
+    # The public API and the module's dunders; not the helpers above, nor the internal submodules (``phalanx.module``,
+    # ``phalanx.trainer``, ...) that importing the public names binds here.
+    dunders = {name for name in globals() if name.startswith("__") and name.endswith("__")}
+    return sorted({*dunders, *_PUBLIC, *_SUBPACKAGES})
 
 
 __all__ = ["Callback", "Cohort", "DataModule", "Trainer", "TrainingModule", "__version__", "seed_everything"]

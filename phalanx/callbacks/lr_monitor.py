@@ -129,7 +129,9 @@ class LearningRateMonitor(Callback):
             seen.append(optimizer)
             entries.append((getattr(config, "name", None), optimizer, getattr(config, "interval", "epoch") or "epoch"))
         for optimizer in trainer.optimizers or []:
-            if any(optimizer is other for other in seen):
+            # A strategy's wrapper (DeepSpeed's engine optimizer) shares the scheduled optimizer's parameter groups:
+            # it is that optimizer, not one without a scheduler, and must not be logged a second time.
+            if any(optimizer is other or optimizer.param_groups is other.param_groups for other in seen):
                 continue
             entries.append((None, optimizer, "epoch"))
 

@@ -14,7 +14,13 @@ from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
 from phalanx.strategies.xla_spmd import XLASPMDStrategy
 from phalanx.utilities.registry import Registry
 
-STRATEGY_REGISTRY: Registry[Strategy] = Registry("strategy", "phalanx.strategies")
+STRATEGY_REGISTRY: Registry[Strategy] = Registry(
+    "strategy",
+    "phalanx.strategies",
+    packages={
+        "hivemind": "install phalanx-hivemind (`pip install ./integrations/phalanx-hivemind` in a phalanx checkout)"
+    },
+)
 
 for _strategy in (
     SingleDeviceStrategy,

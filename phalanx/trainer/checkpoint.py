@@ -19,7 +19,7 @@ from phalanx.trainer.checkpoint_checks import (
 )
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.hparams import is_plain
-from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from phalanx.utilities.rank_zero import rank_zero_print, rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states
 
 if TYPE_CHECKING:
@@ -161,8 +161,12 @@ class CheckpointConnector:
         trainer = self.trainer
         if ckpt_path == "auto":
             found = self.find_newest_complete()
+            # One line on rank 0, shown without any logging set-up: which file the run goes on from, or that none was.
             if found is not None:
-                rank_zero_info(f"ckpt_path='auto': resuming from {found}")
+                rank_zero_print(f"ckpt_path='auto': resuming from {found}")
+            else:
+                searched = ", ".join(str(directory) for directory in self.search_directories())
+                rank_zero_print(f"ckpt_path='auto': no complete checkpoint under {searched}; starting from scratch")
             return found
         if ckpt_path in ("best", "last"):
             callback = trainer.checkpoint_callback
@@ -182,8 +186,9 @@ class CheckpointConnector:
             path = getattr(callback, "last_model_path", "") or self._find_last(callback)
             if not path:
                 raise ValueError(
-                    "ckpt_path='last': no last checkpoint was found; save one with ModelCheckpoint(save_last=True) or"
-                    " pass a path."
+                    f"ckpt_path='last': no complete last checkpoint (last*.ckpt) in {self._last_directory(callback)}."
+                    " Save one with ModelCheckpoint(save_last=True), pass a checkpoint's path,"
+                    " or pass ckpt_path='auto' to resume from this run's newest complete checkpoint or start afresh."
                 )
             return str(path)
         if not isinstance(ckpt_path, (str, Path)):
@@ -201,12 +206,14 @@ class CheckpointConnector:
         newest = newest_complete_checkpoint(self.search_directories()) if trainer.is_global_zero else None
         return trainer.strategy.broadcast(newest)
 
-    def _find_last(self, callback: Any) -> str:
+    def _last_directory(self, callback: Any) -> Path:
         dirpath = getattr(callback, "dirpath", None)
-        if dirpath is None:
-            dirpath = Path(self.trainer.default_root_dir) / "checkpoints"
+        return Path(dirpath) if dirpath is not None else Path(self.trainer.default_root_dir) / "checkpoints"
+
+    def _find_last(self, callback: Any) -> str:
         # Only complete ones: a save killed mid-way leaves an empty name reservation or a retired copy behind.
-        return newest_complete_checkpoint([Path(dirpath)], name_prefix="last", recursive=False) or ""
+        directory = self._last_directory(callback)
+        return newest_complete_checkpoint([directory], name_prefix="last", recursive=False) or ""
 
     def load(self, path: str, *, fitting: bool = False) -> dict[str, Any]:
         """Read a checkpoint through the strategy and check its entries (with ``fitting``, the training state too)."""

@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 def prepare_fit_data(trainer: Trainer, source: DataSource) -> None:
     """Build the training and validation dataloaders of a ``fit`` and decide when validation runs."""
-    prepare_train_data(trainer, source)
+    if trainer._train_dataloader is None:
+        prepare_train_data(trainer, source)
+    else:  # built by estimated_stepping_batches in configure_optimizers; it serves the (maybe resumed) first epoch
+        trainer._train_data_epoch = trainer.current_epoch
     prepare_val_data(trainer, source, first=True)
     schedule_validation(trainer)
 
@@ -53,6 +56,20 @@ def prepare_train_data(trainer: Trainer, source: DataSource) -> None:
     if trainer.num_training_batches == 0:
         reason = empty_data_reason(trainer._train_dataloader, trainer.limit_train_batches)
         rank_zero_warn(f"The training data gives no batch ({reason}): fit returns without training.")
+    warn_if_epoch_shorter_than_log_interval(trainer)
+
+
+def warn_if_epoch_shorter_than_log_interval(trainer: Trainer) -> None:
+    """Say so when an epoch has fewer batches than ``log_every_n_steps`` (as Lightning does): step values then reach
+    the loggers only every that many steps, and a short run writes none of them."""
+    batches, every = trainer.num_training_batches, trainer.log_every_n_steps
+    if not trainer.loggers or trainer.fast_dev_run or not every or not 0 < batches < every:
+        return
+    rank_zero_warn(
+        f"The training epoch has {batches} batches, fewer than log_every_n_steps={every}: values logged per step"
+        f" reach the loggers only every {every} steps, so a run shorter than that writes none of them."
+        " Pass a lower Trainer(log_every_n_steps=...) to see them."
+    )
 
 
 def prepare_val_data(trainer: Trainer, source: DataSource, first: bool = False) -> None:
@@ -208,4 +225,5 @@ __all__ = [
     "reload_val_data_if_due",
     "schedule_validation",
     "val_check_due",
+    "warn_if_epoch_shorter_than_log_interval",
 ]

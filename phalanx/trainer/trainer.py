@@ -27,6 +27,7 @@ from phalanx.trainer.barebones import BarebonesResults
 from phalanx.trainer.checkpoint import CheckpointConnector
 from phalanx.trainer.data import DataSource, prepare_dataloader
 from phalanx.trainer.device_properties import DeviceProperties
+from phalanx.trainer.fit_data import prepare_train_data
 from phalanx.trainer.fit_loop import FitLoop
 from phalanx.trainer.hooks import HookTable
 from phalanx.trainer.logged_metrics import LoggedMetrics
@@ -158,6 +159,7 @@ class Trainer(DeviceProperties):
     def _init_run_state(self) -> None:
         # What the stages fill in: the data, its batch counts, the validation schedule, the optimizers.
         self._manual_optimizers: list[ManualOptimizer] = []
+        self._data_source: DataSource | None = None
         self._train_dataloader: Any = None
         self._train_data_epoch = self._val_data_epoch = 0  # the epochs the fit's dataloaders were last built in
         self._val_dataloaders: list[Any] = []
@@ -196,6 +198,7 @@ class Trainer(DeviceProperties):
         check_nonfinite_mode(self, module.automatic_optimization)
         source = DataSource(module, datamodule, train=train_dataloaders, validate=val_dataloaders)
         self.preempted = False
+        self._train_dataloader = None  # built anew for this fit (estimated_stepping_batches may build it early)
         start(self, TrainerFn.FITTING, run_fit, module, source, ckpt_path)
         if self.preempted and self.preemption is not None and self.preemption.exit:
             raise SystemExit(PREEMPTED_EXIT_CODE)
@@ -395,7 +398,16 @@ class Trainer(DeviceProperties):
 
     @property
     def estimated_stepping_batches(self) -> int | float:
-        """Optimizer steps the fit is expected to take (for schedulers such as OneCycleLR)."""
+        """Optimizer steps the fit is expected to take (for schedulers such as OneCycleLR), per process.
+
+        Read in ``configure_optimizers``, before the loops built the training dataloader, it builds it then, as
+        Lightning does, so that ``max_epochs``, ``max_steps``, ``accumulate_grad_batches``, ``limit_train_batches`` and
+        the distributed sampler all count.
+        """
+        if self.max_epochs == -1:
+            return self.max_steps if self.max_steps != -1 else math.inf
+        if self._train_dataloader is None and self.state.fn == TrainerFn.FITTING and self._data_source is not None:
+            prepare_train_data(self, self._data_source)
         per_epoch = self.num_training_batches
         if math.isinf(per_epoch) or self.max_epochs == -1:
             return self.max_steps if self.max_steps != -1 else math.inf

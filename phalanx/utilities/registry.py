@@ -40,9 +40,11 @@ def _name_of(factory: Any) -> str:
 class Registry(Generic[_T]):
     """Maps lower-case names to a class (or factory) plus default keyword arguments and a description."""
 
-    def __init__(self, kind: str, entry_point_group: str) -> None:
+    def __init__(self, kind: str, entry_point_group: str, packages: dict[str, str] | None = None) -> None:
         self._kind = kind
         self._entry_point_group = entry_point_group
+        # Names that separate packages register, with how to install each: the error for such a name says so.
+        self._packages = {name.lower(): install for name, install in (packages or {}).items()}
         self._entries: dict[str, dict[str, Any]] = {}
         # Every entry point tried so far, keyed by (distribution, name, value): each is loaded once, and one that
         # appears later (a package installed since) is loaded at the next miss.
@@ -165,8 +167,8 @@ class Registry(Generic[_T]):
             self._load_entry_points()
         if key not in self._entries:
             raise ValueError(
-                f"Unknown {self._kind} {name!r}. Registered {_plural(self._kind)}: {', '.join(self.available())}."
-                f"{self.failed_plugins_note()}"
+                f"Unknown {self._kind} {name!r}.{self.suggestion(name)}"
+                f" Registered {_plural(self._kind)}: {', '.join(self.available())}.{self.failed_plugins_note()}"
             )
         return self._entries[key]
 
@@ -179,6 +181,22 @@ class Registry(Generic[_T]):
         return (
             f" Plugins of {self._entry_point_group!r} that failed to load, which may provide it: {'; '.join(failed)}."
         )
+
+    def suggestion(self, name: str, extra_names: tuple[str, ...] = ()) -> str:
+        """A sentence (with a leading space) for an error about the unknown ``name``: the package that registers it
+        when one is known, else the closest registered names (and ``extra_names``, e.g. 'auto'); empty if none."""
+        import difflib
+
+        key = name.lower()
+        install = self._packages.get(key)
+        if install is not None:
+            return f" {self._kind.capitalize()} {name!r} comes from a separate package, not installed here: {install}."
+        close = difflib.get_close_matches(key, [*extra_names, *self.available()], n=3, cutoff=0.6)
+        if not close:
+            return ""
+        quoted = [repr(match) for match in close]
+        listed = quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+        return f" Did you mean {listed}?"
 
     def _load_entry_points(self) -> None:
         # Third-party plugins are discovered only when a lookup misses or the names are listed, so that

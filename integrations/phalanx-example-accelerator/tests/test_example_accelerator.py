@@ -122,7 +122,10 @@ def without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     ("arguments", "message"),
     [
         (dict(accelerator="example_cpu"), "Unknown accelerator 'example_cpu'. Choose one of ['auto', 'gpu', 'cpu',"),
-        (dict(strategy="example_single_device"), "Unknown strategy 'example_single_device'. Choose 'auto' or one of"),
+        (
+            dict(strategy="example_single_device"),
+            "Unknown strategy 'example_single_device'. Did you mean 'single_device'? Choose 'auto' or one of",
+        ),
     ],
 )
 def test_without_the_package_the_names_are_unknown(without_the_package, arguments, message) -> None:

@@ -195,3 +195,39 @@ def test_trainer_without_logger_fails_fast(tmp_path):
     loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
     with pytest.raises(RuntimeError, match="logger"):
         trainer.fit(Scheduled(), train_dataloaders=loader)
+
+
+class _Wrapper:
+    """What a strategy may hold in ``trainer.optimizers`` (DeepSpeed's engine optimizer): the scheduled optimizer's
+    parameter groups, under another class."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+@pytest.mark.parametrize("name", [None, "custom"])
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_a_wrapped_scheduled_optimizer_is_logged_once_under_its_own_name(optimizer_class, name):
+    optimizer = optimizer_class(params(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+    trainer = make_trainer([_Wrapper(optimizer)], [config(scheduler, interval="step", name=name)])
+    monitor = LearningRateMonitor(logging_interval="epoch")
+    monitor.on_train_start(trainer, None)
+    monitor.on_train_epoch_start(trainer, None)
+    metrics, _step = trainer.loggers[0].records[-1]
+    assert list(metrics) == [name or f"lr-{optimizer_class.__name__}"]
+    assert set(monitor.lrs) == set(metrics)
+
+
+def test_an_unscheduled_optimizer_beside_a_wrapped_one_is_still_logged():
+    scheduled, plain = torch.optim.AdamW(params(), lr=0.1), torch.optim.SGD(params(), lr=0.2)
+    scheduler = torch.optim.lr_scheduler.StepLR(scheduled, 1)
+    trainer = make_trainer([_Wrapper(scheduled), plain], [config(scheduler)])
+    monitor = LearningRateMonitor(logging_interval="epoch")
+    monitor.on_train_start(trainer, None)
+    monitor.on_train_epoch_start(trainer, None)
+    assert trainer.loggers[0].records[-1][0] == pytest.approx({"lr-AdamW": 0.1, "lr-SGD": 0.2})

@@ -311,7 +311,7 @@ def test_ckpt_path_last_follows_the_link_and_only_to_a_complete_checkpoint(tmp_p
     assert trainer.ckpt_path == str(tmp_path / "epoch=0-step=6.ckpt") and trainer.global_step == 9
     assert os.readlink(tmp_path / "last.ckpt") == "epoch=1-step=9.ckpt"
     (tmp_path / "epoch=1-step=9.ckpt").unlink()  # the link now dangles: it names no checkpoint
-    with pytest.raises(ValueError, match="ckpt_path='last': no last checkpoint was found"):
+    with pytest.raises(ValueError, match="ckpt_path='last': no complete last checkpoint"):
         quiet_trainer(
             callbacks=[ModelCheckpoint(dirpath=tmp_path)], enable_checkpointing=True
         )._checkpoint_connector.resolve_path("last")
