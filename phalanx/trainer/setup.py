@@ -80,13 +80,9 @@ def resolve_accelerator(accelerator: str | Accelerator) -> Accelerator:
         )
     if name not in ACCELERATOR_REGISTRY:
         raise ValueError(
-<<<<<<< HEAD
-            f"Unknown accelerator {accelerator!r}. Choose one of {_accelerator_names()}, or pass an Accelerator"
-            f" instance.{ACCELERATOR_REGISTRY.failed_plugins_note()}"
-=======
             f"Unknown accelerator {accelerator!r}.{ACCELERATOR_REGISTRY.suggestion(accelerator, ('auto', 'gpu'))}"
-            f" Choose one of {['auto', 'gpu', *ACCELERATOR_REGISTRY.available()]}, or pass an Accelerator instance."
->>>>>>> h/docs_newcomer
+            f" Choose one of {_accelerator_names()}, or pass an Accelerator instance."
+            f"{ACCELERATOR_REGISTRY.failed_plugins_note()}"
         )
     accelerator_class = ACCELERATOR_REGISTRY.get_class(name)
     if not accelerator_class.is_available():  # type: ignore[attr-defined]
@@ -209,13 +205,9 @@ def _registered_name(strategy: str, devices: Any, num_nodes: int, process_count:
             )
     if name not in STRATEGY_REGISTRY:
         raise ValueError(
-<<<<<<< HEAD
-            f"Unknown strategy {strategy!r}. Choose 'auto' or one of {STRATEGY_REGISTRY.available()}, or pass a"
-            f" Strategy instance.{STRATEGY_REGISTRY.failed_plugins_note()}"
-=======
             f"Unknown strategy {strategy!r}.{STRATEGY_REGISTRY.suggestion(strategy, ('auto',))} Choose 'auto' or one"
             f" of {STRATEGY_REGISTRY.available()}, or pass a Strategy instance."
->>>>>>> h/docs_newcomer
+            f"{STRATEGY_REGISTRY.failed_plugins_note()}"
         )
     return name
 

@@ -398,12 +398,8 @@ class Trainer(DeviceProperties):
 
     @property
     def estimated_stepping_batches(self) -> int | float:
-        """Optimizer steps the fit is expected to take (for schedulers such as OneCycleLR), per process.
-
-        Read in ``configure_optimizers``, before the loops built the training dataloader, it builds it then, as
-        Lightning does, so that ``max_epochs``, ``max_steps``, ``accumulate_grad_batches``, ``limit_train_batches`` and
-        the distributed sampler all count.
-        """
+        """Optimizer steps the fit is expected to take, per process (for schedulers such as OneCycleLR); read in
+        ``configure_optimizers`` it builds the training dataloader first, as Lightning does."""
         if self.max_epochs == -1:
             return self.max_steps if self.max_steps != -1 else math.inf
         if self._train_dataloader is None and self.state.fn == TrainerFn.FITTING and self._data_source is not None:
@@ -423,13 +419,9 @@ class Trainer(DeviceProperties):
         for hook in self._hooks["on_before_optimizer_step"]:
             hook(optimizer)
         module = self.strategy.module
-        # Lightning calls configure_gradient_clipping at every step of automatic optimization, whatever the Trainer's
-        # clipping settings; the default one clips only when gradient_clip_val is set, so it is skipped otherwise.
-        if (
-            module is not None
-            and module.automatic_optimization
-            and (self.gradient_clip_val or _overrides_gradient_clipping(module))
-        ):
+        # As Lightning, an override runs at every step whatever the settings; the default one clips only when set.
+        clips = module is not None and (self.gradient_clip_val or _overrides_gradient_clipping(module))
+        if clips and module.automatic_optimization:
             module.configure_gradient_clipping(
                 optimizer,
                 gradient_clip_val=self.gradient_clip_val,

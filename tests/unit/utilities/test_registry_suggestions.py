@@ -14,10 +14,10 @@ from phalanx.strategies import STRATEGY_REGISTRY
 @pytest.fixture
 def without_hivemind(monkeypatch):
     """The registry as it is where phalanx-hivemind is not installed (it is, in the test environment)."""
-    monkeypatch.setattr(STRATEGY_REGISTRY, "_entries", {k: v for k, v in STRATEGY_REGISTRY._entries.items()})
-    STRATEGY_REGISTRY._load_entry_points()
+    monkeypatch.setattr(STRATEGY_REGISTRY, "_entries", dict(STRATEGY_REGISTRY._entries))
+    monkeypatch.setattr(STRATEGY_REGISTRY, "_plugins", dict(STRATEGY_REGISTRY._plugins))
+    STRATEGY_REGISTRY._load_entry_points()  # each entry point is loaded once: removing its name keeps it away
     STRATEGY_REGISTRY.remove("hivemind")
-    monkeypatch.setattr(STRATEGY_REGISTRY, "_entry_points_loaded", True)
 
 
 @pytest.mark.parametrize(
