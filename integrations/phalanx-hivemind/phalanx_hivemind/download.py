@@ -49,6 +49,8 @@ def bound_state_download(optimizer: Any, timeout: float) -> None:
         # require_state: a peer joining with its own initial weights; hivemind would let it count itself one step on
         # without any state when the download fails, and step with weights nobody else has.
         attempt.start(strict=require_state)
+        if hasattr(averager, "last_refusals"):
+            averager.last_refusals = []  # what the guarded averager refused during this download, peer by peer
         download(**kwargs)
         behind = optimizer.tracker.global_epoch - optimizer.local_epoch
         if attempt.failed and (behind > 0 or require_state):

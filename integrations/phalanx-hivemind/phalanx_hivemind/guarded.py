@@ -154,9 +154,10 @@ class _CheckedDownload(DecentralizedAverager):
         if result is None:
             return None
         metadata, tensors, refusals = result
-        self.last_refusals = list(refusals)
-        for refusal in refusals:
-            _warn(f"hivemind: refused the state of {refusal}; trying the next peer.")
+        for refusal in refusals:  # kept over the retries of one download (reset by download.bound_state_download)
+            if refusal not in self.last_refusals:
+                self.last_refusals.append(refusal)
+                _warn(f"hivemind: refused the state of {refusal}; trying the next peer.")
         return None if metadata is None else (metadata, tensors)
 
 

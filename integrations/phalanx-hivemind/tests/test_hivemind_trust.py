@@ -32,7 +32,7 @@ import phalanx  # noqa: E402
 
 PEER_SCRIPT = Path(__file__).with_name("phalanx_hivemind_peer.py")
 LOCALHOST = ["/ip4/127.0.0.1/tcp/0"]
-STEPS = 6  # swarm steps the honest peer takes beside the poisoner (slow enough for each to see the other)
+STEPS = 6  # swarm steps in a swarm of two after which an honest peer that refused nothing stops
 WAIT_SECONDS = 120
 ATTEMPTS = 2  # pairs run when every round of the first was averaged alone (the attack never reached the honest peer)
 SANE = 50.0  # the honest peer's weights start near 0.5 and fit a map with entries of about 1
@@ -85,11 +85,13 @@ def _kill(processes: dict[str, subprocess.Popen]) -> None:
         process.wait(timeout=30)
 
 
-def _honest_beside_poisoner(workdir: Path, attack: str) -> list[list[float]]:
-    """Run an honest peer for STEPS swarm steps beside a poisoner; the honest peer's parameters after each."""
+def _honest_beside_poisoner(workdir: Path, attack: str, refused: str) -> list[list[float]]:
+    """Run an honest peer beside a poisoner until it refused something or took STEPS swarm steps in a swarm of two;
+    the honest peer's parameters after each of its swarm steps."""
+    stop = workdir / "stop"
     common = ["--max-seconds", str(WAIT_SECONDS), "--target-batch-size", "512", "--go-file", str(workdir / "go")]
-    common += ["--no-scheduler", "--run-id", "poisoned"]
-    processes = {"honest": _start(workdir, "honest", *common, "--swarm-steps", str(STEPS))}
+    common += ["--no-scheduler", "--run-id", "poisoned", "--stop-file", str(stop)]
+    processes = {"honest": _start(workdir, "honest", *common)}
     try:
         _wait("the honest peer's address", lambda: bool(_records(workdir / "honest.jsonl")), processes, workdir)
         address = ",".join(_records(workdir / "honest.jsonl")[0]["addresses"])
@@ -103,6 +105,9 @@ def _honest_beside_poisoner(workdir: Path, attack: str) -> list[list[float]]:
         (workdir / "go").touch()
         deadline = time.monotonic() + WAIT_SECONDS
         while processes["honest"].poll() is None and time.monotonic() < deadline:
+            together = [r for r in _records(workdir / "honest.jsonl") if r.get("peers") == 2]
+            if refused in _log(workdir, "honest") or len(together) >= STEPS:
+                stop.touch()  # the peers stop at their next batch
             time.sleep(0.2)
         assert processes["honest"].returncode == 0, f"the honest peer failed:\n{_log(workdir, 'honest')[-3000:]}"
     finally:
@@ -115,7 +120,7 @@ def test_an_honest_peer_refuses_a_poisoners_contribution(tmp_path: Path, attack:
     for attempt in range(ATTEMPTS):
         workdir = tmp_path / f"attempt{attempt}"
         workdir.mkdir()
-        steps = _honest_beside_poisoner(workdir, attack)
+        steps = _honest_beside_poisoner(workdir, attack, refused)
         log = _log(workdir, "honest")
         worst = max(max(abs(value) for value in params) for params in steps)
         assert math.isfinite(worst) and worst < SANE, f"the honest peer's weights reached {worst}:\n{log[-3000:]}"
