@@ -15,6 +15,7 @@ Imported when a run starts (it imports hivemind). Three entry points of foreign 
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from typing import Any
 
@@ -168,6 +169,7 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedDownload):
         self.max_ratio = max_ratio
         self._loading_state = False
         super().__init__(**kwargs)
+        self.finished_averaging_round = _MarkingEvent()  # nothing ran yet: hivemind's threads start at the first step
 
     def _own_state_specs(self) -> list[trust.TensorSpec]:
         # The tensors get_current_state sends, in its order: parameters, extra tensors, optimizer statistics.
@@ -198,7 +200,8 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedDownload):
         super()._apply_averaging_results_()
 
     def _apply_optimizer_parameters_(self) -> None:
-        if self.reuse_tensors and not self._loading_state:
+        averaged = self.finished_averaging_round.consume_mark()
+        if self.reuse_tensors and averaged and not self._loading_state:
             # Averaging wrote into the offloaded optimizer's own tensors; the module still holds the previous step's.
             offloaded = [p for group in self.optimizer.param_groups for p in group["params"]]
             problem = self._averaged_state_problem(trust.norm_of(offloaded), trust.norm_of(self.main_parameters))
@@ -291,6 +294,23 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedDownload):
             raise trust.StateRefused(f"its metadata is a {type(metadata).__name__}, not a dict")
         trust.check_count(specs, len(tensors))
         return metadata, tensors
+
+
+class _MarkingEvent(threading.Event):
+    """hivemind's 'averaging round finished' event, remembering that a round finished until the result is applied
+    (so that the offloaded parameters are checked after averaging only, not after every local step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.marked = False
+
+    def set(self) -> None:
+        self.marked = True
+        super().set()
+
+    def consume_mark(self) -> bool:
+        marked, self.marked = self.marked, False
+        return marked
 
 
 def _decoded(spec: trust.TensorSpec, parts: list) -> torch.Tensor:

@@ -20,7 +20,7 @@ from hivemind.proto import averaging_pb2  # noqa: E402
 from hivemind.utils.serializer import MSGPackSerializer  # noqa: E402
 from hivemind.utils.streaming import split_for_streaming  # noqa: E402
 from phalanx_hivemind import SwarmTrustError, SwarmTrustWarning, trust  # noqa: E402
-from phalanx_hivemind.guarded import GuardedOptimizer, GuardedStateAverager  # noqa: E402
+from phalanx_hivemind.guarded import GuardedOptimizer, GuardedStateAverager, _MarkingEvent  # noqa: E402
 from phalanx_hivemind.strategy import HivemindStrategy  # noqa: E402
 
 # This peer's state: two parameters, one optimizer statistic (what get_current_state sends, in its order).
@@ -223,6 +223,7 @@ def _state_averager(averaged, own, reuse_tensors: bool = False) -> GuardedStateA
     averager.max_ratio, averager.local_epoch, averager._loading_state = 10.0, 5, False
     averager.reuse_tensors, averager.main_parameters = reuse_tensors, own
     averager.optimizer = SimpleNamespace(param_groups=[{"params": averaged}])
+    averager.finished_averaging_round = _MarkingEvent()
     return averager
 
 
@@ -263,15 +264,16 @@ def test_offloaded_parameters_averaged_in_place_stop_the_peer(monkeypatch, avera
     cls = hivemind.optim.state_averager.TrainingStateAverager
     monkeypatch.setattr(cls, "_apply_optimizer_parameters_", lambda self: applied.append(self))
     averager = _state_averager(averaged, [torch.full((4, 3), 0.5)], reuse_tensors=True)
+    averager._apply_optimizer_parameters_()  # after a local optimizer step: no averaging round finished, no check
+    averager.finished_averaging_round.set()  # hivemind's averaging thread, when a round ends
     if refused:
         with pytest.raises(SwarmTrustError, match=f"refused the parameters of swarm step 5: .*{message}.*it stops"):
             averager._apply_optimizer_parameters_()
-        assert applied == []
+        assert applied == [averager]
+        averager.finished_averaging_round.set()
         averager._loading_state = True  # a downloaded state was checked as it arrived
-        averager._apply_optimizer_parameters_()
-    else:
-        averager._apply_optimizer_parameters_()
-    assert applied[-1:] == [averager]
+    averager._apply_optimizer_parameters_()
+    assert applied == [averager, averager]
 
 
 @pytest.mark.parametrize(
