@@ -27,7 +27,7 @@ from hivemind.optim.grad_averager import GradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager, dump_optimizer_state
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
@@ -35,6 +35,8 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 from phalanx_hivemind import trust
 
 log = logging.getLogger("phalanx_hivemind")
+#: The download loop below stands in for hivemind's: it logs its progress where hivemind's did (INFO).
+download_log = get_logger("hivemind.averaging.averager")
 
 GRAD_OPTION, STATE_OPTION = "max_averaged_grad_ratio", "max_averaged_state_ratio"
 
@@ -233,6 +235,7 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedDownload):
             chunk_timeout = None if timeout is None else (self.next_chunk_timeout or timeout)
             for peer in self._peers_sharing_state():
                 try:
+                    download_log.info(f"Downloading parameters from peer {peer}")
                     state = await self._download_checked(peer, chunk_timeout)
                     if state is not None and reference_norm is not None:
                         self._check_parameter_norm(state[1], reference_norm)
@@ -240,9 +243,10 @@ class GuardedStateAverager(TrainingStateAverager, _CheckedDownload):
                     refusals.append(f"peer {peer} ({refusal})")
                     continue
                 except Exception as error:  # the peer left, timed out or broke the stream: try the next one
-                    log.info("hivemind: state download from %s failed: %s: %s", peer, type(error).__name__, error)
+                    download_log.info(f"Failed to download state from {peer}: {type(error).__name__}: {error}")
                     continue
                 if state is not None:
+                    download_log.info(f"Finished downloading a checked state from {peer}")
                     future.set_result((*state, refusals))
                     return
         finally:
