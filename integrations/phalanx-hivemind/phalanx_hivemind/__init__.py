@@ -9,6 +9,7 @@ from phalanx_hivemind.download import SwarmStateError
 from phalanx_hivemind.options import COMPRESSIONS, INITIAL_PEERS_ENV, RUN_ID_ENV, TARGET_BATCH_SIZE_ENV
 from phalanx_hivemind.strategy import HivemindStrategy
 from phalanx_hivemind.swarm import SwarmProgress, SwarmScheduler
+from phalanx_hivemind.trust import SwarmTrustError, SwarmTrustWarning
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,6 @@ __all__ = [
     "SwarmProgress",
     "SwarmScheduler",
     "SwarmStateError",
+    "SwarmTrustError",
+    "SwarmTrustWarning",
 ]

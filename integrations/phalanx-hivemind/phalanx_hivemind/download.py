@@ -32,6 +32,9 @@ def bound_state_download(optimizer: Any, timeout: float) -> None:
         # Only a joining peer retries a download that brought no state: during training hivemind goes on (and tries
         # again at its next step), and itself catches up one step without a download (a step the swarm just took).
         if attempt.strict and optimizer.tracker.global_epoch > optimizer.local_epoch:
+            refused = getattr(optimizer.state_averager, "last_refusals", None)
+            if refused:  # what the checks of trust.py refused, peer by peer
+                return "no peer sent an acceptable state at the swarm's step; refused: " + "; ".join(refused)
             return "no peer sent a state at the swarm's step"
         return None
 
@@ -46,6 +49,8 @@ def bound_state_download(optimizer: Any, timeout: float) -> None:
         # require_state: a peer joining with its own initial weights; hivemind would let it count itself one step on
         # without any state when the download fails, and step with weights nobody else has.
         attempt.start(strict=require_state)
+        if hasattr(averager, "last_refusals"):
+            averager.last_refusals = []  # what the guarded averager refused during this download, peer by peer
         download(**kwargs)
         behind = optimizer.tracker.global_epoch - optimizer.local_epoch
         if attempt.failed and (behind > 0 or require_state):

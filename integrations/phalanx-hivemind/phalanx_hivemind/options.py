@@ -155,3 +155,31 @@ def check_local_updates(use_local_updates: bool, delay_grad_averaging: bool, gra
             "HivemindStrategy(use_local_updates=True) never averages gradients, so grad_compression has no effect;"
             " leave it at 'none' (state_compression applies to the averaged parameters)."
         )
+
+
+def ratio(name: str, value: Any) -> float | None:
+    """``value`` as a float if it is a finite number >= 1 (an average is never larger than its largest part), or None
+    (the check is off); else ValueError naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < float("inf"):
+        raise ValueError(
+            f"HivemindStrategy({name}={value!r}) must be a finite number >= 1, or None to accept averaged values of"
+            " any finite size."
+        )
+    return float(value)
+
+
+#: The methods of hivemind's AuthorizerBase (hivemind.utils.auth), checked by duck type so that hivemind is not
+#: imported when the strategy is built.
+AUTHORIZER_METHODS = ("sign_request", "validate_request", "sign_response", "validate_response")
+
+
+def authorizer(value: Any) -> Any:
+    """None or a hivemind ``AuthorizerBase`` (by duck type: its four methods); else TypeError."""
+    if value is None or all(callable(getattr(value, method, None)) for method in AUTHORIZER_METHODS):
+        return value
+    raise TypeError(
+        f"HivemindStrategy(authorizer={value!r}) must be a hivemind.utils.auth.AuthorizerBase (with methods"
+        f" {', '.join(AUTHORIZER_METHODS)}), such as a TokenAuthorizerBase subclass, or None."
+    )

@@ -22,7 +22,7 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies import RunSettings, SingleDeviceStrategy
 from phalanx.utilities.exceptions import CheckpointError
-from phalanx_hivemind import options
+from phalanx_hivemind import options, trust
 from phalanx_hivemind.download import bound_state_download, keep_schedule_on_download
 from phalanx_hivemind.swarm import SwarmProgress, SwarmScheduler
 
@@ -62,6 +62,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         state_compression: Any = "none",
         log_progress: bool = True,
         verbose: bool = False,
+        max_averaged_grad_ratio: float | None = trust.DEFAULT_MAX_AVERAGED_GRAD_RATIO,
+        max_averaged_state_ratio: float | None = trust.DEFAULT_MAX_AVERAGED_STATE_RATIO,
+        authorizer: Any = None,
         device: str | int | torch.device = "cpu",
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -96,6 +99,9 @@ class HivemindStrategy(SingleDeviceStrategy):
         self.state_compression = options.compression("state_compression", state_compression)
         options.check_delays(offload_optimizer, delay_optimizer_step, delay_grad_averaging, delay_state_averaging)
         options.check_local_updates(use_local_updates, delay_grad_averaging, self.grad_compression)
+        self.max_averaged_grad_ratio = options.ratio("max_averaged_grad_ratio", max_averaged_grad_ratio)
+        self.max_averaged_state_ratio = options.ratio("max_averaged_state_ratio", max_averaged_state_ratio)
+        self.authorizer = options.authorizer(authorizer)
         self._dht: Any = None
         self._hivemind_optimizer: Any = None
         self._current_batch_size: int | None = None
@@ -153,6 +159,8 @@ class HivemindStrategy(SingleDeviceStrategy):
                 host_maddrs=self.host_maddrs,
                 announce_maddrs=self.announce_maddrs,
                 client_mode=self.client_mode,
+                # Signs and checks every DHT request and response: who may read and write the swarm's records.
+                **({} if self.authorizer is None else {"authorizer": self.authorizer}),
             )
         except Exception as error:
             where = f"the initial peers {self.initial_peers}" if self.initial_peers else "no initial peers"
@@ -202,9 +210,11 @@ class HivemindStrategy(SingleDeviceStrategy):
             )
         scheduler = self._scheduler_for_hivemind()
         optimizer = self.optimizers[0]
-        import hivemind
+        from phalanx_hivemind.guarded import GuardedOptimizer
 
-        self._hivemind_optimizer = hivemind.Optimizer(
+        self._hivemind_optimizer = GuardedOptimizer(
+            max_averaged_grad_ratio=self.max_averaged_grad_ratio,
+            max_averaged_state_ratio=self.max_averaged_state_ratio,
             dht=self._dht,
             run_id=self.run_id,
             target_batch_size=self.target_batch_size,

@@ -4,7 +4,9 @@ Run by test_hivemind_strategy.py as a subprocess (one per peer). It writes, line
 mid-run leaves what it recorded), to ``<out>/<name>.jsonl``: its addresses once the DHT runs, then one record per
 swarm step it reaches: the step, the parameters right after it, the number of peers and the mean loss of the batches
 it trained since the previous record. It stops at the first batch after ``--stop-file`` appears, at swarm step
-``--swarm-steps``, ``--more-steps`` after its first, or after ``--max-seconds``.
+``--swarm-steps``, ``--more-steps`` after its first, or after ``--max-seconds``. ``--poison`` makes it an attacker
+(test_hivemind_trust.py): every gradient one value, its parameters one value after each batch, or the state it serves
+to joiners tampered with.
 """
 
 from __future__ import annotations
@@ -93,6 +95,61 @@ class Recorder(phalanx.Callback):
             trainer.should_stop = True
 
 
+class PoisonParameters(phalanx.Callback):
+    """An attacker that sets its parameters to one value after every batch (they reach others by state averaging)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.fill_(self.value)
+
+
+def _tampered_state(kind: str):
+    """hivemind's get_current_state, changed the way ``kind`` says (what this peer serves to joiners)."""
+    from hivemind.optim.state_averager import TrainingStateAverager
+
+    original = TrainingStateAverager.get_current_state
+
+    def get_current_state(self):
+        metadata, tensors, infos = original(self)
+        tensors, infos = list(tensors), list(infos)
+        first = tensors[0]
+        if kind in ("nan", "inf"):
+            tensors[0] = torch.full_like(first, float(kind))
+        elif kind == "shape":
+            tensors[0] = torch.zeros(first.shape[0] + 1, *first.shape[1:])
+        elif kind == "dtype":
+            tensors[0] = first.double()
+        elif kind == "extra":  # one more, large tensor after the state
+            tensors.append(torch.zeros(1 << 20))
+        else:
+            raise ValueError(f"unknown state attack {kind!r}")
+        from hivemind.compression import CompressionInfo
+
+        infos = [CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors)]
+        return metadata, tensors, infos
+
+    TrainingStateAverager.get_current_state = get_current_state  # this process is the attacker
+
+
+def _poisoning(module: phalanx.TrainingModule, attack: str) -> phalanx.Callback:
+    """Make this peer an attacker: every gradient VALUE, its parameters VALUE, or its served state tampered."""
+    what, _, value = attack.partition("=")
+    if what == "grads":
+        for parameter in module.parameters():
+            parameter.register_hook(lambda grad: torch.full_like(grad, float(value)))
+        return phalanx.Callback()
+    if what == "params":
+        return PoisonParameters(float(value))
+    if what == "state":
+        _tampered_state(value)
+        return phalanx.Callback()
+    raise ValueError(f"unknown attack {attack!r}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
@@ -114,6 +171,7 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--options", default="{}", help="more HivemindStrategy arguments, as JSON")
     parser.add_argument("--no-scheduler", action="store_true", help="train without the StepLR")
+    parser.add_argument("--poison", default=None, help="an attack: grads=VALUE, params=VALUE or state=KIND")
     args = parser.parse_args()
 
     # One thread per peer: several peers and their averager processes share a few cores, and torch's intra-op pool
@@ -137,13 +195,14 @@ def main() -> None:
         **json.loads(args.options),
     )
     deadline = time.time() + args.max_seconds
+    callbacks = [] if args.poison is None else [_poisoning(module, args.poison)]
     recorder = Recorder(args.out / f"{args.name}.jsonl", args.swarm_steps, deadline, args.stop_file, args.go_file)
     recorder.more_steps = args.more_steps
     trainer = phalanx.Trainer(
         accelerator="cpu",
         strategy=strategy,
         max_epochs=1000,
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
         logger=False,
         enable_progress_bar=False,
         enable_checkpointing=False,
