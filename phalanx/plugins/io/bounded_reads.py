@@ -101,8 +101,10 @@ def check_archive(stream: Any, source: str) -> None:
 
     size = _size(stream)
     stream.seek(0)
+    starts_as_archive = stream.read(4) == b"PK\x03\x04"  # torch reads an archive only from the file's first byte
+    stream.seek(0)
     try:
-        archive = zipfile.ZipFile(stream) if zipfile.is_zipfile(stream) else None
+        archive = zipfile.ZipFile(stream) if starts_as_archive and zipfile.is_zipfile(stream) else None
         entries = archive.infolist() if archive is not None else None
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
         entries = None
