@@ -60,6 +60,8 @@ def run_bounded(function: Callable[[], Any], *, headroom: int = HEADROOM, second
         try:
             resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
             signal.alarm(seconds)  # the default action ends the process
+            if "torch" in sys.modules:  # the parent's OpenMP threads did not survive the fork: run on this one only
+                sys.modules["torch"].set_num_threads(1)
             before = _rchar()
             try:
                 function()
