@@ -132,6 +132,25 @@ def check_archive(stream: Any, source: str) -> None:
         raise CheckpointError(
             f"Refusing to load {source}: {detail}; reading it could allocate more memory than the file holds."
         )
+    if _QUANTIZED in _pickle_of(archive, entries):
+        raise CheckpointError(
+            f"Refusing to load {source}: it holds a quantized tensor ({_QUANTIZED}), which torch's reader allocates"
+            " at the size the file claims before checking it against the bytes stored; phalanx does not read"
+            " quantized tensors from checkpoints. Save tensor.dequantize() instead."
+        )
+    stream.seek(0)
+
+
+_QUANTIZED = "torch._utils._rebuild_qtensor"
+
+
+def _pickle_of(archive: Any, entries: list[zipfile.ZipInfo]) -> list[str]:
+    """The globals the archive's data.pkl names, looked for only where its bytes mention a quantized tensor."""
+    from phalanx.plugins.io.torch_io import referenced_globals
+
+    entry = next((info for info in entries if info.filename.endswith("data.pkl")), None)
+    pickled = archive.read(entry) if entry is not None else b""  # no larger than the file (checked above)
+    return referenced_globals(pickled) if b"_rebuild_qtensor" in pickled else []
 
 
 def _bounded_read(stream: Any, limit: int) -> bytes:

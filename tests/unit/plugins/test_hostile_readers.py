@@ -12,6 +12,7 @@ import shutil
 import socket
 import struct
 import time
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Callable
@@ -40,9 +41,25 @@ def _saved(value: Any, **options: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _claiming(data: bytes, claim: int) -> bytes:
-    """``data`` (the pickle of a 255-element uint8 tensor) with its element count and size changed to ``claim``."""
-    return data.replace(b"K\xff", b"J" + struct.pack("<i", claim))
+def _claiming(data: bytes, claim: int, *, first: int = 0) -> bytes:
+    """``data`` (the pickle of a 255-element uint8 tensor) with its element count and size changed to ``claim``
+    (from the ``first``-th mention of 255 on: 0 is the storage's size, 1 the tensor's)."""
+    head, *mentions = data.split(b"K\xff")
+    changed = b"J" + struct.pack("<i", claim)
+    return head + b"".join((changed if index >= first else b"K\xff") + rest for index, rest in enumerate(mentions))
+
+
+def _quantized(path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantized tensors: that is not what is tested
+        tensor = torch.quantize_per_tensor(torch.zeros(255), 0.1, 0, torch.quint8)
+    source = zipfile.ZipFile(io.BytesIO(_saved({"state_dict": {"w": tensor}})))
+    with zipfile.ZipFile(path, "w") as archive:
+        for info in source.infolist():
+            content = source.read(info.filename)
+            archive.writestr(
+                info.filename, _claiming(content, CLAIM, first=1) if info.filename.endswith(".pkl") else content
+            )
 
 
 def _compressed_storage(path: Path) -> None:
@@ -101,6 +118,7 @@ HOSTILE_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
         ),
         r"legacy format",
     ),
+    "a quantized tensor claiming 2**29 elements of 255 stored": (_quantized, r"holds a quantized tensor"),
     "a named pipe (FIFO)": (_fifo, r"is a named pipe \(FIFO\), not a regular file"),
     "a link to /dev/zero": (_device, r"is a character device, not a regular file"),
     "a socket": (_socket, r"is a socket, not a regular file"),
