@@ -80,6 +80,17 @@ def _compressed_storage(path: Path) -> None:
     assert path.stat().st_size < 4 << 20
 
 
+def _oversized_entry(path: Path) -> None:
+    """A torch.save archive whose directory says its storage entry holds 2**31 - 1 bytes (the file holds a few KB)."""
+    data = bytearray(_saved({"state_dict": {"w": torch.zeros(255, dtype=torch.uint8)}}))
+    start = 0
+    while (start := data.find(b"PK\x01\x02", start + 1)) != -1:  # each entry of the central directory
+        length = struct.unpack_from("<H", data, start + 28)[0]
+        if bytes(data[start + 46 : start + 46 + length]).endswith(b"data/0"):
+            struct.pack_into("<II", data, start + 20, (1 << 31) - 1, (1 << 31) - 1)  # compressed, uncompressed size
+    path.write_bytes(bytes(data))
+
+
 def _write(data: bytes) -> Callable[[Path], None]:
     return lambda path: path.write_bytes(data)
 
@@ -112,6 +123,7 @@ HOSTILE_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
         r"claims 268435456 elements .* zero or overlapping strides",
     ),
     "a storage stored deflated (a zip bomb)": (_compressed_storage, r"compressed"),
+    "an entry claiming more bytes than the file": (_oversized_entry, r"entries claim \d+ bytes but the file holds"),
     "torch's legacy format claiming 2**29 bytes": (
         _write(
             _claiming(_saved({"w": torch.zeros(255, dtype=torch.uint8)}, _use_new_zipfile_serialization=False), CLAIM)
