@@ -56,9 +56,9 @@ OPTIMIZER_MARKER = {OPTIMIZER_MARKER_KEY: "deepspeed"}
 
 
 def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a checkpoint directory written by ``DeepSpeedStrategy``."""
+    """Whether ``path`` is a checkpoint directory written by ``DeepSpeedStrategy`` (reading a file refuses a FIFO)."""
     directory = Path(path)
-    return directory.is_dir() and (directory / STATE_FILE).is_file() and (directory / "latest").is_file()
+    return directory.is_dir() and all(os.path.lexists(directory / name) for name in (STATE_FILE, "latest"))
 
 
 def is_optimizer_marker(state: Any) -> bool:
@@ -73,9 +73,9 @@ def read_trainer_state(path: str | os.PathLike, *, read: Reader | None = None) -
 
     directory = Path(path)
     if not is_deepspeed_checkpoint(directory):
-        missing = (
-            [name for name in (STATE_FILE, "latest") if not (directory / name).is_file()] if directory.is_dir() else []
-        )
+        missing = [
+            name for name in (STATE_FILE, "latest") if directory.is_dir() and not os.path.lexists(directory / name)
+        ]
         detail = f"; {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else ""
         raise CheckpointError(
             f"{directory} is not a DeepSpeed checkpoint directory written by phalanx (it needs '{STATE_FILE}' and"

@@ -271,8 +271,9 @@ def _read_local(path: str) -> dict[str, Any]:
 
 
 def is_xla_fsdp_checkpoint(directory: Any) -> bool:
-    """Whether the local ``directory`` holds a sharded xla_fsdp checkpoint's meta file."""
-    return os.path.isfile(os.path.join(os.fspath(directory), META_FILE))
+    """Whether the local ``directory`` holds a sharded xla_fsdp checkpoint's meta file (whatever it is: reading it
+    refuses anything but a regular file inside the directory, naming what it is)."""
+    return os.path.lexists(os.path.join(os.fspath(directory), META_FILE))
 
 
 __all__ = ["META_FILE", "ShardState", "consolidate_xla_fsdp", "read_own_pieces", "shard_file", "write_sharded"]

@@ -288,3 +288,21 @@ def test_a_save_last_link_inside_the_folder_is_still_chosen(honest, tmp_path):
     assert newest_complete_checkpoint([folder], name_prefix="last", recursive=False) == str(target.resolve())
     assert _resolve(tmp_path, "last") == str(target.resolve())
     assert _resolve(tmp_path, "auto") == str(target.resolve())
+
+
+def test_last_refuses_the_runs_own_last_link_once_it_leads_outside(honest, tmp_path):
+    from phalanx.utilities.exceptions import UnsafeCheckpointError
+
+    folder, outside = tmp_path / "run" / "checkpoints", tmp_path / "elsewhere"
+    folder.mkdir(parents=True)
+    outside.mkdir()
+    shutil.copyfile(honest, outside / "other.ckpt")
+    (folder / "last.ckpt").symlink_to(outside / "other.ckpt")  # the save_last="link" link, switched by someone else
+    trainer = quiet_trainer(
+        default_root_dir=tmp_path / "run",
+        enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=folder, save_last="link")],
+    )
+    trainer.checkpoint_callback.last_model_path = str(folder / "last.ckpt")
+    with pytest.raises(UnsafeCheckpointError, match=r"the link last\.ckpt .* outside the checkpoint directory"):
+        trainer._checkpoint_connector.resolve_path("last")

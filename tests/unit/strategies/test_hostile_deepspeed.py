@@ -85,7 +85,7 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, list[str]]] = {
     ),
     "a 'latest' file that is a FIFO": (
         lambda d: (_tamper_tag(d), _fifo(d / "latest")),
-        r"named pipe \(FIFO\), not a regular file|latest (is|are) missing|not a checkpoint phalanx can read",
+        r"named pipe \(FIFO\), not a regular file|latest is missing or not a regular file",
         ALL,
     ),
 }

@@ -77,7 +77,7 @@ XLA_ATTACKS: dict[str, tuple[Callable[[Path], None], str, bool]] = {
     ),
     "the meta file is a FIFO": (
         lambda p: _fifo(p / META_FILE),
-        r"named pipe \(FIFO\), not a regular file|is a directory but not a checkpoint phalanx can read",
+        r"named pipe \(FIFO\), not a regular file",
         True,
     ),
     "a replica's file is a FIFO": (
