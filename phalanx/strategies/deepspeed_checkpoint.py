@@ -1,5 +1,4 @@
-"""DeepSpeed checkpoint directories written by ``DeepSpeedStrategy``, and turning one into an ordinary phalanx
-checkpoint.
+"""DeepSpeed checkpoint directories written by ``DeepSpeedStrategy``, and turning one into a phalanx checkpoint.
 
 Layout of ``NAME.ckpt/``::
 
@@ -7,18 +6,16 @@ Layout of ``NAME.ckpt/``::
     checkpoint/                     DeepSpeed's own files: every rank writes its ZeRO partitions
         mp_rank_00_model_states.pt                   stages 0-2: the module (in the training dtype), parameter shapes
         zero_pp_rank_R_mp_rank_00_model_states.pt    stage 3: buffers, shapes, frozen-parameter shards of rank R
-        [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   stages 1-3: rank R's float32 master weights and optimizer
-        state
-    phalanx_deepspeed_state.pt     the Trainer's state (loops, callbacks, RNG states, schedulers, hyper-parameters),
-                                    plain values, loadable with weights_only=True
+        [bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt   stages 1-3: rank R's float32 weights and optimizer state
+    phalanx_deepspeed_state.pt     the Trainer's state (loops, callbacks, RNG states, schedulers...): plain values
     .complete                       written last, once every rank has finished
 
 Consolidation never imports deepspeed and never unpickles arbitrary objects: DeepSpeed's files are read with
 ``torch.load(weights_only=True)``, with a short allow-list, active only while phalanx reads one of these files, that
 maps the few DeepSpeed record types they contain (loss scaler, ZeRO stage enum, fragment addresses) to inert
-placeholder objects. The tag (from the state file or ``latest``) must be a plain name inside the directory, and no
-file read may lead outside it through a symbolic link. A file that is missing, truncated, damaged or from another
-checkpoint gives one ``CheckpointError`` naming it.
+placeholder objects. The tag must be a plain name inside the directory, no file read may lead outside it through a
+symbolic link, and what is built is bounded by the bytes the files hold. A file that is missing, truncated, damaged or
+from another checkpoint gives one ``CheckpointError`` naming it.
 
 The optimizer state is mapped back to the standard ``optimizer.state_dict()`` layout (one entry per parameter, numbered
 in parameter-group order) for optimizers whose state tensors have one value per parameter element (Adam, AdamW, SGD
@@ -38,6 +35,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from phalanx.plugins.io.bounded_reads import counted_cat, counted_clone, counted_flat, counted_float
 from phalanx.plugins.io.checkpoint_files import OPTIMIZER_OMITTED, entry_inside
 from phalanx.strategies.deepspeed_files import Files, load_part, tag_directory
 from phalanx.utilities.exceptions import CheckpointError
@@ -56,13 +54,11 @@ TAG = "checkpoint"
 OPTIMIZER_MARKER_KEY = "stored_by"
 OPTIMIZER_MARKER = {OPTIMIZER_MARKER_KEY: "deepspeed"}
 
-_HALF = (torch.float16, torch.bfloat16)
-
 
 def is_deepspeed_checkpoint(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a checkpoint directory written by ``DeepSpeedStrategy``."""
+    """Whether ``path`` is a checkpoint directory written by ``DeepSpeedStrategy`` (reading a file refuses a FIFO)."""
     directory = Path(path)
-    return directory.is_dir() and (directory / STATE_FILE).is_file() and (directory / "latest").is_file()
+    return directory.is_dir() and all(os.path.lexists(directory / name) for name in (STATE_FILE, "latest"))
 
 
 def is_optimizer_marker(state: Any) -> bool:
@@ -72,13 +68,14 @@ def is_optimizer_marker(state: Any) -> bool:
 
 def read_trainer_state(path: str | os.PathLike, *, read: Reader | None = None) -> dict[str, Any]:
     """The Trainer's state saved beside DeepSpeed's files (``weights_only=True``; read by ``read`` if given)."""
+    from phalanx.plugins.io.bounded_reads import check_tensors, open_checkpoint_file
     from phalanx.plugins.io.torch_io import load_bytes
 
     directory = Path(path)
     if not is_deepspeed_checkpoint(directory):
-        missing = (
-            [name for name in (STATE_FILE, "latest") if not (directory / name).is_file()] if directory.is_dir() else []
-        )
+        missing = [
+            name for name in (STATE_FILE, "latest") if directory.is_dir() and not os.path.lexists(directory / name)
+        ]
         detail = f"; {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else ""
         raise CheckpointError(
             f"{directory} is not a DeepSpeed checkpoint directory written by phalanx (it needs '{STATE_FILE}' and"
@@ -86,8 +83,10 @@ def read_trainer_state(path: str | os.PathLike, *, read: Reader | None = None) -
         )
     file = entry_inside(directory, STATE_FILE, root=directory, what="phalanx's state file")
     if read is not None:
-        return read(file, "cpu")
-    with open(file, "rb") as handle:
+        state = read(file, "cpu")
+        check_tensors(state, str(directory / STATE_FILE))
+        return state
+    with open_checkpoint_file(file, str(directory / STATE_FILE)) as handle:
         return load_bytes(handle, str(directory / STATE_FILE), map_location="cpu")
 
 
@@ -102,6 +101,8 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike, *, read: Reader |
     module docstring). Needs no process group and no deepspeed installation. ``read(file, map_location)`` reads each
     file (a strategy passes its CheckpointIO's ``load_checkpoint``); by default phalanx reads them here.
     """
+    from phalanx.plugins.io.bounded_reads import allocation_budget
+
     directory = Path(path)
     state = read_trainer_state(directory, read=read)
     meta = state.get("deepspeed")
@@ -116,7 +117,8 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike, *, read: Reader |
     try:
         # DeepSpeed saves its master weights with requires_grad: without no_grad, the merged tensors would carry a
         # graph (and FSDP refuses to distribute non-leaf tensors); _detached covers what passes through unchanged.
-        with torch.no_grad():
+        # What the files' layout claims is built within a bound set by the bytes they hold.
+        with torch.no_grad(), allocation_budget([model_states, optim_states], str(files.directory)):
             weights, optimizer_state = _detached(_consolidate(model_states, optim_states, str(files.directory)))
     except CheckpointError:
         raise
@@ -147,10 +149,8 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike, *, read: Reader |
 def _detached(value: Any) -> Any:
     if isinstance(value, Tensor):
         return value.detach()
-    if isinstance(value, OrderedDict):
-        return OrderedDict((key, _detached(item)) for key, item in value.items())
-    if isinstance(value, dict):
-        return {key: _detached(item) for key, item in value.items()}
+    if isinstance(value, dict):  # an OrderedDict stays one
+        return type(value)((key, _detached(item)) for key, item in value.items())
     if isinstance(value, (list, tuple)):
         return type(value)(_detached(item) for item in value)
     return value
@@ -165,7 +165,7 @@ def _consolidate(
     buffer_names = set(first.get("buffer_names") or [])
     if not optim_states:
         # No ZeRO partitions: the module file holds the whole model and (for a torch optimizer) its usual state.
-        weights = OrderedDict((name, _to_float32(tensor)) for name, tensor in module.items())
+        weights = OrderedDict((name, counted_float(tensor)) for name, tensor in module.items())
         optimizer = first.get("optimizer")
         mapped = optimizer if isinstance(optimizer, dict) and set(optimizer) == {"state", "param_groups"} else None
         return weights, mapped
@@ -191,19 +191,15 @@ def _consolidate(
         if name in trainable:
             weights[name] = trainable[name]
         elif name in buffer_names:
-            weights[name] = _to_float32(tensor)
+            weights[name] = counted_float(tensor)
         elif name in frozen:
-            weights[name] = _to_float32(frozen[name])
+            weights[name] = counted_float(frozen[name])
     for name, value in {**trainable, **frozen}.items():
-        weights.setdefault(name, _to_float32(value))
+        weights.setdefault(name, counted_float(value))
     for alias, owner in (first.get("shared_params") or {}).items():
         if owner in weights:
             weights[alias] = weights[owner]
     return weights, optimizer
-
-
-def _to_float32(tensor: Tensor) -> Tensor:
-    return tensor.float() if tensor.dtype in _HALF else tensor
 
 
 def _zero12(
@@ -232,7 +228,7 @@ def _zero12_weights(
                 f"{source}: the optimizer partitions of parameter group {group} hold {sizes} elements; DeepSpeed"
                 " splits a group evenly, so they come from different checkpoints."
             )
-        flat = torch.cat([state["single_partition_of_fp32_groups"][group].float() for state in optim_states])
+        flat = counted_cat([counted_float(state["single_partition_of_fp32_groups"][group]) for state in optim_states])
         offset = 0
         group_slices = []
         for index, (name, shape) in enumerate(shapes.items()):
@@ -242,7 +238,7 @@ def _zero12_weights(
                     f"{source}: parameter {name!r} lies beyond the saved partitions of group {group}; the checkpoint"
                     " is incomplete, or its files come from different checkpoints."
                 )
-            trainable[name] = flat[offset : offset + numel].view(shape).clone()
+            trainable[name] = counted_clone(flat[offset : offset + numel].view(shape))
             group_slices.append((name, offset, numel, shape))
             offset += numel + (paddings[group][index] if paddings is not None else 0)
         slices.append(group_slices)
@@ -285,7 +281,7 @@ def _zero12_optimizer(
             entry = {}
             for key, value in full.items():
                 entry[key] = (
-                    value[offset : offset + numel].view(shape).clone()
+                    counted_clone(value[offset : offset + numel].view(shape))
                     if isinstance(value, _Flat)
                     else _copy(value.value)
                 )
@@ -346,7 +342,7 @@ def _merge_state_value(values: list[Any], partition_numels: list[int], paddings:
         if all(
             isinstance(v, Tensor) and v.numel() in (n, n + pad) for v, n, pad in zip(values, partition_numels, paddings)
         ):
-            return _Flat(torch.cat([v.reshape(-1)[:n] for v, n in zip(values, partition_numels)]))
+            return _Flat(counted_cat([counted_flat(v)[:n] for v, n in zip(values, partition_numels)]))
         return _UNMAPPABLE
     if isinstance(first, (Tensor, int, float, bool)):
         return _Scalar(first)
@@ -354,14 +350,14 @@ def _merge_state_value(values: list[Any], partition_numels: list[int], paddings:
 
 
 def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, Tensor) else value
+    return counted_clone(value) if isinstance(value, Tensor) else value
 
 
 def _zero3(
     param_shapes: list[OrderedDict[str, Any]], optim_states: list[dict[str, Any]], world_size: int, source: str
 ) -> tuple[dict[str, Tensor], dict[str, Any] | None]:
     """ZeRO stage 3: every parameter is split on its own into ``ceil(numel / world_size)`` elements per rank."""
-    flats = [torch.cat([group.float().reshape(-1) for group in state["fp32_flat_groups"]]) for state in optim_states]
+    flats = [counted_cat([counted_float(group) for group in state["fp32_flat_groups"]]) for state in optim_states]
     if any(flat.numel() != flats[0].numel() for flat in flats):
         raise CheckpointError(
             f"{source}: the optimizer partitions hold {[flat.numel() for flat in flats]} elements; ZeRO-3 gives every"
@@ -379,7 +375,9 @@ def _zero3(
                     f"{source}: parameter {name!r} lies beyond the saved partitions; the checkpoint is incomplete, or"
                     " its files come from different checkpoints."
                 )
-            trainable[name] = torch.cat([flat[offset : offset + part] for flat in flats])[:numel].view(shape).clone()
+            trainable[name] = counted_clone(
+                counted_cat([flat[offset : offset + part] for flat in flats])[:numel].view(shape)
+            )
             layout.append((group, name, offset, numel, shape))
             offset += part
     optimizer = _zero3_optimizer(param_shapes, optim_states, layout, world_size)
@@ -412,7 +410,9 @@ def _zero3_optimizer(
         entry = {}
         for key, value in merged.items():
             if isinstance(value, list):
-                entry[key] = torch.cat([flat[offset : offset + part] for flat in value])[:numel].view(shape).clone()
+                entry[key] = counted_clone(
+                    counted_cat([flat[offset : offset + part] for flat in value])[:numel].view(shape)
+                )
             else:
                 entry[key] = _copy(value)
         if entry:
@@ -470,7 +470,7 @@ def _zero3_merged_state(bases: list[dict[str, Any]], sub_numels: list[int]) -> d
             if isinstance(pieces[0], Tensor) and pieces[0].dim() > 0:
                 if not all(isinstance(p, Tensor) and p.numel() == n for p, n in zip(pieces, sub_numels)):
                     return None
-                merged.setdefault(key, []).append(torch.cat([p.reshape(-1) for p in pieces]))
+                merged.setdefault(key, []).append(counted_cat(pieces))
             elif isinstance(pieces[0], (Tensor, int, float, bool)):
                 merged.setdefault(key, pieces[0])
             else:
@@ -484,8 +484,8 @@ def _zero3_frozen(model_states: list[dict[str, Any]]) -> dict[str, Tensor]:
     frozen = {}
     for name, shape in shapes.items():
         numel = math.prod(shape)
-        pieces = [state["frozen_param_fragments"][name].reshape(-1) for state in model_states]
-        frozen[name] = torch.cat(pieces)[:numel].view(shape).clone()
+        pieces = [state["frozen_param_fragments"][name] for state in model_states]
+        frozen[name] = counted_clone(counted_cat(pieces)[:numel].view(shape))
     return frozen
 
 

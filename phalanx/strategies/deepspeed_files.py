@@ -33,9 +33,11 @@ def tag_directory(directory: Path, tag: Any = None) -> tuple[str, Path]:
     """
     what = "the DeepSpeed tag in the state file"
     if not tag:
+        from phalanx.plugins.io.bounded_reads import open_checkpoint_file
+
         latest = entry_inside(directory, "latest", root=directory, what="DeepSpeed's 'latest' file")
         try:
-            with open(latest, "rb") as handle:
+            with open_checkpoint_file(latest, str(directory / "latest")) as handle:
                 tag = handle.read(4096).decode().strip()  # a tag is a short name; a huge 'latest' is not read whole
         except (OSError, UnicodeDecodeError) as error:
             raise CheckpointError(
@@ -102,6 +104,7 @@ def load_deepspeed_file(
     CheckpointIO's ``load_checkpoint``, whose ``torch.load(weights_only=True)`` sees the allow-list); by default
     phalanx reads it here.
     """
+    from phalanx.plugins.io.bounded_reads import check_tensors, is_regular_file, open_checkpoint_file
     from phalanx.plugins.io.torch_io import load_bytes
 
     file = path_inside(path, root=root, what="a DeepSpeed checkpoint file")
@@ -113,8 +116,12 @@ def load_deepspeed_file(
             ),
         ):
             if read is not None:
-                return read(file, map_location)
-            with open(file, "rb") as handle:
+                if file.exists() and not is_regular_file(file):
+                    open_checkpoint_file(file, str(path)).close()  # refuses it, naming what it is
+                content = read(file, map_location)
+                check_tensors(content, str(path))  # whatever reads it: no tensor claims bytes the file lacks
+                return content
+            with open_checkpoint_file(file, str(path)) as handle:
                 return load_bytes(handle, str(path), map_location=map_location)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the DeepSpeed checkpoint {root} is incomplete.") from None
@@ -138,32 +145,24 @@ def _optim_name(rank: int) -> str:
 
 
 class Files:
-    """The files of one tag directory of a DeepSpeed checkpoint."""
+    """The files of one tag directory of a DeepSpeed checkpoint.
+
+    The number of ranks is the number of partition files present: a rank a file name claims must be below it, and
+    the world size the model states record must equal it, so a name or a number in a file cannot make phalanx look
+    for (or list) more files than the directory holds.
+    """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         names = os.listdir(directory)
-        optim = {
-            int(m.group(2)): name
-            for name in names
-            if (m := re.fullmatch(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", name))
-        }
-        zero3_models = {
-            int(m.group(1)): name
-            for name in names
-            if (m := re.fullmatch(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", name))
-        }
+        optim = _ranked(names, r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
+        zero3_models = _ranked(names, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
+        _check_ranks(directory, optim, _optim_name)
         self.optim_files = [directory / optim[rank] for rank in sorted(optim)]
-        _check_ranks(directory, sorted(optim), len(optim), _optim_name)
         self.zero3 = bool(zero3_models)
         if zero3_models:
+            _check_ranks(directory, zero3_models, _model_name)
             self.model_files = [directory / zero3_models[rank] for rank in sorted(zero3_models)]
-            _check_ranks(
-                directory,
-                sorted(zero3_models),
-                len(zero3_models),
-                lambda rank: f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
-            )
         elif (directory / "mp_rank_00_model_states.pt").is_file():
             self.model_files = [directory / "mp_rank_00_model_states.pt"]
         else:
@@ -175,27 +174,40 @@ class Files:
         """Every rank of the saving run left its optimizer partition (and, under ZeRO-3, its model states)."""
         if type(world_size) is not int or world_size < 1:
             raise CheckpointError(f"{self.model_files[0]} is damaged: its dp_world_size is {world_size!r}.")
-        if self.optim_files:
-            _check_ranks(self.directory, list(range(len(self.optim_files))), world_size, _optim_name)
-        if self.zero3:
-            _check_ranks(
-                self.directory,
-                list(range(len(self.model_files))),
-                world_size,
-                lambda rank: f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
-            )
+        for files, name in ((self.optim_files, _optim_name), (self.model_files if self.zero3 else [], _model_name)):
+            if files and len(files) != world_size:
+                missing = [name(rank) for rank in range(len(files), min(world_size, len(files) + 3))]
+                detail = (
+                    f"is missing {', '.join(missing)}{' and more' if world_size > len(files) + 3 else ''} (saved by"
+                    f" {world_size} processes, {len(files)} partitions present)"
+                    if missing
+                    else f"holds {len(files)} partitions where {world_size} processes saved"
+                )
+                raise CheckpointError(
+                    f"{self.directory} {detail}: the DeepSpeed checkpoint is incomplete or mixes files of different"
+                    " checkpoints."
+                )
 
 
-def _check_ranks(directory: Path, found: list[int], expected: int, name: Any) -> None:
-    missing = [name(rank) for rank in range(max(expected, (found[-1] + 1) if found else 0)) if rank not in found]
-    if missing or len(found) > expected:
-        detail = (
-            f"is missing {', '.join(missing)}"
-            if missing
-            else f"holds {len(found)} partitions where {expected} processes saved"
-        )
+def _model_name(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+def _ranked(names: list[str], pattern: str) -> dict[int, str]:
+    """rank -> file name, for the names that match ``pattern`` (whose group is the rank)."""
+    return {int(m.group(1)): name for name in names if (m := re.fullmatch(pattern, name))}
+
+
+def _check_ranks(directory: Path, files: dict[int, str], name: Callable[[int], str]) -> None:
+    """The ranks of ``files`` are exactly 0 .. len(files) - 1 (so a name cannot claim a rank past the files present)."""
+    count = len(files)
+    beyond = sorted(rank for rank in files if rank >= count)
+    if beyond:
+        missing = [name(rank) for rank in range(count) if rank not in files]
         raise CheckpointError(
-            f"{directory} {detail}: the DeepSpeed checkpoint is incomplete or mixes files of different checkpoints."
+            f"{directory} is missing {', '.join(missing)} ({files[beyond[0]]} names rank {beyond[0]}, but only"
+            f" {count} partition files are present): the DeepSpeed checkpoint is incomplete or mixes files of"
+            " different checkpoints."
         )
 
 

@@ -21,7 +21,6 @@ import math
 import os
 from typing import Any, Callable
 
-import torch
 from torch import Tensor
 
 from phalanx.utilities.exceptions import CheckpointError
@@ -108,9 +107,23 @@ def write_sharded(
 
 
 # ---------------------------------------------------------------------------- reading
+def _file(path: Any, name: str) -> str:
+    """``name`` inside the checkpoint ``path``; a local one must be a regular file that stays inside ``path``."""
+    from phalanx.plugins.io.bounded_reads import is_regular_file, open_checkpoint_file
+    from phalanx.plugins.io.checkpoint_files import path_inside
+    from phalanx.plugins.io.torch_io import is_url
+
+    file = join(path, name)
+    if not is_url(path):
+        path_inside(file, root=path, what=f"the xla_fsdp file {name}")
+        if os.path.lexists(file) and not is_regular_file(file):
+            open_checkpoint_file(file).close()  # refuses it, naming what it is
+    return file
+
+
 def read_layout(path: Any, read: Reader) -> tuple[dict[str, Any], dict[str, Any]]:
     """(meta, its checked layout) of the sharded xla_fsdp checkpoint at ``path``."""
-    meta = read(join(path, META_FILE))
+    meta = read(_file(path, META_FILE))
     layout = meta.get(LAYOUT_KEY) if isinstance(meta, dict) else None
     if not isinstance(layout, dict):
         raise CheckpointError(f"{path}: {META_FILE} has no {LAYOUT_KEY!r} entry; it is not an xla_fsdp checkpoint.")
@@ -168,7 +181,7 @@ def read_own_pieces(path: Any, *, rank: int, world_size: int, read: Reader) -> d
 def _read_pieces(path: Any, rank: int, layout: dict[str, Any], read: Reader) -> dict[str, Any]:
     world_size = layout["world_size"]
     name = shard_file(rank, world_size)
-    pieces = read(join(path, name))
+    pieces = read(_file(path, name))
     state = pieces.get("state_dict") if isinstance(pieces, dict) else None
     optimizers = pieces.get("optimizer_states", []) if isinstance(pieces, dict) else None
     if not isinstance(state, dict) or not isinstance(optimizers, list):
@@ -199,25 +212,31 @@ def consolidate_xla_fsdp(path: Any, read: Reader | None = None) -> dict[str, Any
     layout_found = checkpoint_layout(path)  # refuses a directory whose save did not finish
     if layout_found != "xla_fsdp":
         raise CheckpointError(f"{path} is a {layout_found} checkpoint, not xla_fsdp's sharded directory.")
+    from phalanx.plugins.io.bounded_reads import allocation_budget, check_tensors
+
     read = read or _read_local
     meta, layout = read_layout(path, read)
     world_size, parameters = layout["world_size"], layout["parameters"]
     every = [_read_pieces(path, rank, layout, read) for rank in range(world_size)]
+    check_tensors([meta, every], str(path))  # whichever CheckpointIO read them
     state = dict(meta.get("state_dict", {}))
-    for name, entry in parameters.items():
-        state[name] = _whole([pieces["state_dict"][name] for pieces in every], entry["shape"])
-    checkpoint = {key: value for key, value in meta.items() if key != LAYOUT_KEY}
-    checkpoint["state_dict"] = state
-    if "optimizer_states" in every[0]:
-        checkpoint["optimizer_states"] = [
-            _whole_optimizer_state(path, [pieces["optimizer_states"][index] for pieces in every], owners, layout)
-            for index, owners in enumerate(layout["optimizer_parameters"])
-        ]
+    with allocation_budget([meta, every], str(path)):  # what the pieces claim, bounded by the bytes they hold
+        for name, entry in parameters.items():
+            state[name] = _whole([pieces["state_dict"][name] for pieces in every], entry["shape"])
+        checkpoint = {key: value for key, value in meta.items() if key != LAYOUT_KEY}
+        checkpoint["state_dict"] = state
+        if "optimizer_states" in every[0]:
+            checkpoint["optimizer_states"] = [
+                _whole_optimizer_state(path, [pieces["optimizer_states"][index] for pieces in every], owners, layout)
+                for index, owners in enumerate(layout["optimizer_parameters"])
+            ]
     return checkpoint
 
 
 def _whole(pieces: list[Tensor], shape: list[int]) -> Tensor:
-    return torch.cat([piece.reshape(-1) for piece in pieces])[: math.prod(shape)].reshape(shape).clone()
+    from phalanx.plugins.io.bounded_reads import counted_cat, counted_clone
+
+    return counted_clone(counted_cat(pieces)[: math.prod(shape)].reshape(shape))
 
 
 def _whole_optimizer_state(
@@ -252,8 +271,9 @@ def _read_local(path: str) -> dict[str, Any]:
 
 
 def is_xla_fsdp_checkpoint(directory: Any) -> bool:
-    """Whether the local ``directory`` holds a sharded xla_fsdp checkpoint's meta file."""
-    return os.path.isfile(os.path.join(os.fspath(directory), META_FILE))
+    """Whether the local ``directory`` holds a sharded xla_fsdp checkpoint's meta file (whatever it is: reading it
+    refuses anything but a regular file inside the directory, naming what it is)."""
+    return os.path.lexists(os.path.join(os.fspath(directory), META_FILE))
 
 
 __all__ = ["META_FILE", "ShardState", "consolidate_xla_fsdp", "read_own_pieces", "shard_file", "write_sharded"]

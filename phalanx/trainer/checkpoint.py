@@ -69,37 +69,57 @@ def is_complete_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a finished checkpoint: a whole torch file, or a directory with its completion marker.
 
     A previous checkpoint moved aside by a save that replaces it (see ``phalanx.plugins.io.directory``) counts: a
-    kill between that save's two renames leaves it as the newest complete checkpoint of its name.
+    kill between that save's two renames leaves it as the newest complete checkpoint of its name. Anything but a
+    directory or a regular file (a FIFO would block the look inside it) is not a checkpoint.
     """
+    from phalanx.plugins.io.bounded_reads import is_regular_file, open_checkpoint_file
+
     if is_retired_copy(path):
         return path.is_dir() and (path / COMPLETE_MARKER).exists()
     if path.name.startswith(".") or path.name.endswith(".tmp"):
         return False  # an atomic write still in progress (or abandoned by a killed process)
     if path.is_dir():
         return (path / COMPLETE_MARKER).exists()
+    if not is_regular_file(path):
+        return False
     try:
         # torch.save writes a zip archive whose directory sits at the end: a truncated file has none.
-        with zipfile.ZipFile(path) as archive:
+        with open_checkpoint_file(path) as handle, zipfile.ZipFile(handle) as archive:
             return bool(archive.namelist())
-    except (OSError, zipfile.BadZipFile):
+    except (OSError, zipfile.BadZipFile, CheckpointError):
         return False
 
 
 def newest_complete_checkpoint(directories: list[Path], *, name_prefix: str = "", recursive: bool = True) -> str | None:
-    """The complete ``{name_prefix}*.ckpt`` (file or directory) modified last under ``directories``."""
+    """The complete ``{name_prefix}*.ckpt`` (file or directory) modified last under ``directories``.
+
+    A symbolic link found there counts only if it leads to a checkpoint inside the directory searched (as the link
+    ``save_last="link"`` makes does): a link planted to a checkpoint elsewhere is never chosen.
+    """
     candidates: dict[Path, float] = {}
     for directory in directories:
         if directory.is_dir():
+            root = directory.resolve()
             find = directory.rglob if recursive else directory.glob
             retired = [
                 path for path in find("*.retired") if is_retired_copy(path) and path.name[1:].startswith(name_prefix)
             ]
             for path in [*find(f"{name_prefix}*.ckpt"), *retired]:
-                if is_complete_checkpoint(path):
-                    candidates[path.resolve()] = path.stat().st_mtime
+                resolved = path.resolve()
+                if resolved.is_relative_to(root) and is_complete_checkpoint(path):
+                    candidates[resolved] = path.stat().st_mtime
     if not candidates:
         return None
     return str(max(candidates, key=lambda p: (candidates[p], str(p))))
+
+
+def _refuse_link_outside(path: Path) -> None:
+    """Refuse a ``last`` link that leads outside its folder (phalanx's ``save_last="link"`` names a sibling)."""
+    from phalanx.plugins.io.checkpoint_files import path_inside
+    from phalanx.plugins.io.torch_io import is_url
+
+    if not is_url(path) and path.is_symlink():
+        path_inside(path, root=path.parent, what=f"the link {path.name}")
 
 
 class CheckpointConnector:
@@ -190,6 +210,7 @@ class CheckpointConnector:
                     " Save one with ModelCheckpoint(save_last=True), pass a checkpoint's path,"
                     " or pass ckpt_path='auto' to resume from this run's newest complete checkpoint or start afresh."
                 )
+            _refuse_link_outside(Path(path))
             return str(path)
         if not isinstance(ckpt_path, (str, Path)):
             raise TypeError(f"ckpt_path must be 'auto', 'last', 'best' or a path, got {type(ckpt_path).__name__}.")

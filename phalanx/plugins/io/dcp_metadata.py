@@ -88,9 +88,11 @@ def read_metadata(directory: Path) -> Any:
     """DCP's metadata of the checkpoint ``directory``, read without running its code, checked against the files."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from phalanx.plugins.io.bounded_reads import open_checkpoint_file
+
     path = entry_inside(directory, DCP_METADATA_FILE, root=directory, what="DCP's metadata file")
     try:
-        with open(path, "rb") as handle:
+        with open_checkpoint_file(path, str(directory / DCP_METADATA_FILE)) as handle:
             metadata = _MetadataUnpickler(handle, directory / DCP_METADATA_FILE).load()
     except CheckpointError:
         raise

@@ -227,6 +227,7 @@ def _safe_reader_class() -> type:
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The plain part of a sharded checkpoint (without its tensors)."""
+    from phalanx.plugins.io.bounded_reads import open_checkpoint_file
     from phalanx.plugins.io.torch_io import load_bytes
 
     directory = Path(path)
@@ -243,7 +244,8 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
         )
         raise CheckpointError(f"{directory} is not a sharded phalanx checkpoint: {detail}.")
     file = entry_inside(directory, META_FILE, root=directory, what="phalanx's state file")
-    meta = load_bytes(file.read_bytes(), str(directory / META_FILE))
+    with open_checkpoint_file(file, str(directory / META_FILE)) as handle:
+        meta = load_bytes(handle, str(directory / META_FILE))
     _check_meta(meta, directory / META_FILE)
     return meta
 

@@ -8,7 +8,6 @@ import os
 import pickle
 import re
 import uuid
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +71,10 @@ def serialize(checkpoint: dict[str, Any]) -> bytes:
 
 def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any | None = None) -> dict[str, Any]:
     """Deserialise checkpoint bytes with ``weights_only=True``, turning failures into clear errors."""
+    from phalanx.plugins.io.bounded_reads import check_archive, check_tensors
+
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    check_archive(stream, source)  # reads the archive's directory only; refuses what could allocate past the file
     try:
         checkpoint = torch.load(stream, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
@@ -98,6 +100,7 @@ def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any |
         ) from None
     if not isinstance(checkpoint, dict):
         raise CheckpointError(f"{source} holds a {type(checkpoint).__name__}, not a checkpoint dictionary.")
+    check_tensors(checkpoint, source)
     return checkpoint
 
 
@@ -109,21 +112,13 @@ def _qualified(name: str) -> str:
 
 
 def _disallowed_globals(stream: Any) -> list[str]:
-    """The globals a refused checkpoint's pickle names that torch's weights-only reader refuses (for messages)."""
-    try:
-        stream.seek(0)
-        data = stream.read()
-        if zipfile.is_zipfile(io.BytesIO(data)):
-            with zipfile.ZipFile(io.BytesIO(data)) as archive:
-                pickled = next((archive.read(name) for name in archive.namelist() if name.endswith("data.pkl")), b"")
-        else:
-            pickled = data
-        from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
+    """The globals a refused archive's pickle names that torch's weights-only reader refuses (for messages).
 
-        allowed = set(_get_allowed_globals()) | set(_get_user_allowed_globals())
-    except Exception:  # only a better message is at stake
-        return []
-    return [name for name in referenced_globals(pickled) if name not in allowed]
+    Only the archive's data.pkl is read (and only when it is of a bounded size): refusing a file never reads it whole.
+    """
+    from phalanx.plugins.io.bounded_reads import archive_pickle, disallowed_globals_of_pickle
+
+    return disallowed_globals_of_pickle(archive_pickle(stream))
 
 
 def referenced_globals(data: bytes) -> list[str]:
@@ -208,6 +203,8 @@ class TorchCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: _PathLike, map_location: Any | None = None) -> dict[str, Any]:
         """Read the checkpoint at ``path`` with ``weights_only=True`` (a sharded checkpoint directory is read whole)."""
+        from phalanx.plugins.io.bounded_reads import open_checkpoint_file
+
         if map_location is None:
             map_location = "cpu"
         if is_url(path):
@@ -223,7 +220,7 @@ class TorchCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"Checkpoint not found: {path}")
         if local.is_dir():
             return _load_directory(local)
-        with open(local, "rb") as handle:
+        with open_checkpoint_file(local, str(path)) as handle:
             return load_bytes(handle, str(path), map_location)
 
     def remove_checkpoint(self, path: _PathLike) -> None:
