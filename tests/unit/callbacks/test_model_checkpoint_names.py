@@ -229,13 +229,19 @@ def test_failed_save_leaves_no_placeholder(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_placeholder_is_never_a_complete_checkpoint(tmp_path):
+def test_a_claim_puts_nothing_under_the_final_name(tmp_path):
     from phalanx.callbacks._checkpoint_files import claim
 
     target = tmp_path / "epoch=0-step=1.ckpt"
-    assert claim(str(target)) is True and target.stat().st_size == 0
-    assert claim(str(target)) is False
-    assert not is_complete_checkpoint(target)
+    held = claim(str(target))
+    assert held is not None and not os.path.lexists(target)
+    assert [p.name for p in tmp_path.iterdir()] == [".epoch=0-step=1.ckpt.claim"]  # hidden, never a checkpoint
+    assert claim(str(target)) is None  # held by a live save
+    held.release()
+    assert list(tmp_path.iterdir()) == [] and not is_complete_checkpoint(target)
+    again = claim(str(target))
+    assert again is not None
+    again.release()
 
 
 def test_fsspec_names_are_claimed_too():
