@@ -65,11 +65,14 @@ def finish_in_background(
 ) -> None:
     """Wait for this rank's ``writes``, agree with every rank that all succeeded, then publish through ``io``."""
     from phalanx.plugins.io.sharded_io import discard
+    from phalanx.plugins.io.write_failures import raise_recorded
     from phalanx.utilities.exceptions import CheckpointWriteError
 
     error: BaseException | None = None
     try:
         results = [write.result() for write in writes]
+        for write in writes:
+            raise_recorded(getattr(write, "phalanx_write_errors", []))
         if before_publish is not None and collectives.is_global_zero:
             before_publish(results)
     except BaseException as caught:  # reported to every rank below, then raised

@@ -35,7 +35,7 @@ from phalanx.plugins.io.dcp_metadata import DCP_METADATA_FILE, read_metadata
 from phalanx.plugins.io.directory import publish_directory, staging_directory, write_synced
 from phalanx.plugins.io.write_failures import causes as _causes
 from phalanx.plugins.io.write_failures import describe as _describe
-from phalanx.plugins.io.write_failures import free_space, watch_writes
+from phalanx.plugins.io.write_failures import free_space, raise_recorded, watch_writes
 from phalanx.plugins.io.write_failures import root_cause as _root_cause
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
@@ -106,6 +106,7 @@ def save_sharded(
             writer = dcp.FileSystemWriter(staging)
             recorded = watch_writes(writer)  # torch's zip writer hides a write's OSError behind its own error
             metadata = dcp.save(tensors, storage_writer=writer)
+            raise_recorded(recorded)
             if is_global_zero:
                 meta[_SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
                 write_synced(staging / META_FILE, serialize(meta))

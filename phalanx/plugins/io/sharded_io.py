@@ -20,7 +20,7 @@ from typing import Any
 from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, staging_directory
 from phalanx.plugins.io.torch_io import _fsspec_filesystem, is_url, serialize
-from phalanx.plugins.io.write_failures import describe, root_cause, watch_writes
+from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
 
@@ -152,6 +152,7 @@ def save_sharded_checkpoint(
     try:
         try:
             metadata = dcp.save(tensors, storage_writer=writer)
+            raise_recorded(recorded)
             if collectives.is_global_zero:
                 write_meta(staging, meta, metadata)
         except BaseException as error:

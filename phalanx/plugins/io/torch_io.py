@@ -39,7 +39,10 @@ def _fsspec_filesystem(path: _PathLike, storage_options: Any | None = None) -> t
 
 
 def _write_local_atomically(data: bytes, path: Path) -> None:
+    from phalanx.plugins.io.directory import refuse_foreign_directory
+
     path.parent.mkdir(parents=True, exist_ok=True)
+    refuse_foreign_directory(path)  # a clear refusal rather than the rename's "Is a directory"
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(temporary, "wb") as handle:

@@ -32,8 +32,9 @@ class _WatchedStream:
             self._note(error)
             raise
         size = memoryview(data).nbytes
-        if isinstance(written, int) and written < size:
+        if isinstance(written, int) and written < size:  # a caller that ignores the count would leave a hole
             self._note(OSError(errno.EIO, f"short write ({written} of {size} bytes reached the file)"))
+            raise self._errors[0]
         return written
 
     def flush(self) -> None:
@@ -72,6 +73,12 @@ def watch_writes(writer: Any) -> list[OSError]:
 
     writer.fs.create_stream = watched
     return errors
+
+
+def raise_recorded(recorded: list[OSError]) -> None:
+    """Raise the write error ``recorded`` holds, if any: a save whose writer went on after it is not whole."""
+    if recorded:
+        raise recorded[0]
 
 
 def causes(error: BaseException) -> list[BaseException]:
@@ -119,4 +126,4 @@ def free_space(folder: Any) -> str:
         return ""
 
 
-__all__ = ["causes", "describe", "free_space", "root_cause", "watch_writes"]
+__all__ = ["causes", "describe", "free_space", "raise_recorded", "root_cause", "watch_writes"]
