@@ -46,12 +46,10 @@ class CheckpointIO(ABC):
         copy_checkpoint_files(source, target)
 
     def after_saves(self, step: Callable[[], None], *, otherwise: Callable[[], None] | None = None) -> None:
-        """Run ``step`` once every save and copy issued before is written; where one failed, ``otherwise`` instead.
-
-        ``ModelCheckpoint`` points ``last.ckpt`` at a new checkpoint and gives back a name's reservation this way, so
-        that neither happens before that checkpoint is whole. An IO whose saves are written when they return (this
-        one) runs ``step`` now; one that writes later (``AsyncCheckpointIO``) runs it after the writes queued before.
-        """
+        """Run ``step`` once every save and copy issued before is written; where one failed, ``otherwise`` instead."""
+        # ModelCheckpoint points last.ckpt at a new checkpoint and gives back a name's reservation this way, so that
+        # neither happens before that checkpoint is whole. An IO whose saves are written when they return (this one)
+        # runs step now; one that writes later (AsyncCheckpointIO) runs it after the writes queued before.
         step()
 
     def save_sharded_checkpoint(
