@@ -200,21 +200,23 @@ def claim(path: str) -> Claim | None:
             os.unlink(marker)
             return None
         return Claim(path, marker, None)
-    while True:
-        handle = _locked(marker)
-        if handle is None:
-            return None  # a live save holds the name
-        if os.path.lexists(path):  # written already (its writer has released it, or never claimed it)
-            Claim(path, marker, handle).release()
-            return None
-        remove_leftovers(path)  # of a save of this name that was killed: nobody else can be writing it now
-        return Claim(path, marker, handle)
+    handle = _locked(marker)
+    if handle is None:
+        return None  # a live save holds the name
+    if os.path.lexists(path):  # written already (its writer has released it, or never claimed it)
+        Claim(path, marker, handle).release()
+        return None
+    remove_leftovers(path)  # of a save of this name that was killed: nobody else can be writing it now
+    return Claim(path, marker, handle)
 
 
 def _locked(marker: str) -> int | None:
     """An open handle to ``marker``, created if need be and locked by this call; None when another holds the lock."""
     while True:
-        handle = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link planted in the folder: that would create a file wherever it points
+            handle = os.open(marker, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError:
+            return None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
