@@ -205,7 +205,7 @@ class CheckpointConnector:
         dirpath = getattr(callback, "dirpath", None)
         if dirpath is None:
             dirpath = Path(self.trainer.default_root_dir) / "checkpoints"
-        # Only complete ones: a save killed mid-way leaves an empty name reservation or a retired copy behind.
+        # Only complete ones: an empty file (a name an earlier phalanx reserved) or one cut short is passed over.
         return newest_complete_checkpoint([Path(dirpath)], name_prefix="last", recursive=False) or ""
 
     def load(self, path: str, *, fitting: bool = False) -> dict[str, Any]:
