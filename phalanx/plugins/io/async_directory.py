@@ -101,7 +101,7 @@ def _cause(error: BaseException | None, writes: list[Future]) -> str:
 
     recorded = [failure for write in writes for failure in getattr(write, "phalanx_write_errors", [])]
     cause = root_cause(error, recorded)
-    return describe(cause) if cause is not error else f"{type(error).__name__}: {error}"
+    return describe(cause) if isinstance(cause, OSError) and cause.errno else f"{type(error).__name__}: {error}"
 
 
 def start_sharded_write(

@@ -157,7 +157,9 @@ def save_sharded_checkpoint(
                 write_meta(staging, meta, metadata)
         except BaseException as error:
             cause = root_cause(error, recorded)
-            reason = describe(cause) if cause is not error else f"{type(error).__name__}: {error}"
+            reason = (
+                describe(cause) if isinstance(cause, OSError) and cause.errno else f"{type(error).__name__}: {error}"
+            )
             raise CheckpointWriteError(
                 f"Could not write the sharded checkpoint {path}: {reason}. Nothing was published: the previous"
                 f" checkpoint at {path}, if there is one, is unchanged."

@@ -68,6 +68,16 @@ def _fill_the_disk(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
 
     monkeypatch.setattr(torch_io, "open", filling_open, raising=False)
     monkeypatch.setattr(FileSystem, "create_stream", filling_stream)
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    url_stream = _fsspec_filesystem.FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def filling_url_stream(self: Any, path: Any, mode: str) -> Any:
+        with url_stream(self, path, mode) as stream:
+            yield _FillingFile(stream, fault) if "w" in mode else stream
+
+    monkeypatch.setattr(_fsspec_filesystem.FileSystem, "create_stream", filling_url_stream)
 
 
 def _checkpoint(step: int) -> dict[str, Any]:
@@ -106,6 +116,8 @@ CASES = [
     ("sharded", "plain", "short", rf"Could not write the sharded checkpoint {{path}}: {SHORT} \(.*__0_0\.distcp\)"),
     ("sharded", "async", "full", rf"background save of {{path}} failed \(rank 0: {NOSPACE} \(.*__0_0\.distcp\)\)"),
     ("sharded", "async", "short", rf"background save of {{path}} failed \(rank 0: {SHORT} \(.*__0_0\.distcp\)\)"),
+    ("sharded at a URL", "plain", "full", rf"sharded checkpoint {{path}}: {NOSPACE} \(.*__0_0\.distcp\)"),
+    ("sharded at a URL", "plain", "short", rf"sharded checkpoint {{path}}: {SHORT} \(.*__0_0\.distcp\)"),
 ]
 
 
@@ -114,6 +126,8 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tmp_path, monkeyp
     save = _one_file if layout == "one file" else _sharded
     io = AsyncCheckpointIO() if io_kind == "async" else TorchCheckpointIO()
     path = tmp_path / "model.ckpt"
+    if layout == "sharded at a URL":
+        path = f"memory://{tmp_path}/model.ckpt"  # tmp_path only for a name no other test uses
     save(io, _checkpoint(1), path)
     _fill_the_disk(monkeypatch, fault)
     with pytest.raises(Exception, match=expected.format(path=path)) as failed:
@@ -122,4 +136,13 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_kept(tmp_path, monkeyp
     monkeypatch.undo()
     io.teardown()
     assert TorchCheckpointIO().load_checkpoint(path)["global_step"] == 1  # the previous checkpoint, whole
+    if layout == "sharded at a URL":
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        try:
+            assert [entry.rsplit("/", 1)[1] for entry in fs.ls(str(tmp_path), detail=False)] == ["model.ckpt"]
+        finally:
+            fs.rm(str(tmp_path), recursive=True)
+        return
     assert [p.name for p in tmp_path.iterdir()] == ["model.ckpt"]  # nothing half-written left beside it
