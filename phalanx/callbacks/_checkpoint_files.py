@@ -1,4 +1,4 @@
-"""ModelCheckpoint's file handling: exclusive name claims, and what it may remove.
+"""ModelCheckpoint's file handling: exclusive name claims (hidden markers), and what it may remove.
 
 A checkpoint's callback state is untrusted input (the file may have been tampered with), so every path it names is
 checked here before the callback overwrites or removes it: only a ``*.ckpt`` entry directly inside the callback's
@@ -8,10 +8,19 @@ never followed; the only ones removed are those the callback made itself (``save
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import shutil
 import stat
+import threading
 import uuid
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: claims are exclusive creates, without a lock
+    fcntl = None  # type: ignore[assignment]
 
 from phalanx.plugins.io.directory import replace_with, sync_directory
 
@@ -126,58 +135,165 @@ def removal_refusal(target: str, *, may_be_pending: bool, own_link: bool = False
 
 
 # ---------------------------------------------------------------------------- claiming names
-def claim(path: str) -> bool:
-    """Create ``path`` as an empty placeholder unless something is there; True when this call created it.
+#: A name is claimed by a hidden marker beside it (``.NAME.claim``): the name itself appears only once its checkpoint
+#: is whole (a write goes to a hidden temporary and is renamed), so a killed save never leaves it empty.
+CLAIM_SUFFIX = ".claim"
+_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.tmp$")
 
-    Local paths use an exclusive create (O_CREAT | O_EXCL), so of several runs naming the same file exactly one wins.
-    fsspec URLs use the file system's 'xb' mode, which object stores may implement as check-then-create: there two
-    runs can still race. The checkpoint write then replaces the placeholder (a file by rename, a checkpoint directory
-    by ``publish_directory``); an empty placeholder is never taken for a complete checkpoint.
+
+class Claim:
+    """A name this process reserved (see :func:`claim`), held until its checkpoint is written or its save failed."""
+
+    def __init__(self, path: str, marker: str, handle: int | None) -> None:
+        self.path, self._marker, self._handle = path, marker, handle
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        """Give the name back: remove the marker, then drop its lock (at most once; from any thread)."""
+        with self._lock:
+            marker, self._marker = self._marker, ""
+            if not marker:
+                return
+            try:
+                if is_url(marker):
+                    fs, fs_path = _filesystem(marker)
+                    if fs.exists(fs_path):
+                        fs.rm(fs_path)
+                else:
+                    os.unlink(marker)  # while locked: a claimer that locks it next finds it unlinked and starts over
+            except OSError:
+                pass  # a marker left behind only hides the name until the next run finds it unlocked and reclaims it
+            finally:
+                if self._handle is not None:
+                    os.close(self._handle)
+                    self._handle = None
+
+
+def claim_marker(path: str) -> str:
+    """The hidden marker that claims ``path`` (beside it)."""
+    if is_url(path):
+        folder, _, name = path.rstrip("/").rpartition("/")
+        return f"{folder}/.{name}{CLAIM_SUFFIX}"
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}{CLAIM_SUFFIX}")
+
+
+def claim(path: str) -> Claim | None:
+    """Reserve ``path`` for this process unless something is there or another live save holds it; None if not.
+
+    The reservation is a hidden marker, ``.NAME.claim``, locked (``flock``) while this process holds it: of several
+    runs naming the same file exactly one wins, and a marker whose holder was killed is unlocked, so the next run
+    reclaims the name (removing what the killed save left: its marker and hidden temporaries). Without ``flock``
+    (Windows) the marker is an exclusive create and a killed save's marker keeps its name. fsspec URLs use the file
+    system's 'xb' mode, which object stores may implement as check-then-create: there two runs can still race.
     """
     if is_url(path):
         return _claim_url(path)
     os.makedirs(os.path.dirname(path) or os.curdir, exist_ok=True)
+    marker = claim_marker(path)
+    if fcntl is None:
+        try:
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except FileExistsError:
+            return None
+        if os.path.lexists(path):
+            os.unlink(marker)
+            return None
+        return Claim(path, marker, None)
+    handle = _locked(marker)
+    if handle is None:
+        return None  # a live save holds the name
+    if os.path.lexists(path):  # written already (its writer has released it, or never claimed it)
+        Claim(path, marker, handle).release()
+        return None
+    remove_leftovers(path)  # of a save of this name that was killed: nobody else can be writing it now
+    return Claim(path, marker, handle)
+
+
+def _locked(marker: str) -> int | None:
+    """An open handle to ``marker``, created if need be and locked by this call; None when another holds the lock."""
+    while True:
+        try:  # never through a link planted in the folder: that would create a file wherever it points
+            handle = os.open(marker, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(handle)
+            return None
+        try:
+            same = os.path.samestat(os.fstat(handle), os.lstat(marker))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return handle
+        os.close(handle)  # its holder finished and unlinked it between our open and our lock: try the new one
+
+
+def remove_leftovers(path: str) -> None:
+    """Remove the hidden temporaries (files, links or staging directories) a killed save of ``path`` left."""
+    folder, name = os.path.split(path)
     try:
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    os.close(handle)
-    return True
+        entries = os.listdir(folder or os.curdir)
+    except OSError:
+        return
+    for entry in entries:
+        match = _TEMPORARY.match(entry)
+        if match is None or match.group("name") != name:
+            continue
+        leftover = os.path.join(folder, entry)
+        if os.path.isdir(leftover) and not os.path.islink(leftover):
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(leftover)
 
 
-def _claim_url(path: str) -> bool:
+def reclaim_abandoned(folder: str) -> None:
+    """Remove every claim in ``folder`` whose holder is gone (a killed run), with the temporaries of its save."""
+    if is_url(folder) or fcntl is None:
+        return
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return
+    for entry in entries:
+        if not (entry.startswith(".") and entry.endswith(CLAIM_SUFFIX)):
+            continue
+        name = entry[1 : -len(CLAIM_SUFFIX)]
+        marker = os.path.join(folder, entry)
+        handle = _locked(marker) if not os.path.islink(marker) else None
+        if handle is not None:
+            remove_leftovers(os.path.join(folder, name))
+            Claim(os.path.join(folder, name), marker, handle).release()
+
+
+def _claim_url(path: str) -> Claim | None:
     fs, fs_path = _filesystem(path)
     parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
     if parent:
         fs.makedirs(parent, exist_ok=True)
+    if fs.exists(fs_path):
+        return None
+    marker = claim_marker(path)
+    _, marker_path = _filesystem(marker)
     try:
-        with fs.open(fs_path, "xb"):
+        with fs.open(marker_path, "xb"):
             pass
     except FileExistsError:
-        return False
+        return None
     except (
         ValueError,
         NotImplementedError,
     ):  # no exclusive mode on this file system: the best left is check-then-create
-        if fs.exists(fs_path):
-            return False
-        fs.touch(fs_path)
-    return True
-
-
-def release(path: str) -> None:
-    """Remove a placeholder made by :func:`claim` that no checkpoint replaced (it is still an empty file)."""
-    try:
-        if is_url(path):
-            fs, fs_path = _filesystem(path)
-            if fs.isfile(fs_path) and fs.size(fs_path) == 0:
-                fs.rm(fs_path)
-            return
-        info = os.lstat(path)
-        if stat.S_ISREG(info.st_mode) and info.st_size == 0:
-            os.unlink(path)
-    except OSError:
-        pass  # a placeholder left behind is harmless: it is never resumed from
+        if fs.exists(marker_path):
+            return None
+        fs.touch(marker_path)
+    if fs.exists(fs_path):
+        Claim(path, marker, None).release()
+        return None
+    return Claim(path, marker, None)
 
 
 # ---------------------------------------------------------------------------- last.ckpt as a link
@@ -186,28 +302,34 @@ def is_link(path: str) -> bool:
     return not is_url(path) and os.path.islink(path)
 
 
-def publish_link(target: str, link: str) -> bool:
+def can_link(folder: str) -> bool:
+    """Whether symbolic links can be made in ``folder`` (tried with a hidden link, removed at once)."""
+    probe = os.path.join(folder, f".link-probe.{uuid.uuid4().hex}.tmp")
+    try:
+        os.symlink("absent", probe)
+    except (OSError, NotImplementedError):
+        return False
+    remove_link(probe)
+    return True
+
+
+def publish_link(target: str, link: str) -> None:
     """Make ``link`` a relative symbolic link to ``target`` (both in one folder), replacing what is at ``link``.
 
     The link is made under a hidden temporary name and renamed over ``link`` in one step, so ``link`` always names a
-    complete checkpoint: the old one until the rename, the new one after. A checkpoint directory at ``link`` (which a
-    rename cannot replace) is first moved to a *retired* name that resume still considers, and removed once the link
-    is in place. Returns False, changing nothing, where this system or file system cannot make links (Windows
-    without the privilege, some network file systems).
+    complete checkpoint: the old one until the rename, the new one after (call this once ``target`` is written). A
+    checkpoint directory at ``link`` (which a rename cannot replace) is first moved to a *retired* name that resume
+    still considers, and removed once the link is in place; anything else phalanx did not write is refused.
     """
     folder, name = os.path.split(link)
     temporary = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
-    try:
-        os.symlink(os.path.basename(target), temporary)
-    except (OSError, NotImplementedError):
-        return False
+    os.symlink(os.path.basename(target), temporary)
     try:
         replace_with(temporary, link)
     except BaseException:
         remove_link(temporary)
         raise
     sync_directory(folder)
-    return True
 
 
 def points_to(link: str, target: str) -> bool:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from phalanx.callbacks._checkpoint_files import (
     FILE_EXTENSION,
+    Claim,
+    can_link,
     checkpoint_in_folder,
     claim,
     exists,
@@ -21,7 +23,6 @@ from phalanx.callbacks._checkpoint_files import (
     is_url,
     points_to,
     publish_link,
-    release,
     removal_refusal,
     remove_link,
     resumed_locations,
@@ -50,7 +51,7 @@ class CheckpointSaves:
     last_model_path: str
     best_model_path: str
     _written: set[str]  # files this run wrote
-    _claimed: set[str]  # names reserved on rank 0 and not yet written
+    _claimed: dict[str, Claim]  # names reserved on rank 0 whose checkpoint is not written yet
     _links: set[str]  # symbolic links this run made (save_last="link"): the only links ever removed
     _resumed_from: tuple[str, ...] = ()  # the checkpoint this run resumed from, as given and resolved at resume
 
@@ -128,9 +129,9 @@ class CheckpointSaves:
 
     def _unclaim_last(self, previous: str) -> None:
         """Undo :meth:`_claim_last` when the save point failed before ``last.ckpt`` was written."""
-        if self.last_model_path in self._claimed:
-            release(self.last_model_path)
-            self._claimed.discard(self.last_model_path)
+        held = self._claimed.pop(self.last_model_path, None)
+        if held is not None:
+            held.release()
             self.last_model_path = previous
 
     def _save_last_checkpoint(self, trainer: Trainer, candidates: dict[str, Any], previous: str | None = None) -> None:
@@ -177,9 +178,10 @@ class CheckpointSaves:
             except Exception as error:  # reported on every rank below, rather than leaving them waiting
                 outcome = f"{type(error).__name__}: {error}"
         outcome = trainer.strategy.broadcast(outcome)
-        if outcome == "unsupported":  # the name stays claimed: the regular save that follows replaces the placeholder
+        if outcome == "unsupported":  # the name stays claimed for the regular save that follows
             return False
         self._settle_last(
+            trainer,
             filepath,
             failure=None if outcome == "copied" else f"could not copy {source} to {filepath}: {outcome}",
             is_link=False,
@@ -207,11 +209,13 @@ class CheckpointSaves:
         outcome: str | None = None
         if trainer.is_global_zero:
             try:
-                outcome = "linked" if points_to(filepath, target) or publish_link(target, filepath) else "unsupported"
+                outcome = (
+                    "linked" if points_to(filepath, target) else self._link_when_written(trainer, target, filepath)
+                )
             except Exception as error:  # reported on every rank below, rather than leaving them waiting
                 outcome = f"{type(error).__name__}: {error}"
         outcome = trainer.strategy.broadcast(outcome)
-        if outcome == "unsupported":  # the name stays claimed: the regular save that follows replaces the placeholder
+        if outcome == "unsupported":  # the name stays claimed for the regular save that follows
             self._links_unsupported = True
             rank_zero_warn(
                 f"ModelCheckpoint(save_last='link'): this file system cannot make symbolic links; writing {filepath}"
@@ -219,21 +223,47 @@ class CheckpointSaves:
             )
             return False
         self._settle_last(
+            trainer,
             filepath,
             failure=None if outcome == "linked" else f"could not point {filepath} at {target}: {outcome}",
             is_link=True,
         )
         return True
 
-    def _settle_last(self, filepath: str, *, failure: str | None, is_link: bool) -> None:
+    def _link_when_written(self, trainer: Trainer, target: str, filepath: str) -> str:
+        """Rank 0: have ``filepath`` point at ``target`` once ``target`` is written ("linked"), or "unsupported"."""
+        if not can_link(os.path.dirname(filepath)):
+            return "unsupported"
+        # Until then (a background write in flight, failed, or killed) last.ckpt keeps naming the previous checkpoint.
+        self._after_saves(trainer, lambda: publish_link(target, filepath))
+        return "linked"
+
+    def _after_saves(
+        self, trainer: Trainer, step: Callable[[], None], otherwise: Callable[[], None] | None = None
+    ) -> None:
+        """Run ``step`` once the saves issued so far are written (``otherwise`` where one failed): see
+        ``CheckpointIO.after_saves``."""
+        checkpoint_io = getattr(trainer.strategy, "checkpoint_io", None)
+        if checkpoint_io is None:
+            step()
+        else:
+            checkpoint_io.after_saves(step, otherwise=otherwise)
+
+    def _release_when_written(self, trainer: Trainer, filepath: str) -> None:
+        """Give back ``filepath``'s reservation once its checkpoint is written, or its write failed."""
+        held = self._claimed.pop(filepath, None)
+        if held is not None:
+            self._after_saves(trainer, held.release, otherwise=held.release)
+
+    def _settle_last(self, trainer: Trainer, filepath: str, *, failure: str | None, is_link: bool) -> None:
         """After rank 0 copied or linked last.ckpt (every rank, same outcome): record it, or release its name and
         raise ``failure``."""
         if failure is not None:
-            if filepath in self._claimed:
-                release(filepath)
-                self._claimed.discard(filepath)
+            held = self._claimed.pop(filepath, None)
+            if held is not None:
+                held.release()
             raise CheckpointError(f"ModelCheckpoint(save_last={self.save_last!r}) {failure}")
-        self._claimed.discard(filepath)
+        self._release_when_written(trainer, filepath)
         self._written.add(filepath)
         if is_link:
             self._links.add(filepath)
@@ -264,14 +294,14 @@ class CheckpointSaves:
         if not self.enable_version_counter and not force_version:
             return filepath
         version = self.STARTING_VERSION
-        # A placeholder made by an exclusive create reserves a new name: another run saving the same name at the
+        # A claim (a hidden, locked marker) reserves a new name: another run saving the same name at the
         # same moment gets the next version rather than overwriting this run's file (check-then-write would not).
         # A name this run still keeps (another top-k entry, best, last) is taken like any other, as in Lightning.
-        while filepath != reusable and not claim(filepath):
+        while filepath != reusable and (held := claim(filepath)) is None:
             filepath = self.format_checkpoint_name(candidates, template, ver=version)
             version += 1
         if filepath != reusable:
-            self._claimed.add(filepath)
+            self._claimed[filepath] = held
         return filepath
 
     def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
@@ -310,11 +340,11 @@ class CheckpointSaves:
         try:
             trainer.save_checkpoint(filepath, weights_only=self.save_weights_only)
         except BaseException:
-            if filepath in self._claimed:
-                release(filepath)
+            held = self._claimed.pop(filepath, None)
+            if held is not None:
+                held.release()
             raise
-        finally:
-            self._claimed.discard(filepath)
+        self._release_when_written(trainer, filepath)
         self._last_global_step_saved = trainer.global_step
         self._written.add(filepath)
         self._links.discard(filepath)

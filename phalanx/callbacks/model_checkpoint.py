@@ -18,7 +18,7 @@ from phalanx.callbacks._checkpoint_checks import (
     fill_template,
     local_parameters_finite,
 )
-from phalanx.callbacks._checkpoint_files import FILE_EXTENSION, is_url
+from phalanx.callbacks._checkpoint_files import FILE_EXTENSION, is_url, reclaim_abandoned
 from phalanx.callbacks._checkpoint_ranking import CheckpointRanking
 from phalanx.callbacks._checkpoint_saves import CheckpointSaves, stage_name
 from phalanx.callbacks.callback import Callback
@@ -166,8 +166,8 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
         self._last_global_step_saved = 0
         # Files this callback wrote during this run (only those may be overwritten without a version suffix).
         self._written: set[str] = set()
-        # Placeholders claimed on rank 0 and not yet replaced by their checkpoint.
-        self._claimed: set[str] = set()
+        # Names claimed on rank 0 (hidden markers) whose checkpoint is not written yet.
+        self._claimed: dict[str, Any] = {}
         self._pending_state: dict[str, Any] | None = None
         # (global step, decision) of the last finiteness check, so that one save point checks once.
         self._finite_at: tuple[int, bool] | None = None
@@ -228,6 +228,7 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
                 " Save periodically instead (every_n_train_steps=, train_time_interval=)."
             )
         if stage == "fit" and trainer.is_global_zero:
+            reclaim_abandoned(dirpath)  # what saves killed mid-way left: their hidden claims and temporaries
             self._warn_if_dir_not_empty(dirpath)
 
     def on_train_start(self, trainer: Trainer, module: TrainingModule) -> None:

@@ -232,7 +232,7 @@ class CheckpointConnector:
         return Path(dirpath) if dirpath is not None else Path(self.trainer.default_root_dir) / "checkpoints"
 
     def _find_last(self, callback: Any) -> str:
-        # Only complete ones: a save killed mid-way leaves an empty name reservation or a retired copy behind.
+        # Only complete ones: an empty file (a name an earlier phalanx reserved) or one cut short is passed over.
         directory = self._last_directory(callback)
         return newest_complete_checkpoint([directory], name_prefix="last", recursive=False) or ""
 

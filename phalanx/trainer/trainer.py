@@ -260,11 +260,17 @@ class Trainer(DeviceProperties):
     def save_checkpoint(
         self, filepath: str | os.PathLike, weights_only: bool = False, storage_options: Any | None = None
     ) -> None:
-        """Write a checkpoint of the current state (every process must call this)."""
+        """Write a checkpoint of the current state (every process must call this).
+
+        Outside a running stage (after ``fit``, say) the write is finished before this returns, also under
+        ``AsyncCheckpointIO``: no stage's teardown would wait for it, and a failed write must raise here.
+        """
         if self.strategy.module is None:
             raise RuntimeError("Trainer.save_checkpoint needs a model: call fit, validate, test or predict first.")
         checkpoint = self._checkpoint_connector.dump(weights_only=weights_only)
         self.strategy.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if self.state.status != TrainerStatus.RUNNING:
+            self.strategy.checkpoint_io.teardown()  # waits for a background write and raises its error
         self.strategy.barrier("Trainer.save_checkpoint")
 
     def __getattr__(self, name: str) -> Any:

@@ -1,5 +1,6 @@
-"""kill -9 during a background (AsyncCheckpointIO) write leaves the previous checkpoint of that name loadable, for
-the one-file and the sharded layout (scripts/async_crash_job.py, one process)."""
+"""kill -9 during a save: a background (AsyncCheckpointIO) write leaves the previous checkpoint of that name loadable,
+for the one-file and the sharded layout (scripts/async_crash_job.py); a fit killed at each point of a save leaves no
+incomplete file under a final name, and ``last.ckpt`` names a complete checkpoint (scripts/killed_save_job.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -56,6 +58,82 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint_loadable(
         torch.testing.assert_close(loaded["state_dict"]["w"], torch.full((256, 256), 1.0))
     # What the killed saves left is hidden (a staging name), never taken for a checkpoint.
     assert all(p.name.startswith(".") for p in tmp_path.iterdir() if p.name not in ("file.ckpt", "sharded.ckpt"))
+
+
+# ---------------------------------------------------------------------------- a fit's save killed at each point
+KILLED_SAVE = Path(__file__).parent / "scripts" / "killed_save_job.py"
+
+
+def _fit_killed(dirpath: Path, io: str, save_last: str, point: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), os.getcwd()]))}
+    done = subprocess.run(
+        [sys.executable, str(KILLED_SAVE), str(dirpath), io, save_last, point],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == -signal.SIGKILL, (done.returncode, done.stdout, done.stderr[-3000:])
+
+
+def _visible(dirpath: Path) -> list[str]:
+    return sorted(p.name for p in dirpath.iterdir() if not p.name.startswith("."))
+
+
+def _resumed_fit(dirpath: Path, ckpt_path: str, save_last: Any = None) -> int:
+    """Fit to step 6 in ``dirpath``, resumed from ``ckpt_path``; returns the global step it resumed at."""
+    from phalanx_testing import Regressor, loaders, quiet_trainer
+
+    from phalanx.callbacks import Callback, ModelCheckpoint
+
+    class ResumedAt(Callback):
+        step = -1
+
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            ResumedAt.step = trainer.global_step
+
+    callback = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1, save_last=save_last)
+    trainer = quiet_trainer(max_steps=6, callbacks=[callback, ResumedAt()], enable_checkpointing=True)
+    trainer.fit(Regressor(), loaders()[0], ckpt_path=ckpt_path)
+    assert trainer.global_step == 6
+    return ResumedAt.step
+
+
+STEP = "epoch=0-step={}.ckpt"
+# point of step 4's write where the process is killed -> what a listing shows after the kill, then after a new run
+# (resumed from step 2, saving steps 4 and 6 again, in the same folder) has reclaimed what the killed save left.
+KILL_POINTS = [
+    ("claimed", [STEP.format(2)], [STEP.format(2), STEP.format(4), STEP.format(6)]),
+    ("writing", [STEP.format(2)], [STEP.format(2), STEP.format(4), STEP.format(6)]),
+    ("written", [STEP.format(2)], [STEP.format(2), STEP.format(4), STEP.format(6)]),
+    # In place and whole: a checkpoint of the killed run, which the new run keeps (its own takes the next version).
+    (
+        "renamed",
+        [STEP.format(2), STEP.format(4)],
+        [STEP.format(2), STEP.format(4), "epoch=0-step=4-v1.ckpt", STEP.format(6)],
+    ),
+]
+
+
+@pytest.mark.parametrize(("point", "after_kill", "after_next_run"), KILL_POINTS, ids=[p[0] for p in KILL_POINTS])
+def test_a_killed_save_leaves_no_incomplete_file_under_a_final_name(tmp_path, point, after_kill, after_next_run):
+    _fit_killed(tmp_path, "sync", "none", point)
+    assert _visible(tmp_path) == after_kill  # an incomplete save shows nothing under its final name
+    for name in after_kill:
+        step = int(name.split("step=")[1].split(".")[0])
+        assert torch.load(tmp_path / name, weights_only=True)["global_step"] == step  # every visible file is whole
+    assert _resumed_fit(tmp_path, str(tmp_path / STEP.format(2))) == 2
+    # The killed save's claim and temporaries were reclaimed: its name was free again (no -v1) unless written.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(after_next_run)
+
+
+@pytest.mark.parametrize("save_last", ["true", "link"])
+def test_a_save_killed_in_the_background_keeps_last_at_the_previous_complete_checkpoint(tmp_path, save_last):
+    _fit_killed(tmp_path, "async", save_last, "written")
+    assert _visible(tmp_path) == sorted([STEP.format(2), "last.ckpt"])
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert _resumed_fit(tmp_path, "last", save_last=True if save_last == "true" else "link") == 2  # newest complete
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 6
 
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")

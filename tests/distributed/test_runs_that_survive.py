@@ -68,15 +68,19 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one_and_the_rerun_
     os.killpg(proc.pid, signal.SIGKILL)  # mid-write: the step-8 bytes are on disk under a temporary name
     proc.communicate()
     checkpoints = run_dir / "checkpoints"
-    # The name was claimed (an empty reservation, so that a run beside this one picks another) but never filled.
+    # The name was claimed (a hidden marker, so that a run beside this one picks another) but never filled: nothing
+    # is under the final name.
+    assert not os.path.lexists(checkpoints / "epoch=0-step=8.ckpt")
     assert not is_complete_checkpoint(checkpoints / "epoch=0-step=8.ckpt")
     assert any(p.name.endswith(".tmp") for p in checkpoints.iterdir())
+    assert (checkpoints / ".epoch=0-step=8.ckpt.claim").exists()
     previous = torch.load(checkpoints / "epoch=0-step=4.ckpt", weights_only=True)
     assert previous["global_step"] == 4
     assert_ok(run_script("resumable_job.py", str(run_dir), "1", "--slow-save", "8"))
     assert _same(run_dir / "final.pt", reference / "final.pt")
-    # The rerun saved step 8 again; the killed save's reservation keeps its name, so the new file takes the next one.
-    assert torch.load(checkpoints / "epoch=0-step=8-v1.ckpt", weights_only=True)["global_step"] == 8
+    # The rerun reclaimed the killed save's name (its marker unlocked) and what it left, and saved step 8 under it.
+    assert torch.load(checkpoints / "epoch=0-step=8.ckpt", weights_only=True)["global_step"] == 8
+    assert not any(p.name.endswith((".tmp", ".claim")) for p in checkpoints.iterdir())
 
 
 def _close(a, b, tolerance: float = 1e-5) -> bool:

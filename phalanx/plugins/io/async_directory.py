@@ -41,9 +41,9 @@ def background_collectives(collectives: Collectives, group: Any) -> Collectives:
     return Collectives(rank=collectives.rank, world_size=collectives.world_size, broadcast=broadcast, barrier=barrier)
 
 
-def _all_ranks_succeeded(error: BaseException | None, collectives: Collectives, group: Any) -> list[str]:
-    """Every rank's failure (``rank N: message``), gathered over ``group``: empty when every rank succeeded."""
-    mine = None if error is None else f"rank {collectives.rank}: {type(error).__name__}: {error}"
+def _all_ranks_succeeded(error: BaseException | None, cause: str, collectives: Collectives, group: Any) -> list[str]:
+    """Every rank's failure (``rank N: cause``), gathered over ``group``: empty when every rank succeeded."""
+    mine = None if error is None else f"rank {collectives.rank}: {cause}"
     if group is None:
         return [mine] if mine else []
     import torch.distributed as dist
@@ -65,16 +65,19 @@ def finish_in_background(
 ) -> None:
     """Wait for this rank's ``writes``, agree with every rank that all succeeded, then publish through ``io``."""
     from phalanx.plugins.io.sharded_io import discard
+    from phalanx.plugins.io.write_failures import raise_recorded
     from phalanx.utilities.exceptions import CheckpointWriteError
 
     error: BaseException | None = None
     try:
         results = [write.result() for write in writes]
+        for write in writes:
+            raise_recorded(getattr(write, "phalanx_write_errors", []))
         if before_publish is not None and collectives.is_global_zero:
             before_publish(results)
     except BaseException as caught:  # reported to every rank below, then raised
         error = caught
-    failures = _all_ranks_succeeded(error, collectives, group)
+    failures = _all_ranks_succeeded(error, _cause(error, writes), collectives, group)
     if failures:
         if collectives.is_global_zero:
             discard(staging)
@@ -90,6 +93,17 @@ def finish_in_background(
         raise
 
 
+def _cause(error: BaseException | None, writes: list[Future]) -> str:
+    """What made this rank's writes fail, in words (the disk filling and its file, rather than torch's own error)."""
+    if error is None:
+        return ""
+    from phalanx.plugins.io.write_failures import describe, root_cause
+
+    recorded = [failure for write in writes for failure in getattr(write, "phalanx_write_errors", [])]
+    cause = root_cause(error, recorded)
+    return describe(cause) if isinstance(cause, OSError) and cause.errno else f"{type(error).__name__}: {error}"
+
+
 def start_sharded_write(
     tensors: dict[str, Any],
     staging: Any,
@@ -103,11 +117,12 @@ def start_sharded_write(
     import torch.distributed.checkpoint as dcp
 
     from phalanx.plugins.io.sharded_io import storage_writer
+    from phalanx.plugins.io.write_failures import watch_writes
 
-    return dcp.async_save(
-        tensors,
-        storage_writer=storage_writer(staging, storage_options),
-        process_group=group,
-        no_dist=not distributed,
-        async_stager=stager,
+    writer = storage_writer(staging, storage_options)
+    recorded = watch_writes(writer)  # torch's zip writer hides a write's OSError behind its own error
+    write = dcp.async_save(
+        tensors, storage_writer=writer, process_group=group, no_dist=not distributed, async_stager=stager
     )
+    write.phalanx_write_errors = recorded  # read by _cause if the write fails
+    return write

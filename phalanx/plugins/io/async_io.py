@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from phalanx.plugins.io.async_directory import checkpoint_group, finish_in_background, start_sharded_write
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
@@ -179,9 +179,25 @@ class AsyncCheckpointIO(CheckpointIO):
         )
 
     def copy_checkpoint(self, source: _PathLike, target: _PathLike) -> None:
-        """Queue the copy behind the saves already queued (one of them may be writing ``source``)."""
+        """Queue the copy behind the saves already queued (one of them may be writing ``source``); skipped when one
+        of them failed (``source`` is then not whole, and ``target`` keeps what it held)."""
         self._raise_finished_errors()
-        self._submit(self.checkpoint_io.copy_checkpoint, source, target)
+        self.after_saves(lambda: self.checkpoint_io.copy_checkpoint(source, target))
+
+    def after_saves(self, step: Callable[[], None], *, otherwise: Callable[[], None] | None = None) -> None:
+        """Queue ``step`` behind the writes queued so far; ``otherwise`` runs instead if one of them failed (whose
+        error is raised at the next save, load, removal or teardown, as always)."""
+        earlier = list(self._pending)
+
+        def run() -> None:
+            # One worker runs the queue in order: every earlier write has finished by now.
+            if any(future.exception() is not None for future in earlier):
+                if otherwise is not None:
+                    otherwise()
+                return
+            step()
+
+        self._submit(run)
 
     def load_checkpoint(self, path: _PathLike, map_location: Any | None = None) -> dict[str, Any]:
         """Wait for queued saves, then load."""

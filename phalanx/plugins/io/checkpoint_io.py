@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from phalanx.plugins.io.collectives import Collectives
@@ -44,6 +44,13 @@ class CheckpointIO(ABC):
         from phalanx.plugins.io.copying import copy_checkpoint_files
 
         copy_checkpoint_files(source, target)
+
+    def after_saves(self, step: Callable[[], None], *, otherwise: Callable[[], None] | None = None) -> None:
+        """Run ``step`` once every save and copy issued before is written; where one failed, ``otherwise`` instead."""
+        # ModelCheckpoint points last.ckpt at a new checkpoint and gives back a name's reservation this way, so that
+        # neither happens before that checkpoint is whole. An IO whose saves are written when they return (this one)
+        # runs step now; one that writes later (AsyncCheckpointIO) runs it after the writes queued before.
+        step()
 
     def save_sharded_checkpoint(
         self,

@@ -76,12 +76,15 @@ def _link_tree(source: Path, staging: Path) -> None:
 def _copy_url(source: str, target: str) -> None:
     import fsspec
 
+    from phalanx.plugins.io.sharded_io import refuse_foreign_url_directory
+
     fs, source_path = fsspec.core.url_to_fs(source)
     target_fs, target_path = fsspec.core.url_to_fs(target)
     if type(target_fs) is not type(fs):
         raise ValueError(f"Cannot copy the checkpoint {source} to {target}: they are on different file systems.")
     if not fs.exists(source_path):
         raise FileNotFoundError(f"Cannot copy the checkpoint {source}: it does not exist.")
+    refuse_foreign_url_directory(target_fs, target_path, target)
     temporary = f"{target_path}.{uuid.uuid4().hex}.tmp"
     directory = fs.isdir(source_path)
     try:

@@ -20,10 +20,13 @@ import errno
 import os
 import re
 import shutil
+import stat
 import sys
 import uuid
 from pathlib import Path
 from typing import Any, Callable
+
+from phalanx.utilities.exceptions import CheckpointWriteError
 
 #: Written last into a directory checkpoint, once every rank has written its part.
 COMPLETE_MARKER = ".complete"
@@ -44,8 +47,29 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
+def refuse_foreign_directory(target: str | os.PathLike) -> None:
+    """Raise if ``target`` is a directory that is not a checkpoint phalanx wrote (no completion marker).
+
+    Replacing a directory removes it, so a save, copy or link may replace only a checkpoint directory: a checkpoint's
+    tampered callback state naming a folder of the user's must not make phalanx delete it.
+    """
+    if not os.path.isdir(target) or os.path.islink(target):
+        return
+    try:
+        marked = stat.S_ISREG(os.lstat(os.path.join(target, COMPLETE_MARKER)).st_mode)
+    except OSError:
+        marked = False
+    if not marked:
+        raise CheckpointWriteError(
+            f"Refusing to write a checkpoint at {os.fspath(target)}: a directory without phalanx's {COMPLETE_MARKER!r}"
+            " marker is there, so not a checkpoint phalanx wrote, and replacing it would delete it."
+            " Move or remove it yourself, or save under another name."
+        )
+
+
 def publish_directory(staging: Path, target: Path) -> None:
     """Mark the finished ``staging`` directory complete and put it at ``target`` (on rank 0, after every rank wrote)."""
+    refuse_foreign_directory(target)
     write_synced(staging / COMPLETE_MARKER, b"")
     sync_directory(staging)
     if target.is_dir() and not target.is_symlink() and exchange_paths(staging, target):
@@ -70,6 +94,7 @@ def replace_with(new: str | os.PathLike, target: str | os.PathLike) -> None:
     """Rename the file or link ``new`` over ``target``; a directory at ``target`` (which a rename cannot replace) is
     first moved to a *retired* name, which resume still considers, and removed once ``new`` is in place."""
     if os.path.isdir(target) and not os.path.islink(target):
+        refuse_foreign_directory(target)
         folder, name = os.path.split(os.fspath(target))
         retired = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.retired")
         os.replace(target, retired)

@@ -21,7 +21,6 @@ A save goes to a hidden temporary directory that is renamed into place when comp
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import os
 import shutil
@@ -34,6 +33,10 @@ from torch import Tensor
 from phalanx.plugins.io.checkpoint_files import entry_inside
 from phalanx.plugins.io.dcp_metadata import DCP_METADATA_FILE, read_metadata
 from phalanx.plugins.io.directory import publish_directory, staging_directory, write_synced
+from phalanx.plugins.io.write_failures import causes as _causes
+from phalanx.plugins.io.write_failures import describe as _describe
+from phalanx.plugins.io.write_failures import free_space, raise_recorded, watch_writes
+from phalanx.plugins.io.write_failures import root_cause as _root_cause
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 META_FILE = "phalanx_meta.pt"
@@ -97,9 +100,13 @@ def save_sharded(
     target = Path(path)
     staging = staging_directory(target, is_global_zero=is_global_zero, broadcast=broadcast)
     tensors, meta = split_checkpoint(checkpoint)
+    recorded: list[OSError] = []
     try:
         try:
-            metadata = dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging))
+            writer = dcp.FileSystemWriter(staging)
+            recorded = watch_writes(writer)  # torch's zip writer hides a write's OSError behind its own error
+            metadata = dcp.save(tensors, storage_writer=writer)
+            raise_recorded(recorded)
             if is_global_zero:
                 meta[_SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
                 write_synced(staging / META_FILE, serialize(meta))
@@ -107,7 +114,7 @@ def save_sharded(
             raise
         except BaseException as error:
             _reraise_interrupt(error)
-            raise CheckpointWriteError(_write_failure(target, error)) from _root_cause(error)
+            raise CheckpointWriteError(_write_failure(target, error, recorded)) from _root_cause(error, recorded)
         barrier("sharded checkpoint written")
         if is_global_zero:
             publish_directory(staging, target)
@@ -126,46 +133,11 @@ def _reraise_interrupt(error: BaseException) -> None:
         raise interrupt
 
 
-def _causes(error: BaseException) -> list[BaseException]:
-    """``error``, the per-rank failures DCP wrapped into it, and their causes, innermost last."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    found: list[BaseException] = []
-    pending = [error]
-    while pending and len(found) < 32:
-        current = pending.pop(0)
-        if current in found:
-            continue
-        found.append(current)
-        if isinstance(current, CheckpointException):
-            pending.extend(
-                failure[0] if isinstance(failure, tuple) else failure for failure in current.failures.values()
-            )
-        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
-    return found
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    causes = _causes(error)
-    return next((e for e in causes if isinstance(e, OSError) and e.errno), causes[-1])
-
-
-def _describe(error: BaseException) -> str:
-    if isinstance(error, OSError) and error.errno:
-        where = f" ({error.filename})" if error.filename else ""
-        return f"{os.strerror(error.errno)} [{errno.errorcode.get(error.errno, error.errno)}]{where}"
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
-
-
-def _write_failure(target: Path, error: BaseException) -> str:
-    try:
-        free = f"; {shutil.disk_usage(target.parent).free} bytes are free on its file system"
-    except OSError:
-        free = ""
+def _write_failure(target: Path, error: BaseException, recorded: list[OSError] | None = None) -> str:
     return (
-        f"Could not write the sharded checkpoint {target}: {_describe(_root_cause(error))}{free}. Nothing was"
-        f" published: the previous checkpoint at {target}, if there is one, is unchanged."
+        f"Could not write the sharded checkpoint {target}: {_describe(_root_cause(error, recorded))}"
+        f"{free_space(target.parent)}. Nothing was published: the previous checkpoint at {target}, if there is one,"
+        " is unchanged."
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, staging_directory
 from phalanx.plugins.io.torch_io import _fsspec_filesystem, is_url, serialize
+from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
 
@@ -60,6 +61,7 @@ def publish(staging: Any, path: Any) -> None:
         return
     fs, target = _fsspec_filesystem(path)
     _, staged = _fsspec_filesystem(staging)
+    refuse_foreign_url_directory(fs, target, path)
     fs.pipe_file(_join(staged, COMPLETE_MARKER), b"")
     retired = None
     if fs.exists(target):
@@ -68,6 +70,16 @@ def publish(staging: Any, path: Any) -> None:
     fs.mv(staged, target, recursive=True)
     if retired is not None:
         fs.rm(retired, recursive=True)
+
+
+def refuse_foreign_url_directory(fs: Any, fs_path: str, url: Any) -> None:
+    """Raise if ``fs_path`` is a directory without phalanx's completion marker (replacing it would delete it)."""
+    if fs.isdir(fs_path) and not fs.isfile(_join(fs_path, COMPLETE_MARKER)):
+        raise CheckpointWriteError(
+            f"Refusing to write a checkpoint at {url}: a directory without phalanx's {COMPLETE_MARKER!r} marker is"
+            " there, so not a checkpoint phalanx wrote, and replacing it would delete it."
+            " Move or remove it yourself, or save under another name."
+        )
 
 
 def discard(staging: Any) -> None:
@@ -135,15 +147,22 @@ def save_sharded_checkpoint(
         return
     staging = start_directory(path, collectives=collectives)
     tensors, meta = split_checkpoint(checkpoint)
+    writer = storage_writer(staging, storage_options)
+    recorded = watch_writes(writer)  # torch's zip writer hides a write's OSError behind its own error
     try:
         try:
-            metadata = dcp.save(tensors, storage_writer=storage_writer(staging, storage_options))
+            metadata = dcp.save(tensors, storage_writer=writer)
+            raise_recorded(recorded)
             if collectives.is_global_zero:
                 write_meta(staging, meta, metadata)
         except BaseException as error:
+            cause = root_cause(error, recorded)
+            reason = (
+                describe(cause) if isinstance(cause, OSError) and cause.errno else f"{type(error).__name__}: {error}"
+            )
             raise CheckpointWriteError(
-                f"Could not write the sharded checkpoint {path}: {type(error).__name__}: {error}. Nothing was"
-                f" published: the previous checkpoint at {path}, if there is one, is unchanged."
+                f"Could not write the sharded checkpoint {path}: {reason}. Nothing was published: the previous"
+                f" checkpoint at {path}, if there is one, is unchanged."
             ) from error
         collectives.barrier("phalanx: sharded checkpoint written")
         if collectives.is_global_zero:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
-from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
+from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 _UNSAFE_HINT = (
     "phalanx loads checkpoints with torch.load(weights_only=True) only, because unpickling arbitrary objects can run"
@@ -38,7 +38,10 @@ def _fsspec_filesystem(path: _PathLike, storage_options: Any | None = None) -> t
 
 
 def _write_local_atomically(data: bytes, path: Path) -> None:
+    from phalanx.plugins.io.directory import refuse_foreign_directory
+
     path.parent.mkdir(parents=True, exist_ok=True)
+    refuse_foreign_directory(path)  # a clear refusal rather than the rename's "Is a directory"
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         with open(temporary, "wb") as handle:
@@ -46,8 +49,10 @@ def _write_local_atomically(data: bytes, path: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno:  # the disk filling, a quota: torch's words name neither
+            raise _write_error(path, error, path.parent) from error
         raise
     # The rename is durable only once the directory entry itself is flushed.
     try:
@@ -60,6 +65,18 @@ def _write_local_atomically(data: bytes, path: Path) -> None:
         pass
     finally:
         os.close(directory)
+
+
+def _write_error(path: _PathLike, error: OSError, folder: Any = None) -> CheckpointWriteError:
+    """A failed one-file write (disk full, quota...), naming the file and the cause."""
+    from phalanx.plugins.io.write_failures import describe, free_space
+
+    if error.filename is None:
+        error = OSError(error.errno, error.strerror or str(error), os.fspath(path))
+    return CheckpointWriteError(
+        f"Could not write the checkpoint {path}: {describe(error)}{free_space(folder) if folder else ''}. Nothing"
+        f" was written under that name: the previous checkpoint at {path}, if there is one, is unchanged."
+    )
 
 
 def serialize(checkpoint: dict[str, Any]) -> bytes:
@@ -190,11 +207,13 @@ class TorchCheckpointIO(CheckpointIO):
                 with fs.open(temporary, "wb") as handle:
                     handle.write(data)
                 fs.mv(temporary, fs_path)
-            except BaseException:
+            except BaseException as error:
                 # The previous checkpoint at fs_path is untouched; do not leave the partial temporary behind either.
                 with contextlib.suppress(Exception):
                     if fs.exists(temporary):
                         fs.rm(temporary)
+                if isinstance(error, OSError) and error.errno:
+                    raise _write_error(path, error) from error
                 raise
         else:
             if storage_options is not None:

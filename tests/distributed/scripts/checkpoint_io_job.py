@@ -128,9 +128,11 @@ def whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def asynchronous(path: str) -> dict[str, Any]:
-    """An FSDP sharded save through AsyncCheckpointIO returns while its write (slowed) is pending; then it loads."""
+    """An FSDP sharded save through AsyncCheckpointIO, made during fit (at its end), returns while its write (slowed)
+    is pending; then it loads. (A save after fit is finished before it returns: no teardown would report its error.)"""
     release = threading.Event()
     original = sharded_io.storage_writer
+    seen: dict[str, Any] = {}
 
     def slowed(staging: Any, storage_options: Any | None = None) -> Any:
         writer = original(staging, storage_options)
@@ -138,26 +140,34 @@ def asynchronous(path: str) -> dict[str, Any]:
         writer.write_data = lambda plan, planner: (release.wait(60), write_data(plan, planner))[1]
         return writer
 
+    class SaveAtTheEnd(phalanx.Callback):
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            seen["expected"] = whole(trainer.strategy.module)
+            start = time.perf_counter()
+            trainer.save_checkpoint(path)
+            seen["returned_after"] = time.perf_counter() - start
+            seen["pending"] = not os.path.exists(path) and not release.is_set()
+            release.set()
+
     sharded_io.storage_writer = slowed
     phalanx.seed_everything(7)
     io = AsyncCheckpointIO(DirectoryRecordingIO())
     module = MLP()
-    trainer = quiet(strategy=FSDPStrategy(state_dict_type="sharded"), devices=2, max_steps=2, plugins=[io])
-    trainer.fit(module, loader(2))
-    expected = whole(trainer.strategy.module)
-    start = time.perf_counter()
-    trainer.save_checkpoint(path)
-    returned_after = time.perf_counter() - start
-    pending = not os.path.exists(path) and not release.is_set()
-    release.set()
-    io.wait()
+    trainer = quiet(
+        strategy=FSDPStrategy(state_dict_type="sharded"),
+        devices=2,
+        max_steps=2,
+        plugins=[io],
+        callbacks=[SaveAtTheEnd()],
+    )
+    trainer.fit(module, loader(2))  # its teardown waits for the write
     sharded_io.storage_writer = original
+    expected = seen["expected"]
     loaded = TorchCheckpointIO().load_checkpoint(path)["state_dict"]
     equal = loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
-    io.teardown()
     return {
-        "pending_at_return": pending,
-        "returned_after": returned_after,
+        "pending_at_return": seen["pending"],
+        "returned_after": seen["returned_after"],
         "loads_equal": equal,
         "inner_io": io.checkpoint_io.calls,
     }

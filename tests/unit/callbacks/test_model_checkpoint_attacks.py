@@ -402,3 +402,60 @@ def test_non_string_paths_are_dropped(tmp_path):
     with pytest.warns(UserWarning, match="42"):
         callback.load_state_dict(state)
     assert callback.best_k_models == {} and callback.last_model_path == "" and callback.best_model_path == ""
+
+
+# ---------------------------------------------------------------------- last.ckpt replaced by a folder of the user's
+def _foreign_directory(path):
+    path.mkdir()
+    (path / "payload").write_text("the user's data")
+
+
+def _marker_is_a_link(path):
+    _foreign_directory(path)
+    os.symlink(path.parent.parent / "elsewhere", path / ".complete")
+
+
+def _marker_is_a_directory(path):
+    _foreign_directory(path)
+    (path / ".complete").mkdir()
+
+
+FOREIGN_LAST = {
+    "directory without marker": _foreign_directory,
+    "directory whose marker is a link": _marker_is_a_link,
+    "directory whose marker is a directory": _marker_is_a_directory,
+}
+# save_last, save_top_k: how last.ckpt is written at the resumed run's save point (a copy, a link, its own save).
+LAST_WRITES = {"copy": (True, 1), "link": ("link", 1), "own save": (True, 0)}
+
+
+@pytest.mark.parametrize("write", sorted(LAST_WRITES))
+@pytest.mark.parametrize("foreign", sorted(FOREIGN_LAST))
+def test_a_state_naming_a_foreign_folder_as_last_never_deletes_it(tmp_path, foreign, write):
+    save_last, top_k = LAST_WRITES[write]
+    dirpath = tmp_path / "ckpts"
+
+    def run(max_epochs, ckpt_path=None):
+        callback = ModelCheckpoint(dirpath=dirpath, save_top_k=top_k, save_last=save_last, filename="{epoch}")
+        trainer = phalanx.Trainer(
+            max_epochs=max_epochs,
+            accelerator="cpu",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[callback],
+        )
+        trainer.fit(DecreasingValLoss(), ckpt_path=ckpt_path)
+        return callback
+
+    first = run(1)
+    checkpoint = torch.load(first.last_model_path, weights_only=True)
+    checkpoint["callbacks"][first.state_key]["last_model_path"] = str(dirpath / "last.ckpt")
+    torch.save(checkpoint, tmp_path / "tampered.ckpt")
+    os.unlink(dirpath / "last.ckpt")
+    FOREIGN_LAST[foreign](dirpath / "last.ckpt")
+    before = snapshot(tmp_path / "ckpts" / "last.ckpt")
+    with pytest.raises(CheckpointError, match=r"Refusing to write a checkpoint at .*last\.ckpt: a directory without"):
+        run(2, ckpt_path=tmp_path / "tampered.ckpt")
+    assert snapshot(tmp_path / "ckpts" / "last.ckpt") == before  # every entry of the folder, as it was
+    assert (dirpath / "last.ckpt" / "payload").read_text() == "the user's data"

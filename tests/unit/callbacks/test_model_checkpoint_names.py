@@ -229,13 +229,91 @@ def test_failed_save_leaves_no_placeholder(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_placeholder_is_never_a_complete_checkpoint(tmp_path):
+def test_a_claim_puts_nothing_under_the_final_name(tmp_path):
     from phalanx.callbacks._checkpoint_files import claim
 
     target = tmp_path / "epoch=0-step=1.ckpt"
-    assert claim(str(target)) is True and target.stat().st_size == 0
-    assert claim(str(target)) is False
-    assert not is_complete_checkpoint(target)
+    held = claim(str(target))
+    assert held is not None and not os.path.lexists(target)
+    assert [p.name for p in tmp_path.iterdir()] == [".epoch=0-step=1.ckpt.claim"]  # hidden, never a checkpoint
+    assert claim(str(target)) is None  # held by a live save
+    held.release()
+    assert list(tmp_path.iterdir()) == [] and not is_complete_checkpoint(target)
+    again = claim(str(target))
+    assert again is not None
+    again.release()
+
+
+def _stale_claim(folder, name="epoch=0-step=1.ckpt"):
+    """What a save killed mid-way leaves: its (unlocked) marker, a half-written temporary and a staging directory."""
+    (folder / f".{name}.claim").write_bytes(b"")
+    (folder / f".{name}.{'a' * 32}.tmp").write_bytes(b"half")
+    (folder / f".{name}.{'b' * 32}.tmp").mkdir()
+    (folder / f".{name}.{'b' * 32}.tmp" / "__0_0.distcp").write_bytes(b"shard")
+
+
+def _live_claim(folder):
+    from phalanx.callbacks._checkpoint_files import claim
+
+    return claim(str(folder / "epoch=0-step=1.ckpt"))
+
+
+def _planted_link(folder):
+    (folder.parent / "outside").mkdir()
+    os.symlink(folder.parent / "outside" / "created", folder / ".epoch=0-step=1.ckpt.claim")
+
+
+# state of the name before a claim -> whether the claim wins, and what is left in the folder after it (and a release)
+CLAIM_STATES = [
+    ("nothing", lambda folder: None, True, []),
+    (
+        "the checkpoint is written",
+        lambda f: (f / "epoch=0-step=1.ckpt").write_bytes(b"ckpt"),
+        False,
+        ["epoch=0-step=1.ckpt"],
+    ),
+    ("a live save holds it", _live_claim, False, [".epoch=0-step=1.ckpt.claim"]),
+    ("a killed save left its claim", _stale_claim, True, []),
+    (
+        "a killed save left its claim after writing",
+        lambda f: (_stale_claim(f), (f / "epoch=0-step=1.ckpt").write_bytes(b"c")),
+        False,
+        [f".epoch=0-step=1.ckpt.{'a' * 32}.tmp", f".epoch=0-step=1.ckpt.{'b' * 32}.tmp", "epoch=0-step=1.ckpt"],
+    ),
+    ("a link planted as the marker", _planted_link, False, [".epoch=0-step=1.ckpt.claim"]),
+]
+
+
+@pytest.mark.parametrize(("state", "make", "wins", "left"), CLAIM_STATES, ids=[c[0] for c in CLAIM_STATES])
+def test_a_claim_wins_only_a_free_name_and_reclaims_a_killed_save(tmp_path, state, make, wins, left):
+    from phalanx.callbacks._checkpoint_files import claim
+
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    holder = make(folder)
+    held = claim(str(folder / "epoch=0-step=1.ckpt"))
+    assert (held is not None) == wins
+    if held is not None:
+        assert not os.path.lexists(folder / "epoch=0-step=1.ckpt")  # nothing under the final name
+        held.release()
+    assert sorted(p.name for p in folder.iterdir()) == left
+    assert not (tmp_path / "outside" / "created").exists()  # a planted link is never followed
+    if holder is not None and hasattr(holder, "release"):
+        holder.release()
+
+
+def test_the_next_run_reclaims_what_killed_saves_left_and_keeps_live_claims(tmp_path):
+    from phalanx.callbacks._checkpoint_files import claim, reclaim_abandoned
+
+    _stale_claim(tmp_path, "epoch=0-step=1.ckpt")
+    _stale_claim(tmp_path, "last.ckpt")
+    live = claim(str(tmp_path / "epoch=0-step=2.ckpt"))
+    (tmp_path / f".epoch=0-step=2.ckpt.{'c' * 32}.tmp").write_bytes(b"being written")
+    reclaim_abandoned(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".epoch=0-step=2.ckpt.claim", f".epoch=0-step=2.ckpt.{'c' * 32}.tmp"]
+    )  # the live save's marker and temporary are untouched
+    live.release()
 
 
 def test_fsspec_names_are_claimed_too():

@@ -152,7 +152,7 @@ def test_a_copy_that_fails_names_both_files_and_keeps_the_checkpoint(tmp_path):
     callback = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_last=True)
     with pytest.raises(phalanx.utilities.exceptions.CheckpointError, match=r"could not copy .*epoch=0-step=2.ckpt"):
         fit(tmp_path, callback, [0.5], io=BrokenCopy())
-    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=2.ckpt"]  # the placeholder for last.ckpt is released
+    assert sorted(os.listdir(tmp_path)) == ["epoch=0-step=2.ckpt"]  # the claim of last.ckpt is released
 
 
 def test_a_run_resumed_from_the_copied_last_keeps_writing_last_ckpt(tmp_path):

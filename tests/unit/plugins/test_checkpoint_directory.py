@@ -185,3 +185,81 @@ def test_fit_resumes_from_the_retired_copy_a_kill_left(tmp_path):
     resumed.fit(Regressor(), train, ckpt_path="auto")
     assert resumed.global_step == 6
     assert counter.batches == 2  # continued from step 4, not from scratch
+
+
+# ---------------------------------------------------------------------------- a folder phalanx did not write
+def _a_sharded_save(source, target):
+    save_sharded(
+        {"state_dict": {"w": torch.ones(2)}}, target, is_global_zero=True, broadcast=lambda v: v, barrier=lambda n: None
+    )
+
+
+def _publish_a_link(source, target):
+    from phalanx.callbacks._checkpoint_files import publish_link
+
+    publish_link(str(source), str(target))
+
+
+def _copy(source, target):
+    TorchCheckpointIO().copy_checkpoint(source, target)
+
+
+def _one_file_save(source, target):
+    TorchCheckpointIO().save_checkpoint({"w": torch.ones(2)}, target)
+
+
+# every way phalanx puts a checkpoint at a path: none may replace (so delete) a folder without the completion marker
+REPLACERS = {
+    "one-file save": _one_file_save,
+    "sharded save": _a_sharded_save,
+    "copy of a file": _copy,
+    "copy of a directory": lambda source, target: _copy(source.parent / "sharded.ckpt", target),
+    "link (save_last='link')": _publish_a_link,
+}
+FOREIGN = {
+    "no marker": lambda path: None,
+    "a marker that is a link": lambda path: os.symlink(path.parent / "elsewhere", path / COMPLETE_MARKER),
+    "a marker that is a directory": lambda path: (path / COMPLETE_MARKER).mkdir(),
+}
+
+
+@pytest.mark.parametrize("foreign", sorted(FOREIGN))
+@pytest.mark.parametrize("replacer", sorted(REPLACERS))
+def test_nothing_replaces_a_folder_phalanx_did_not_write(tmp_path, replacer, foreign):
+    from phalanx.utilities.exceptions import CheckpointWriteError
+
+    source = tmp_path / "epoch=0.ckpt"
+    TorchCheckpointIO().save_checkpoint({"w": torch.zeros(2)}, source)
+    _a_sharded_save(None, tmp_path / "sharded.ckpt")
+    target = tmp_path / "last.ckpt"
+    target.mkdir()
+    (target / "data.txt").write_text("the user's")
+    FOREIGN[foreign](target)
+    before = sorted(p.name for p in target.iterdir())
+    with pytest.raises(CheckpointWriteError, match=rf"Refusing to write a checkpoint at {target}: a directory without"):
+        REPLACERS[replacer](source, target)
+    assert sorted(p.name for p in target.iterdir()) == before and (target / "data.txt").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0.ckpt", "last.ckpt", "sharded.ckpt"]  # nothing left
+
+
+@pytest.mark.parametrize("what", ["file", "directory"])
+def test_a_url_copy_never_replaces_a_folder_without_the_marker(what):
+    import uuid
+
+    import fsspec
+
+    from phalanx.utilities.exceptions import CheckpointWriteError
+
+    fs, root = fsspec.filesystem("memory"), f"/foreign-{uuid.uuid4().hex}"
+    try:
+        source = f"memory://{root}/epoch=0.ckpt"
+        if what == "file":
+            fs.pipe(f"{root}/epoch=0.ckpt", b"checkpoint")
+        else:
+            fs.pipe({f"{root}/epoch=0.ckpt/{COMPLETE_MARKER}": b"", f"{root}/epoch=0.ckpt/shard": b"x"})
+        fs.pipe(f"{root}/last.ckpt/data.txt", b"the user's")
+        with pytest.raises(CheckpointWriteError, match="Refusing to write a checkpoint at memory://.*last.ckpt"):
+            TorchCheckpointIO().copy_checkpoint(source, f"memory://{root}/last.ckpt")
+        assert fs.cat(f"{root}/last.ckpt/data.txt") == b"the user's"
+    finally:
+        fs.rm(root, recursive=True)
