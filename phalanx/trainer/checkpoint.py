@@ -203,7 +203,10 @@ class CheckpointConnector:
                         " or it has no monitor)."
                     )
                 return str(path)
-            path = getattr(callback, "last_model_path", "") or self._find_last(callback)
+            path = getattr(callback, "last_model_path", "")
+            if not path or ("://" not in str(path) and not Path(path).exists()):
+                # A last.ckpt recorded by this process whose background write failed was never made: look on disk.
+                path = self._find_last(callback)
             if not path:
                 raise ValueError(
                     f"ckpt_path='last': no complete last checkpoint (last*.ckpt) in {self._last_directory(callback)}."

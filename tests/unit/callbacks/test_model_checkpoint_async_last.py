@@ -106,3 +106,16 @@ def test_last_only_ever_names_a_complete_checkpoint(tmp_path, save_last, outcome
     assert os.path.islink(tmp_path / "last.ckpt") == (save_last == "link")
     _fit(tmp_path, save_last, extra=[_ResumedAt()], ckpt_path="last")
     assert _ResumedAt.step == last_step
+
+
+def test_last_recorded_in_process_but_never_written_falls_back_to_the_newest_complete_last(tmp_path):
+    # A background write that failed leaves the callback's last_model_path naming a file that was never made; the
+    # same process's fit(ckpt_path="last") must then resume from the newest complete last*.ckpt on disk.
+    trainer = _fit(tmp_path, True)
+    callback = trainer.checkpoint_callback
+    callback.last_model_path = str(tmp_path / "last-v1.ckpt")
+    trainer.fit_loop.max_steps = 8
+    resumed = _ResumedAt()
+    trainer.callbacks.append(resumed)
+    trainer.fit(Regressor(), loaders()[0], ckpt_path="last")
+    assert _ResumedAt.step == 6
