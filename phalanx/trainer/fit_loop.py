@@ -16,7 +16,7 @@ from phalanx.trainer.optimizer import call_step_hook, step_schedulers
 from phalanx.trainer.preemption import save_if_preempted
 from phalanx.trainer.state import RunningStage
 from phalanx.utilities.exceptions import CheckpointError
-from phalanx.utilities.rank_zero import rank_zero_warn
+from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states, restore_rng_states
 
 if TYPE_CHECKING:
@@ -106,8 +106,13 @@ class FitLoop:
         self._prepare_module_hooks()
         restored, self._restored = self._restored, None
         self.nonfinite = NonFiniteLossCheck(trainer, self.global_step)
+        self._warned_early_stop = False
         if trainer.num_training_batches == 0:
             return  # prepare_fit_data warned, naming the cause; an epoch without batches would never reach max_steps
+        if restored is None and self.phase == _IN_BATCHES and 0 < self.batches_done < trainer.num_training_batches:
+            # An earlier fit on this Trainer stopped inside this epoch: go on at its next batch, as a resume from a
+            # checkpoint taken there would, with the generator states as they are now.
+            restored = {"rng": collect_rng_states(), "callback_metrics": {}}
         if restored is not None:
             trainer._metrics.callback.update(restored["callback_metrics"])
         if restored is not None and self.phase in (_VALIDATED, _ENDED):
@@ -134,6 +139,19 @@ class FitLoop:
         if self._release_grads is None and self._zero_grad_hook is not None and module is not None:
             # The loop's own zero_grad(set_to_none=True) is what makes the default redundant; here it was replaced.
             self._release_grads = module.on_validation_model_zero_grad
+
+    def reached_limit(self) -> bool:
+        """Whether max_epochs or max_steps is reached before training starts (a fit after an earlier one, or resumed
+        from a checkpoint at its end): say so, as such a fit trains nothing."""
+        trainer = self.trainer
+        if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
+            limit = f"max_steps={trainer.max_steps} is reached (global_step={self.global_step})"
+        elif trainer.max_epochs not in (None, -1) and self.current_epoch >= trainer.max_epochs:
+            limit = f"max_epochs={trainer.max_epochs} is reached (current_epoch={self.current_epoch})"
+        else:
+            return False
+        rank_zero_info(f"Trainer.fit trains nothing: {limit}; raise it to train further.")
+        return True
 
     def _done(self) -> bool:
         trainer = self.trainer
