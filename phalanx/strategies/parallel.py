@@ -95,8 +95,7 @@ class ParallelStrategy(Strategy, ABC):
         return state
 
     def record_global_rank(self) -> None:
-        """Tell the environment this process's global rank and the world size, known from the layout before any
-        process group exists."""
+        """Tell the environment the world size and this process's global rank, known from the layout in advance."""
         # Called once devices and nodes are set (the Trainer does it at construction), so that rank-zero-guarded code
         # between ``Trainer(...)`` and ``fit`` runs once per job, not once per node, and ``trainer.world_size`` is
         # devices * num_nodes from the start, as in Lightning (environments that read it from the launcher keep theirs).
