@@ -49,6 +49,7 @@ class TrainerWorkerState:
         loop = trainer.fit_loop
         progress = state["fit_loop"]
         loop.current_epoch, loop.global_step = progress["epoch"], progress["global_step"]
+        loop.batches_stepped = progress["batches_stepped"]
         loop.batches_done, loop.total_batches, loop.phase = (
             progress["batches_done"],
             progress["total_batches"],

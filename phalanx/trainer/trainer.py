@@ -149,7 +149,7 @@ class Trainer(DeviceProperties):
         self._results: LoggedResults | None = None  # what self.log records into now: training or evaluation results
         results = BarebonesResults if self.barebones else LoggedResults
         self._train_results = results(self.strategy)
-        self._eval_results = results(self.strategy)
+        self._eval_results = results(self.strategy, training=False)
         self._init_run_state()
         # Process-wide switches last: a Trainer refused for a bad argument leaves them untouched.
         apply_process_switches(deterministic=self.deterministic, benchmark=benchmark)
