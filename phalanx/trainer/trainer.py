@@ -207,7 +207,7 @@ class Trainer(DeviceProperties):
         verbose: bool = True,
         datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
-        """Run one validation epoch; return one dict of metrics per dataloader."""
+        """Run one validation epoch; return one dict of the logged epoch metrics per dataloader."""
         return self._evaluate(TrainerFn.VALIDATING, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def test(
@@ -218,7 +218,7 @@ class Trainer(DeviceProperties):
         verbose: bool = True,
         datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
-        """Run one test epoch; return one dict of metrics per dataloader."""
+        """Run one test epoch; return one dict of the logged epoch metrics per dataloader."""
         return self._evaluate(TrainerFn.TESTING, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def _evaluate(
