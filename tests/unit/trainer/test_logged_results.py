@@ -217,3 +217,20 @@ def test_a_resumed_fit_logs_at_the_steps_of_an_uninterrupted_one(tmp_path, check
     for metric in ("train_loss", "val_loss"):
         assert [s for s, _ in resumed.points(metric)] == [s for s, _ in whole.points(metric) if s >= first]
     assert trainer.fit_loop.batches_stepped == trainer.global_step == 8
+
+
+def test_skipped_steps_keep_the_lr_monitor_in_step_with_the_metrics():
+    class NanAtBatch2(Regressor):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if batch_idx == 2 else loss
+
+    recorder = Recorder()
+    trainer = quiet_trainer(
+        max_epochs=1, log_every_n_steps=2, logger=recorder, nonfinite_loss="skip",
+        callbacks=[LearningRateMonitor(logging_interval="step")],
+    )  # fmt: skip
+    trainer.fit(NanAtBatch2(), loaders(n=64, batch_size=8)[0])
+    assert trainer.global_step == 7  # batch 2 took no optimizer step
+    assert [step for step, _ in recorder.points("train_loss")] == [1, 3, 5, 7]
+    assert [step for step, _ in recorder.points("lr-SGD")] == [1, 3, 5, 7]
