@@ -63,8 +63,8 @@ class Trainer(DeviceProperties):
         nonfinite_loss: What ``fit`` does when a training loss is NaN or infinite:
 
             - ``"warn"`` (default): a warning, once per fit, naming the range of global steps. The check is kept on
-              the device and read only where the loop reads values anyway (every ``log_every_n_steps`` batches,
-              epoch ends, checkpoint saves), so it adds no host-device synchronisation; the update is applied.
+              the device and read only where the loop reads values anyway (every ``log_every_n_steps`` optimizer
+              steps, epoch ends, checkpoint saves), so it adds no host-device synchronisation; the update is applied.
             - ``"skip"``: the batch does not update the weights: its gradients (and those of the rest of its
               gradient accumulation window) are dropped, no optimizer step is taken and ``global_step`` does not
               count it. Needs automatic optimization; refused with strategies that accumulate gradients themselves
