@@ -19,6 +19,9 @@ _LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RAN
         ({"strategy": "ddp_spawn", "devices": 2}, 2),
         ({"strategy": "fsdp", "devices": 2}, 2),
         ({"strategy": "fsdp", "devices": 2, "num_nodes": 2}, 4),
+        ({"strategy": "ddp_fork", "devices": 2}, 2),
+        ({"strategy": "model_parallel", "devices": 2}, 2),
+        ({"strategy": "deepspeed", "devices": 2}, 2),
         ({"devices": 2}, 2),  # strategy="auto"
     ],
 )
