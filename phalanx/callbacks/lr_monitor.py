@@ -76,12 +76,14 @@ class LearningRateMonitor(Callback):
         if self.logging_interval == "epoch":
             return
         every = trainer.log_every_n_steps
-        # Same cadence as the Trainer's own metric logging (Lightning's): the batches that complete step N*k.
-        if not every or (trainer.global_step + 1) % every != 0:
+        # Same cadence and step as the Trainer's own metric logging (Lightning's): the batches of the optimizer step
+        # that completes N*k of them, or any once a stop is requested.
+        stepped = trainer.fit_loop.batches_stepped
+        if not every or ((stepped + 1) % every != 0 and not trainer.should_stop):
             return
-        if self._last_logged_step == trainer.global_step:
+        if self._last_logged_step == stepped:
             return  # several batches per step while accumulating gradients: log once
-        self._last_logged_step = trainer.global_step
+        self._last_logged_step = stepped
         self._log(trainer, "step" if self.logging_interval is None else "any")
 
     def on_train_epoch_start(self, trainer: Trainer, module: TrainingModule) -> None:
@@ -95,7 +97,7 @@ class LearningRateMonitor(Callback):
         if not stats:
             return
         for logger in trainer.loggers:
-            logger.log_metrics(stats, step=trainer.global_step)
+            logger.log_metrics(stats, step=trainer.fit_loop.batches_stepped)
 
     def _extract_stats(self, trainer: Trainer, interval: str) -> dict[str, float]:
         """Values to log now: optimizers whose scheduler steps at ``interval`` ("any": all of them)."""

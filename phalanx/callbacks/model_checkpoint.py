@@ -91,8 +91,11 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
             clock decides and every rank gets its decision (one broadcast per batch with several processes).
         every_n_epochs: Save every ``n`` epochs (the default, 1, unless ``every_n_train_steps`` or
             ``train_time_interval`` is set). The three triggers are mutually exclusive.
-        save_on_train_epoch_end: Save at the end of the training epoch rather than after validation. By default the
-            callback saves after validation when validation runs during ``fit``.
+        save_on_train_epoch_end: Save at the end of the training epoch rather than after validation. By default, as
+            in Lightning, the callback saves at the end of the training epoch (after that epoch's validation, and
+            also when ``max_steps`` or a stop ends ``fit`` inside an epoch) unless validation runs several times per
+            epoch (``val_check_interval`` other than 1.0) or not every epoch (``check_val_every_n_epoch`` other than
+            1): then it saves after validation.
         enable_version_counter: When a name is taken (by a file this run did not write, or by a checkpoint this run
             still keeps, e.g. a second top-k save within an epoch named ``{epoch}``), append ``-v1``, ``-v2``... rather
             than overwrite it. False: overwrite.
@@ -319,7 +322,9 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
     def _should_save_on_train_epoch_end(self, trainer: Trainer) -> bool:
         if self._save_on_train_epoch_end is not None:
             return bool(self._save_on_train_epoch_end)
-        return not bool(getattr(trainer, "validation_enabled", False))
+        if not getattr(trainer, "validation_enabled", False):
+            return True  # Lightning checks check_val_every_n_epoch first and would never save here
+        return trainer.check_val_every_n_epoch == 1 and trainer.val_check_interval == 1.0
 
     def _is_epoch_to_save(self, trainer: Trainer) -> bool:
         return self._every_n_epochs >= 1 and (trainer.current_epoch + 1) % self._every_n_epochs == 0

@@ -95,10 +95,12 @@ class ParallelStrategy(Strategy, ABC):
         return state
 
     def record_global_rank(self) -> None:
-        """Tell the environment this process's global rank, known from the layout before any process group exists."""
+        """Tell the environment the world size and this process's global rank, known from the layout in advance."""
         # Called once devices and nodes are set (the Trainer does it at construction), so that rank-zero-guarded code
-        # between ``Trainer(...)`` and ``fit`` runs once per job, not once per node.
+        # between ``Trainer(...)`` and ``fit`` runs once per job, not once per node, and ``trainer.world_size`` is
+        # devices * num_nodes from the start, as in Lightning (environments that read it from the launcher keep theirs).
         assert self.cluster_environment is not None and self.parallel_devices is not None
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         set_global_rank(self.global_rank)
 

@@ -146,7 +146,10 @@ def _check_loops(checkpoint: dict[str, Any], source: str) -> None:
         if key not in loop:
             fail(source, f"{entry}[{key!r}]", "is missing")
         check_count(source, f"{entry}[{key!r}]", loop[key])
-    check_count(source, f"{entry}['total_batches']", loop.get("total_batches"), required=False)
+    for key in ("total_batches", "batches_stepped"):
+        check_count(source, f"{entry}[{key!r}]", loop.get(key), required=False)
+    if not isinstance(loop.get("step_pending", False), bool):
+        fail(source, f"{entry}['step_pending']", f"holds {_kind(loop['step_pending'])}; expected True or False")
     phase = loop.get("phase", LOOP_PHASES[0])
     if not isinstance(phase, str) or phase not in LOOP_PHASES:
         fail(source, f"{entry}['phase']", f"holds {_kind(phase)}; expected one of {list(LOOP_PHASES)}")

@@ -93,8 +93,8 @@ def _step_kwargs(multiple: bool, dataloader_idx: int) -> dict[str, int]:
 def run_evaluation(
     trainer: Trainer, stage: str, dataloaders: list[Any], limits: list[int | float], results: LoggedResults
 ) -> dict[str, torch.Tensor]:
-    """Run ``validation`` or ``test`` over ``dataloaders``; return the epoch metrics (tensors, not synchronised to
-    host)."""
+    """Run ``validation`` or ``test`` over ``dataloaders``; return the logged epoch metrics (tensors, not synchronised
+    to host)."""
     strategy = trainer.strategy
     module = strategy.module
     assert module is not None
@@ -131,6 +131,7 @@ def run_evaluation(
                 output = step(batch, batch_idx, **extra)
                 for hook in batch_end:
                     hook(output, batch, batch_idx, *index)
+                trainer._metrics.publish_eval_step(results, dataloader_idx, trainer.sanity_checking)
         trainer._metrics.publish_epoch(results)
         module.__dict__["_current_fx"] = None
         hooks.call(f"on_{stage}_epoch_end")

@@ -12,12 +12,12 @@ from phalanx.trainer.data import empty_data_reason, iterate_from
 from phalanx.trainer.evaluation_loop import run_validation_during_fit
 from phalanx.trainer.fit_data import epoch_end_validation_due, reload_train_data_if_due, val_check_due
 from phalanx.trainer.nonfinite import NonFiniteLossCheck, SkippedBatch
-from phalanx.trainer.optimizer import call_step_hook, step_schedulers
+from phalanx.trainer.optimizer import call_step_hook, extract_loss, step_schedulers
 from phalanx.trainer.preemption import save_if_preempted
 from phalanx.trainer.state import RunningStage
 from phalanx.trainer.step_output import extract_loss
 from phalanx.utilities.exceptions import CheckpointError
-from phalanx.utilities.rank_zero import rank_zero_warn
+from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states, restore_rng_states
 
 if TYPE_CHECKING:
@@ -39,6 +39,10 @@ class FitLoop:
         self.global_step = 0
         self.batches_done = 0  # in the current epoch
         self.total_batches = 0  # over all epochs
+        # Lightning's `_batches_that_stepped`: batches after which the optimizer stepped, counted once the batch and the
+        # validation it triggers are done. The loggers' step, and what log_every_n_steps counts.
+        self.batches_stepped = 0
+        self._step_pending = False  # the current batch stepped and is not counted in batches_stepped yet
         self.phase = _IN_BATCHES
         self.num_batches: int | float = 0
         self._epoch_start_rng: dict[str, Any] | None = None
@@ -63,6 +67,9 @@ class FitLoop:
             "global_step": self.global_step,
             "batches_done": self.batches_done,
             "total_batches": self.total_batches,
+            # A resume from on_train_batch_end counts that batch when it finishes it; any later one goes on past it.
+            "batches_stepped": self.batches_stepped + (self._step_pending and self.phase != _BATCH_END),
+            "step_pending": self._step_pending and self.phase == _BATCH_END,
             "phase": self.phase,
             "epoch_start_rng": self._epoch_start_rng,
             # A resumed run may still have to step a ReduceLROnPlateau or run EarlyStopping on these.
@@ -75,6 +82,8 @@ class FitLoop:
         self.global_step = int(state["global_step"])
         self.batches_done = int(state["batches_done"])
         self.total_batches = int(state.get("total_batches", 0))
+        self.batches_stepped = int(state.get("batches_stepped", self.global_step))
+        self._step_pending = bool(state.get("step_pending", False))
         self.phase = state.get("phase", _IN_BATCHES)
         self._epoch_start_rng = state.get("epoch_start_rng")
         self._restored = {"rng": rng_states, "callback_metrics": dict(state.get("callback_metrics") or {})}
@@ -90,8 +99,13 @@ class FitLoop:
         self._prepare_module_hooks()
         restored, self._restored = self._restored, None
         self.nonfinite = NonFiniteLossCheck(trainer, self.global_step)
+        self._warned_early_stop = False
         if trainer.num_training_batches == 0:
             return  # prepare_fit_data warned, naming the cause; an epoch without batches would never reach max_steps
+        if restored is None and self.phase == _IN_BATCHES and 0 < self.batches_done < trainer.num_training_batches:
+            # An earlier fit on this Trainer stopped inside this epoch: go on at its next batch, as a resume from a
+            # checkpoint taken there would, with the generator states as they are now.
+            restored = {"rng": collect_rng_states(), "callback_metrics": {}}
         if restored is not None:
             trainer._metrics.callback.update(restored["callback_metrics"])
         if restored is not None and self.phase in (_VALIDATED, _ENDED):
@@ -119,6 +133,19 @@ class FitLoop:
             # The loop's own zero_grad(set_to_none=True) is what makes the default redundant; here it was replaced.
             self._release_grads = module.on_validation_model_zero_grad
 
+    def reached_limit(self) -> bool:
+        """Whether max_epochs or max_steps is reached before training starts (a fit after an earlier one, or resumed
+        from a checkpoint at its end): say so, as such a fit trains nothing."""
+        trainer = self.trainer
+        if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
+            limit = f"max_steps={trainer.max_steps} is reached (global_step={self.global_step})"
+        elif trainer.max_epochs not in (None, -1) and self.current_epoch >= trainer.max_epochs:
+            limit = f"max_epochs={trainer.max_epochs} is reached (current_epoch={self.current_epoch})"
+        else:
+            return False
+        rank_zero_info(f"Trainer.fit trains nothing: {limit}; raise it to train further.")
+        return True
+
     def _done(self) -> bool:
         trainer = self.trainer
         if trainer._stop_now:
@@ -140,7 +167,7 @@ class FitLoop:
             set_epoch = getattr(candidate, "set_epoch", None)
             if set_epoch is not None:
                 set_epoch(self.current_epoch)
-        trainer._hooks.call("on_train_epoch_start")
+        self._call_epoch_hook("on_train_epoch_start")
         iterator, skip = self._epoch_iterator(dataloader, restored)
         # A checkpoint saved in on_train_batch_end resumes with that batch's validation and stop checks.
         stop = self._after_batch(trainer._deadline) if skip and self.phase == _BATCH_END else False
@@ -164,9 +191,8 @@ class FitLoop:
         if skip > self.num_batches:
             raise CheckpointError(
                 f"The checkpoint resumes after batch {skip} of epoch {self.current_epoch}, but the training data has"
-                " only"
-                f" {self.num_batches} batches per epoch now; resume with the data (and limit_train_batches) it was"
-                " saved with."
+                f" only {self.num_batches} batches per epoch now; resume with the data (and limit_train_batches) it"
+                " was saved with."
             )
         iterator = iterate_from(dataloader, skip)
         if skip and restored is not None and restored["rng"] is not None:
@@ -189,7 +215,7 @@ class FitLoop:
         move_batch = hooks.move_batch
         deadline = trainer._deadline
         loggers = trainer.loggers
-        log_every = trainer.log_every_n_steps
+        log_every = trainer.log_every_n_steps  # 0: barebones, no step logging
         stop = False
         while not stop and self.batches_done < num_batches:
             try:
@@ -209,9 +235,11 @@ class FitLoop:
             if results.step_updated:
                 metrics.publish_step(results)
             self.phase = _BATCH_END
+            self._step_pending = stepped = not self._accumulating()  # a checkpoint in on_train_batch_end keeps it
             for hook in batch_end_hooks:
                 hook(output, batch, batch_idx)
-            if log_every and self.total_batches % log_every == 0:  # 0: barebones, no step logging
+            # As in Lightning: every log_every_n_steps optimizer steps (not batches), or when a stop is requested.
+            if log_every and stepped and ((self.batches_stepped + 1) % log_every == 0 or trainer.should_stop):
                 if loggers:
                     metrics.log_step()
                 self.nonfinite.report()
@@ -224,6 +252,7 @@ class FitLoop:
         trainer = self.trainer
         if self._accumulated and trainer.strategy.module.automatic_optimization:
             self._flush_accumulated()
+            self._step_pending = True
         self._skip_window = False
         if exhausted and self.batches_done == 0 and self._epoch_cannot_train(skipped_by_hook):
             trainer._stop_now = True
@@ -233,8 +262,9 @@ class FitLoop:
         if stopped_inside_epoch:
             # Stopped inside the epoch (max_steps, max_time, a stop request): callbacks see the epoch end, but the
             # progress stays mid-epoch so that a resumed run continues at the next batch.
+            self._count_stepped()
             trainer._metrics.publish_epoch(trainer._train_results)
-            trainer._hooks.call("on_train_epoch_end")
+            self._call_epoch_hook("on_train_epoch_end")
             if trainer.loggers:
                 trainer._metrics.log_epoch(trainer._train_results)
             return
@@ -242,6 +272,7 @@ class FitLoop:
         trainer._metrics.publish_epoch(trainer._train_results)
         if epoch_end_validation_due(trainer, self):
             self._validate(window_done=True)
+        self._count_stepped()  # after the epoch's validation, which Lightning runs within its last batch
         self._finish_epoch()
 
     def _epoch_cannot_train(self, skipped_by_hook: bool) -> bool:
@@ -254,9 +285,8 @@ class FitLoop:
         else:
             reason = empty_data_reason(trainer._train_dataloader, trainer.limit_train_batches)
         rank_zero_warn(
-            f"Epoch {self.current_epoch} trained no batch ({reason}): fit stops at global step {self.global_step}, as"
-            " no"
-            " later epoch would train either."
+            f"Epoch {self.current_epoch} trained no batch ({reason}): fit stops at global step {self.global_step},"
+            " as no later epoch would train either."
         )
         return True
 
@@ -264,12 +294,29 @@ class FitLoop:
         trainer = self.trainer
         step_schedulers(trainer, "epoch")
         self.phase = _ENDED
-        trainer._hooks.call("on_train_epoch_end")
+        self._call_epoch_hook("on_train_epoch_end")
         trainer._metrics.publish_epoch(trainer._train_results)
         if trainer.loggers:
             trainer._metrics.log_epoch(trainer._train_results)
         self.nonfinite.report()
         self._advance_epoch()
+
+    def _call_epoch_hook(self, name: str) -> None:
+        # What callbacks log there is keyed and defaulted by this hook's name, as in Lightning.
+        self.trainer.strategy.module.__dict__["_current_fx"] = name
+        self.trainer._hooks.call(name)
+
+    def _accumulating(self) -> bool:
+        """Lightning's ``_should_accumulate``, after a batch: its window goes on (no optimizer step counted)."""
+        accumulate = self.trainer.accumulate_grad_batches
+        if accumulate == 1 or self.batches_done % accumulate == 0:
+            return False
+        return self.trainer.strategy.handles_gradient_accumulation or self.batches_done < self.num_batches
+
+    def _count_stepped(self) -> None:
+        if self._step_pending:
+            self.batches_stepped += 1
+            self._step_pending = False
 
     def _advance_epoch(self) -> None:
         self.current_epoch += 1
@@ -290,6 +337,8 @@ class FitLoop:
                 or self.batches_done % accumulate == 0
                 or self.batches_done >= self.num_batches
             )
+        if self.batches_done < self.num_batches:
+            self._count_stepped()  # the epoch's last batch is counted after the epoch's validation
         if trainer.preemption is not None and save_if_preempted(trainer, self.total_batches):
             trainer._stop_now = True
             return True

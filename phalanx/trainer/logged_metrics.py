@@ -29,10 +29,14 @@ class LoggedMetrics:
         self.logged: dict[str, Tensor] = {}
         self.progress_bar: dict[str, Tensor] = {}
         self._pending_step_log: dict[str, Tensor] = {}
+        # Evaluation batches done per dataloader since the stage began, the loggers' step for their step values (as in
+        # Lightning, where validation during fit counts on from one validation to the next).
+        self._eval_batches: dict[int, int] = {}
 
     def reset(self) -> None:
-        """Start empty (new dictionaries: one read before keeps the values it had)."""
+        """Start empty (new dictionaries: one read before keeps the values it had), as a stage begins."""
         self.callback, self.logged, self.progress_bar = {}, {}, {}
+        self._eval_batches = {}
 
     def publish_step(self, results: LoggedResults) -> None:
         """Publish the latest step values of ``results``; the logged ones wait for :meth:`log_step`."""
@@ -42,13 +46,26 @@ class LoggedMetrics:
         self.progress_bar.update(bar)
         self._pending_step_log.update(logged)
 
+    def publish_eval_step(self, results: LoggedResults, dataloader_idx: int, sanity_checking: bool) -> None:
+        """After an evaluation batch: publish its step values and send the logged ones to the loggers at once, at
+        the step that counts the dataloader's evaluation batches (not during the sanity check)."""
+        if results.step_updated:
+            _, logged, bar = results.step_metrics()
+            self.logged.update(logged)
+            self.progress_bar.update(bar)
+            if logged and not sanity_checking and self._trainer.loggers:
+                self._send(logged, step=self._eval_batches.get(dataloader_idx, 0), with_epoch=False)
+        if not sanity_checking:
+            self._eval_batches[dataloader_idx] = self._eval_batches.get(dataloader_idx, 0) + 1
+
     def publish_epoch(self, results: LoggedResults) -> dict[str, Tensor]:
-        """Publish the epoch aggregates of ``results``; return those callbacks see."""
+        """Publish the epoch aggregates of ``results``; return the logged ones (what ``validate`` and ``test`` return,
+        as in Lightning)."""
         callback, logged, bar = results.epoch_metrics()
         self.callback.update(callback)
         self.logged.update(logged)
         self.progress_bar.update(bar)
-        return callback
+        return logged
 
     def log_step(self) -> None:
         """Send the step values published since the last call to the loggers."""
@@ -74,12 +91,17 @@ class LoggedMetrics:
             for logger in trainer.loggers:
                 logger.log_hyperparams(params)
 
-    def _send(self, metrics: dict[str, Tensor]) -> None:
+    def _send(self, metrics: dict[str, Tensor], step: int | None = None, with_epoch: bool = True) -> None:
         trainer = self._trainer
         values = {name: float(value.item()) for name, value in metrics.items()}
-        values["epoch"] = float(trainer.current_epoch)
+        if with_epoch:
+            values["epoch"] = float(trainer.current_epoch)
+        if step is None:
+            # Lightning's step for the loggers: the batches that stepped the optimizer, counted once the batch
+            # (and the validation it triggers) is done, so LearningRateMonitor's points fall on the same steps.
+            step = trainer.fit_loop.batches_stepped
         for logger in trainer.loggers:
-            logger.log_metrics(values, step=trainer.global_step)
+            logger.log_metrics(values, step=step)
 
 
 __all__ = ["LoggedMetrics"]

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from phalanx.strategies.strategy import Strategy
 
 _REDUCTIONS = ("mean", "sum", "max", "min")
-# Hooks in which self.log aggregates per step unless told otherwise; everything else aggregates per epoch.
+# Hooks in which self.log aggregates per step unless told otherwise; everything else aggregates per epoch (as in
+# Lightning).
 _STEP_HOOKS = frozenset(
     {
         "training_step",
@@ -28,6 +29,10 @@ _STEP_HOOKS = frozenset(
         "optimizer_step",
         "optimizer_zero_grad",
     }
+)
+# Once per epoch or stage: a value logged there has no step, so on_step=True is refused (Lightning refuses it too).
+_EPOCH_HOOKS = frozenset(
+    f"on_{stage}_{when}" for stage in ("train", "validation", "test") for when in ("start", "epoch_start", "epoch_end")
 )
 
 
@@ -42,6 +47,7 @@ class _LoggedMetric:
         "on_epoch",
         "reduce_fx",
         "sync_dist",
+        "dataloader_idx",
         "step_value",
         "total",
         "count",
@@ -57,6 +63,7 @@ class _LoggedMetric:
         self.on_epoch = on_epoch
         self.reduce_fx = reduce_fx
         self.sync_dist = sync_dist
+        self.dataloader_idx: int | None = None  # the dataloader its name is suffixed with
         self.step_value: Tensor | None = None
         self.total: Tensor | None = None
         self.count = 0.0
@@ -105,11 +112,18 @@ def infer_batch_size(batch: Any) -> int:
 
 
 class LoggedResults:
-    """The metrics logged during one stage (training, validation, test) of a run."""
+    """The metrics logged during one stage (training, validation, test) of a run.
 
-    def __init__(self, strategy: Strategy, multiple_dataloaders: bool = False) -> None:
+    A value is kept per hook and name, as in Lightning: the same name logged in ``training_step`` and again in
+    ``on_train_epoch_end`` is two metrics, and at the epoch's end the one logged last replaces the other under that
+    name. ``training=False`` (validation, test): step values reach the loggers and the progress bar, not the
+    callbacks.
+    """
+
+    def __init__(self, strategy: Strategy, multiple_dataloaders: bool = False, training: bool = True) -> None:
         self._strategy = strategy
-        self._metrics: dict[str, _LoggedMetric] = {}
+        self._metrics: dict[tuple[str | None, str], _LoggedMetric] = {}
+        self.training = training
         self.multiple_dataloaders = multiple_dataloaders
         self.dataloader_idx: int = 0
         self.batch: Any = None
@@ -140,9 +154,11 @@ class LoggedResults:
         """Record ``value`` under ``name`` (see ``TrainingModule.log``)."""
         if self.multiple_dataloaders and add_dataloader_idx:
             name = f"{name}/dataloader_idx_{self.dataloader_idx}"
-        metric = self._metrics.get(name)
+        metric = self._metrics.get((fx_name, name))
         if metric is None:
             metric = self._new_metric(fx_name, name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
+            if self.multiple_dataloaders and add_dataloader_idx:
+                metric.dataloader_idx = self.dataloader_idx
         value = self._as_tensor(name, value)
         if metric.on_step:
             metric.step_value = self._strategy.reduce(value, reduce_op=reduce_fx) if sync_dist else value
@@ -174,16 +190,19 @@ class LoggedResults:
         on_epoch = (not step_default) if on_epoch is None else on_epoch
         if not on_step and not on_epoch:
             raise ValueError(f"self.log({name!r}, ...) with on_step=False and on_epoch=False would record nothing.")
-        if on_step and fx_name is not None and fx_name not in _STEP_HOOKS:
-            on_step = False  # outside a training batch there is no step to report; keep the epoch value
-            on_epoch = True
+        if on_step and fx_name in _EPOCH_HOOKS:
+            raise ValueError(
+                f"self.log({name!r}, ..., on_step=True) in {fx_name}: that hook runs once per epoch, so there is no"
+                " step value to log. Drop on_step=True (the value is kept per epoch there), or log it in a step hook"
+                " such as training_step or validation_step."
+            )
         metric = _LoggedMetric(name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
         if on_epoch and not sync_dist and self._strategy.world_size > 1:
             rank_zero_warn(
                 f"self.log({name!r}, ...) aggregates over the epoch without sync_dist=True: with several processes each"
                 " rank keeps its own value (and callbacks may decide differently per rank). Pass sync_dist=True."
             )
-        self._metrics[name] = metric
+        self._metrics[(fx_name, name)] = metric
         return metric
 
     def _as_tensor(self, name: str, value: Any) -> Tensor:
@@ -208,17 +227,19 @@ class LoggedResults:
         return metric.name
 
     def step_metrics(self) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
-        """Return (callback, logger, progress bar) metrics from the latest step values."""
+        """Return (callback, logger, progress bar) metrics from the latest step values (no callback metrics outside
+        training, as in Lightning: callbacks see the epoch values of validation and test)."""
         self.step_updated = False
         callback: dict[str, Tensor] = {}
         logged: dict[str, Tensor] = {}
         bar: dict[str, Tensor] = {}
         for metric in self._metrics.values():
-            if metric.step_value is None:
-                continue
+            if metric.step_value is None or metric.dataloader_idx not in (None, self.dataloader_idx):
+                continue  # as in Lightning, a step reports the values of the dataloader it ran on
             key = self._names(metric, "step")
-            callback[key] = metric.step_value
-            callback[metric.name] = metric.step_value
+            if self.training:
+                callback[key] = metric.step_value
+                callback[metric.name] = metric.step_value
             if metric.logger:
                 logged[key] = metric.step_value
             if metric.prog_bar:

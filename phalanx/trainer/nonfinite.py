@@ -26,7 +26,8 @@ class NonFiniteLossCheck:
     """Watches the training loss of one ``fit``.
 
     'warn' adds one device-side operation per batch (a running sum) and reads it only where the loop reads values on the
-    host anyway (every ``log_every_n_steps`` batches, at epoch ends and checkpoint saves): it never synchronises a step.
+    host anyway (every ``log_every_n_steps`` optimizer steps, at epoch ends and checkpoint saves): it never synchronises
+    a step.
     'skip', 'stop' and 'raise' read every loss on the host (and agree across processes), i.e. synchronise every step.
     """
 

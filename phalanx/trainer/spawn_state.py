@@ -49,6 +49,8 @@ class TrainerWorkerState:
         loop = trainer.fit_loop
         progress = state["fit_loop"]
         loop.current_epoch, loop.global_step = progress["epoch"], progress["global_step"]
+        # A later fit continues from here (inside an interrupted epoch too, rebuilding its data order).
+        loop.batches_stepped, loop._epoch_start_rng = progress["batches_stepped"], progress["epoch_start_rng"]
         loop.batches_done, loop.total_batches, loop.phase = (
             progress["batches_done"],
             progress["total_batches"],

@@ -25,7 +25,6 @@ from phalanx.trainer.evaluation_loop import (
     split_by_dataloader,
 )
 from phalanx.trainer.fit_data import prepare_fit_data
-from phalanx.trainer.fit_loop import FitLoop
 from phalanx.trainer.loggers_and_callbacks import agree_on_log_versions, merge_module_callbacks
 from phalanx.trainer.optimizer import prepare_optimization
 from phalanx.trainer.run_settings import run_settings
@@ -173,18 +172,27 @@ def teardown_run(trainer: Trainer, module: TrainingModule) -> None:
 def run_fit(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_path: Any) -> None:
     """The fit stage: set up, resume, sanity check, train, tear down."""
     checkpoint = setup_run(trainer, module, source, ckpt_path)
-    strategy = trainer.strategy
     prepare_optimization(trainer, module)
     if checkpoint is not None:
         trainer._checkpoint_connector.restore_training_state(checkpoint)
-    else:
-        trainer.fit_loop = FitLoop(trainer)
+    # Otherwise the progress of an earlier fit on this Trainer stays (current_epoch, global_step): as in Lightning,
+    # a second fit continues from it, and does not train at all once max_epochs or max_steps is reached.
     prepare_fit_data(trainer, source)
     trainer._metrics.log_hyperparameters(module)
     trainer._metrics.reset()
     trainer._hooks.call("on_fit_start")
     sanity_check(trainer)
     trainer._results = trainer._train_results
+    # A fit that starts with max_epochs or max_steps reached trains nothing; Lightning then skips the training stage,
+    # its on_train_start and on_train_end hooks included.
+    if not trainer.fit_loop.reached_limit():
+        _train(trainer)
+    trainer._hooks.call("on_fit_end")
+    teardown_run(trainer, module)
+
+
+def _train(trainer: Trainer) -> None:
+    strategy = trainer.strategy
     strategy.on_train_start()
     trainer._hooks.call("on_train_start")
     max_time = trainer._max_time
@@ -195,8 +203,6 @@ def run_fit(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_p
     trainer.state.stage = None
     trainer._hooks.call("on_train_end")
     strategy.on_train_end()
-    trainer._hooks.call("on_fit_end")
-    teardown_run(trainer, module)
 
 
 def _run_fit_loop(trainer: Trainer) -> None:

@@ -65,8 +65,8 @@ class Trainer(DeviceProperties):
         nonfinite_loss: What ``fit`` does when a training loss is NaN or infinite:
 
             - ``"warn"`` (default): a warning, once per fit, naming the range of global steps. The check is kept on
-              the device and read only where the loop reads values anyway (every ``log_every_n_steps`` batches,
-              epoch ends, checkpoint saves), so it adds no host-device synchronisation; the update is applied.
+              the device and read only where the loop reads values anyway (every ``log_every_n_steps`` optimizer
+              steps, epoch ends, checkpoint saves), so it adds no host-device synchronisation; the update is applied.
             - ``"skip"``: the batch does not update the weights: its gradients (and those of the rest of its
               gradient accumulation window) are dropped, no optimizer step is taken and ``global_step`` does not
               count it. Needs automatic optimization; refused with strategies that accumulate gradients themselves
@@ -151,7 +151,7 @@ class Trainer(DeviceProperties):
         self._results: LoggedResults | None = None  # what self.log records into now: training or evaluation results
         results = BarebonesResults if self.barebones else LoggedResults
         self._train_results = results(self.strategy)
-        self._eval_results = results(self.strategy)
+        self._eval_results = results(self.strategy, training=False)
         self._init_run_state()
         # Process-wide switches last: a Trainer refused for a bad argument leaves them untouched.
         apply_process_switches(deterministic=self.deterministic, benchmark=benchmark)
@@ -211,7 +211,7 @@ class Trainer(DeviceProperties):
         verbose: bool = True,
         datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
-        """Run one validation epoch; return one dict of metrics per dataloader."""
+        """Run one validation epoch; return one dict of the logged epoch metrics per dataloader."""
         return self._evaluate(TrainerFn.VALIDATING, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def test(
@@ -222,7 +222,7 @@ class Trainer(DeviceProperties):
         verbose: bool = True,
         datamodule: DataModule | None = None,
     ) -> list[dict[str, float]]:
-        """Run one test epoch; return one dict of metrics per dataloader."""
+        """Run one test epoch; return one dict of the logged epoch metrics per dataloader."""
         return self._evaluate(TrainerFn.TESTING, model, dataloaders, ckpt_path, verbose, datamodule)
 
     def _evaluate(

@@ -25,7 +25,8 @@ def make_trainer(optimizers, configs=(), loggers=None, **kwargs):
         optimizers=list(optimizers),
         lr_scheduler_configs=list(configs),
         loggers=[RecordingLogger()] if loggers is None else loggers,
-        global_step=0,
+        fit_loop=SimpleNamespace(batches_stepped=0),
+        should_stop=False,
         log_every_n_steps=2,
     )
     defaults.update(kwargs)
@@ -83,7 +84,7 @@ def test_step_interval_follows_log_every_n_steps():
     monitor = LearningRateMonitor(logging_interval="step")
     monitor.on_train_start(trainer, None)
     for step in range(9):
-        trainer.global_step = step
+        trainer.fit_loop.batches_stepped = step
         monitor.on_train_batch_start(trainer, None, None, step)
         monitor.on_train_batch_start(trainer, None, None, step)  # accumulation: same step twice, logged once
     monitor.on_train_epoch_start(trainer, None)  # 'step' ignores epochs
@@ -109,7 +110,7 @@ def test_default_interval_follows_each_scheduler():
 
     step_opt.step()
     configs[0].scheduler.step()
-    trainer.global_step = 1
+    trainer.fit_loop.batches_stepped = 1
     monitor.on_train_batch_start(trainer, None, None, 1)
     assert trainer.loggers[0].records[-1] == ({"lr-SGD": 0.5}, 1)
 
@@ -130,7 +131,9 @@ def test_momentum_and_weight_decay():
 
 def test_every_logger_receives_the_metrics():
     loggers = [RecordingLogger(), RecordingLogger()]
-    trainer = make_trainer([torch.optim.SGD(params(), lr=0.1)], loggers=loggers, global_step=4)
+    trainer = make_trainer(
+        [torch.optim.SGD(params(), lr=0.1)], loggers=loggers, fit_loop=SimpleNamespace(batches_stepped=4)
+    )
     monitor = LearningRateMonitor(logging_interval="epoch")
     monitor.on_train_start(trainer, None)
     monitor.on_train_epoch_start(trainer, None)

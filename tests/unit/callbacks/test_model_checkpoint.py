@@ -59,6 +59,8 @@ class FakeTrainer(SimpleNamespace):
             fast_dev_run=False,
             state=SimpleNamespace(fn="fit"),
             validation_enabled=True,
+            check_val_every_n_epoch=1,
+            val_check_interval=0.5,  # several validations an epoch: saves come from on_validation_end
             loggers=[],
             log_dir=None,
             default_root_dir=str(root),

@@ -97,6 +97,12 @@ DAMAGE = [
     ("loop epoch missing", _drop(*LOOP, "epoch"), "checkpoint['loops']['fit_loop']['epoch'] is missing"),
     ("loop global_step a float", _set(*LOOP, "global_step", value=2.5), "['fit_loop']['global_step'] holds float 2.5"),
     ("loop batches_done negative", _set(*LOOP, "batches_done", value=-3), "['batches_done'] holds int -3"),
+    ("loop batches_stepped a string", _set(*LOOP, "batches_stepped", value="7"), "['batches_stepped'] holds str '7'"),
+    (
+        "loop step_pending not a bool",
+        _set(*LOOP, "step_pending", value="yes"),
+        "['step_pending'] holds str 'yes'; expected True or False",
+    ),
     (
         "loop phase unknown",
         _set(*LOOP, "phase", value="middle"),

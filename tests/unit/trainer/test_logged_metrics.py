@@ -39,7 +39,10 @@ class _Logger:
 
 def _trainer(loggers: int = 1, datamodule: Any = None) -> SimpleNamespace:
     return SimpleNamespace(
-        loggers=[_Logger() for _ in range(loggers)], current_epoch=2, global_step=7, datamodule=datamodule
+        loggers=[_Logger() for _ in range(loggers)],
+        current_epoch=2,
+        fit_loop=SimpleNamespace(batches_stepped=7),
+        datamodule=datamodule,
     )
 
 
