@@ -1,10 +1,9 @@
-"""Optimization during ``fit``: the loss in a ``training_step`` result, the optimizer handle of
+"""Optimization during ``fit``: the optimizer handle of
 ``TrainingModule.optimizers()`` and of the ``optimizer_step`` hook, the checks of the optimizers a module configured,
 and the stepping of its LR schedulers."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor
@@ -16,23 +15,6 @@ from phalanx.utilities.rank_zero import rank_zero_warn
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
     from phalanx.trainer.trainer import Trainer
-
-
-def extract_loss(output: Any) -> Tensor | None:
-    """The loss in a ``training_step`` result: the tensor itself, ``output['loss']``, or None (skip the batch)."""
-    if isinstance(output, Tensor) or output is None:
-        return output
-    if isinstance(output, Mapping):
-        if "loss" not in output:
-            raise ValueError(
-                f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}); add the loss under"
-                " 'loss'."
-            )
-        return output["loss"]
-    raise TypeError(
-        f"training_step returned a {type(output).__name__}; return the loss tensor, a dict with 'loss', or None to"
-        " skip the batch."
-    )
 
 
 def _no_closure() -> None:

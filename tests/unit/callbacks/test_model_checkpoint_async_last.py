@@ -67,10 +67,12 @@ def _visible(dirpath: Path) -> list[str]:
     return sorted(p.name for p in dirpath.iterdir() if not p.name.startswith("."))
 
 
-def _fit(dirpath: Path, save_last: Any, io: Any = None, extra: list | None = None, ckpt_path: Any = None) -> Any:
+def _fit(
+    dirpath: Path, save_last: Any, io: Any = None, extra: list | None = None, ckpt_path: Any = None, max_steps: int = 6
+) -> Any:
     callback = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=2, save_top_k=-1, save_last=save_last)
     trainer = quiet_trainer(
-        max_steps=6,
+        max_steps=max_steps,
         callbacks=[callback, *(extra or [])],
         enable_checkpointing=True,
         plugins=[io] if io is not None else None,
@@ -104,7 +106,7 @@ def test_last_only_ever_names_a_complete_checkpoint(tmp_path, save_last, outcome
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no claim or temporary left
     assert _step(tmp_path / "last.ckpt") == last_step
     assert os.path.islink(tmp_path / "last.ckpt") == (save_last == "link")
-    _fit(tmp_path, save_last, extra=[_ResumedAt()], ckpt_path="last")
+    _fit(tmp_path, save_last, extra=[_ResumedAt()], ckpt_path="last", max_steps=8)  # a resume with steps to take
     assert _ResumedAt.step == last_step
 
 
@@ -114,7 +116,7 @@ def test_last_recorded_in_process_but_never_written_falls_back_to_the_newest_com
     trainer = _fit(tmp_path, True)
     callback = trainer.checkpoint_callback
     callback.last_model_path = str(tmp_path / "last-v1.ckpt")
-    trainer.fit_loop.max_steps = 8
+    trainer.max_steps = 8
     resumed = _ResumedAt()
     trainer.callbacks.append(resumed)
     trainer.fit(Regressor(), loaders()[0], ckpt_path="last")
