@@ -1,7 +1,12 @@
 """Shared pytest set-up: the test models live in phalanx_testing.py beside this file (importable from every test)."""
 
+import os
+
 import pytest
 import torch
+
+# What a launcher sets for its processes: left behind, they make the next test look like a process of a started job.
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
 
 
 @pytest.fixture(autouse=True)
@@ -9,6 +14,12 @@ def _restore_torch_globals():
     # Tests that change torch's global switches (deterministic algorithms, default dtype) must not leak them.
     dtype = torch.get_default_dtype()
     deterministic = torch.are_deterministic_algorithms_enabled()
+    launch = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
     yield
+    for name, value in launch.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     torch.set_default_dtype(dtype)
     torch.use_deterministic_algorithms(deterministic)

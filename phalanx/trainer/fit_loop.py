@@ -103,8 +103,7 @@ class FitLoop:
         if trainer.num_training_batches == 0:
             return  # prepare_fit_data warned, naming the cause; an epoch without batches would never reach max_steps
         if restored is None and self.phase == _IN_BATCHES and 0 < self.batches_done < trainer.num_training_batches:
-            # An earlier fit on this Trainer stopped inside this epoch: go on at its next batch, as a resume from a
-            # checkpoint taken there would, with the generator states as they are now.
+            # An earlier fit on this Trainer stopped inside this epoch: go on at its next batch, as a resume would.
             restored = {"rng": collect_rng_states(), "callback_metrics": {}}
         if restored is not None:
             trainer._metrics.callback.update(restored["callback_metrics"])

@@ -19,6 +19,7 @@ from phalanx.accelerators.accelerator import Accelerator
 from phalanx.callbacks.callback import Callback
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
+from phalanx.module_clipping import overrides_gradient_clipping
 from phalanx.strategies.migration import refuse_trainer_parameters
 from phalanx.strategies.strategy import Strategy
 from phalanx.trainer.argument_checks import RENAMED_TRAINER_ATTRIBUTES
@@ -426,7 +427,7 @@ class Trainer(DeviceProperties):
             hook(optimizer)
         module = self.strategy.module
         # As Lightning, an override runs at every step whatever the settings; the default one clips only when set.
-        clips = module is not None and (self.gradient_clip_val or _overrides_gradient_clipping(module))
+        clips = module is not None and (self.gradient_clip_val or overrides_gradient_clipping(module))
         if clips and module.automatic_optimization:
             module.configure_gradient_clipping(
                 optimizer,
@@ -441,12 +442,6 @@ class Trainer(DeviceProperties):
         self.strategy.backward(loss, None, *args, **kwargs)
         for hook in self._hooks["on_after_backward"]:
             hook()
-
-
-def _overrides_gradient_clipping(module: TrainingModule) -> bool:
-    if "configure_gradient_clipping" in module.__dict__:
-        return True  # assigned on the instance
-    return type(module).configure_gradient_clipping is not TrainingModule.configure_gradient_clipping
 
 
 __all__ = ["Trainer"]
