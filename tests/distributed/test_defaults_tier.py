@@ -63,9 +63,10 @@ class Run:
         rank_zero = [report for report in reports if report["global_rank"] == 0]
         assert len(rank_zero) == 1, reports
         assert rank_zero[0]["strategy"] == STRATEGIES[strategy]
-        self.world_size = 1 if strategy in ONE_PROCESS else 2
+        # Processes that read different data: model_parallel's default mesh is all tensor parallel (1 x 2).
+        replicas = 1 if strategy in ONE_PROCESS or strategy == "model_parallel" else 2
         self.stages = {stage["stage"]: stage for stage in rank_zero[0]["stages"]}
-        self.steps_per_epoch = TRAIN // (BATCH * self.world_size)
+        self.steps_per_epoch = TRAIN // (BATCH * replicas)
         lines = (self.out / "events_rank0.jsonl").read_text().splitlines()
         self.events = [json.loads(line) for line in lines]
 

@@ -101,8 +101,11 @@ class TensorParallelTierModule(TierModule):
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+        if isinstance(self.net[0].weight, DTensor):
+            return  # every stage calls configure_model; the module is parallelised once
         mesh = self.device_mesh
         parallelize_module(self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         fully_shard(self.net, mesh=mesh["data_parallel"])
