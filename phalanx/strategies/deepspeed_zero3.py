@@ -33,9 +33,9 @@ class DeepSpeedZero3Mixin:
 
     @property
     def allows_inference_mode(self) -> bool:
-        """Not with partitioned parameters: ZeRO-3 keeps some it gathers between steps, and made in inference mode
-        training could never use them again."""
-        return self._module is None or not partitioned_parameters(self._module)
+        """Not under ZeRO-3: it keeps some parameters it gathers between steps, and made in inference mode training
+        could never use them again."""
+        return self.zero_stage != 3
 
     def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
         if method == "training_step":

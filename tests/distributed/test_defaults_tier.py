@@ -62,6 +62,10 @@ class Run:
         reports = [json.loads(path.read_text()) for path in self.out.glob("report_*.json")]
         rank_zero = [report for report in reports if report["global_rank"] == 0]
         assert len(rank_zero) == 1, reports
+        # Every process that called fit (both ranks under ddp) holds the checkpoint callback's results.
+        for report in reports:
+            fit = next(stage for stage in report["stages"] if stage["stage"] == "fit")
+            assert fit["best_model_path"] and fit["dirpath"] == str(self.work / "logs" / "version_0" / "checkpoints")
         assert rank_zero[0]["strategy"] == STRATEGIES[strategy]
         # Processes that read different data: model_parallel's default mesh is all tensor parallel (1 x 2).
         replicas = 1 if strategy in ONE_PROCESS or strategy == "model_parallel" else 2
