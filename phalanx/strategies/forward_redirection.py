@@ -1,5 +1,5 @@
-"""How a strategy runs a TrainingModule's step method: through the forward of the wrapper around it, and without
-gradients in a grad mode the strategy allows."""
+"""How a strategy runs a TrainingModule's step method: through the forward of the wrapper around it, and (evaluation
+steps) in a grad mode the strategy allows."""
 
 from __future__ import annotations
 
