@@ -194,3 +194,13 @@ class CSVLogger(_DirectoryLogger):
     def finalize(self, status: str) -> None:
         """Flush what is buffered."""
         self.save()
+
+    def worker_state(self) -> dict[str, Any]:
+        """As the base, plus the columns of the ``metrics.csv`` rank 0 wrote: later stages append to that file."""
+        return {**super().worker_state(), "file_keys": self._file_keys, "keys": list(self._keys), "calls": self._calls}
+
+    def load_worker_state(self, state: dict[str, Any]) -> None:
+        """Take over rank 0's version and ``metrics.csv`` columns."""
+        super().load_worker_state(state)
+        if "keys" in state:
+            self._file_keys, self._keys, self._calls = state["file_keys"], list(state["keys"]), state["calls"]

@@ -62,6 +62,13 @@ class Logger(ABC):
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
         """Hook called after the checkpoint callback saved a checkpoint; a no-op by default."""
 
+    def worker_state(self) -> dict[str, Any]:
+        """What global rank 0's copy hands back to the main process after a spawned or forked stage (nothing here)."""
+        return {}
+
+    def load_worker_state(self, state: dict[str, Any]) -> None:
+        """In the main process: take over ``worker_state()`` of rank 0's copy, so later stages log to the same run."""
+
 
 def _is_url(path: str) -> bool:
     return "://" in path
@@ -234,6 +241,16 @@ class _DirectoryLogger(Logger):
         version = self.version
         folder = version if isinstance(version, str) else f"version_{version}"
         return os.path.join(self.root_dir, folder)
+
+    def worker_state(self) -> dict[str, Any]:
+        """The version rank 0 claimed (None if it never needed one) and the hyperparameters it logged."""
+        return {"version": self._version, "hparams": dict(self.hparams)}
+
+    def load_worker_state(self, state: dict[str, Any]) -> None:
+        """Take over the version rank 0 claimed: later stages write to its folder instead of claiming another."""
+        if self._version is None:
+            self._version = state.get("version")
+        self.hparams.update(state.get("hparams", {}))
 
     def _prefixed(self, key: str) -> str:
         """Apply the logger's prefix to a metric key."""

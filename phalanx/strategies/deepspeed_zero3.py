@@ -1,13 +1,11 @@
 """What ZeRO-3's partitioned parameters change in ``DeepSpeedStrategy``: models are created already partitioned
 (``deepspeed.zero.Init``), and every forward pass gathers parameters collectively, so evaluation is padded, its batch
-counts are checked, and it runs under ``no_grad`` instead of inference mode."""
+counts are checked, and it runs under ``no_grad`` instead of inference mode (``allows_inference_mode``)."""
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Iterator
-
-import torch
 
 from phalanx.strategies.deepspeed_config import partitioning_config
 from phalanx.strategies.deepspeed_engine import partitioned_parameters
@@ -33,17 +31,17 @@ class DeepSpeedZero3Mixin:
         """Under ZeRO-3 with parameters partitioned over several processes: each forward pass gathers them."""
         return self.world_size > 1 and self._module is not None and bool(partitioned_parameters(self._module))
 
+    @property
+    def allows_inference_mode(self) -> bool:
+        """Not under ZeRO-3: it keeps some parameters it gathers between steps, and made in inference mode training
+        could never use them again."""
+        return self.zero_stage != 3
+
     def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
         if method == "training_step":
             return super()._run_step(method, context, *args, **kwargs)
         # Evaluation calls the module itself (ZeRO-3's hooks live on its submodules and still gather parameters).
-        with ExitStack() as stack:
-            if torch.is_inference_mode_enabled() and self._module is not None and partitioned_parameters(self._module):
-                # ZeRO-3 keeps some gathered parameters between steps: made in inference mode they could never be
-                # used by training again, so evaluation runs under no_grad instead.
-                stack.enter_context(torch.inference_mode(False))
-                stack.enter_context(torch.no_grad())
-            stack.enter_context(context)
+        with context:
             return getattr(self._module, method)(*args, **kwargs)
 
     # ------------------------------------------------------------------ creating the model

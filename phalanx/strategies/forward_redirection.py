@@ -1,9 +1,12 @@
-"""Run a TrainingModule's step method through the forward of the wrapper around it."""
+"""How a strategy runs a TrainingModule's step method: through the forward of the wrapper around it, and (evaluation
+steps) in a grad mode the strategy allows."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 
 _ABSENT = object()
@@ -47,3 +50,20 @@ def redirect_forward(
         return wrapper(*args, **kwargs)
     finally:
         restore()
+
+
+def evaluation_grad_mode(strategy: Any) -> AbstractContextManager:
+    """``no_grad`` in place of the caller's inference mode where ``strategy.allows_inference_mode`` is False.
+
+    The Trainer's loops ask the strategy before they enter inference mode; this covers other callers of the evaluation
+    steps (a Cohort loop's ``validation_step`` under ``torch.inference_mode()``).
+    """
+    if torch.is_inference_mode_enabled() and not strategy.allows_inference_mode:
+        return _no_grad_outside_inference_mode()
+    return nullcontext()
+
+
+@contextmanager
+def _no_grad_outside_inference_mode() -> Iterator[None]:
+    with torch.inference_mode(False), torch.no_grad():
+        yield

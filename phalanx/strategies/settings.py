@@ -69,3 +69,12 @@ class RunSettings:
     def fitting(self) -> bool:
         """Whether the module is set up for training."""
         return self.stage == "fit"
+
+
+def check_run_settings(owner: str, settings: Any) -> None:
+    """Refuse ``<owner>.setup(settings)`` unless ``settings`` is a RunSettings (strategies used to get the Trainer)."""
+    if not isinstance(settings, RunSettings):
+        raise TypeError(
+            f"{owner}.setup(settings) takes a phalanx.strategies.RunSettings, got {type(settings).__name__}."
+            " Strategies no longer receive the Trainer: read the run's settings from this argument."
+        )

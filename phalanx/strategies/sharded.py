@@ -50,6 +50,11 @@ class ShardedStrategyMixin:
         with context:
             return redirect_forward(self._module, self._module, method, *args, **kwargs)  # type: ignore[attr-defined]
 
+    @property
+    def allows_inference_mode(self) -> bool:
+        """No: FSDP2 keeps the buffers it gathers parameters into; made in inference mode, training cannot fill them."""
+        return False
+
     def block_backward_sync(self) -> AbstractContextManager:
         """While accumulating, FSDP keeps gradients unsharded and reduces them once, on the last micro-batch."""
         module = self._module  # type: ignore[attr-defined]

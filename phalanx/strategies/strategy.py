@@ -20,8 +20,8 @@ from phalanx.optimization import LRSchedulerConfig
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies.forward_redirection import redirect_forward
-from phalanx.strategies.settings import RunSettings
+from phalanx.strategies.forward_redirection import evaluation_grad_mode, redirect_forward
+from phalanx.strategies.settings import RunSettings, check_run_settings
 from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.init import empty_init_context
 
@@ -88,9 +88,9 @@ class Strategy(ABC):
         if precision_plugin is not None and not isinstance(precision_plugin, required):
             name = required.__name__
             raise TypeError(
-                f"{type(self).__name__} runs with {name} plugins only, got {type(precision_plugin).__name__}. Pass"
-                " precision= (a"
-                f" precision name such as 'bf16-mixed') to the Trainer, or a {name} instance as precision_plugin."
+                f"{type(self).__name__} runs with {name} plugins only, got {type(precision_plugin).__name__}."
+                f" Pass precision= (a precision name such as 'bf16-mixed') to the Trainer, or a {name} instance as"
+                " precision_plugin."
             )
         self._precision_plugin = precision_plugin
 
@@ -234,12 +234,7 @@ class Strategy(ABC):
 
     def _begin_setup(self, settings: RunSettings) -> None:
         """What every ``setup`` does first: check its arguments, keep the settings, let the accelerator prepare."""
-        if not isinstance(settings, RunSettings):
-            raise TypeError(
-                f"{type(self).__name__}.setup(settings) takes a phalanx.strategies.RunSettings, got"
-                f" {type(settings).__name__}."
-                " Strategies no longer receive the Trainer: read the run's settings from this argument."
-            )
+        check_run_settings(type(self).__name__, settings)
         if self.accelerator is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no accelerator: give it one (accelerator=...) before setup()."
@@ -295,17 +290,17 @@ class Strategy(ABC):
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``validation_step`` under the precision's context."""
-        with self.naming_collectives("forward"):
+        with self.naming_collectives("forward"), evaluation_grad_mode(self):
             return self._run_step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``test_step`` under the precision's context."""
-        with self.naming_collectives("forward"):
+        with self.naming_collectives("forward"), evaluation_grad_mode(self):
             return self._run_step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``predict_step`` under the precision's context."""
-        with self.naming_collectives("forward"):
+        with self.naming_collectives("forward"), evaluation_grad_mode(self):
             return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -453,6 +448,11 @@ class Strategy(ABC):
     def needs_train_batch_size(self) -> bool:
         """Whether ``setup`` wants ``RunSettings.train_batch_size`` (the driver reads it from the training data)."""
         return False
+
+    @property
+    def allows_inference_mode(self) -> bool:
+        """Whether evaluation may run under inference mode (False: the module keeps tensors it makes there; no_grad)."""
+        return True
 
     @property
     def requires_equal_batches(self) -> bool:

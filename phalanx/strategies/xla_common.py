@@ -94,13 +94,11 @@ class XLAStrategyMixin:
         """The XLA precision plugin for ``precision`` ('32-true', 'bf16-true', 'bf16-mixed')."""
         return XLAPrecision(precision)
 
-    def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
-        if method == "training_step" or not torch.is_inference_mode_enabled():
-            return super()._run_step(method, context, *args, **kwargs)  # type: ignore[misc]
-        # torch_xla cannot run a module under inference mode (its tensors lack version counters): evaluation steps
-        # run under no_grad instead, as Lightning does on XLA.
-        with torch.inference_mode(False), torch.no_grad():
-            return super()._run_step(method, context, *args, **kwargs)  # type: ignore[misc]
+    @property
+    def allows_inference_mode(self) -> bool:
+        """No: torch_xla cannot run a module under inference mode (its tensors lack version counters); as in
+        Lightning, evaluation on XLA runs under no_grad."""
+        return False
 
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any

@@ -24,12 +24,15 @@ if TYPE_CHECKING:
 def evaluation_mode(trainer: Trainer, stage: str) -> Iterator[None]:
     """Without gradients, put the model in eval mode, then restore each submodule's own mode.
 
-    ``on_{stage}_model_eval`` and ``on_{stage}_model_train`` replace the switch and the restore when overridden.
+    Inference mode (the Trainer's ``inference_mode=True``) only where the strategy allows it: a sharded module keeps
+    the parameters it gathers, which training would then fail to update. ``on_{stage}_model_eval`` and
+    ``on_{stage}_model_train`` replace the switch and the restore when overridden.
     """
-    model = trainer.strategy.model
+    strategy = trainer.strategy
+    model = strategy.model
     hooks = trainer._hooks
     modes = [(module, module.training) for module in model.modules()]
-    with torch.inference_mode() if trainer.inference_mode else torch.no_grad():
+    with torch.inference_mode() if trainer.inference_mode and strategy.allows_inference_mode else torch.no_grad():
         to_eval = hooks[f"on_{stage}_model_eval"]
         try:
             if to_eval:

@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 class TrainerWorkerState:
     """The Trainer's ``WorkerState``: after a spawned or forked run, the main process holds what rank 0 ended with.
 
-    That is the module's weights, the progress counters, the callback metrics, the logged metrics and the callbacks'
-    state (best model path, ...), as if the run had happened in this process.
+    That is the module's weights, the progress counters, the callback metrics, the logged metrics, the callbacks'
+    state (best model path, ...) with the folder each checkpoint callback resolved, and the loggers' versions, as if
+    the run had happened in this process: a later stage logs to the same version and finds the same checkpoints.
     """
 
     def __init__(self, trainer: Trainer, module: torch.nn.Module | None) -> None:
@@ -32,6 +33,9 @@ class TrainerWorkerState:
             "callback_metrics": dict(trainer.callback_metrics),
             "logged_metrics": dict(trainer.logged_metrics),
             "callbacks": [callback.state_dict() for callback in trainer.callbacks],
+            "checkpoint_folders": [getattr(callback, "dirpath", None) for callback in trainer.callbacks],
+            "loggers": [logger.worker_state() for logger in trainer.loggers],
+            "ckpt_path": trainer.ckpt_path,
             "status": str(trainer.state.status),
             "preempted": trainer.preempted,
         }
@@ -59,7 +63,14 @@ class TrainerWorkerState:
         trainer._metrics.callback = state["callback_metrics"]
         trainer.preempted = state["preempted"]
         trainer._metrics.logged = state["logged_metrics"]
-        for callback, callback_state in zip(trainer.callbacks, state["callbacks"]):
+        trainer.ckpt_path = state["ckpt_path"]
+        for logger, logger_state in zip(trainer.loggers, state["loggers"]):
+            logger.load_worker_state(logger_state)
+        for callback, folder, callback_state in zip(trainer.callbacks, state["checkpoint_folders"], state["callbacks"]):
+            if folder is not None and getattr(callback, "dirpath", folder) is None:
+                # The folder rank 0 resolved (from its logger's version): with it set here, the state below loads as
+                # it is (instead of waiting for a set-up in this process) and later stages write to the same folder.
+                callback.dirpath = folder
             if callback_state:
                 callback.load_state_dict(callback_state)
 
