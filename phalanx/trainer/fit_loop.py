@@ -265,7 +265,7 @@ class FitLoop:
             trainer._metrics.publish_epoch(trainer._train_results)
             self._call_epoch_hook("on_train_epoch_end")
             if trainer.loggers:
-                trainer._metrics.log_epoch(trainer._train_results)
+                trainer._metrics.log_epoch(trainer._train_results, training=True)
             return
         self.phase = _VALIDATED
         trainer._metrics.publish_epoch(trainer._train_results)
@@ -296,7 +296,7 @@ class FitLoop:
         self._call_epoch_hook("on_train_epoch_end")
         trainer._metrics.publish_epoch(trainer._train_results)
         if trainer.loggers:
-            trainer._metrics.log_epoch(trainer._train_results)
+            trainer._metrics.log_epoch(trainer._train_results, training=True)
         self.nonfinite.report()
         self._advance_epoch()
 

@@ -73,11 +73,15 @@ class LoggedMetrics:
         if pending:
             self._send(pending)
 
-    def log_epoch(self, results: LoggedResults) -> None:
+    def log_epoch(self, results: LoggedResults, training: bool = False) -> None:
         """Send the logged epoch aggregates of ``results`` to the loggers."""
         _, logged, _ = results.epoch_metrics()
-        if logged:
-            self._send(logged)
+        if not logged:
+            return
+        # Lightning counts a training epoch's last optimizer step only after its batch, and takes it back for the
+        # epoch's values: they land on the step of that batch, as its step values did.
+        step = max(self._trainer.fit_loop.batches_stepped - 1, 0) if training else None
+        self._send(logged, step=step)
 
     def log_hyperparameters(self, module: TrainingModule) -> None:
         """Send the hyperparameters of ``module`` and of the Trainer's datamodule to the loggers."""

@@ -24,19 +24,7 @@ STRATEGIES = [("single_device", 1), ("ddp", 2), ("ddp_spawn", 2), ("fsdp", 2), (
 
 # TEMPORARY: runs that fail on this branch only because of bugs other helpers of issue 23 are fixing. The lead removes
 # each entry when the fix is merged; the test then runs. (strategy, check) -> why.
-AWAITING_OTHER_FIXES: dict[tuple[str, str], str] = {
-    ("fsdp", "run"): "issue 23 item 1: FSDP's first training step after the sanity check's inference-mode forward",
-    ("ddp_spawn", "run"): "issue 23 item 3: best_model_score/best_model_path empty in the main process after spawn",
-    (
-        "deepspeed",
-        "same as ddp",
-    ): "issue 23 item 4: under DeepSpeed train_loss_step is logged every other optimizer step"
-    " (at steps 2, 4, 6, where DDP logs at 1, 2, 3, ...; the loop counts batches, and DeepSpeed steps every batch)",
-    **{
-        (strategy, "cadence"): "issue 23 item 4: log_every_n_steps counts micro-batches, steps are logged 1-based"
-        for strategy, _ in STRATEGIES
-    },
-}
+AWAITING_OTHER_FIXES: dict[tuple[str, str], str] = {}
 
 
 def _awaiting(strategy: str, check: str) -> None:
