@@ -4,6 +4,7 @@ Usage: torchrun --nproc-per-node 2 bench/cohort/raw_ddp.py OUT.pt STEPS
 """
 
 import sys
+import time
 
 import torch
 
@@ -35,6 +36,7 @@ def main(out: str, steps: int) -> None:
     timing = timed_loop(DataLoader(dataset, batch_size=BATCH, sampler=sampler), step)
     if rank == 0:
         torch.save({"weights": [p.detach() for p in model.parameters()], **timing}, out)
+    time.sleep(0.1)  # lets gloo's worker threads finish before exit (pytorch/pytorch#190489)
     dist.destroy_process_group()
 
 

@@ -4,6 +4,7 @@ Usage: torchrun --nproc-per-node 2 bench/ddp/raw_ddp.py OUT.pt STEPS
 """
 
 import sys
+import time
 
 import torch
 
@@ -36,6 +37,7 @@ def main(out: str, steps: int) -> None:
         optimizer.zero_grad(set_to_none=True)
     if rank == 0:
         torch.save([p.detach() for p in model.parameters()], out)
+    time.sleep(0.1)  # lets gloo's worker threads finish before exit (pytorch/pytorch#190489)
     dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@ OUT.pt"""
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,10 @@ def worker(rank: int, world_size: int, out: str, port: str) -> None:
         optimizer.step()
     if rank == 0:
         torch.save([p.detach() for p in model.parameters()], out)
+    # Plain torch 2.13 sometimes aborts a finished gloo job at exit ("terminate called without an active exception",
+    # pytorch/pytorch#190489); give gloo's worker threads the moment phalanx gives them (utilities/process_group_exit).
+    del ddp
+    time.sleep(0.1)
     dist.destroy_process_group()
 
 
