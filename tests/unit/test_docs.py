@@ -1,4 +1,4 @@
-"""Docs that run: every Python block in README.md and docs/*.md is executed here, or marked with the reason it is not.
+"""Docs that run: every Python block in README.md and under docs/ is run here, or marked with the reason it is not.
 
 Markers, on the line right before a block's opening fence:
 
@@ -23,7 +23,7 @@ import pytest
 from phalanx_distributed import clean_environment, run
 
 ROOT = Path(__file__).parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 NOT_RUN = re.compile(r"^<!-- not run: (?P<reason>.+\S) -->$")
 CONTINUES = "<!-- run: continues the previous block -->"
@@ -89,7 +89,7 @@ def _in_own_process(group: list[Block]) -> bool:
 
 
 # ---------------------------------------------------------------------------- every block is run or says why not
-@pytest.mark.parametrize("doc", DOCS, ids=lambda doc: doc.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda doc: doc.relative_to(ROOT).as_posix())
 def test_every_python_block_is_run_or_marked_with_a_reason(doc):
     blocks = python_blocks(doc)
     for position, block in enumerate(blocks):
