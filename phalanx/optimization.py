@@ -135,7 +135,7 @@ def init_optimizers_and_schedulers(module: TrainingModule) -> tuple[list[Optimiz
         scheduled = getattr(config.scheduler, "optimizer", None)
         if scheduled is not None and not any(scheduled is optimizer for optimizer in optimizers):
             raise ValueError(
-                f"The scheduler {type(config.scheduler).__name__} drives an optimizer that configure_optimizers did"
-                " not return."
+                f"The scheduler {type(config.scheduler).__name__} drives an optimizer that configure_optimizers "
+                f"did not return."
             )
     return optimizers, configs

@@ -20,8 +20,8 @@ def _parse_count(devices: Any, kind: str) -> int:
             )
     if isinstance(devices, bool) or not isinstance(devices, int):
         raise ValueError(
-            f"devices={devices!r} is not valid for the {kind} accelerator: pass a positive int (number of processes)"
-            " or 'auto'."
+            f"devices={devices!r} is not valid for the {kind} accelerator: "
+            f"pass a positive int (number of processes) or 'auto'."
         )
     return devices
 

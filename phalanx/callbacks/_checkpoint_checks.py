@@ -44,8 +44,8 @@ def fill_template(template: str, metrics: dict[str, Any], equals: str | None) ->
             text = format_field(conversion, spec, value)
         except (ValueError, TypeError) as error:
             raise ValueError(
-                f"ModelCheckpoint(filename={template!r}) cannot format {key}={value!r} with {match.group(0)!r}:"
-                f" {error}."
+                f"ModelCheckpoint(filename={template!r}) cannot format {key}={value!r} with "
+                f"{match.group(0)!r}: {error}."
             ) from None
         return f"{key}{equals}{text}" if equals is not None else text
 
@@ -82,8 +82,8 @@ def check_template(template: str, argument: str = "filename") -> None:
         )
     if len(f"{name}-v99{FILE_EXTENSION}".encode()) > _MAX_NAME_BYTES:
         raise ValueError(
-            f"{where}: a name made from it (e.g. {name!r}) is longer than the {_MAX_NAME_BYTES} bytes file systems"
-            " accept."
+            f"{where}: a name made from it (e.g. {name!r}) is longer than the {_MAX_NAME_BYTES} bytes file "
+            f"systems accept."
         )
 
 

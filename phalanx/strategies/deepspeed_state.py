@@ -128,10 +128,9 @@ class DeepSpeedCheckpointMixin:
         saved_world_size = meta.get("world_size")
         if saved_world_size is not None and saved_world_size != self.world_size:
             raise CheckpointError(
-                f"{meta['directory']} was written by {saved_world_size} processes, and DeepSpeed resumes ZeRO"
-                " checkpoints only with"
-                f" the same number (now {self.world_size}). Consolidate it (phalanx checkpoint consolidate) to get its"
-                " weights."
+                f"{meta['directory']} was written by {saved_world_size} processes, "
+                f"and DeepSpeed resumes ZeRO checkpoints only with the same number (now {self.world_size}). "
+                f"Consolidate it (phalanx checkpoint consolidate) to get its weights."
             )
         saved_stage = meta.get("zero_stage")
         if saved_stage is not None and saved_stage != self.zero_stage:

@@ -201,8 +201,8 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
                 shape = (world, 1) if self.sharding_strategy == "NO_SHARD" else (world,)
                 if self._device_mesh_spec is not None and self._device_mesh_spec[0] != world:
                     raise ValueError(
-                        f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, but the job"
-                        f" has {world}."
+                        f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, "
+                        f"but the job has {world}."
                     )
             if hybrid and shape[0] * shape[1] != world:
                 raise ValueError(

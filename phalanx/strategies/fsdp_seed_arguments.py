@@ -263,10 +263,9 @@ def seed_keyword_arguments(kwargs: dict[str, Any], fully_shard_names: set[str]) 
     unknown = sorted(set(kwargs) - fully_shard_names - set(SEED_KEYWORD_ARGUMENTS))
     if unknown:
         raise TypeError(
-            f"FSDPStrategy got unexpected keyword argument(s) {unknown}; extra keyword arguments go to fully_shard,"
-            " which"
-            f" accepts {sorted(fully_shard_names)}, or are FSDP1 arguments of the seed:"
-            f" {sorted(SEED_KEYWORD_ARGUMENTS)}."
+            f"FSDPStrategy got unexpected keyword argument(s) {unknown}; extra keyword arguments go to fully_shard, "
+            f"which accepts {sorted(fully_shard_names)}, or are FSDP1 arguments of the seed: "
+            f"{sorted(SEED_KEYWORD_ARGUMENTS)}."
         )
     fully_shard_kwargs = {name: value for name, value in kwargs.items() if name in fully_shard_names}
     for name in SEED_KEYWORD_ARGUMENTS:

@@ -51,8 +51,8 @@ class RunSettings:
             raise ValueError(f"RunSettings(gradient_clip_val={clip!r}) must be a number >= 0 or None.")
         if self.gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(
-                f"RunSettings(gradient_clip_algorithm={self.gradient_clip_algorithm!r}) is not valid; choose 'norm' or"
-                " 'value'."
+                f"RunSettings(gradient_clip_algorithm={self.gradient_clip_algorithm!r}) is not valid; "
+                f"choose 'norm' or 'value'."
             )
         if self.train_batch_size is not None and (
             isinstance(self.train_batch_size, bool)

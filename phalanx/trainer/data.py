@@ -179,9 +179,9 @@ def iterate_from(dataloader: Any, skip: int) -> Iterator[Any]:
     except StopIteration:
         # Only a resumed run skips batches: the checkpoint was taken further into the epoch than this data reaches.
         raise CheckpointError(
-            f"Resuming mid-epoch needs to pass {skip} batches already trained on, but the training data ends before"
-            " that;"
-            " resume with the data (and limit_train_batches) the checkpoint was saved with."
+            f"Resuming mid-epoch needs to pass {skip} batches already trained on, "
+            f"but the training data ends before that; "
+            "resume with the data (and limit_train_batches) the checkpoint was saved with."
         ) from None
     return iterator
 

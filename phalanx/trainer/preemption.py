@@ -62,8 +62,8 @@ class Preemption:
         self.received = None
         if threading.current_thread() is not threading.main_thread():
             rank_zero_warn(
-                "fit() runs outside the main thread: preemption signals cannot be handled and keep their default"
-                " effect."
+                "fit() runs outside the main thread: preemption signals cannot be handled and keep their "
+                "default effect."
             )
             return
         for signum in self.signals:

@@ -81,8 +81,8 @@ class DeepSpeedPrecision(Precision):
         backward = getattr(module, "backward", None)
         if module is None or not hasattr(module, "is_gradient_accumulation_boundary") or backward is None:
             raise RuntimeError(
-                "DeepSpeedPrecision.backward needs the DeepSpeed engine; it is created by DeepSpeedStrategy.setup()"
-                " when fitting."
+                "DeepSpeedPrecision.backward needs the DeepSpeed engine; "
+                "it is created by DeepSpeedStrategy.setup() when fitting."
             )
         backward(tensor, *args, **kwargs)
 
