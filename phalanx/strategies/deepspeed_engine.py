@@ -3,6 +3,7 @@ see, and what the engine holds in memory."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -223,7 +224,7 @@ class DeepSpeedEngineMixin:
                 "broadcast(weights)",
                 self.global_rank,
                 self._timeout,
-                lambda t=tensor: torch.distributed.broadcast(t, src=0),
+                partial(torch.distributed.broadcast, tensor, src=0),
             )
 
     def _release_engine(self) -> None:

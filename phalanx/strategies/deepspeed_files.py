@@ -58,6 +58,9 @@ def tag_directory(directory: Path, tag: Any = None) -> tuple[str, Path]:
 class _DeepSpeedRecord:
     """Stands in for a DeepSpeed object found in a checkpoint: keeps its constructor arguments and state; no code."""
 
+    args: tuple[Any, ...]
+    state: Any
+
     def __new__(cls, *args: Any, **kwargs: Any) -> _DeepSpeedRecord:
         record = object.__new__(cls)
         record.args = args
@@ -75,7 +78,7 @@ def _enum_value(value: Any) -> Any:
     return value
 
 
-_ALLOWED_DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
+_ALLOWED_DEEPSPEED_GLOBALS: list[Any] = [
     (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (_DeepSpeedRecord, "deepspeed.utils.tensor_fragment.fragment_address"),

@@ -13,7 +13,7 @@ import inspect
 import os
 import sys
 from functools import partial
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 from torch import nn
@@ -226,7 +226,7 @@ def _binds(signature: inspect.Signature, count: int) -> bool:
 def _call_recursive_policy(policy: Callable[..., Any], module: nn.Module, recurse: bool, numel: int) -> bool:
     # torch calls FSDP1 policies by keyword; older user policies name the third argument differently.
     try:
-        names = inspect.signature(policy).parameters
+        names: Mapping[str, Any] = inspect.signature(policy).parameters
     except (TypeError, ValueError):
         names = {}
     if "recurse" in names and "nonwrapped_numel" in names:

@@ -114,7 +114,9 @@ def _launch(spec: WorkerSpec, start_method: str, timeout: float) -> dict[int, st
     """Start every rank and wait; returns, per rank that had to be stopped or died, why."""
     context = multiprocessing.get_context(start_method)
     workers = [
-        context.Process(target=worker_main, args=(rank, spec), name=f"phalanx-conformance-rank{rank}")
+        context.Process(  # type: ignore[attr-defined]  # every start method's context has Process
+            target=worker_main, args=(rank, spec), name=f"phalanx-conformance-rank{rank}"
+        )
         for rank in range(spec.processes)
     ]
     for worker in workers:
