@@ -195,6 +195,7 @@ def overfit_loader(loader: Any, stage: str, overfit_batches: int | float) -> Any
     sampler = loader.sampler if batch_sampler is None else batch_sampler.sampler
     if type(sampler) is SequentialSampler or (isinstance(sampler, DistributedSampler) and not sampler.shuffle):
         return loader
+    # Lazy for import time: only a loader whose sampler must be replaced loads the sampler wrapping.
     from phalanx.trainer.distributed_data import with_sampler
 
     rank_zero_warn(
