@@ -23,6 +23,7 @@ from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities import distributed
+from phalanx.utilities.checks import check_int_at_least
 from phalanx.utilities.registry import Registry
 
 _UNUSED_PARAMETERS_HINT = (
@@ -92,12 +93,8 @@ class DDPStrategy(ParallelStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        if model_averaging_period is not None and (
-            isinstance(model_averaging_period, bool)
-            or not isinstance(model_averaging_period, int)
-            or model_averaging_period < 1
-        ):
-            raise ValueError(f"model_averaging_period={model_averaging_period!r} must be an int >= 1.")
+        if model_averaging_period is not None:
+            check_int_at_least("model_averaging_period", model_averaging_period, 1)
         if model_averaging_period is None and type(ddp_comm_state).__name__ == "PostLocalSGDState":
             raise ValueError(
                 "Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (optimizer steps"

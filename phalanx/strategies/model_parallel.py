@@ -17,13 +17,14 @@ from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
 from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.checks import is_int_at_least
 from phalanx.utilities.registry import Registry
 
 MESH_DIMENSIONS = ("data_parallel", "tensor_parallel")
 
 
 def _check_size(name: str, value: Any) -> None:
-    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value != "auto" and not is_int_at_least(value, 1):
         raise ValueError(f"{name}={value!r} must be 'auto' or an int >= 1.")
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from phalanx.utilities.checks import is_number
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.seed import worker_init_fn
 
@@ -28,7 +29,7 @@ _STAGE_METHOD = {
 
 def validate_limit(name: str, value: Any) -> int | float:
     """Check a ``limit_*_batches`` value: an int >= 0 (batches) or a float in [0, 1] (fraction)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{name}={value!r} must be an int (number of batches) or a float in [0.0, 1.0] (fraction).")
     if isinstance(value, int) and value < 0:
         raise ValueError(f"{name}={value} must be >= 0.")
