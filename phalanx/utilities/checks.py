@@ -7,28 +7,28 @@ raises with the common wording. No torch import: phalanx.datamodule stays import
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeGuard
 
 __all__ = ["check_int_at_least", "is_int", "is_int_at_least", "is_number"]
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """Whether ``value`` is an int and not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_int_at_least(value: Any, minimum: int) -> bool:
+def is_int_at_least(value: object, minimum: int) -> bool:
     """Whether ``value`` is an int (not a bool) of at least ``minimum``."""
     return is_int(value) and value >= minimum
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """Whether ``value`` is an int or a float and not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_int_at_least(name: str, value: Any, minimum: int, hint: str = "") -> int:
+def check_int_at_least(name: str, value: object, minimum: int, hint: str = "") -> int:
     """Return ``value`` if it is an int (not a bool) of at least ``minimum``, else raise a ValueError naming it."""
-    if not is_int_at_least(value, minimum):
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}{hint}.")
     return value
