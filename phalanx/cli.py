@@ -113,7 +113,7 @@ def _add_demo_parser(subparsers: Any) -> None:
 
 
 def _run_demo_command(args: argparse.Namespace) -> int:
-    from phalanx.demo.run import run_demo
+    from phalanx.demo.run import run_demo  # lazy for import time: only `phalanx demo` loads the demo
 
     try:
         run_demo(
@@ -197,6 +197,7 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
     if not directory.is_dir():
         hint = " It is a file; a single-file checkpoint needs no consolidation." if directory.is_file() else ""
         return _error(name, f"{directory} is not a directory (a sharded checkpoint is a directory).{hint}")
+    # Lazy for import time: only `phalanx consolidate` loads the checkpoint readers (and torch.distributed.checkpoint).
     from phalanx.plugins.io.distributed_checkpoint import consolidate, is_sharded_checkpoint
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
     from phalanx.strategies.deepspeed_checkpoint import is_deepspeed_checkpoint

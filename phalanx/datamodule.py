@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any, Sequence
 
+from phalanx.utilities.checks import is_int_at_least
 from phalanx.utilities.hparams import AttributeDict, init_arguments_of_frame
 
 if TYPE_CHECKING:
@@ -90,9 +91,9 @@ class DataModule:
         **datamodule_kwargs: Any,
     ) -> DataModule:
         """A DataModule whose dataloaders wrap the given datasets (each one dataset, a sequence or a dict of them)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if not is_int_at_least(batch_size, 1):
             raise ValueError(f"batch_size={batch_size!r} must be a positive int.")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        if not is_int_at_least(num_workers, 0):
             raise ValueError(f"num_workers={num_workers!r} must be an int >= 0.")
         datamodule = cls(**datamodule_kwargs)
         given = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from phalanx.utilities.checks import is_number
 from phalanx.utilities.exceptions import MisconfigurationError
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def clip_settings(module: TrainingModule, value: float | int | None, algorithm: 
             f"Trainer(gradient_clip_algorithm={str(trainer_algorithm)!r}) and"
             f" clip_gradients(gradient_clip_algorithm={str(algorithm)!r}) disagree; set the algorithm in one place."
         )
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"gradient_clip_val={value!r} must be an int or a float.")
     if algorithm not in ("norm", "value"):
         raise ValueError(f"gradient_clip_algorithm={str(algorithm)!r} is not valid; choose 'norm' or 'value'.")

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from phalanx.utilities.checks import is_int_at_least
+
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
 
@@ -67,7 +69,7 @@ def _scheduler_config(value: Any, monitor: str | None) -> LRSchedulerConfig:
         )
     if config.interval not in ("step", "epoch"):
         raise ValueError(f"lr_scheduler interval={config.interval!r} is not valid; choose 'step' or 'epoch'.")
-    if isinstance(config.frequency, bool) or not isinstance(config.frequency, int) or config.frequency < 1:
+    if not is_int_at_least(config.frequency, 1):
         raise ValueError(f"lr_scheduler frequency={config.frequency!r} is not valid; it must be an int >= 1.")
     if isinstance(config.scheduler, ReduceLROnPlateau) and config.monitor is None:
         raise ValueError(
@@ -135,7 +137,7 @@ def init_optimizers_and_schedulers(module: TrainingModule) -> tuple[list[Optimiz
         scheduled = getattr(config.scheduler, "optimizer", None)
         if scheduled is not None and not any(scheduled is optimizer for optimizer in optimizers):
             raise ValueError(
-                f"The scheduler {type(config.scheduler).__name__} drives an optimizer that configure_optimizers did"
-                " not return."
+                f"The scheduler {type(config.scheduler).__name__} drives an optimizer that configure_optimizers "
+                f"did not return."
             )
     return optimizers, configs

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from phalanx.utilities.registry import Registry
+
 
 class Accelerator(ABC):
     """Base class for a kind of device (CPU, CUDA, MPS)."""
@@ -62,5 +64,5 @@ class Accelerator(ABC):
         return ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
     @classmethod
-    def register_accelerators(cls, registry: Any) -> None:
+    def register_accelerators(cls, registry: Registry[Accelerator]) -> None:
         """Register this accelerator under its names in ``registry``."""

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.utilities.registry import Registry
 
 
 def _parse_count(devices: Any, kind: str) -> int:
@@ -20,8 +21,8 @@ def _parse_count(devices: Any, kind: str) -> int:
             )
     if isinstance(devices, bool) or not isinstance(devices, int):
         raise ValueError(
-            f"devices={devices!r} is not valid for the {kind} accelerator: pass a positive int (number of processes)"
-            " or 'auto'."
+            f"devices={devices!r} is not valid for the {kind} accelerator: "
+            f"pass a positive int (number of processes) or 'auto'."
         )
     return devices
 
@@ -59,6 +60,6 @@ class CPUAccelerator(Accelerator):
         return True
 
     @classmethod
-    def register_accelerators(cls, registry: Any) -> None:
+    def register_accelerators(cls, registry: Registry[Accelerator]) -> None:
         """Register as "cpu"."""
         registry.register("cpu", cls, description="The CPU.")

@@ -8,6 +8,7 @@ import torch
 
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.accelerators.cpu import _parse_count
+from phalanx.utilities.registry import Registry
 
 
 def parse_gpu_ids(devices: Any, available: int, kind: str) -> list[int]:
@@ -83,12 +84,12 @@ class CUDAAccelerator(Accelerator):
     @classmethod
     def supported_precisions(cls) -> tuple[str, ...]:
         """bf16 needs hardware support (Ampere or newer)."""
-        precisions = ("32-true", "64-true", "16-mixed", "16-true")
+        precisions: tuple[str, ...] = ("32-true", "64-true", "16-mixed", "16-true")
         if cls.is_available() and torch.cuda.is_bf16_supported():
             precisions += ("bf16-mixed", "bf16-true")
         return precisions
 
     @classmethod
-    def register_accelerators(cls, registry: Any) -> None:
+    def register_accelerators(cls, registry: Registry[Accelerator]) -> None:
         """Register as "cuda" ("gpu" is resolved to cuda or mps by the Trainer)."""
         registry.register("cuda", cls, description="NVIDIA GPUs through CUDA.")

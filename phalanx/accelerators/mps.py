@@ -9,6 +9,7 @@ import torch
 
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.accelerators.cuda import parse_gpu_ids
+from phalanx.utilities.registry import Registry
 
 
 class MPSAccelerator(Accelerator):
@@ -42,6 +43,6 @@ class MPSAccelerator(Accelerator):
         return ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
     @classmethod
-    def register_accelerators(cls, registry: Any) -> None:
+    def register_accelerators(cls, registry: Registry[Accelerator]) -> None:
         """Register as "mps"."""
         registry.register("mps", cls, description="Apple silicon GPUs through Metal.")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.utilities.registry import Registry
 
 #: What to install when torch_xla is missing (the extra pins the torch release torch_xla was built against).
 INSTALL_HINT = (
@@ -247,7 +248,7 @@ class XLAAccelerator(Accelerator):
         return XLA_PRECISIONS
 
     @classmethod
-    def register_accelerators(cls, registry: Any) -> None:
+    def register_accelerators(cls, registry: Registry[Accelerator]) -> None:
         """Register as "xla" and "tpu"."""
         registry.register("xla", cls, description="XLA devices (TPU, or the PJRT CPU runtime) through torch_xla.")
         registry.register("tpu", cls, description="TPUs through torch_xla (the same accelerator as 'xla').")

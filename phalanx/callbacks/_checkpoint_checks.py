@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from phalanx.callbacks._checkpoint_files import FILE_EXTENSION, checkpoint_in_folder, is_url
+from phalanx.utilities.checks import is_int_at_least
 from phalanx.utilities.exceptions import CheckpointError
 
 # ``{name}``, ``{name!r}``, ``{name:format_spec}``; a name may hold anything but braces, colons and "!" ("val/loss").
@@ -44,8 +45,8 @@ def fill_template(template: str, metrics: dict[str, Any], equals: str | None) ->
             text = format_field(conversion, spec, value)
         except (ValueError, TypeError) as error:
             raise ValueError(
-                f"ModelCheckpoint(filename={template!r}) cannot format {key}={value!r} with {match.group(0)!r}:"
-                f" {error}."
+                f"ModelCheckpoint(filename={template!r}) cannot format {key}={value!r} with "
+                f"{match.group(0)!r}: {error}."
             ) from None
         return f"{key}{equals}{text}" if equals is not None else text
 
@@ -82,8 +83,8 @@ def check_template(template: str, argument: str = "filename") -> None:
         )
     if len(f"{name}-v99{FILE_EXTENSION}".encode()) > _MAX_NAME_BYTES:
         raise ValueError(
-            f"{where}: a name made from it (e.g. {name!r}) is longer than the {_MAX_NAME_BYTES} bytes file systems"
-            " accept."
+            f"{where}: a name made from it (e.g. {name!r}) is longer than the {_MAX_NAME_BYTES} bytes file "
+            f"systems accept."
         )
 
 
@@ -129,7 +130,7 @@ def check_arguments(
     """Refuse bad ModelCheckpoint arguments at construction rather than at the first save, an epoch later."""
     if mode not in ("min", "max"):
         raise ValueError(f"`mode` must be 'min' or 'max', got {mode!r}.")
-    if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
+    if not is_int_at_least(save_top_k, -1):
         raise ValueError(
             f"`save_top_k` must be an int >= -1 (-1: keep all, 0: keep none, k: keep the best k), got {save_top_k!r}."
         )
@@ -143,7 +144,7 @@ def check_arguments(
             " logged metric, or use save_top_k=1 (keep the newest) or save_top_k=-1 (keep all)."
         )
     for name, value in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value is not None and not is_int_at_least(value, 0):
             raise ValueError(f"`{name}` must be None or an int >= 0, got {value!r}.")
     if (every_n_train_steps or 0) > 0 and (every_n_epochs or 0) > 0:
         raise ValueError(

@@ -91,11 +91,9 @@ class CheckpointRanking:
             self.best_model_score = score if best and score is not None and bool(torch.isfinite(score)) else None
         if dropped:
             rank_zero_warn(
-                "ModelCheckpoint ignored paths in the resumed checkpoint's callback state that are not"
-                f" '*{FILE_EXTENSION}'"
-                f" entries directly inside dirpath {self.dirpath!r}: {', '.join(dropped)}. The callback never"
-                " overwrites"
-                " or removes anything outside its folder."
+                f"ModelCheckpoint ignored paths in the resumed checkpoint's callback state that are not "
+                f"'*{FILE_EXTENSION}' entries directly inside dirpath {self.dirpath!r}: {', '.join(dropped)}. "
+                f"The callback never overwrites or removes anything outside its folder."
             )
 
     # ------------------------------------------------------------------ ranking

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from phalanx.callbacks.callback import Callback
+from phalanx.utilities.checks import is_int_at_least
 from phalanx.utilities.rank_zero import log, rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class EarlyStopping(Callback):
         super().__init__()
         if mode not in self.mode_dict:
             raise ValueError(f"`mode` must be one of {list(self.mode_dict)}, got {mode!r}.")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+        if not is_int_at_least(patience, 0):
             raise ValueError(f"`patience` must be an int >= 0, got {patience!r}.")
         self.monitor = monitor
         self.min_delta = float(min_delta)
@@ -119,7 +120,7 @@ class EarlyStopping(Callback):
             raise CheckpointError(f"the EarlyStopping state lacks {missing}")
         for key in ("wait_count", "stopped_epoch", "patience"):
             value = state_dict[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not is_int_at_least(value, 0):
                 raise CheckpointError(f"the EarlyStopping state's {key!r} is {value!r}; expected an int >= 0")
         best = state_dict["best_score"]
         if (

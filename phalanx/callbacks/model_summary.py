@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
 from phalanx.callbacks.callback import Callback
+from phalanx.utilities.checks import is_int_at_least
 
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
@@ -68,7 +69,7 @@ def _layers(module: nn.Module, max_depth: int) -> list[tuple[str, nn.Module]]:
 
 def summarize(module: nn.Module, max_depth: int = 1) -> str:
     """Return the summary table of ``module``: its layers down to ``max_depth`` (-1: all) and the totals."""
-    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
+    if not is_int_at_least(max_depth, -1):
         raise ValueError(f"`max_depth` must be an int >= -1 (-1: all layers), got {max_depth!r}.")
     rows = []
     for index, (name, layer) in enumerate(_layers(module, max_depth)):
@@ -111,7 +112,7 @@ class ModelSummary(Callback):
     """
 
     def __init__(self, max_depth: int = 1) -> None:
-        if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
+        if not is_int_at_least(max_depth, -1):
             raise ValueError(f"`max_depth` must be an int >= -1 (-1: all layers, 0: no summary), got {max_depth!r}.")
         self._max_depth = max_depth
 

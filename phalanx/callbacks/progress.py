@@ -12,6 +12,7 @@ from torch import Tensor
 from tqdm import tqdm as _tqdm
 
 from phalanx.callbacks.callback import Callback
+from phalanx.utilities.checks import is_int_at_least
 
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
@@ -183,9 +184,9 @@ class TQDMProgressBar(ProgressBar):
 
     def __init__(self, refresh_rate: int = 1, leave: bool = False, *, process_position: int = 0) -> None:
         super().__init__()
-        if isinstance(refresh_rate, bool) or not isinstance(refresh_rate, int) or refresh_rate < 0:
+        if not is_int_at_least(refresh_rate, 0):
             raise ValueError(f"`refresh_rate` must be an int >= 0 (0 disables the bar), got {refresh_rate!r}.")
-        if isinstance(process_position, bool) or not isinstance(process_position, int) or process_position < 0:
+        if not is_int_at_least(process_position, 0):
             raise ValueError(f"`process_position` must be an int >= 0, got {process_position!r}.")
         self._refresh_rate = refresh_rate
         self._leave = leave

@@ -103,8 +103,8 @@ def split_group_state(
     saved_shape = [len(group.get("params", [])) for group in saved_groups]
     if shape != saved_shape:
         raise conversion_error(
-            source, path, target, f"its optimizer has parameter groups of {saved_shape} parameters and the engine's"
-            f" {shape}", "Resume with the same model and configure_optimizers",
+            source, path, target, f"its optimizer has parameter groups of {saved_shape} parameters and the "
+                                  f"engine's {shape}", "Resume with the same model and configure_optimizers",
         )  # fmt: skip
     result = []
     for group_index, (saved_group, parameters) in enumerate(zip(saved_groups, groups)):
@@ -114,8 +114,8 @@ def split_group_state(
             entry = saved["state"].get(pid)
             if not entry:
                 raise conversion_error(
-                    source, path, target, f"parameter {pid} of group {group_index} has no optimizer state (it never"
-                    " stepped)", WEIGHTS_ONLY_REMEDY,
+                    source, path, target, f"parameter {pid} of group {group_index} has no optimizer state "
+                                          f"(it never stepped)", WEIGHTS_ONLY_REMEDY,
                 )  # fmt: skip
             tensors = {}
             for key, value in entry.items():

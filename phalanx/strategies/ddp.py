@@ -6,6 +6,7 @@ import difflib
 import inspect
 import sys
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -20,7 +21,10 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.forward_redirection import redirect_forward
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
+from phalanx.strategies.strategy import Strategy
 from phalanx.utilities import distributed
+from phalanx.utilities.checks import check_int_at_least
+from phalanx.utilities.registry import Registry
 
 _UNUSED_PARAMETERS_HINT = (
     "DistributedDataParallel found parameters that received no gradient in this step (some layers were not used to"
@@ -28,7 +32,6 @@ _UNUSED_PARAMETERS_HINT = (
     " strategy='ddp_find_unused_parameters_true' or DDPStrategy(find_unused_parameters=True)), which costs an extra"
     " traversal of the graph each step."
 )
-
 
 # DistributedDataParallel arguments the strategy sets itself.
 _OWN_DDP_ARGUMENTS = frozenset({"self", "module", "device_ids", "output_device"})
@@ -90,12 +93,8 @@ class DDPStrategy(ParallelStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        if model_averaging_period is not None and (
-            isinstance(model_averaging_period, bool)
-            or not isinstance(model_averaging_period, int)
-            or model_averaging_period < 1
-        ):
-            raise ValueError(f"model_averaging_period={model_averaging_period!r} must be an int >= 1.")
+        if model_averaging_period is not None:
+            check_int_at_least("model_averaging_period", model_averaging_period, 1)
         if model_averaging_period is None and type(ddp_comm_state).__name__ == "PostLocalSGDState":
             raise ValueError(
                 "Post-local SGD (ddp_comm_state=PostLocalSGDState) needs model_averaging_period= (optimizer steps"
@@ -116,7 +115,9 @@ class DDPStrategy(ParallelStrategy):
         assert self._module is not None
         fitting = settings.fitting
         if fitting and self._layer_sync is not None:
-            self._module = self._layer_sync.apply(self._module)
+            # LayerSync gives back this TrainingModule itself: only its batch-norm children are replaced.
+            self._module = self._layer_sync.apply(self._module)  # type: ignore[assignment]
+        assert self._module is not None
         self._module = self.precision_plugin.convert_module(self._module)
         self._model = self._module
         self.model_to_device()
@@ -131,7 +132,7 @@ class DDPStrategy(ParallelStrategy):
                     "broadcast(weights)",
                     self.global_rank,
                     self._timeout,
-                    lambda t=tensor: torch.distributed.broadcast(t, src=0),
+                    partial(torch.distributed.broadcast, tensor, src=0),
                 )
         self.setup_precision_plugin()
 
@@ -185,6 +186,7 @@ class DDPStrategy(ParallelStrategy):
         model, module = self._model, self._module
         if not isinstance(model, DistributedDataParallel) or getattr(module, "automatic_optimization", True):
             return super().training_step(*args, **kwargs)
+        assert module is not None
         with self.naming_collectives("forward"), self.precision_plugin.train_step_context():
             # manual_backward runs inside training_step, i.e. inside DDP's forward: keep DDP from preparing the
             # reducer for the (already finished) backward when the forward returns.
@@ -247,7 +249,7 @@ class DDPStrategy(ParallelStrategy):
         super().on_exception(exception)
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register 'ddp', 'ddp_spawn', 'ddp_fork', 'ddp_notebook' and their find_unused_parameters variants."""
         entries = (
             ("ddp", "popen", "processes started by re-running the script"),

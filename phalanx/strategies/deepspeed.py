@@ -72,6 +72,8 @@ from phalanx.strategies.deepspeed_state import DeepSpeedCheckpointMixin
 from phalanx.strategies.deepspeed_zero3 import DeepSpeedZero3Mixin
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
+from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.registry import Registry
 
 INSTALL_HINT = "pip install 'phalanx[deepspeed]'"
 
@@ -301,7 +303,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
         )
 
     def _precision_config(self) -> dict[str, Any]:
-        sections = self.precision_plugin.deepspeed_config()
+        sections = self.precision_plugin.deepspeed_config()  # type: ignore[attr-defined]  # precision_plugin_type
         if "fp16" in sections:
             sections["fp16"].update(self._loss_scaling)
         return sections
@@ -357,7 +359,9 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
             self.model_to_device()
         config = self._config = self._build_config(settings)
         self._accumulation = int(config["gradient_accumulation_steps"])
-        self.precision_plugin.engine_gradient_clipping = float(config.get("gradient_clipping") or 0.0)
+        self.precision_plugin.engine_gradient_clipping = float(  # type: ignore[attr-defined]  # precision_plugin_type
+            config.get("gradient_clipping") or 0.0
+        )
         if fitting:
             self._initialize_training_engine(config, settings)
             configure_activation_checkpointing(self._deepspeed(), config)
@@ -444,10 +448,10 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
         return memory_footprint(self._module, self._engine, self._engine_trains)
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register 'deepspeed' and 'deepspeed_stage_{1,2,2_offload,3,3_offload,3_offload_nvme}'."""
         nvme = {"remote_device": "nvme", "offload_params_device": "nvme", "offload_optimizer_device": "nvme"}
-        entries = (
+        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
             ("deepspeed", "DeepSpeed ZeRO stage 2 (optimizer states and gradients partitioned).", {}),
             ("deepspeed_stage_1", "DeepSpeed ZeRO stage 1: optimizer states partitioned.", {"stage": 1}),
             ("deepspeed_stage_2", "DeepSpeed ZeRO stage 2: optimizer states and gradients partitioned.", {"stage": 2}),

@@ -165,7 +165,7 @@ def _consolidate(
     buffer_names = set(first.get("buffer_names") or [])
     if not optim_states:
         # No ZeRO partitions: the module file holds the whole model and (for a torch optimizer) its usual state.
-        weights = OrderedDict((name, counted_float(tensor)) for name, tensor in module.items())
+        weights: OrderedDict[str, Tensor] = OrderedDict((name, counted_float(t)) for name, t in module.items())
         optimizer = first.get("optimizer")
         mapped = optimizer if isinstance(optimizer, dict) and set(optimizer) == {"state", "param_groups"} else None
         return weights, mapped
@@ -185,7 +185,7 @@ def _consolidate(
             f"{source}: the optimizer partitions hold no float32 master weights (optimizer state offloaded to NVMe?);"
             " they cannot be consolidated."
         )
-    weights: OrderedDict[str, Tensor] = OrderedDict()
+    weights = OrderedDict()
     for name, tensor in module.items():
         # The module file gives the names in state_dict order; each value comes from the most precise source.
         if name in trainable:
@@ -250,7 +250,7 @@ def _zero12_optimizer(
 ) -> dict[str, Any] | None:
     """The optimizer state in torch's layout, or None where it cannot be mapped (see the module docstring)."""
     bases = [state["base_optimizer_state"] for state in optim_states]
-    per_group_states = [_group_states_12(base, len(param_shapes)) for base in bases]
+    per_group_states: list[Any] = [_group_states_12(base, len(param_shapes)) for base in bases]
     if any(states is None for states in per_group_states):
         return None
     hyper = _group_hyper_parameters(bases[0], len(param_shapes))
@@ -390,7 +390,7 @@ def _zero3_optimizer(
     layout: list[tuple[int, str, int, int, Any]],
     world_size: int,
 ) -> dict[str, Any] | None:
-    bases = [state.get("optimizer_state_dict") for state in optim_states]
+    bases: list[Any] = [state.get("optimizer_state_dict") for state in optim_states]
     if not all(isinstance(base, dict) and "state" in base and "param_groups" in base for base in bases):
         return None
     sub_numels = [group.numel() for group in optim_states[0]["fp32_flat_groups"]]

@@ -194,7 +194,7 @@ def complete_config(
 def partitioning_config(config: dict[str, Any]) -> dict[str, Any]:
     """The part of ``config`` that partitions parameters (ZeRO-3 creation and evaluation engines), without training
     settings."""
-    partitioning = {
+    partitioning: dict[str, Any] = {
         key: config[key]
         for key in ("zero_optimization", "fp16", "bf16", "zero_allow_untested_optimizer")
         if key in config

@@ -3,6 +3,7 @@ see, and what the engine holds in memory."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -88,8 +89,8 @@ def engine_optimizer(
     if "optimizer" in config:
         if overrides(module, "configure_optimizers"):
             rank_zero_info(
-                "DeepSpeed: the optimizer (and scheduler) of the DeepSpeed config are used; configure_optimizers is"
-                " not called."
+                "DeepSpeed: the optimizer (and scheduler) of the DeepSpeed config are used; "
+                "configure_optimizers is not called."
             )
         return None, []
     if settings.configure_optimizers is None:
@@ -223,7 +224,7 @@ class DeepSpeedEngineMixin:
                 "broadcast(weights)",
                 self.global_rank,
                 self._timeout,
-                lambda t=tensor: torch.distributed.broadcast(t, src=0),
+                partial(torch.distributed.broadcast, tensor, src=0),
             )
 
     def _release_engine(self) -> None:
@@ -235,8 +236,8 @@ class DeepSpeedEngineMixin:
     def _require_training_engine(self) -> Any:
         if self._engine is None or not self._engine_trains:
             raise RuntimeError(
-                "The DeepSpeed engine with its optimizer exists during and after fit; call this while fitting (or"
-                " after fit)."
+                "The DeepSpeed engine with its optimizer exists during and after fit; "
+                "call this while fitting (or after fit)."
             )
         return self._engine
 

@@ -47,8 +47,8 @@ def tag_directory(directory: Path, tag: Any = None) -> tuple[str, Path]:
     folder = entry_inside(directory, tag, root=directory, what=what)
     if not folder.is_dir():
         raise CheckpointError(
-            f"DeepSpeed checkpoint files not found: {directory / tag} does not exist (the tag directory named by the"
-            " checkpoint)."
+            f"DeepSpeed checkpoint files not found: {directory / tag} does not exist (the tag directory named by "
+            f"the checkpoint)."
         )
     tree_inside(folder, root=directory, what=f"the tag directory {tag!r}")
     return tag, folder
@@ -57,6 +57,9 @@ def tag_directory(directory: Path, tag: Any = None) -> tuple[str, Path]:
 # ---------------------------------------------------------------------------- reading with inert stand-ins
 class _DeepSpeedRecord:
     """Stands in for a DeepSpeed object found in a checkpoint: keeps its constructor arguments and state; no code."""
+
+    args: tuple[Any, ...]
+    state: Any
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _DeepSpeedRecord:
         record = object.__new__(cls)
@@ -75,7 +78,7 @@ def _enum_value(value: Any) -> Any:
     return value
 
 
-_ALLOWED_DEEPSPEED_GLOBALS: list[tuple[Any, str]] = [
+_ALLOWED_DEEPSPEED_GLOBALS: list[Any] = [
     (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (_DeepSpeedRecord, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (_DeepSpeedRecord, "deepspeed.utils.tensor_fragment.fragment_address"),
@@ -184,8 +187,8 @@ class Files:
                     else f"holds {len(files)} partitions where {world_size} processes saved"
                 )
                 raise CheckpointError(
-                    f"{self.directory} {detail}: the DeepSpeed checkpoint is incomplete or mixes files of different"
-                    " checkpoints."
+                    f"{self.directory} {detail}: the DeepSpeed checkpoint is incomplete or mixes files of "
+                    f"different checkpoints."
                 )
 
 
@@ -219,8 +222,8 @@ def check_tag_files(folder: Path, *, world_size: Any, zero_stage: Any) -> None:
         files.check_world_size(world_size)
     if isinstance(zero_stage, int) and zero_stage >= 1 and not files.optim_files:
         raise CheckpointError(
-            f"{folder} is missing {_optim_name(0)} (and every other optimizer partition): the DeepSpeed checkpoint is"
-            " incomplete."
+            f"{folder} is missing {_optim_name(0)} (and every other optimizer partition): "
+            f"the DeepSpeed checkpoint is incomplete."
         )
 
 
@@ -266,9 +269,9 @@ def refuse_unsafe_engine_reads(engine: Any, directory: Path) -> None:
         )
     if reasons:
         raise UnsafeCheckpointError(
-            f"Refusing to resume from {directory}: {'; '.join(reasons)}, which runs any code the files' author chose."
-            " If you"
-            " wrote this checkpoint yourself and trust it, pass DeepSpeedStrategy(allow_unsafe_checkpoint_load=True)."
+            f"Refusing to resume from {directory}: {'; '.join(reasons)}, "
+            f"which runs any code the files' author chose. If you wrote this checkpoint yourself and trust it, "
+            "pass DeepSpeedStrategy(allow_unsafe_checkpoint_load=True)."
         )
 
 

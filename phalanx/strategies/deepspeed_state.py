@@ -75,6 +75,7 @@ class DeepSpeedCheckpointMixin:
 
     def _load_converted(self, checkpoint: dict[str, Any], meta: dict[str, Any] | None, strict: bool) -> None:
         """Another layout: read it whole, load the weights into the module and the optimizer state into the engine."""
+        # Lazy for import time: the layout conversion loads only when a checkpoint of another layout is resumed.
         from phalanx.strategies.checkpoint_conversion import (
             conversion_error,
             deepspeed_layout,
@@ -128,10 +129,9 @@ class DeepSpeedCheckpointMixin:
         saved_world_size = meta.get("world_size")
         if saved_world_size is not None and saved_world_size != self.world_size:
             raise CheckpointError(
-                f"{meta['directory']} was written by {saved_world_size} processes, and DeepSpeed resumes ZeRO"
-                " checkpoints only with"
-                f" the same number (now {self.world_size}). Consolidate it (phalanx checkpoint consolidate) to get its"
-                " weights."
+                f"{meta['directory']} was written by {saved_world_size} processes, "
+                f"and DeepSpeed resumes ZeRO checkpoints only with the same number (now {self.world_size}). "
+                f"Consolidate it (phalanx checkpoint consolidate) to get its weights."
             )
         saved_stage = meta.get("zero_stage")
         if saved_stage is not None and saved_stage != self.zero_stage:
@@ -192,6 +192,7 @@ class DeepSpeedCheckpointMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank writes its partitions through the CheckpointIO into a staging directory; rank 0 adds the
         Trainer's state; the IO publishes it with ``.complete`` (see ``deepspeed_io``)."""
+        # Lazy for import time: the DeepSpeed directory writer (deepspeed_io) loads on the first save.
         from phalanx.plugins.io.collectives import Collectives
         from phalanx.strategies.deepspeed_io import save_deepspeed_directory
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Any, Iterator
 
 import torch
@@ -26,9 +27,11 @@ from phalanx.strategies.fsdp_seed_arguments import HYBRID_STRATEGIES, KEEP_GATHE
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
+from phalanx.strategies.strategy import Strategy
 from phalanx.utilities import distributed
 from phalanx.utilities.init import empty_init_context
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from phalanx.utilities.registry import Registry
 
 # fully_shard arguments the strategy sets itself from its own options.
 _OWN_ARGUMENTS = {"module", "mesh", "mp_policy", "offload_policy"}
@@ -201,8 +204,8 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
                 shape = (world, 1) if self.sharding_strategy == "NO_SHARD" else (world,)
                 if self._device_mesh_spec is not None and self._device_mesh_spec[0] != world:
                     raise ValueError(
-                        f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, but the job"
-                        f" has {world}."
+                        f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, "
+                        f"but the job has {world}."
                     )
             if hybrid and shape[0] * shape[1] != world:
                 raise ValueError(
@@ -265,7 +268,7 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
                         if isinstance(tensor, nn.Parameter):
                             tensor.data = tensor.data.to(device)  # the same Parameter: tied weights stay tied
                         else:
-                            table[name] = tensor.to(device)
+                            table[name] = tensor.to(device)  # type: ignore[assignment]  # a buffer's table
 
     def setup(self, settings: RunSettings) -> None:
         """Shard the module in host memory (unless configure_model did), materialise meta tensors, create optimizers.
@@ -278,7 +281,7 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         if not is_sharded(module):
             if settings.fitting and self._layer_sync is not None:
                 # Before sharding, so that the synchronised layers' parameters are sharded like any other.
-                module = self._layer_sync.apply(module)
+                module = self._layer_sync.apply(module)  # type: ignore[assignment]  # the same TrainingModule
             module = self.precision_plugin.convert_module(module)
             self._module = module
             self._broadcast_from_rank_zero(module)
@@ -326,7 +329,7 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
                 "broadcast(weights)",
                 self.global_rank,
                 self._timeout,
-                lambda t=staged: torch.distributed.broadcast(t, src=0),
+                partial(torch.distributed.broadcast, staged, src=0),
             )
             if staged is not tensor:
                 tensor.copy_(staged)
@@ -391,7 +394,7 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
             self._layer_sync = layer_sync
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register 'fsdp' and 'fsdp_cpu_offload'."""
         registry.register("fsdp", cls, description="Fully sharded data parallel (FSDP2), ZeRO-3 style.")
         registry.register(

@@ -13,7 +13,7 @@ import inspect
 import os
 import sys
 from functools import partial
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 from torch import nn
@@ -226,7 +226,7 @@ def _binds(signature: inspect.Signature, count: int) -> bool:
 def _call_recursive_policy(policy: Callable[..., Any], module: nn.Module, recurse: bool, numel: int) -> bool:
     # torch calls FSDP1 policies by keyword; older user policies name the third argument differently.
     try:
-        names = inspect.signature(policy).parameters
+        names: Mapping[str, Any] = inspect.signature(policy).parameters
     except (TypeError, ValueError):
         names = {}
     if "recurse" in names and "nonwrapped_numel" in names:
@@ -263,10 +263,9 @@ def seed_keyword_arguments(kwargs: dict[str, Any], fully_shard_names: set[str]) 
     unknown = sorted(set(kwargs) - fully_shard_names - set(SEED_KEYWORD_ARGUMENTS))
     if unknown:
         raise TypeError(
-            f"FSDPStrategy got unexpected keyword argument(s) {unknown}; extra keyword arguments go to fully_shard,"
-            " which"
-            f" accepts {sorted(fully_shard_names)}, or are FSDP1 arguments of the seed:"
-            f" {sorted(SEED_KEYWORD_ARGUMENTS)}."
+            f"FSDPStrategy got unexpected keyword argument(s) {unknown}; extra keyword arguments go to fully_shard, "
+            f"which accepts {sorted(fully_shard_names)}, or are FSDP1 arguments of the seed: "
+            f"{sorted(SEED_KEYWORD_ARGUMENTS)}."
         )
     fully_shard_kwargs = {name: value for name, value in kwargs.items() if name in fully_shard_names}
     for name in SEED_KEYWORD_ARGUMENTS:

@@ -16,12 +16,15 @@ from phalanx.strategies.fsdp import is_sharded
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
+from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.checks import is_int_at_least
+from phalanx.utilities.registry import Registry
 
 MESH_DIMENSIONS = ("data_parallel", "tensor_parallel")
 
 
 def _check_size(name: str, value: Any) -> None:
-    if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    if value != "auto" and not is_int_at_least(value, 1):
         raise ValueError(f"{name}={value!r} must be 'auto' or an int >= 1.")
 
 
@@ -100,7 +103,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
                 f" tensor_parallel_size={self._tensor_parallel_size!r} must equal the"
                 f" number of processes ({world} = devices {self.num_processes} x num_nodes {self.num_nodes})."
             )
-        return int(dp), int(tp)  # type: ignore[arg-type]
+        return int(dp), int(tp)
 
     def setup_environment(self) -> None:
         """Join the process group and build the 2-D device mesh."""
@@ -164,7 +167,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         self.setup_precision_plugin()
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register 'model_parallel'."""
         registry.register(
             "model_parallel",

@@ -7,7 +7,7 @@ import sys
 from abc import ABC
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -23,6 +23,9 @@ from phalanx.strategies.strategy import Strategy
 from phalanx.utilities import distributed
 from phalanx.utilities.process_group_exit import destroy_process_group_at_exit
 from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 _T = TypeVar("_T")
 
@@ -236,14 +239,16 @@ class ParallelStrategy(Strategy, ABC):
             self.step_collectives.get(phase, phase), self.global_rank, self._timeout, transport_only=True
         )
 
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Tensor | Any:
+    def reduce(
+        self, tensor: Tensor | Any, group: ProcessGroup | None = None, reduce_op: str | None = "mean"
+    ) -> Tensor | Any:
         """All-reduce a tensor by ``reduce_op`` ('mean'/'avg', 'sum', 'max', 'min', a ReduceOp); others pass through."""
         reduce_op = distributed.normalize_reduce_op(reduce_op)
         if not isinstance(tensor, Tensor) or not distributed.is_initialized():
             return tensor
         return distributed.all_reduce(tensor, reduce_op, group, self.global_rank, self._timeout)
 
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: ProcessGroup | None = None, sync_grads: bool = False) -> Tensor:
         """Stack ``tensor`` from all processes (differentiable with ``sync_grads=True``)."""
         if not distributed.is_initialized():
             return tensor
@@ -302,7 +307,8 @@ class ParallelStrategy(Strategy, ABC):
         # The process group stays for later calls (it ends at interpreter exit).
         if self._module is not None:
             if self._layer_sync is not None:
-                self._module = self._layer_sync.revert(self._module)
+                # LayerSync gives back this TrainingModule itself: only its batch-norm children are replaced.
+                self._module = self._layer_sync.revert(self._module)  # type: ignore[assignment]
             self._model = self._module
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()

@@ -9,6 +9,8 @@ from typing import Any, Callable
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx.utilities.checks import is_number
+
 STAGES = ("fit", "validate", "test", "predict")
 
 #: Builds the optimizers and LR scheduler configurations for the set-up module (after any wrapping or sharding).
@@ -47,12 +49,12 @@ class RunSettings:
                 f"RunSettings(accumulate_grad_batches={self.accumulate_grad_batches!r}) must be an int >= 1."
             )
         clip = self.gradient_clip_val
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0):
+        if clip is not None and (not is_number(clip) or not clip >= 0):
             raise ValueError(f"RunSettings(gradient_clip_val={clip!r}) must be a number >= 0 or None.")
         if self.gradient_clip_algorithm not in ("norm", "value"):
             raise ValueError(
-                f"RunSettings(gradient_clip_algorithm={self.gradient_clip_algorithm!r}) is not valid; choose 'norm' or"
-                " 'value'."
+                f"RunSettings(gradient_clip_algorithm={self.gradient_clip_algorithm!r}) is not valid; "
+                f"choose 'norm' or 'value'."
             )
         if self.train_batch_size is not None and (
             isinstance(self.train_batch_size, bool)

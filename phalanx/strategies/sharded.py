@@ -122,7 +122,7 @@ class ShardedStrategyMixin:
         if checkpoint_layout(checkpoint_path) == "sharded":
             checkpoint = io.load_sharded_checkpoint(
                 checkpoint_path,
-                module_state=self._module.state_dict(),
+                module_state=self._module.state_dict(),  # type: ignore[attr-defined]
                 optimizers=self.optimizers,  # type: ignore[attr-defined]
             )
         else:

@@ -12,6 +12,7 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.distributed import normalize_reduce_op
+from phalanx.utilities.registry import Registry
 
 _T = TypeVar("_T")
 
@@ -68,6 +69,6 @@ class SingleDeviceStrategy(Strategy):
         return tensor
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register "single_device"."""
         registry.register("single_device", cls, description="One process on one device.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +26,7 @@ from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.init import empty_init_context
 
 if TYPE_CHECKING:
-    from phalanx.module import TrainingModule
+    from phalanx.strategies.contract_types import Launcher, PathLike, ProcessGroup, Registry, TrainingModule
 
 _T = TypeVar("_T")
 
@@ -49,7 +49,7 @@ class Strategy(ABC):
         self.precision_plugin = precision_plugin
         self._module: TrainingModule | None = None
         self._model: nn.Module | None = None
-        self._launcher: Any = None
+        self._launcher: Launcher | None = None
         self._run_settings: RunSettings | None = None
         self.optimizers: list[Optimizer] = []
         self.lr_scheduler_configs: list[LRSchedulerConfig] = []
@@ -102,7 +102,7 @@ class Strategy(ABC):
         return precision_plugin_for(precision, accelerator)
 
     @property
-    def launcher(self) -> Any:
+    def launcher(self) -> Launcher | None:
         """How extra processes are started; None runs everything in this process."""
         return self._launcher
 
@@ -152,7 +152,7 @@ class Strategy(ABC):
         """Whether this is the process of global rank 0."""
 
     @abstractmethod
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: str | None = "mean") -> Tensor | Any:
+    def reduce(self, tensor: Tensor | Any, group: ProcessGroup | None = None, reduce_op: str | None = "mean") -> Any:
         """Reduce ``tensor`` across processes with ``reduce_op`` ('mean', 'sum', 'max', 'min')."""
 
     @abstractmethod
@@ -164,7 +164,7 @@ class Strategy(ABC):
         """Send ``obj`` from process ``src`` to all others and return it."""
 
     @abstractmethod
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: ProcessGroup | None = None, sync_grads: bool = False) -> Tensor:
         """Gather ``tensor`` from every process, stacked along a new first dimension (unchanged on one process)."""
 
     # ------------------------------------------------------------------ ranks (one process unless overridden)
@@ -254,6 +254,7 @@ class Strategy(ABC):
 
     def setup_precision_plugin(self) -> None:
         """Let the precision plugin wrap the model, optimizers and schedulers."""
+        assert self.model is not None
         model, optimizers, _ = self.precision_plugin.connect(self.model, self.optimizers, self.lr_scheduler_configs)
         self._model = model
         self.optimizers = optimizers
@@ -266,7 +267,7 @@ class Strategy(ABC):
         self.checkpoint_io.teardown()
 
     # ------------------------------------------------------------------ steps
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+    def batch_to_device(self, batch: object, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move a batch to ``device`` (the root device by default) and convert it to the precision's dtype."""
         batch = move_to_device(batch, device or self.root_device)
         return self.precision_plugin.convert_input(batch)
@@ -274,7 +275,7 @@ class Strategy(ABC):
     def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
         """Call the module's step ``method`` inside ``context``, through the wrapper when there is one."""
         with context:
-            if self._model is not None and self._model is not self._module:
+            if self._model is not None and self._module is not None and self._model is not self._module:
                 # The wrapper's forward must run so that its hooks (gradient sync, parameter gathering) fire.
                 return redirect_forward(self._model, self._module, method, *args, **kwargs)
             return getattr(self._module, method)(*args, **kwargs)
@@ -368,7 +369,7 @@ class Strategy(ABC):
         """Context for the batches that do not end an accumulation window: backward skips gradient sync (none here)."""
         return nullcontext()
 
-    def process_dataloader(self, dataloader: Any) -> Any:
+    def process_dataloader(self, dataloader: Iterable[Any]) -> Iterable[Any]:
         """Give the strategy a chance to wrap a dataloader."""
         return dataloader
 
@@ -378,12 +379,12 @@ class Strategy(ABC):
         assert self._module is not None
         return self._module.state_dict()
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: object = None) -> None:
         """Write ``checkpoint`` through the CheckpointIO, once (on global rank 0)."""
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike) -> dict[str, Any]:
         """Read a checkpoint through the CheckpointIO."""
         return self.checkpoint_io.load_checkpoint(checkpoint_path)
 
@@ -403,7 +404,7 @@ class Strategy(ABC):
         for optimizer, state in zip(self.optimizers, states):
             optimizer.load_state_dict(state)
 
-    def remove_checkpoint(self, filepath: Any) -> None:
+    def remove_checkpoint(self, filepath: PathLike) -> None:
         """Delete a checkpoint, once (on global rank 0)."""
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
@@ -484,14 +485,14 @@ class Strategy(ABC):
     def on_predict_end(self) -> None:
         """Called when predicting ends."""
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
         """Called before each training batch, after the user's ``on_train_batch_start`` hooks (also after a -1)."""
 
     def on_exception(self, exception: BaseException) -> None:
         """Called when the run raises; may translate the error into a more helpful one."""
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register this strategy's names in ``registry``."""
 
     def __repr__(self) -> str:

@@ -30,6 +30,7 @@ from phalanx.strategies.xla_environment import XLAEnvironment
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.distributed import normalize_reduce_op
 from phalanx.utilities.rank_zero import set_global_rank
+from phalanx.utilities.registry import Registry
 
 _T = TypeVar("_T")
 
@@ -230,7 +231,7 @@ class XLAStrategy(XLAParallelDevices, XLAStrategyMixin, ParallelStrategy):
         return votes == self.world_size if all else votes > 0
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register "xla" and "xla_debug"."""
         registry.register("xla", cls, description="Data parallel over XLA devices through torch_xla's launcher.")
         registry.register(

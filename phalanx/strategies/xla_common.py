@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.plugins.precision.precision import Precision
 from phalanx.plugins.precision.xla import XLAPrecision
 from phalanx.strategies.xla_collectives import cut_graph, launch_turn
 from phalanx.utilities.apply import apply_to_tensors
@@ -87,7 +88,7 @@ class DeviceLoader:
 class XLAStrategyMixin:
     """Steps end with a graph cut; dataloaders feed the device; checkpoints are written from CPU copies."""
 
-    precision_plugin_type: type[XLAPrecision] = XLAPrecision
+    precision_plugin_type: type[Precision] = XLAPrecision
 
     @classmethod
     def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> XLAPrecision:

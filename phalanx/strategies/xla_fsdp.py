@@ -29,10 +29,12 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies import xla_collectives as collectives
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
+from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla import XLAStrategy
 from phalanx.strategies.xla_common import to_cpu
 from phalanx.strategies.xla_fsdp_checkpoint import ShardState, consolidate_xla_fsdp, read_own_pieces, write_sharded
 from phalanx.strategies.xla_fsdp_state import ModuleTree, ShardedParameters, undo_activation_checkpointing
+from phalanx.utilities.registry import Registry
 
 #: Options phalanx sets itself (the wrapper's other keyword arguments pass through).
 _RESERVED = ("auto_wrap_policy", "auto_wrapper_callable", "pin_layout_in_collective_ops", "flatten_parameters")
@@ -249,6 +251,7 @@ class XLAFSDPStrategy(XLAStrategy):
             return super().module_state_dict()
         if self._state_dict_type == "sharded":
             return self._shards.own_pieces()
+        assert self._module is not None
         return self._shards.full_module_state(self._module, self.root_device)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -319,7 +322,7 @@ class XLAFSDPStrategy(XLAStrategy):
         super().teardown()
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register "xla_fsdp"."""
         registry.register("xla_fsdp", cls, description="Fully sharded data parallel over XLA devices (torch_xla).")
 

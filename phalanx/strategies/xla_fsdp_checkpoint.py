@@ -82,6 +82,7 @@ def write_sharded(
     the save on every replica (nothing is published, the previous checkpoint stays) instead of leaving the others
     waiting for it.
     """
+    # Lazy for import time: the sharded writer (sharded_io) loads on the first sharded save.
     from phalanx.plugins.io.sharded_io import discard
     from phalanx.utilities.exceptions import CheckpointWriteError
 

@@ -179,7 +179,10 @@ class ShardedParameters:
             size = sizes.get(id(parameter)) if parameter is not None else None
             state[index] = {
                 key: self._cut(value, parameter)
-                if size is not None and isinstance(value, Tensor) and tuple(value.shape) == tuple(size)
+                if parameter is not None
+                and size is not None
+                and isinstance(value, Tensor)
+                and tuple(value.shape) == tuple(size)
                 else value
                 for key, value in entries.items()
             }

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.single_device import SingleDeviceStrategy
+from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla_common import XLAStrategyMixin, xla_device
+from phalanx.utilities.registry import Registry
 
 
 class SingleDeviceXLAStrategy(XLAStrategyMixin, SingleDeviceStrategy):
@@ -36,6 +36,6 @@ class SingleDeviceXLAStrategy(XLAStrategyMixin, SingleDeviceStrategy):
         )
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register "single_xla"."""
         registry.register("single_xla", cls, description="One process on one XLA device (TPU core, or PJRT CPU).")

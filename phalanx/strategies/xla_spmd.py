@@ -26,6 +26,7 @@ from phalanx.strategies.xla_environment import XLAEnvironment
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.distributed import normalize_reduce_op
 from phalanx.utilities.rank_zero import set_global_rank
+from phalanx.utilities.registry import Registry
 
 _T = TypeVar("_T")
 PARAMETER_SHARDINGS = ("fsdp", "replicated")
@@ -223,7 +224,7 @@ class XLASPMDStrategy(XLAParallelDevices, XLAStrategyMixin, ParallelStrategy):
         return decision
 
     @classmethod
-    def register_strategies(cls, registry: Any) -> None:
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register "xla_spmd" (parameters sharded) and "xla_spmd_dp" (parameters replicated)."""
         registry.register(
             "xla_spmd",

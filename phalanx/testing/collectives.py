@@ -58,7 +58,7 @@ def check_reduce(strategy: Strategy, *, rank: int | None = None, world_size: int
     ]
     for op in ("mean", "sum", "max", "min"):
         calls.append(
-            (op, f"reduce(tensor, reduce_op={op!r})", lambda op=op: strategy.reduce(local.clone(), reduce_op=op))
+            (op, f"reduce(tensor, reduce_op={op!r})", lambda op=op: strategy.reduce(local.clone(), reduce_op=op)),  # type: ignore[misc]  # a default argument binds the loop variable; mypy cannot type such a lambda
         )
     outcomes = [(op, call, *_attempt(run)) for op, call, run in calls]
     _, unknown_error = _attempt(lambda: strategy.reduce(local.clone(), reduce_op="median"))
@@ -149,7 +149,10 @@ def _payload(rank: int) -> dict[str, Any]:
 def check_broadcast(strategy: Strategy, *, rank: int | None = None, world_size: int | None = None) -> None:
     """``broadcast(obj, src)`` returns rank ``src``'s object on every rank, for every ``src``; tensors too."""
     rank, world = _ranks(strategy, rank, world_size)
-    received = [(src, *_attempt(lambda src=src: strategy.broadcast(_payload(rank), src=src))) for src in range(world)]
+    received = [
+        (src, *_attempt(lambda src=src: strategy.broadcast(_payload(rank), src=src)))  # type: ignore[misc]  # a default argument binds the loop variable; mypy cannot type such a lambda
+        for src in range(world)
+    ]
     default, default_error = _attempt(lambda: strategy.broadcast(_payload(rank)))
     tensor, tensor_error = _attempt(lambda: strategy.broadcast(torch.tensor([float(rank), 7.0]), src=world - 1))
     problems = []
@@ -224,7 +227,7 @@ def check_reduce_boolean_decision(
     for description, decide in cases:
         for every in (True, False):
             result, error = _attempt(
-                lambda decide=decide, every=every: strategy.reduce_boolean_decision(decide(rank), all=every)
+                lambda decide=decide, every=every: strategy.reduce_boolean_decision(decide(rank), all=every)  # type: ignore[misc]  # a default argument binds the loop variable; mypy cannot type such a lambda
             )
             expected = (all if every else any)(decide(r) for r in range(world))
             outcomes.append((description, every, result, error, expected))

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from phalanx.testing.report import CHECKS, ConformanceReport, last_started, merge, read_rank
 from phalanx.testing.worker import WorkerSpec, worker_main
+from phalanx.utilities.checks import check_int_at_least, is_number
 
 START_METHODS = ("spawn", "forkserver", "fork")
 #: Once a rank has ended with an error, how long the others get to finish before they are stopped (they may be
@@ -70,22 +71,21 @@ def _check_arguments(
             "make_strategy must be a Strategy subclass or a function returning a Strategy instance, got"
             f" {type(make_strategy).__name__}."
         )
-    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
-        raise ValueError(f"processes={processes!r} must be an int >= 1 (the kit runs 1 or more CPU processes).")
+    check_int_at_least("processes", processes, 1, " (the kit runs 1 or more CPU processes)")
     if isinstance(checks, str):
         raise TypeError(f"checks={checks!r} must be a list of check names, not a string; choose from {list(CHECKS)}.")
     selected = tuple(CHECKS) if checks is None else tuple(checks)
     unknown = [check for check in selected if check not in CHECKS]
     if unknown or not selected:
         raise ValueError(f"checks={list(selected)!r} is not valid: {unknown or 'empty'}; choose from {list(CHECKS)}.")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+    if not is_number(timeout) or not timeout > 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
     if start_method not in START_METHODS or start_method not in multiprocessing.get_all_start_methods():
         raise ValueError(
             f"start_method={start_method!r} is not valid here; choose one of"
             f" {[m for m in START_METHODS if m in multiprocessing.get_all_start_methods()]}."
         )
-    if isinstance(resume_atol, bool) or not isinstance(resume_atol, (int, float)) or resume_atol < 0:
+    if not is_number(resume_atol) or resume_atol < 0:
         raise ValueError(f"resume_atol={resume_atol!r} must be a number >= 0.")
     if start_method != "fork":
         try:
@@ -114,7 +114,9 @@ def _launch(spec: WorkerSpec, start_method: str, timeout: float) -> dict[int, st
     """Start every rank and wait; returns, per rank that had to be stopped or died, why."""
     context = multiprocessing.get_context(start_method)
     workers = [
-        context.Process(target=worker_main, args=(rank, spec), name=f"phalanx-conformance-rank{rank}")
+        context.Process(  # type: ignore[attr-defined]  # every start method's context has Process
+            target=worker_main, args=(rank, spec), name=f"phalanx-conformance-rank{rank}"
+        )
         for rank in range(spec.processes)
     ]
     for worker in workers:

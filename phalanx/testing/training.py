@@ -88,7 +88,7 @@ def run_fit(
     lifecycle = MethodRecorder(strategy, LIFECYCLE_METHODS) if record else None
     callback = ProbeCallback(recorder=lifecycle, **probes)
     options: dict[str, Any] = {"accelerator": "cpu"} if strategy.accelerator is None else {}
-    quiet = {
+    quiet: dict[str, Any] = {
         "logger": False,
         "enable_checkpointing": False,
         "enable_progress_bar": False,
@@ -200,7 +200,10 @@ def judge_no_sync(run: FitRun, *, rank: int) -> None:
     mean_first = _mean([seen["local_first"] for seen in replicas.values()])
     mean_total = _mean([_sum(seen["local_first"], seen["local_second"]) for seen in replicas.values()])
     mine = ranks[rank]
-    synchronised, wrong_inside, missing, wrong_outside = [], [], [], []
+    synchronised: list[str] = []
+    wrong_inside: list[str] = []
+    missing: list[str] = []
+    wrong_outside: list[str] = []
     for name, inside in mine["inside"].items():
         # None: deferred until the synchronised backward (FSDP keeps unsharded gradients aside meanwhile).
         if inside is not None and not _close(inside, mine["local_first"][name]):

@@ -114,7 +114,7 @@ def _run_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
         )
     }
     for name, check in COLLECTIVE_CHECKS.items():
-        judges[name] = lambda check=check: check(first.strategy, rank=rank, world_size=processes)
+        judges[name] = lambda check=check: check(first.strategy, rank=rank, world_size=processes)  # type: ignore[misc]  # a default argument binds the loop variable; mypy cannot type such a lambda
     _judge_selected(results, checks, judges)
     if resume:
         results.started("resumed fit")

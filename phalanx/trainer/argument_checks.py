@@ -10,6 +10,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from phalanx.utilities.checks import is_int_at_least, is_number
+
 #: What ``Trainer(nonfinite_loss=...)`` accepts; see the Trainer docstring for what each does.
 NONFINITE_LOSS_MODES = ("warn", "skip", "stop", "raise", "ignore")
 
@@ -65,7 +67,7 @@ def _max_time_from_dict(max_time: dict[Any, Any]) -> float:
     if unknown:
         raise ValueError(f"max_time={max_time!r} has unknown key(s) {unknown}; valid keys: {list(_MAX_TIME_KEYS)}.")
     for key, value in max_time.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             raise TypeError(
                 f"max_time[{key!r}]={shown(value)} must be a number (int or float), e.g. max_time={{'hours': 12}}."
             )
@@ -87,7 +89,7 @@ def check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> 
     """Raise unless ``value`` is an int >= ``minimum`` (or None when allowed)."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int_at_least(value, minimum):
         raise ValueError(
             f"{name}={shown(value)} is not valid; it must be an int >= {minimum}{' or None' if allow_none else ''}."
         )
@@ -114,7 +116,7 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
 
 def check_number(name: str, value: Any, minimum: float) -> None:
     """Raise unless ``value`` is a finite int or float >= ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+    if not is_number(value) or not math.isfinite(value) or value < minimum:
         raise ValueError(f"{name}={shown(value)} is not valid; it must be a finite number >= {minimum}.")
 
 

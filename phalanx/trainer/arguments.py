@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, Union
 
 import torch
 
+from phalanx.loggers import Logger
+from phalanx.plugins import CheckpointIO, ClusterEnvironment, Precision
+from phalanx.plugins.layer_sync import LayerSync
 from phalanx.trainer.argument_checks import (
     NONFINITE_LOSS_MODES,
     check_bool,
@@ -39,6 +42,12 @@ if TYPE_CHECKING:
     from phalanx.callbacks.callback import Callback
 
 #: The Trainer arguments that choose and build its strategy (passed on to ``resolve_strategy``).
+#: One value of ``Trainer(plugins=...)`` (a sequence of them is accepted too).
+PluginInput = Union[Precision, CheckpointIO, ClusterEnvironment, LayerSync]
+#: ``Trainer(logger=...)``: loggers, True or None for the default CSVLogger, False for none.
+LoggerInput = Union[Logger, Iterable[Logger], bool, None]
+#: ``Trainer(devices=...)``: a count, "auto", a device-index string, or a list of device indices.
+DevicesInput = Union[int, str, Sequence[int]]
 STRATEGY_ARGUMENTS = ("accelerator", "strategy", "devices", "num_nodes", "precision", "plugins", "sync_batchnorm")
 
 _FLAGS = ("sync_batchnorm", "use_distributed_sampler", "inference_mode", "detect_anomaly", "barebones")

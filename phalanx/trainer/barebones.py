@@ -45,9 +45,8 @@ def check_barebones(callbacks: Any, **arguments: Any) -> None:
     for name, value in arguments.items():
         if _is_on(name, value):
             raise ValueError(
-                f"Trainer(barebones=True, {name}={shown(value)}): barebones mode turns off {_WHY[name]}, which costs"
-                " time"
-                f" beside training. Remove {name}= (or pass barebones=False to keep it)."
+                f"Trainer(barebones=True, {name}={shown(value)}): barebones mode turns off {_WHY[name]}, "
+                f"which costs time beside training. Remove {name}= (or pass barebones=False to keep it)."
             )
     items = (
         [callbacks] if isinstance(callbacks, Callback) else callbacks if isinstance(callbacks, (list, tuple)) else []
@@ -71,9 +70,9 @@ class BarebonesResults(LoggedResults):
     def log(self, fx_name: str | None, name: str, value: Any, **options: Any) -> None:
         """Refuse: logging is off in barebones mode."""
         raise MisconfigurationError(
-            f"self.log({name!r}, ...) was called{f' in {fx_name}' if fx_name else ''}, but Trainer(barebones=True)"
-            " turns"
-            " logging off. Remove the self.log / self.log_dict calls, or pass barebones=False."
+            f"self.log({name!r}, ...) was called{f' in {fx_name}' if fx_name else ''}, "
+            f"but Trainer(barebones=True) turns logging off. Remove the self.log / self.log_dict calls, "
+            "or pass barebones=False."
         )
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from phalanx.utilities.checks import is_number
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.seed import worker_init_fn
 
@@ -28,7 +29,7 @@ _STAGE_METHOD = {
 
 def validate_limit(name: str, value: Any) -> int | float:
     """Check a ``limit_*_batches`` value: an int >= 0 (batches) or a float in [0, 1] (fraction)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise TypeError(f"{name}={value!r} must be an int (number of batches) or a float in [0.0, 1.0] (fraction).")
     if isinstance(value, int) and value < 0:
         raise ValueError(f"{name}={value} must be >= 0.")
@@ -179,9 +180,9 @@ def iterate_from(dataloader: Any, skip: int) -> Iterator[Any]:
     except StopIteration:
         # Only a resumed run skips batches: the checkpoint was taken further into the epoch than this data reaches.
         raise CheckpointError(
-            f"Resuming mid-epoch needs to pass {skip} batches already trained on, but the training data ends before"
-            " that;"
-            " resume with the data (and limit_train_batches) the checkpoint was saved with."
+            f"Resuming mid-epoch needs to pass {skip} batches already trained on, "
+            f"but the training data ends before that; "
+            "resume with the data (and limit_train_batches) the checkpoint was saved with."
         ) from None
     return iterator
 
@@ -191,6 +192,7 @@ def prepare_dataloader(trainer: Trainer, dataloader: Any, training: bool) -> Any
     strategy = trainer.strategy
     sampler_kwargs = strategy.distributed_sampler_kwargs
     if sampler_kwargs and trainer.use_distributed_sampler:
+        # Lazy for import time: only a run that splits its data across processes loads the sampler wrapping.
         from phalanx.trainer.distributed_data import distributed_dataloader
 
         seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))

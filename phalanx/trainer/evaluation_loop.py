@@ -72,14 +72,12 @@ def check_equal_batches(strategy: Strategy, counts: list[int | float], stage: st
             for rank, row in enumerate(everyone)
         )
         raise ValueError(
-            f"{type(strategy).__name__} runs collective operations in every forward pass (ZeRO stage 3 gathers"
-            " parameters), so"
-            f" every process must run the same number of {stage} batches; they differ ({per_rank}). phalanx pads the"
-            " evaluation"
-            " data of a torch DataLoader for this; a dataloader it does not shard (use_distributed_sampler=False, a"
-            " custom batch"
-            " sampler, an iterable) must yield as many batches on every process (or limit them with"
-            f" limit_{'val' if stage == 'validation' else stage}_batches=...)."
+            f"{type(strategy).__name__} runs collective operations in every forward pass (ZeRO stage 3 gathers "
+            f"parameters), so every process must run the same number of {stage} batches; they differ ({per_rank}). "
+            f"phalanx pads the evaluation data of a torch DataLoader for this; "
+            "a dataloader it does not shard (use_distributed_sampler=False, a custom batch sampler, "
+            f"an iterable) must yield as many batches on every process (or limit them with "
+            f"limit_{'val' if stage == 'validation' else stage}_batches=...)."
         )
     if any(math.isinf(count) for count in mine):
         rank_zero_warn(

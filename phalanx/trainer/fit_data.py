@@ -114,9 +114,8 @@ def schedule_validation(trainer: Trainer) -> None:
         trainer._val_across_epochs = True
     elif interval > trainer.num_training_batches:
         raise ValueError(
-            f"val_check_interval={interval} is more than the {trainer.num_training_batches} training batches of an"
-            " epoch;"
-            " lower it, or pass check_val_every_n_epoch=None to count batches across epochs."
+            f"val_check_interval={interval} is more than the {trainer.num_training_batches} training batches of an "
+            "epoch; lower it, or pass check_val_every_n_epoch=None to count batches across epochs."
         )
 
 
@@ -188,14 +187,15 @@ def overfit_loader(loader: Any, stage: str, overfit_batches: int | float) -> Any
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         raise ValueError(
-            f"overfit_batches={overfit_batches!r} trains on the same batches every epoch, but the {stage} DataLoader"
-            " uses"
-            f" a custom batch_sampler ({type(batch_sampler).__name__}), which phalanx cannot make sequential. Pass a"
-            " DataLoader with batch_size= (and shuffle=False), or overfit_batches=0."
+            f"overfit_batches={overfit_batches!r} trains on the same batches every epoch, "
+            f"but the {stage} DataLoader uses a custom batch_sampler ({type(batch_sampler).__name__}), "
+            f"which phalanx cannot make sequential. Pass a DataLoader with batch_size= (and shuffle=False), "
+            "or overfit_batches=0."
         )
     sampler = loader.sampler if batch_sampler is None else batch_sampler.sampler
     if type(sampler) is SequentialSampler or (isinstance(sampler, DistributedSampler) and not sampler.shuffle):
         return loader
+    # Lazy for import time: only a loader whose sampler must be replaced loads the sampler wrapping.
     from phalanx.trainer.distributed_data import with_sampler
 
     rank_zero_warn(

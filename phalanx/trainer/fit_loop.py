@@ -366,9 +366,9 @@ class FitLoop:
         if not self._warned_early_stop:
             self._warned_early_stop = True
             rank_zero_warn(
-                f"trainer.should_stop was set at epoch {self.current_epoch}, step {self.global_step}, but training"
-                " continues"
-                f" until min_epochs={trainer.min_epochs} and min_steps={trainer.min_steps} are reached."
+                f"trainer.should_stop was set at epoch {self.current_epoch}, step {self.global_step}, "
+                f"but training continues until min_epochs={trainer.min_epochs} and "
+                f"min_steps={trainer.min_steps} are reached."
             )
         return False
 

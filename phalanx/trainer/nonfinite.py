@@ -100,20 +100,19 @@ class NonFiniteLossCheck:
                 else "finite here but NaN or infinite on another process"
             )
             raise FloatingPointError(
-                f"The training loss is {value} at global step {step} (epoch {epoch}, batch_idx {batch_idx});"
-                " nonfinite_loss='raise' stops training here. The weights hold the last finite update: lower the"
-                " learning"
-                " rate, clip gradients (gradient_clip_val), or pass detect_anomaly=True to find the operation at fault."
+                f"The training loss is {value} at global step {step} (epoch {epoch}, batch_idx {batch_idx}); "
+                "nonfinite_loss='raise' stops training here. The weights hold the last finite update: "
+                "lower the learning rate, clip gradients (gradient_clip_val), "
+                "or pass detect_anomaly=True to find the operation at fault."
             )
         if self.mode == "skip":
             self.skipped += 1
             if self.skipped == 1:
                 warnings.warn(
-                    f"The training loss is NaN or infinite at global step {step} (epoch {epoch}, batch_idx"
-                    f" {batch_idx}):"
-                    " the batch (and the rest of its gradient accumulation window) is skipped, and so is any later one"
-                    " (nonfinite_loss='skip'; this is reported once per fit, trainer.fit_loop.nonfinite.skipped counts"
-                    " them).",
+                    f"The training loss is NaN or infinite at global step {step} (epoch {epoch}, "
+                    f"batch_idx {batch_idx}): the batch (and the rest of its gradient accumulation window) is "
+                    "skipped, and so is any later one (nonfinite_loss='skip'; this is reported once per fit, "
+                    "trainer.fit_loop.nonfinite.skipped counts them).",
                     UserWarning,
                     stacklevel=2,
                 )
@@ -136,16 +135,16 @@ def check_nonfinite_mode(trainer: Trainer, automatic: bool) -> None:
         return
     if not automatic:
         raise ValueError(
-            "nonfinite_loss='skip' needs automatic optimization: with self.automatic_optimization = False,"
-            " training_step"
-            " steps the optimizers itself before the loop sees the loss. Check the loss there, or pass nonfinite_loss="
-            "'stop' or 'raise' (checked on the loss training_step returns, after its own steps)."
+            "nonfinite_loss='skip' needs automatic optimization: with self.automatic_optimization = False, "
+            "training_step steps the optimizers itself before the loop sees the loss. Check the loss there, "
+            "or pass nonfinite_loss='stop' or 'raise' (checked on the loss training_step returns, "
+            "after its own steps)."
         )
     if trainer.strategy.handles_gradient_accumulation:
         raise ValueError(
-            f"nonfinite_loss='skip' cannot skip a batch under {type(trainer.strategy).__name__}: its engine counts"
-            " every"
-            " batch (gradient accumulation, loss scaling). Pass nonfinite_loss='stop' or 'raise' instead."
+            f"nonfinite_loss='skip' cannot skip a batch under {type(trainer.strategy).__name__}: "
+            f"its engine counts every batch (gradient accumulation, loss scaling). "
+            "Pass nonfinite_loss='stop' or 'raise' instead."
         )
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from phalanx.utilities.checks import is_int_at_least
+
 
 def batch_indices(dataloader: DataLoader) -> list[list[int]]:
     """The dataset indices of each batch ``dataloader`` yields this epoch, in order, computed without loading data.
@@ -177,7 +179,7 @@ def reassemble_predictions(
     list of outputs (the last batch short when the dataset does not divide); a loader with ``drop_last=True`` drops
     different samples per rank, so its results cannot match a single process.
     """
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+    if batch_size is not None and not is_int_at_least(batch_size, 1):
         raise ValueError(f"batch_size={batch_size!r} must be a positive int or None.")
     indices: list[int] = []
     outputs: list[Any] = []

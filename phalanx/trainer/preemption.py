@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from phalanx.utilities.checks import check_int_at_least
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
@@ -41,8 +42,7 @@ class Preemption:
         exit: bool = True,
         requeue: bool | None = None,
     ) -> None:  # noqa: A002
-        if isinstance(check_every_n_steps, bool) or not isinstance(check_every_n_steps, int) or check_every_n_steps < 1:
-            raise ValueError(f"check_every_n_steps={check_every_n_steps!r} must be an int >= 1.")
+        check_int_at_least("check_every_n_steps", check_every_n_steps, 1)
         valid = set(signal.valid_signals())
         for signum in signals:
             if signum not in valid or signum in (signal.SIGKILL, signal.SIGSTOP):
@@ -62,8 +62,8 @@ class Preemption:
         self.received = None
         if threading.current_thread() is not threading.main_thread():
             rank_zero_warn(
-                "fit() runs outside the main thread: preemption signals cannot be handled and keep their default"
-                " effect."
+                "fit() runs outside the main thread: preemption signals cannot be handled and keep their "
+                "default effect."
             )
             return
         for signum in self.signals:

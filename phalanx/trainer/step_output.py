@@ -22,8 +22,8 @@ def extract_loss(output: Any) -> Tensor | None:
     if isinstance(output, Mapping):
         if "loss" not in output:
             raise ValueError(
-                f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}); add the loss under"
-                " 'loss'."
+                f"training_step returned a dict without a 'loss' key (keys: {sorted(output)}); "
+                f"add the loss under 'loss'."
             )
         check_loss(output["loss"], "training_step returned a dict whose 'loss' is")
         return output["loss"]

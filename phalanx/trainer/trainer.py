@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 from torch import Tensor
 
@@ -22,6 +22,7 @@ from phalanx.module import TrainingModule
 from phalanx.module_clipping import overrides_gradient_clipping
 from phalanx.strategies.migration import refuse_trainer_parameters
 from phalanx.strategies.strategy import Strategy
+from phalanx.trainer import arguments
 from phalanx.trainer.argument_checks import RENAMED_TRAINER_ATTRIBUTES
 from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, apply_process_switches, resolve_arguments
 from phalanx.trainer.barebones import BarebonesResults
@@ -88,12 +89,12 @@ class Trainer(DeviceProperties):
         *,
         accelerator: str | Accelerator = "auto",
         strategy: str | Strategy = "auto",
-        devices: Any = "auto",
+        devices: arguments.DevicesInput = "auto",
         num_nodes: int = 1,
-        precision: Any = "32-true",
-        plugins: Any = None,
+        precision: int | str | None = "32-true",
+        plugins: arguments.PluginInput | Sequence[arguments.PluginInput] | None = None,
         callbacks: Callback | list[Callback] | None = None,
-        logger: Any = None,
+        logger: arguments.LoggerInput = None,
         max_epochs: int | None = None,
         min_epochs: int | None = None,
         max_steps: int = -1,
@@ -126,7 +127,7 @@ class Trainer(DeviceProperties):
         preemption: Preemption | bool = True,
         detect_anomaly: bool = False,
         nonfinite_loss: str = "warn",
-        profiler: Any = None,
+        profiler: None = None,
         model_registry: str | None = None,
     ) -> None:
         # Every argument by name, for their resolution in one place (phalanx.trainer.arguments).

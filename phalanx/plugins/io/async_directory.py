@@ -124,5 +124,6 @@ def start_sharded_write(
     write = dcp.async_save(
         tensors, storage_writer=writer, process_group=group, no_dist=not distributed, async_stager=stager
     )
-    write.phalanx_write_errors = recorded  # read by _cause if the write fails
-    return write
+    # read by _cause if the write fails; with an async_stager, async_save returns a Future
+    write.phalanx_write_errors = recorded  # type: ignore[union-attr]
+    return write  # type: ignore[return-value]

@@ -16,7 +16,7 @@ import importlib
 import math
 import pickle
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeGuard
 
 import torch
 
@@ -215,7 +215,7 @@ def _check_tensor(key: str, entry: Any, storage: dict[Any, Any], sizes: dict[str
         )
 
 
-def _is_shape(value: Any) -> bool:
+def _is_shape(value: Any) -> TypeGuard[torch.Size]:
     return isinstance(value, torch.Size) and all(type(n) is int and n >= 0 for n in value)
 
 

@@ -37,7 +37,7 @@ class StagingBuffers:
                 return mapped
             if isinstance(data, defaultdict):
                 return type(data)(data.default_factory, mapped)
-            return type(data)(mapped)
+            return type(data)(mapped)  # type: ignore[call-arg]  # a Mapping subclass built from a dict
         return data
 
     def _copy(self, tensor: torch.Tensor, key: tuple[Any, ...]) -> torch.Tensor:

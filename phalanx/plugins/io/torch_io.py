@@ -9,7 +9,7 @@ import pickle
 import re
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -86,7 +86,7 @@ def serialize(checkpoint: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def load_bytes(data: bytes | io.BufferedIOBase, source: str, map_location: Any | None = None) -> dict[str, Any]:
+def load_bytes(data: bytes | IO[bytes], source: str, map_location: Any | None = None) -> dict[str, Any]:
     """Deserialise checkpoint bytes with ``weights_only=True``, turning failures into clear errors."""
     from phalanx.plugins.io.bounded_reads import check_archive, check_tensors
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.plugins.precision.half import cast_floating, default_dtype
-from phalanx.plugins.precision.precision import BeforeStep, Precision
+from phalanx.plugins.precision.precision import BeforeStep, ModuleT, Precision
 
 DEEPSPEED_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 _DTYPES = {"32": torch.float32, "16": torch.float16, "bf16": torch.bfloat16}
@@ -49,7 +49,7 @@ class DeepSpeedPrecision(Precision):
         return {}
 
     # ------------------------------------------------------------------ dtypes
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    def convert_module(self, module: ModuleT) -> ModuleT:
         """Cast to the half dtype (what the engine does anyway); ZeRO-3 shards were already created in that dtype."""
         if self.dtype is torch.float32 or any(_is_partitioned(p) for p in module.parameters()):
             return module
@@ -81,8 +81,8 @@ class DeepSpeedPrecision(Precision):
         backward = getattr(module, "backward", None)
         if module is None or not hasattr(module, "is_gradient_accumulation_boundary") or backward is None:
             raise RuntimeError(
-                "DeepSpeedPrecision.backward needs the DeepSpeed engine; it is created by DeepSpeedStrategy.setup()"
-                " when fitting."
+                "DeepSpeedPrecision.backward needs the DeepSpeed engine; "
+                "it is created by DeepSpeedStrategy.setup() when fitting."
             )
         backward(tensor, *args, **kwargs)
 
@@ -106,7 +106,7 @@ class DeepSpeedPrecision(Precision):
                 " (its gradient accumulation and loss scaling count every batch). Return the loss for every batch."
             )
         self._after_closure(optimizer, before_step)
-        model.step(**kwargs)
+        model.step(**kwargs)  # type: ignore[operator]  # the DeepSpeed engine's step (checked above), not a tensor
         return result
 
     def clip_gradients(

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from phalanx.plugins.precision.amp import MixedPrecision
 from phalanx.plugins.precision.half import HalfPrecision
-from phalanx.plugins.precision.precision import BeforeStep, Precision
+from phalanx.plugins.precision.precision import BeforeStep, ModuleT, Precision
 
 FSDP_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
 
@@ -55,7 +55,7 @@ class FSDPPrecision(Precision):
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
 
     # The rest is the plain plugin's behaviour.
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    def convert_module(self, module: ModuleT) -> ModuleT:
         """Cast the module for '*-true' precisions."""
         return self._inner.convert_module(module)
 

@@ -6,9 +6,8 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Iterator
 
 import torch
-from torch import nn
 
-from phalanx.plugins.precision.precision import Precision
+from phalanx.plugins.precision.precision import ModuleT, Precision
 from phalanx.utilities.apply import apply_to_tensors
 
 
@@ -33,7 +32,7 @@ class TruePrecision(Precision):
 
     dtype: torch.dtype = torch.float32
 
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    def convert_module(self, module: ModuleT) -> ModuleT:
         """Cast floating-point parameters and buffers (complex and integer ones keep their dtype)."""
         # module.to(dtype=...) would also turn complex tensors into real ones, dropping their imaginary part.
         return module._apply(lambda tensor: tensor.to(self.dtype) if tensor.is_floating_point() else tensor)

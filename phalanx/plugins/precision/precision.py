@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +13,8 @@ from torch.optim import Optimizer
 _NULL = nullcontext()
 #: What runs once gradients are final, before the update (the strategy passes ``RunSettings.before_optimizer_step``).
 BeforeStep = Callable[[Optimizer], None]
+#: A precision returns the module it converts (cast in place), so the caller keeps its type.
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
 _CLOSURE_ONCE: dict[type, bool] = {}
 
 
@@ -40,7 +42,7 @@ class Precision:
 
     precision: str = "32-true"
 
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    def convert_module(self, module: ModuleT) -> ModuleT:
         """Convert the module's parameters and buffers to this precision."""
         return module
 

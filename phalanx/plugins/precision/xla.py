@@ -6,11 +6,10 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch import nn
 
 from phalanx.accelerators.xla import XLA_PRECISIONS
 from phalanx.plugins.precision.half import cast_floating
-from phalanx.plugins.precision.precision import Precision
+from phalanx.plugins.precision.precision import ModuleT, Precision
 
 
 class XLAPrecision(Precision):
@@ -31,7 +30,7 @@ class XLAPrecision(Precision):
         self.precision = precision
         self.dtype = torch.float32 if precision == "32-true" else torch.bfloat16
 
-    def convert_module(self, module: nn.Module) -> nn.Module:
+    def convert_module(self, module: ModuleT) -> ModuleT:
         """'bf16-true': cast floating parameters and buffers to bfloat16 (others keep their dtype)."""
         if self.precision != "bf16-true":
             return module

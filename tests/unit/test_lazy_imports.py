@@ -1,0 +1,148 @@
+"""Every function-level import of phalanx's own modules says why it is lazy: import time, or an optional dependency.
+
+A lazy import is a cost (the dependency is hidden from the module's header) that pays for itself only by keeping
+``import phalanx`` (or a command) cheap or an optional package optional; one that dodges an import cycle hides a
+layering problem instead. The reason goes in a comment on the import's line or on the line above its block of imports,
+and names ``import time`` or ``optional``. Parses the sources (AST, tokenize for comments); imports nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+REASONS = ("import time", "optional")
+# ELSEWHERE: files whose lazy imports other helpers of issue 25 rewrite on their own branches (plugins/io: formats;
+# cohort and the trainer's setup services: services). The lead empties this set at merge.
+ELSEWHERE = (
+    "phalanx/plugins/io/",
+    "phalanx/cohort/",
+    "phalanx/trainer/setup.py",
+    "phalanx/trainer/device_properties.py",
+    "phalanx/trainer/distributed_data.py",
+    "phalanx/trainer/checkpoint_checks.py",
+)
+# PENDING: lazy imports with no stated reason yet, as (file, imported module). Most import a module that the importer
+# has loaded anyway (so laziness saves no import time): they dodge a cycle, or nothing. Each is to be moved to the
+# module's top once its cycle is gone, or given its reason; the set only shrinks (a stale entry fails the test).
+PENDING = {
+    ("phalanx/callbacks/_checkpoint_files.py", "phalanx.trainer.checkpoint"),
+    ("phalanx/module_clipping.py", "phalanx.module"),
+    ("phalanx/module_loading.py", "phalanx.plugins.io.torch_io"),
+    ("phalanx/module_loading.py", "phalanx.trainer.checkpoint_checks"),
+    ("phalanx/module_loading.py", "phalanx.utilities.exceptions"),
+    ("phalanx/datamodule.py", "phalanx.utilities.apply"),
+    ("phalanx/callbacks/early_stopping.py", "phalanx.utilities.exceptions"),
+    ("phalanx/callbacks/model_checkpoint.py", "phalanx.loggers.csv"),
+    ("phalanx/strategies/deepspeed_checkpoint.py", "phalanx.plugins.io.bounded_reads"),
+    ("phalanx/strategies/deepspeed_checkpoint.py", "phalanx.plugins.io.torch_io"),
+    ("phalanx/strategies/deepspeed_engine.py", "phalanx.module"),
+    ("phalanx/strategies/deepspeed_files.py", "phalanx.plugins.io.bounded_reads"),
+    ("phalanx/strategies/deepspeed_files.py", "phalanx.plugins.io.torch_io"),
+    ("phalanx/strategies/deepspeed_io.py", "phalanx.plugins.io.async_io"),
+    ("phalanx/strategies/deepspeed_io.py", "phalanx.plugins.io.directory"),
+    ("phalanx/strategies/deepspeed_io.py", "phalanx.plugins.io.sharded_io"),
+    ("phalanx/strategies/deepspeed_state.py", "phalanx.plugins.io.checkpoint_files"),
+    ("phalanx/strategies/deepspeed_state.py", "phalanx.plugins.io.layout"),
+    ("phalanx/strategies/deepspeed_state.py", "phalanx.strategies.deepspeed_io"),
+    ("phalanx/strategies/launchers/multiprocessing.py", "phalanx.utilities.apply"),
+    ("phalanx/strategies/launchers/multiprocessing.py", "phalanx.utilities.seed"),
+    ("phalanx/strategies/launchers/xla.py", "phalanx.accelerators.xla"),
+    ("phalanx/strategies/launchers/xla.py", "phalanx.strategies.xla_collectives"),
+    ("phalanx/strategies/launchers/xla.py", "phalanx.utilities.rank_zero"),
+    ("phalanx/strategies/model_parallel.py", "phalanx.module"),
+    ("phalanx/strategies/strategy.py", "phalanx.module"),
+    ("phalanx/strategies/strategy.py", "phalanx.plugins.precision.selection"),
+    ("phalanx/strategies/xla_fsdp_checkpoint.py", "phalanx.plugins.io.bounded_reads"),
+    ("phalanx/strategies/xla_fsdp_checkpoint.py", "phalanx.plugins.io.checkpoint_files"),
+    ("phalanx/strategies/xla_fsdp_checkpoint.py", "phalanx.plugins.io.layout"),
+    ("phalanx/strategies/xla_fsdp_checkpoint.py", "phalanx.plugins.io.torch_io"),
+    ("phalanx/strategies/xla_spmd.py", "phalanx.accelerators.xla"),
+    ("phalanx/testing/training.py", "phalanx.trainer.trainer"),
+    ("phalanx/testing/worker.py", "phalanx.testing"),
+    ("phalanx/testing/worker.py", "phalanx.testing.collectives"),
+    ("phalanx/trainer/barebones.py", "phalanx.callbacks"),
+    ("phalanx/trainer/checkpoint.py", "phalanx"),
+    ("phalanx/trainer/checkpoint.py", "phalanx.plugins.io.bounded_reads"),
+    ("phalanx/trainer/checkpoint.py", "phalanx.plugins.io.checkpoint_files"),
+    ("phalanx/trainer/checkpoint.py", "phalanx.plugins.io.torch_io"),
+    ("phalanx/trainer/checkpoint.py", "phalanx.strategies.strategy"),
+    ("phalanx/trainer/evaluation_loop.py", "phalanx.trainer.prediction_order"),
+    ("phalanx/trainer/evaluation_loop.py", "phalanx.utilities.apply"),
+    ("phalanx/trainer/fit_data.py", "phalanx.module"),
+    ("phalanx/trainer/loggers_and_callbacks.py", "phalanx.callbacks"),
+    ("phalanx/trainer/loggers_and_callbacks.py", "phalanx.loggers"),
+    ("phalanx/trainer/loggers_and_callbacks.py", "phalanx.loggers.logger"),
+    ("phalanx/trainer/trainer.py", "phalanx.callbacks"),
+}
+
+
+def unexplained(source: str) -> list[tuple[int, str]]:
+    """(line, module) of each function-level import of phalanx whose comment gives no reason."""
+    comments = {
+        token.start[0]: token.string.lower()
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    }
+    tree = ast.parse(source)
+    imports = [
+        node
+        for function in ast.walk(tree)
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(function)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    ]
+    ends = {node.end_lineno: node.lineno for node in imports}
+    found = set()
+    for node in imports:
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        names = [name for name in names if name == "phalanx" or name.startswith("phalanx.")]
+        if not names or getattr(node, "level", 0):
+            continue
+        first = node.lineno
+        while first - 1 in ends:  # the comment above a block of imports covers the block
+            first = ends[first - 1]
+        said = comments.get(node.lineno, "") + comments.get(node.end_lineno, "") + comments.get(first - 1, "")
+        if not any(reason in said for reason in REASONS):
+            found.update((node.lineno, name) for name in names)
+    return sorted(found)
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=_relative)
+def test_lazy_imports_say_why(path: Path) -> None:
+    name = _relative(path)
+    if name.startswith(ELSEWHERE):
+        pytest.skip("rewritten on another branch of issue 25")
+    missing = [(line, module) for line, module in unexplained(path.read_text()) if (name, module) not in PENDING]
+    assert not missing, f"{name}: say why these imports are lazy (import time or optional dependency): {missing}"
+
+
+def test_the_pending_list_only_shrinks() -> None:
+    still = {(_relative(path), module) for path in SOURCES for _, module in unexplained(path.read_text())}
+    assert not PENDING - still, f"these imports have their reason now; drop them from PENDING: {PENDING - still}"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f():\n    from phalanx.module import M\n", 1),
+        ("def f():\n    from phalanx.module import M  # circular otherwise\n", 1),
+        ("def f():\n    from phalanx.module import M  # lazy for import time\n", 0),
+        ("def f():\n    # Optional dependency.\n    from phalanx.a import A\n    from phalanx.b import B\n", 0),
+        ("def f():\n    from torch import nn\n", 0),
+        ("from phalanx.module import M\n", 0),
+    ],
+    ids=["bare", "cycle", "same-line", "block", "not-phalanx", "top-level"],
+)
+def test_the_check_finds_planted_imports(source: str, expected: int) -> None:
+    assert len(unexplained(source)) == expected
