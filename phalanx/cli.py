@@ -197,10 +197,10 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
     if not directory.is_dir():
         hint = " It is a file; a single-file checkpoint needs no consolidation." if directory.is_file() else ""
         return _error(name, f"{directory} is not a directory (a sharded checkpoint is a directory).{hint}")
-    from phalanx.plugins.io.distributed_checkpoint import consolidate, is_sharded_checkpoint
+    from phalanx.plugins.io.formats.dcp import consolidate, is_sharded_checkpoint
+    from phalanx.plugins.io.formats.deepspeed import is_deepspeed_checkpoint
+    from phalanx.plugins.io.formats.xla_fsdp import is_xla_fsdp_checkpoint
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
-    from phalanx.strategies.deepspeed_checkpoint import is_deepspeed_checkpoint
-    from phalanx.strategies.xla_fsdp_checkpoint import is_xla_fsdp_checkpoint
     from phalanx.utilities.exceptions import CheckpointError
 
     try:

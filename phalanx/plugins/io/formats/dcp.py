@@ -10,7 +10,7 @@ Layout of ``NAME.ckpt/``::
 Only tensors go through DCP, so reading never needs DCP's pickled byte entries (DCP would unpickle those with
 ``weights_only=False``): a read that asks for one is refused. DCP's own ``.metadata`` file is read with an unpickler
 that accepts only the globals DCP writes there, and checked against the directory before DCP uses it (see
-``phalanx.plugins.io.dcp_metadata``); ``phalanx_meta.pt`` is read with ``weights_only=True``. Whatever is wrong with a
+``formats.dcp_metadata``); ``phalanx_meta.pt`` is read with ``weights_only=True``. Whatever is wrong with a
 directory (a file missing, truncated or from another checkpoint, a hostile pickle, a name leading outside it) gives
 one ``CheckpointError`` naming the file and the entry, never torch's ``CheckpointException`` (a ``BaseException``).
 
@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from phalanx.plugins.io.checkpoint_files import entry_inside
-from phalanx.plugins.io.dcp_metadata import DCP_METADATA_FILE, read_metadata
 from phalanx.plugins.io.directory import publish_directory, staging_directory, write_synced
+from phalanx.plugins.io.formats.dcp_metadata import DCP_METADATA_FILE, read_metadata
 from phalanx.plugins.io.write_failures import causes as _causes
 from phalanx.plugins.io.write_failures import describe as _describe
 from phalanx.plugins.io.write_failures import free_space, raise_recorded, watch_writes
@@ -55,7 +55,7 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
 # ---------------------------------------------------------------------------- splitting a checkpoint
 def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Separate the module and sharded optimizer tensors (for DCP) from the plain rest (for the meta file)."""
-    from phalanx.strategies.dtensor_state import is_dtensor
+    from phalanx.utilities.dtensor import is_dtensor
 
     tensors = {_MODEL_PREFIX + name: value for name, value in checkpoint.get("state_dict", {}).items()}
     meta = {key: value for key, value in checkpoint.items() if key != "state_dict"}
@@ -344,7 +344,7 @@ def load_into(path: str | os.PathLike, module_state: dict[str, Tensor], optimize
     ``optimizers``, their per-parameter states are read as DTensors shaped like their parameters. Returns the
     whole checkpoint dictionary, its tensors being the live (sharded) ones.
     """
-    from phalanx.strategies.dtensor_state import is_dtensor
+    from phalanx.utilities.dtensor import is_dtensor
 
     directory = Path(path)
     meta = read_meta(directory)
@@ -397,7 +397,7 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
     if is_sharded_checkpoint(directory):
         return load_whole(directory)
     try:
-        from phalanx.strategies.deepspeed_checkpoint import (
+        from phalanx.plugins.io.formats.deepspeed import (
             STATE_FILE,
             is_deepspeed_checkpoint,
             load_deepspeed_checkpoint_as_full,
@@ -407,7 +407,7 @@ def consolidate(path: str | os.PathLike) -> dict[str, Any]:
         STATE_FILE = None  # type: ignore[assignment]
     if is_deepspeed_checkpoint is not None and is_deepspeed_checkpoint(directory):
         return load_deepspeed_checkpoint_as_full(directory)
-    from phalanx.strategies.xla_fsdp_checkpoint import consolidate_xla_fsdp, is_xla_fsdp_checkpoint
+    from phalanx.plugins.io.formats.xla_fsdp import consolidate_xla_fsdp, is_xla_fsdp_checkpoint
 
     if is_xla_fsdp_checkpoint(directory):
         return consolidate_xla_fsdp(directory)

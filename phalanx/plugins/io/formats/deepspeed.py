@@ -37,7 +37,7 @@ from torch import Tensor
 
 from phalanx.plugins.io.bounded_reads import counted_cat, counted_clone, counted_flat, counted_float
 from phalanx.plugins.io.checkpoint_files import OPTIMIZER_OMITTED, entry_inside
-from phalanx.strategies.deepspeed_files import Files, load_part, tag_directory
+from phalanx.plugins.io.formats.deepspeed_files import Files, load_part, tag_directory
 from phalanx.utilities.exceptions import CheckpointError
 
 #: The key of a consolidated checkpoint that holds DeepSpeed's engine counters (``global_steps``, ``global_samples``).

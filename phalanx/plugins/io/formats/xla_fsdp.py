@@ -207,7 +207,7 @@ def _read_pieces(path: Any, rank: int, layout: dict[str, Any], read: Reader) -> 
 
 def consolidate_xla_fsdp(path: Any, read: Reader | None = None) -> dict[str, Any]:
     """The whole checkpoint (whole tensors under the module's names) of the sharded xla_fsdp checkpoint at ``path``."""
-    from phalanx.plugins.io.layout import checkpoint_layout
+    from phalanx.plugins.io.formats.layout import checkpoint_layout
 
     layout_found = checkpoint_layout(path)  # refuses a directory whose save did not finish
     if layout_found != "xla_fsdp":

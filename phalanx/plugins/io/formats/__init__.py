@@ -1,0 +1,1 @@
+"""Every on-disk checkpoint layout phalanx reads and writes, one module each."""
