@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from phalanx.plugins.io.formats import consolidate
 from phalanx.plugins.io.formats.dcp import (
-    consolidate,
     is_sharded_checkpoint,
     load_whole,
     read_meta,

@@ -38,7 +38,7 @@ from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
 from phalanx_testing import Regressor, loaders, quiet_trainer  # noqa: E402
 from test_deepspeed_checkpoint import WORLD, Model, _zero2_directory  # noqa: E402
 
-from phalanx.plugins.io.formats.dcp import consolidate  # noqa: E402
+from phalanx.plugins.io.formats import consolidate  # noqa: E402
 from phalanx.plugins.io.formats.deepspeed import STATE_FILE, load_deepspeed_checkpoint_as_full  # noqa: E402
 from phalanx.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 from phalanx.strategies import DeepSpeedStrategy  # noqa: E402

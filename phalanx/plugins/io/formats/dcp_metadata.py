@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from phalanx.plugins.io.bounded_reads import open_checkpoint_file
 from phalanx.plugins.io.checkpoint_files import entry_inside
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
@@ -87,8 +88,6 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_metadata(directory: Path) -> Any:
     """DCP's metadata of the checkpoint ``directory``, read without running its code, checked against the files."""
     from torch.distributed.checkpoint.metadata import Metadata
-
-    from phalanx.plugins.io.bounded_reads import open_checkpoint_file
 
     path = entry_inside(directory, DCP_METADATA_FILE, root=directory, what="DCP's metadata file")
     try:

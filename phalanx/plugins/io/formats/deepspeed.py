@@ -35,9 +35,18 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from phalanx.plugins.io.bounded_reads import counted_cat, counted_clone, counted_flat, counted_float
+from phalanx.plugins.io.bounded_reads import (
+    allocation_budget,
+    check_tensors,
+    counted_cat,
+    counted_clone,
+    counted_flat,
+    counted_float,
+    open_checkpoint_file,
+)
 from phalanx.plugins.io.checkpoint_files import OPTIMIZER_OMITTED, entry_inside
 from phalanx.plugins.io.formats.deepspeed_files import Files, load_part, tag_directory
+from phalanx.plugins.io.torch_io import load_bytes
 from phalanx.utilities.exceptions import CheckpointError
 
 #: The key of a consolidated checkpoint that holds DeepSpeed's engine counters (``global_steps``, ``global_samples``).
@@ -68,8 +77,6 @@ def is_optimizer_marker(state: Any) -> bool:
 
 def read_trainer_state(path: str | os.PathLike, *, read: Reader | None = None) -> dict[str, Any]:
     """The Trainer's state saved beside DeepSpeed's files (``weights_only=True``; read by ``read`` if given)."""
-    from phalanx.plugins.io.bounded_reads import check_tensors, open_checkpoint_file
-    from phalanx.plugins.io.torch_io import load_bytes
 
     directory = Path(path)
     if not is_deepspeed_checkpoint(directory):
@@ -101,7 +108,6 @@ def load_deepspeed_checkpoint_as_full(path: str | os.PathLike, *, read: Reader |
     module docstring). Needs no process group and no deepspeed installation. ``read(file, map_location)`` reads each
     file (a strategy passes its CheckpointIO's ``load_checkpoint``); by default phalanx reads them here.
     """
-    from phalanx.plugins.io.bounded_reads import allocation_budget
 
     directory = Path(path)
     state = read_trainer_state(directory, read=read)
