@@ -198,29 +198,17 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
         hint = " It is a file; a single-file checkpoint needs no consolidation." if directory.is_file() else ""
         return _error(name, f"{directory} is not a directory (a sharded checkpoint is a directory).{hint}")
     # Lazy for import time: only `phalanx consolidate` loads the checkpoint readers (and torch.distributed.checkpoint).
-    from phalanx.plugins.io.distributed_checkpoint import consolidate, is_sharded_checkpoint
+    from phalanx.plugins.io.formats import consolidate, detect_directory, not_a_checkpoint
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
-    from phalanx.strategies.deepspeed_checkpoint import is_deepspeed_checkpoint
-    from phalanx.strategies.xla_fsdp_checkpoint import is_xla_fsdp_checkpoint
     from phalanx.utilities.exceptions import CheckpointError
 
     try:
-        known = any(
-            is_layout(directory)
-            for is_layout in (is_sharded_checkpoint, is_deepspeed_checkpoint, is_xla_fsdp_checkpoint)
-        )
+        layout = detect_directory(directory)
     except OSError as err:
         return _error(name, f"cannot read {directory}: {err.strerror or err}")
-    if not known:
-        try:
-            consolidate(directory)  # reads nothing here: it only says which files a known layout misses
-        except CheckpointError as err:
-            return _error(name, str(err))
-        return _error(
-            name,
-            f"{directory} is a directory but not a checkpoint phalanx can read: not a sharded (DCP) checkpoint, a"
-            " DeepSpeed one or an xla_fsdp one",
-        )
+    if layout is None:
+        # Reads nothing: it only says which files a known layout misses, or names every layout phalanx reads.
+        return _error(name, str(not_a_checkpoint(directory)))
     problem = _consolidate_output_problem(directory, output, args.overwrite)
     if problem is not None:
         return _error(name, problem)

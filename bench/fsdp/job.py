@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
 from phalanx.strategies import FSDPStrategy
-from phalanx.strategies.dtensor_state import is_dtensor
+from phalanx.utilities.dtensor import is_dtensor
 
 WIDTH, DEPTH = 1024, 4
 

@@ -2,7 +2,7 @@
 directory of another ZeRO stage or world size.
 
 Every such checkpoint is first read whole (full weights, and the optimizer state in torch's ``state_dict`` layout: a
-DeepSpeed directory is consolidated, see :mod:`phalanx.strategies.deepspeed_checkpoint`). The weights go into the
+DeepSpeed directory is consolidated, see :mod:`phalanx.plugins.io.formats.deepspeed`). The weights go into the
 module; the optimizer state goes into the engine through DeepSpeed's public tensor-fragment API
 (``deepspeed.utils.safe_set_full_fp32_param`` / ``safe_set_full_optimizer_state``), each rank keeping its own
 partition of the float32 master weights and of every per-element state tensor. Conversion never resumes partly: a

@@ -14,7 +14,7 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
 - backward and the optimizer step go through the engine (``engine.backward``, ``engine.step``), via
   ``DeepSpeedPrecision``; the optimizer handle's ``zero_grad`` does nothing because the engine zeroes gradients itself
   after each update.
-- checkpoints are directories (see ``phalanx.strategies.deepspeed_checkpoint``): every rank writes its partitions, the
+- checkpoints are directories (see ``phalanx.plugins.io.formats.deepspeed``): every rank writes its partitions, the
   Trainer's state goes beside them, and ``.complete`` is written last. Resuming lets the engine read its files
   (``restore_checkpoint_after_setup``); the LR schedulers are restored by the Trainer from the saved state.
 - under ZeRO-3 every forward pass gathers parameters collectively: evaluation data is padded
@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.io.formats.deepspeed import OPTIMIZER_MARKER
 from phalanx.plugins.precision.deepspeed import DEEPSPEED_PRECISIONS, DeepSpeedPrecision
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.deepspeed_activation import (
@@ -51,7 +52,6 @@ from phalanx.strategies.deepspeed_activation import (
     configure_activation_checkpointing,
     merge_activation_section,
 )
-from phalanx.strategies.deepspeed_checkpoint import OPTIMIZER_MARKER
 from phalanx.strategies.deepspeed_config import (
     CONFIG_ENV_VAR,
     checked_flag,

@@ -1,5 +1,5 @@
 """DeepSpeedStrategy's checkpoints: full weights gathered from ZeRO-3 partitions, and the checkpoint directories in
-which every rank writes its own partitions (see :mod:`phalanx.strategies.deepspeed_checkpoint` for the format)."""
+which every rank writes its own partitions (see :mod:`phalanx.plugins.io.formats.deepspeed` for the format)."""
 
 from __future__ import annotations
 
@@ -8,20 +8,22 @@ from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from phalanx.plugins.io.torch_io import is_url
-from phalanx.strategies.deepspeed_checkpoint import (
+from phalanx.plugins.io.checkpoint_files import entry_inside
+from phalanx.plugins.io.formats.deepspeed import (
     ENGINE_STEPS,
     STATE_FILE,
     TAG,
     load_deepspeed_checkpoint_as_full,
 )
-from phalanx.strategies.deepspeed_engine import partitioned_parameters
-from phalanx.strategies.deepspeed_files import (
+from phalanx.plugins.io.formats.deepspeed_files import (
     check_tag_files,
     refuse_unsafe_engine_reads,
     safe_engine_reads,
     tag_directory,
 )
+from phalanx.plugins.io.formats.layout import checkpoint_layout
+from phalanx.plugins.io.torch_io import is_url
+from phalanx.strategies.deepspeed_engine import partitioned_parameters
 from phalanx.utilities.exceptions import CheckpointError
 
 
@@ -226,9 +228,6 @@ class DeepSpeedCheckpointMixin:
     def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
         """A DeepSpeed directory: the Trainer's state, read through the CheckpointIO (its weights stay in DeepSpeed's
         files, see ``load_model_state_dict``)."""
-        from phalanx.plugins.io.checkpoint_files import entry_inside
-        from phalanx.plugins.io.layout import checkpoint_layout
-
         self._resume_path = checkpoint_path
         if isinstance(checkpoint_path, (str, os.PathLike)) and checkpoint_layout(checkpoint_path) == "deepspeed":
             if is_url(checkpoint_path):  # DeepSpeed's engine reads local files: a local copy, kept while resuming

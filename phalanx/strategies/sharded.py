@@ -11,15 +11,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.plugins.io.collectives import Collectives
-from phalanx.plugins.io.layout import checkpoint_layout
-from phalanx.strategies.dtensor_state import (
+from phalanx.plugins.io.formats.layout import checkpoint_layout
+from phalanx.strategies.forward_redirection import redirect_forward
+from phalanx.utilities.dtensor import (
     full_module_state,
     full_optimizer_state,
     load_module_state,
     load_optimizer_state,
     materialize,
 )
-from phalanx.strategies.forward_redirection import redirect_forward
 from phalanx.utilities.init import empty_init_context
 
 STATE_DICT_TYPES = ("full", "sharded")

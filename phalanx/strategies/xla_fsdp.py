@@ -24,7 +24,8 @@ from phalanx.accelerators.xla import local_device_count
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.collectives import Collectives
-from phalanx.plugins.io.layout import checkpoint_layout
+from phalanx.plugins.io.formats.layout import checkpoint_layout
+from phalanx.plugins.io.formats.xla_fsdp import ShardState, consolidate_xla_fsdp, read_own_pieces, write_sharded
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies import xla_collectives as collectives
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
@@ -32,7 +33,6 @@ from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla import XLAStrategy
 from phalanx.strategies.xla_common import to_cpu
-from phalanx.strategies.xla_fsdp_checkpoint import ShardState, consolidate_xla_fsdp, read_own_pieces, write_sharded
 from phalanx.strategies.xla_fsdp_state import ModuleTree, ShardedParameters, undo_activation_checkpointing
 from phalanx.utilities.registry import Registry
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from phalanx.plugins.io import TorchCheckpointIO
-from phalanx.plugins.io.layout import checkpoint_layout
+from phalanx.plugins.io.formats.layout import checkpoint_layout
 
 SCRIPT = Path(__file__).parent / "scripts" / "async_crash_job.py"
 

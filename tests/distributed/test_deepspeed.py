@@ -22,7 +22,7 @@ pytest.importorskip("deepspeed")
 
 from phalanx_distributed import SCRIPTS, assert_ok, clean_environment, run_script  # noqa: E402
 
-from phalanx.strategies.deepspeed_checkpoint import (
+from phalanx.plugins.io.formats.deepspeed import (
     STATE_FILE,
     is_deepspeed_checkpoint,
     load_deepspeed_checkpoint_as_full,

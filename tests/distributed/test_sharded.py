@@ -14,7 +14,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import phalanx  # noqa: E402
 from phalanx.cli import main as phalanx_cli  # noqa: E402
-from phalanx.strategies.dtensor_state import is_dtensor  # noqa: E402
+from phalanx.utilities.dtensor import is_dtensor  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from phalanx.cli import main
-from phalanx.plugins.io.distributed_checkpoint import save_sharded
+from phalanx.plugins.io.formats.dcp import save_sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -178,7 +178,7 @@ def test_a_mistake_is_one_error_line_and_a_non_zero_exit(tmp_path, capsys, make_
 
 def test_an_unreadable_input_is_an_error_line(tmp_path, capsys, monkeypatch):
     # Permissions do not stop root (these tests may run as root): make the read itself fail as it would.
-    import phalanx.plugins.io.distributed_checkpoint as dcp
+    import phalanx.plugins.io.formats as dcp
 
     def unreadable(path: Any) -> Any:
         raise PermissionError(13, "Permission denied", str(path))

@@ -23,9 +23,6 @@ LOGGER_METHODS = {"debug", "info", "warning", "error", "exception", "critical"}
 # ELSEWHERE: files that other helpers of issue 25 rewrite on their own branches (plugins/io: formats; cohort and the
 # trainer's setup services: services). Their messages are joined there; the lead empties this set at merge.
 ELSEWHERE = {
-    "phalanx/plugins/io/checkpoint_files.py",
-    "phalanx/plugins/io/dcp_metadata.py",
-    "phalanx/plugins/io/distributed_checkpoint.py",
     "phalanx/cohort/checkpoint.py",
     "phalanx/cohort/cohort.py",
     "phalanx/trainer/setup.py",

@@ -85,7 +85,7 @@ class AsyncCheckpointIO(CheckpointIO):
     ) -> None:
         """Stage the shards (DCP's ``async_save`` copies them off the training tensors), write and publish them in
         the background; returns once staged. A wrapped IO that overrides this method saves synchronously, itself."""
-        from phalanx.plugins.io.distributed_checkpoint import split_checkpoint
+        from phalanx.plugins.io.formats.dcp import split_checkpoint
         from phalanx.plugins.io.sharded_io import write_meta
 
         self.wait()  # the save in flight finishes first (and its error, if any, is raised here)

@@ -41,8 +41,8 @@ def path_inside(path: str | os.PathLike, *, root: Path, what: str) -> Path:
     resolved = Path(path).resolve()
     if resolved != resolved_root and not resolved.is_relative_to(resolved_root):
         raise UnsafeCheckpointError(
-            f"Refusing to read the checkpoint {root}: {what} ({path}) leads to {resolved}, outside the checkpoint"
-            " directory."
+            f"Refusing to read the checkpoint {root}: {what} ({path}) leads to {resolved}, "
+            "outside the checkpoint directory."
         )
     return resolved
 

@@ -115,8 +115,8 @@ def storage_writer(staging: Any, storage_options: Any | None = None) -> Any:
 
 def write_meta(staging: Any, meta: dict[str, Any], metadata: Any) -> None:
     """Write the plain part of a sharded checkpoint (rank 0), with the id DCP gave the save."""
-    from phalanx.plugins.io import distributed_checkpoint as dc
     from phalanx.plugins.io.directory import write_synced
+    from phalanx.plugins.io.formats import dcp as dc
 
     meta[dc._SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
     if is_url(staging):
@@ -132,7 +132,7 @@ def save_sharded_checkpoint(
     """Every rank writes its shards of ``checkpoint`` into a staging directory; rank 0 publishes it at ``path``."""
     import torch.distributed.checkpoint as dcp
 
-    from phalanx.plugins.io.distributed_checkpoint import save_sharded, split_checkpoint
+    from phalanx.plugins.io.formats.dcp import save_sharded, split_checkpoint
 
     if not is_url(path):
         if storage_options is not None:
@@ -176,8 +176,8 @@ def save_sharded_checkpoint(
 def load_sharded_checkpoint(path: Any, *, module_state: dict[str, Any], optimizers: list[Any]) -> dict[str, Any]:
     """Read a sharded directory into the live shards; a URL is first copied to a local temporary directory (every
     check that guards a local read then applies to it)."""
-    from phalanx.plugins.io.distributed_checkpoint import load_into
-    from phalanx.plugins.io.layout import checkpoint_layout
+    from phalanx.plugins.io.formats.dcp import load_into
+    from phalanx.plugins.io.formats.layout import checkpoint_layout
 
     layout = checkpoint_layout(path)
     if layout != "sharded":

@@ -178,9 +178,10 @@ def _first_line(error: BaseException) -> str:
 
 
 def _load_directory(path: _PathLike) -> dict[str, Any]:
-    """A sharded (or DeepSpeed) checkpoint directory, read whole: any strategy can resume from it."""
-    from phalanx.plugins.io.distributed_checkpoint import consolidate
-    from phalanx.plugins.io.layout import checkpoint_layout
+    """A checkpoint directory of any layout in ``formats.FORMATS``, read whole: any strategy can resume from it."""
+    # The formats package imports this module (its readers read files through it): imported on first use, not above.
+    from phalanx.plugins.io.formats import consolidate
+    from phalanx.plugins.io.formats.layout import checkpoint_layout
 
     checkpoint_layout(path)  # refuses a directory whose save did not finish
     if not is_url(path):

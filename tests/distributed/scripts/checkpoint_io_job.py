@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 import phalanx
 import phalanx.plugins.io.sharded_io as sharded_io
 from phalanx.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
-from phalanx.plugins.io.layout import checkpoint_layout
+from phalanx.plugins.io.formats.layout import checkpoint_layout
 from phalanx.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 OUT = Path(sys.argv[1]) if __name__ == "__main__" else Path()
@@ -122,7 +122,7 @@ def record(name: str, path: str, asynchronous: bool = False, resume_as: str | No
 
 
 def whole(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from phalanx.strategies.dtensor_state import is_dtensor
+    from phalanx.utilities.dtensor import is_dtensor
 
     return {k: (v.full_tensor() if is_dtensor(v) else v).detach().clone() for k, v in module.state_dict().items()}
 

@@ -158,7 +158,7 @@ def run_spawn(out: Path) -> None:
 
 
 def full_weights(module: nn.Module) -> list[torch.Tensor]:
-    from phalanx.strategies.dtensor_state import full_module_state
+    from phalanx.utilities.dtensor import full_module_state
 
     return [tensor.detach().clone() for tensor in full_module_state(module, keep=True).values()]
 

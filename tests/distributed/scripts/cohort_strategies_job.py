@@ -52,7 +52,7 @@ def quiet_trainer(strategy: Any, out: Path, **kwargs: Any) -> phalanx.Trainer:
 
 def full_state(strategy: Any, module: nn.Module) -> dict[str, torch.Tensor]:
     """The whole weights on every rank (a collective: DTensors are gathered, ZeRO-3 partitions too)."""
-    from phalanx.strategies.dtensor_state import full_module_state, has_dtensors
+    from phalanx.utilities.dtensor import full_module_state, has_dtensors
 
     state = full_module_state(module, keep=True) if has_dtensors(module) else strategy.module_state_dict()
     return {name: value.detach().float().clone() for name, value in state.items()}
@@ -289,7 +289,7 @@ def tensor_parallel_cohort() -> tuple[phalanx.Cohort, TransformerBlock, Any, Any
 
 
 def run_model_parallel(out: Path) -> dict[str, Any]:
-    from phalanx.strategies.dtensor_state import is_dtensor
+    from phalanx.utilities.dtensor import is_dtensor
 
     cohort, block, model, optimizer = tensor_parallel_cohort()
     result: dict[str, Any] = {"sharded": sorted(name for name, p in block.named_parameters() if is_dtensor(p))}

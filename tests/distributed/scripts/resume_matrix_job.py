@@ -145,7 +145,7 @@ def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | N
         steps = {float(entry["step"]) for entry in base.state.values()}
         engine_steps = model.engine_steps
     else:
-        from phalanx.strategies.dtensor_state import full_module_state, full_optimizer_state
+        from phalanx.utilities.dtensor import full_module_state, full_optimizer_state
 
         # Whole tensors whatever the strategy's checkpoint layout (ModelParallel's default is sharded).
         whole = full_module_state(model, keep=trainer.is_global_zero)
@@ -163,7 +163,7 @@ def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | N
     seen = strategy.all_gather_object(model.seen)
     if not trainer.is_global_zero:
         return None
-    from phalanx.strategies.dtensor_state import is_dtensor
+    from phalanx.utilities.dtensor import is_dtensor
 
     return {
         "strategy": type(strategy).__name__,

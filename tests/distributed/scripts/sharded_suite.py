@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
 from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
-from phalanx.strategies.dtensor_state import full_module_state, is_dtensor
+from phalanx.utilities.dtensor import full_module_state, is_dtensor
 
 OUT = Path(sys.argv[1])
 SINGLE_CKPT = sys.argv[2]

@@ -33,7 +33,7 @@ from checkpoint_attacks import (
 )
 from phalanx_testing import Regressor, loaders, quiet_trainer
 
-from phalanx.plugins.io.distributed_checkpoint import load_into, load_whole, read_meta, save_sharded, tensor_entries
+from phalanx.plugins.io.formats.dcp import load_into, load_whole, read_meta, save_sharded, tensor_entries
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
@@ -230,8 +230,8 @@ def test_a_read_that_asks_for_byte_entries_is_refused_by_the_reader_itself(base,
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-    from phalanx.plugins.io.dcp_metadata import read_metadata
-    from phalanx.plugins.io.distributed_checkpoint import _safe_reader_class
+    from phalanx.plugins.io.formats.dcp import _safe_reader_class
+    from phalanx.plugins.io.formats.dcp_metadata import read_metadata
 
     directory = _copy(base["sharded"], tmp_path)
     reader = _safe_reader_class()(directory, read_metadata(directory))

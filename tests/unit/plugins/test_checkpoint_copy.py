@@ -14,7 +14,7 @@ import torch
 
 from phalanx.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from phalanx.plugins.io.directory import COMPLETE_MARKER
-from phalanx.plugins.io.distributed_checkpoint import save_sharded
+from phalanx.plugins.io.formats.dcp import save_sharded
 
 
 def _checkpoint(value: float) -> dict[str, Any]:

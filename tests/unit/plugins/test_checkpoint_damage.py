@@ -17,7 +17,7 @@ import torch
 from checkpoint_attacks import DAMAGE_KINDS, damage
 from torch import nn
 
-from phalanx.plugins.io.distributed_checkpoint import load_whole, save_sharded
+from phalanx.plugins.io.formats.dcp import load_whole, save_sharded
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
@@ -166,7 +166,7 @@ def test_a_save_that_runs_out_of_space_names_the_directory_and_keeps_the_previou
             monkeypatch, RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
         )
     else:
-        import phalanx.plugins.io.distributed_checkpoint as module
+        import phalanx.plugins.io.formats.dcp as module
 
         def full(path: Path, data: bytes) -> None:
             path.write_bytes(data[:10])

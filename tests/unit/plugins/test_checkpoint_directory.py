@@ -17,7 +17,7 @@ from torch import nn
 
 import phalanx
 from phalanx.plugins.io import directory
-from phalanx.plugins.io.distributed_checkpoint import load_whole, save_sharded
+from phalanx.plugins.io.formats.dcp import load_whole, save_sharded
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.trainer.checkpoint import COMPLETE_MARKER, is_complete_checkpoint, newest_complete_checkpoint
 

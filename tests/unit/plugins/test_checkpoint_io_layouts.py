@@ -14,7 +14,7 @@ import torch
 import phalanx.plugins.io.sharded_io as sharded_io
 from phalanx.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO
 from phalanx.plugins.io.collectives import Collectives
-from phalanx.plugins.io.layout import checkpoint_layout
+from phalanx.plugins.io.formats.layout import checkpoint_layout
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

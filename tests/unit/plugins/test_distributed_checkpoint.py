@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.plugins.io.distributed_checkpoint import (
-    consolidate,
+from phalanx.plugins.io.formats import consolidate
+from phalanx.plugins.io.formats.dcp import (
     is_sharded_checkpoint,
     load_whole,
     read_meta,
@@ -17,8 +17,8 @@ from phalanx.plugins.io.distributed_checkpoint import (
     split_checkpoint,
 )
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
-from phalanx.strategies.dtensor_state import full_optimizer_state, load_module_state, load_optimizer_state
 from phalanx.trainer.checkpoint import COMPLETE_MARKER, is_complete_checkpoint, newest_complete_checkpoint
+from phalanx.utilities.dtensor import full_optimizer_state, load_module_state, load_optimizer_state
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 # Saving without a process group is what these tests do on purpose; DCP says so each time.

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.strategies.deepspeed_checkpoint import (
+from phalanx.plugins.io.formats.deepspeed import (
     STATE_FILE,
     is_deepspeed_checkpoint,
     load_deepspeed_checkpoint_as_full,

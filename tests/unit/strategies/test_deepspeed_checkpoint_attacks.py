@@ -38,10 +38,10 @@ from deepspeed.utils.tensor_fragment import fragment_address  # noqa: E402
 from phalanx_testing import Regressor, loaders, quiet_trainer  # noqa: E402
 from test_deepspeed_checkpoint import WORLD, Model, _zero2_directory  # noqa: E402
 
-from phalanx.plugins.io.distributed_checkpoint import consolidate  # noqa: E402
+from phalanx.plugins.io.formats import consolidate  # noqa: E402
+from phalanx.plugins.io.formats.deepspeed import STATE_FILE, load_deepspeed_checkpoint_as_full  # noqa: E402
 from phalanx.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 from phalanx.strategies import DeepSpeedStrategy  # noqa: E402
-from phalanx.strategies.deepspeed_checkpoint import STATE_FILE, load_deepspeed_checkpoint_as_full  # noqa: E402
 from phalanx.trainer.checkpoint import COMPLETE_MARKER  # noqa: E402
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError  # noqa: E402
 

@@ -32,8 +32,8 @@ import phalanx
 from phalanx.plugins.layer_sync import TorchSyncBatchNorm
 from phalanx.strategies import FSDPStrategy
 from phalanx.strategies import fsdp_seed_arguments as seed
-from phalanx.strategies.dtensor_state import is_dtensor
 from phalanx.strategies.fsdp_seed_arguments import module_picker
+from phalanx.utilities.dtensor import is_dtensor
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ import test_deepspeed_checkpoint_attacks as attacks  # noqa: E402
 from bounded_child import Outcome, run_bounded  # noqa: E402
 from test_deepspeed_checkpoint_attacks import MODEL_FILE, OPTIM_FILE, READERS, _copy  # noqa: E402
 
-from phalanx.strategies.deepspeed_checkpoint import load_deepspeed_checkpoint_as_full  # noqa: E402
+from phalanx.plugins.io.formats.deepspeed import load_deepspeed_checkpoint_as_full  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Detected pickle protocol 4"),
@@ -93,7 +93,7 @@ ATTACKS: dict[str, tuple[Callable[[Path], None], str, list[str]]] = {
 
 def _tamper_tag(directory: Path) -> None:
     """The state file names no tag, so that readers look for it in 'latest'."""
-    from phalanx.strategies.deepspeed_checkpoint import STATE_FILE
+    from phalanx.plugins.io.formats.deepspeed import STATE_FILE
 
     _tamper(directory / STATE_FILE, lambda state: state["deepspeed"].update(tag=None))
 

@@ -17,8 +17,8 @@ from bounded_child import Outcome, run_bounded
 from checkpoint_attacks import consolidate_through_cli
 from test_xla_fsdp_checkpoint import write
 
+from phalanx.plugins.io.formats.xla_fsdp import META_FILE, consolidate_xla_fsdp, read_own_pieces, shard_file
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
-from phalanx.strategies.xla_fsdp_checkpoint import META_FILE, consolidate_xla_fsdp, read_own_pieces, shard_file
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Detected pickle protocol 4"),

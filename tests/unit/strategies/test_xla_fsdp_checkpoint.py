@@ -25,9 +25,8 @@ from checkpoint_attacks import (
 )
 
 from phalanx.plugins.io.collectives import Collectives
-from phalanx.plugins.io.layout import checkpoint_layout
-from phalanx.plugins.io.torch_io import TorchCheckpointIO
-from phalanx.strategies.xla_fsdp_checkpoint import (
+from phalanx.plugins.io.formats.layout import checkpoint_layout
+from phalanx.plugins.io.formats.xla_fsdp import (
     META_FILE,
     ShardState,
     consolidate_xla_fsdp,
@@ -35,6 +34,7 @@ from phalanx.strategies.xla_fsdp_checkpoint import (
     shard_file,
     write_sharded,
 )
+from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")

@@ -23,7 +23,18 @@ from typing import Any, Callable
 
 from torch import Tensor
 
-from phalanx.utilities.exceptions import CheckpointError
+from phalanx.plugins.io.bounded_reads import (
+    allocation_budget,
+    check_tensors,
+    counted_cat,
+    counted_clone,
+    is_regular_file,
+    open_checkpoint_file,
+)
+from phalanx.plugins.io.checkpoint_files import path_inside
+from phalanx.plugins.io.sharded_io import discard
+from phalanx.plugins.io.torch_io import TorchCheckpointIO, is_url
+from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
 META_FILE = "phalanx_xla_fsdp.pt"
 LAYOUT_KEY = "xla_fsdp_shards"
@@ -44,7 +55,6 @@ def shard_file(rank: int, world_size: int) -> str:
 
 def join(directory: Any, name: str) -> str:
     """``name`` inside ``directory`` (a local path or an fsspec URL)."""
-    from phalanx.plugins.io.torch_io import is_url
 
     if is_url(directory):
         return f"{str(directory).rstrip('/')}/{name}"
@@ -82,9 +92,6 @@ def write_sharded(
     the save on every replica (nothing is published, the previous checkpoint stays) instead of leaving the others
     waiting for it.
     """
-    # Lazy for import time: the sharded writer (sharded_io) loads on the first sharded save.
-    from phalanx.plugins.io.sharded_io import discard
-    from phalanx.utilities.exceptions import CheckpointWriteError
 
     meta, pieces = split_for_save(checkpoint, layout, set(layout["parameters"]))
     staging = io.start_directory_checkpoint(path, collectives=collectives)
@@ -110,9 +117,6 @@ def write_sharded(
 # ---------------------------------------------------------------------------- reading
 def _file(path: Any, name: str) -> str:
     """``name`` inside the checkpoint ``path``; a local one must be a regular file that stays inside ``path``."""
-    from phalanx.plugins.io.bounded_reads import is_regular_file, open_checkpoint_file
-    from phalanx.plugins.io.checkpoint_files import path_inside
-    from phalanx.plugins.io.torch_io import is_url
 
     file = join(path, name)
     if not is_url(path):
@@ -208,13 +212,13 @@ def _read_pieces(path: Any, rank: int, layout: dict[str, Any], read: Reader) -> 
 
 def consolidate_xla_fsdp(path: Any, read: Reader | None = None) -> dict[str, Any]:
     """The whole checkpoint (whole tensors under the module's names) of the sharded xla_fsdp checkpoint at ``path``."""
-    from phalanx.plugins.io.layout import checkpoint_layout
+    # layout.py reads the list in formats/__init__, which imports this module: at the top it would import a package
+    # that is half set up.
+    from phalanx.plugins.io.formats.layout import checkpoint_layout
 
     layout_found = checkpoint_layout(path)  # refuses a directory whose save did not finish
     if layout_found != "xla_fsdp":
         raise CheckpointError(f"{path} is a {layout_found} checkpoint, not xla_fsdp's sharded directory.")
-    from phalanx.plugins.io.bounded_reads import allocation_budget, check_tensors
-
     read = read or _read_local
     meta, layout = read_layout(path, read)
     world_size, parameters = layout["world_size"], layout["parameters"]
@@ -235,8 +239,6 @@ def consolidate_xla_fsdp(path: Any, read: Reader | None = None) -> dict[str, Any
 
 
 def _whole(pieces: list[Tensor], shape: list[int]) -> Tensor:
-    from phalanx.plugins.io.bounded_reads import counted_cat, counted_clone
-
     return counted_clone(counted_cat(pieces)[: math.prod(shape)].reshape(shape))
 
 
@@ -266,8 +268,6 @@ def _whole_optimizer_state(
 
 
 def _read_local(path: str) -> dict[str, Any]:
-    from phalanx.plugins.io.torch_io import TorchCheckpointIO
-
     return TorchCheckpointIO().load_checkpoint(path)
 
 

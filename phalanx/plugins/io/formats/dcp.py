@@ -10,7 +10,7 @@ Layout of ``NAME.ckpt/``::
 Only tensors go through DCP, so reading never needs DCP's pickled byte entries (DCP would unpickle those with
 ``weights_only=False``): a read that asks for one is refused. DCP's own ``.metadata`` file is read with an unpickler
 that accepts only the globals DCP writes there, and checked against the directory before DCP uses it (see
-``phalanx.plugins.io.dcp_metadata``); ``phalanx_meta.pt`` is read with ``weights_only=True``. Whatever is wrong with a
+``formats.dcp_metadata``); ``phalanx_meta.pt`` is read with ``weights_only=True``. Whatever is wrong with a
 directory (a file missing, truncated or from another checkpoint, a hostile pickle, a name leading outside it) gives
 one ``CheckpointError`` naming the file and the entry, never torch's ``CheckpointException`` (a ``BaseException``).
 
@@ -30,13 +30,16 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from phalanx.plugins.io.bounded_reads import open_checkpoint_file
 from phalanx.plugins.io.checkpoint_files import entry_inside
-from phalanx.plugins.io.dcp_metadata import DCP_METADATA_FILE, read_metadata
 from phalanx.plugins.io.directory import publish_directory, staging_directory, write_synced
+from phalanx.plugins.io.formats.dcp_metadata import DCP_METADATA_FILE, read_metadata
+from phalanx.plugins.io.torch_io import load_bytes, serialize
 from phalanx.plugins.io.write_failures import causes as _causes
 from phalanx.plugins.io.write_failures import describe as _describe
 from phalanx.plugins.io.write_failures import free_space, raise_recorded, watch_writes
 from phalanx.plugins.io.write_failures import root_cause as _root_cause
+from phalanx.utilities.dtensor import is_dtensor
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 META_FILE = "phalanx_meta.pt"
@@ -55,8 +58,6 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
 # ---------------------------------------------------------------------------- splitting a checkpoint
 def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Separate the module and sharded optimizer tensors (for DCP) from the plain rest (for the meta file)."""
-    from phalanx.strategies.dtensor_state import is_dtensor
-
     tensors = {_MODEL_PREFIX + name: value for name, value in checkpoint.get("state_dict", {}).items()}
     meta = {key: value for key, value in checkpoint.items() if key != "state_dict"}
     moved: list[list[Any]] = []
@@ -94,8 +95,6 @@ def save_sharded(
     previous checkpoint at ``path`` is then left as it was.
     """
     import torch.distributed.checkpoint as dcp
-
-    from phalanx.plugins.io.torch_io import serialize
 
     target = Path(path)
     staging = staging_directory(target, is_global_zero=is_global_zero, broadcast=broadcast)
@@ -199,8 +198,6 @@ def _safe_reader_class() -> type:
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The plain part of a sharded checkpoint (without its tensors)."""
-    from phalanx.plugins.io.bounded_reads import open_checkpoint_file
-    from phalanx.plugins.io.torch_io import load_bytes
 
     directory = Path(path)
     if not is_sharded_checkpoint(directory):
@@ -232,8 +229,8 @@ def _check_meta(meta: dict[str, Any], source: Path) -> None:
         or not isinstance(optimizer, list)
     ):
         raise CheckpointError(
-            f"{source} is damaged: it has no valid 'sharded_tensors' list (the names of the tensors stored through"
-            " DCP)."
+            f"{source} is damaged: it has no valid 'sharded_tensors' list "
+            "(the names of the tensors stored through DCP)."
         )
     states = meta.get("optimizer_states")
     for entry in optimizer:
@@ -344,8 +341,6 @@ def load_into(path: str | os.PathLike, module_state: dict[str, Tensor], optimize
     ``optimizers``, their per-parameter states are read as DTensors shaped like their parameters. Returns the
     whole checkpoint dictionary, its tensors being the live (sharded) ones.
     """
-    from phalanx.strategies.dtensor_state import is_dtensor
-
     directory = Path(path)
     meta = read_meta(directory)
     metadata = _checked_metadata(directory, meta)
@@ -389,37 +384,3 @@ def _reassemble(meta: dict[str, Any], tensors: dict[str, Tensor]) -> dict[str, A
         if key in tensors:
             meta["optimizer_states"][index]["state"][pid][name] = tensors[key]
     return meta
-
-
-def consolidate(path: str | os.PathLike) -> dict[str, Any]:
-    """One ordinary phalanx checkpoint from a checkpoint directory (sharded DCP, DeepSpeed's or xla_fsdp's)."""
-    directory = Path(path)
-    if is_sharded_checkpoint(directory):
-        return load_whole(directory)
-    try:
-        from phalanx.strategies.deepspeed_checkpoint import (
-            STATE_FILE,
-            is_deepspeed_checkpoint,
-            load_deepspeed_checkpoint_as_full,
-        )
-    except ImportError:
-        is_deepspeed_checkpoint = None  # type: ignore[assignment]
-        STATE_FILE = None  # type: ignore[assignment]
-    if is_deepspeed_checkpoint is not None and is_deepspeed_checkpoint(directory):
-        return load_deepspeed_checkpoint_as_full(directory)
-    from phalanx.strategies.xla_fsdp_checkpoint import consolidate_xla_fsdp, is_xla_fsdp_checkpoint
-
-    if is_xla_fsdp_checkpoint(directory):
-        return consolidate_xla_fsdp(directory)
-    for layout, files in (("sharded (DCP)", (DCP_METADATA_FILE, META_FILE)), ("DeepSpeed", (STATE_FILE, "latest"))):
-        present = [name for name in files if name is not None and (directory / name).exists()]
-        if present and len(present) < len(files):
-            missing = [name for name in files if name not in present]
-            raise CheckpointError(
-                f"{directory} looks like a {layout} checkpoint ({', '.join(present)}) but is missing"
-                f" {', '.join(map(str, missing))}: it is incomplete or damaged."
-            )
-    raise CheckpointError(
-        f"{directory} is a directory but not a checkpoint phalanx can read: not a sharded (DCP) checkpoint, a DeepSpeed"
-        " one or an xla_fsdp one."
-    )

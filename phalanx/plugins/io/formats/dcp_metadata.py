@@ -20,6 +20,7 @@ from typing import Any, BinaryIO, TypeGuard
 
 import torch
 
+from phalanx.plugins.io.bounded_reads import open_checkpoint_file
 from phalanx.plugins.io.checkpoint_files import entry_inside
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
@@ -71,24 +72,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _ALLOWED_GLOBALS:
             return getattr(importlib.import_module(module), name)
         raise UnsafeCheckpointError(
-            f"Refusing to read {self._source}: it references {module}.{name}, which is not part of DCP's metadata"
-            " format"
-            " (unpickling it could run code chosen by the file's author). Only DCP's metadata classes, torch.Size,"
-            " torch dtypes and paths are accepted there."
+            f"Refusing to read {self._source}: it references {module}.{name}, which is not part of DCP's metadata "
+            "format (unpickling it could run code chosen by the file's author). "
+            "Only DCP's metadata classes, torch.Size, torch dtypes and paths are accepted there."
         )
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError(
-            f"Refusing to read {self._source}: it holds a persistent reference ({pid!r}), which DCP's metadata never"
-            " does."
+            f"Refusing to read {self._source}: it holds a persistent reference ({pid!r}), "
+            "which DCP's metadata never does."
         )
 
 
 def read_metadata(directory: Path) -> Any:
     """DCP's metadata of the checkpoint ``directory``, read without running its code, checked against the files."""
     from torch.distributed.checkpoint.metadata import Metadata
-
-    from phalanx.plugins.io.bounded_reads import open_checkpoint_file
 
     path = entry_inside(directory, DCP_METADATA_FILE, root=directory, what="DCP's metadata file")
     try:
@@ -149,8 +147,8 @@ def _check_storage(storage: dict[Any, Any], directory: Path) -> dict[str, int]:
         if name not in sizes:
             if not path.is_file():
                 raise CheckpointError(
-                    f"{directory} is missing the shard file {name} (it holds entry {index.fqn!r}): the checkpoint is"
-                    " incomplete."
+                    f"{directory} is missing the shard file {name} (it holds entry {index.fqn!r}): "
+                    "the checkpoint is incomplete."
                 )
             sizes[name] = path.stat().st_size
         offset, length = info.offset, info.length
@@ -161,11 +159,10 @@ def _check_storage(storage: dict[Any, Any], directory: Path) -> dict[str, int]:
             or length <= 0
             or offset + length > sizes[name]
         ):
+            end = offset + length if type(offset) is int and type(length) is int else "?"
             raise CheckpointError(
-                f"{directory / name} is truncated or belongs to another checkpoint: entry {index.fqn!r} should be at"
-                " bytes"
-                f" {offset!r}..{offset + length if type(offset) is int and type(length) is int else '?'} but the file"
-                f" has {sizes[name]}."
+                f"{directory / name} is truncated or belongs to another checkpoint: "
+                f"entry {index.fqn!r} should be at bytes {offset!r}..{end} but the file has {sizes[name]}."
             )
     return sizes
 

@@ -22,7 +22,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from phalanx.plugins.io.bounded_reads import check_tensors, is_regular_file, open_checkpoint_file
 from phalanx.plugins.io.checkpoint_files import entry_inside, path_inside, tree_inside
+from phalanx.plugins.io.torch_io import load_bytes
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 
@@ -33,8 +35,6 @@ def tag_directory(directory: Path, tag: Any = None) -> tuple[str, Path]:
     """
     what = "the DeepSpeed tag in the state file"
     if not tag:
-        from phalanx.plugins.io.bounded_reads import open_checkpoint_file
-
         latest = entry_inside(directory, "latest", root=directory, what="DeepSpeed's 'latest' file")
         try:
             with open_checkpoint_file(latest, str(directory / "latest")) as handle:
@@ -107,8 +107,6 @@ def load_deepspeed_file(
     CheckpointIO's ``load_checkpoint``, whose ``torch.load(weights_only=True)`` sees the allow-list); by default
     phalanx reads it here.
     """
-    from phalanx.plugins.io.bounded_reads import check_tensors, is_regular_file, open_checkpoint_file
-    from phalanx.plugins.io.torch_io import load_bytes
 
     file = path_inside(path, root=root, what="a DeepSpeed checkpoint file")
     try:
