@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
+from phalanx.cohort.guards import record_loss, report_nonfinite
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
 from phalanx.cohort.wrappers import CohortDataLoader, CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.strategies.settings import RunSettings
@@ -348,6 +349,7 @@ class Cohort(CohortLogging):
             raise TypeError(f"Cohort.backward(loss) takes a tensor, got {type(loss).__name__}.")
         self._strategy.backward(loss, None, *args, **kwargs)
         self._last_loss = loss.detach()
+        record_loss(self, loss)
 
     def clip_gradients(
         self, module: nn.Module, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None
@@ -370,7 +372,7 @@ class Cohort(CohortLogging):
     @contextmanager
     def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
         """Create a module's tensors on ``device`` in the precision's dtype (sharded where the strategy shards);
-        ``empty_init`` skips initialisation."""
+        with ``empty_init=True`` their values are unspecified (uninitialised or not, per strategy) until loaded."""
         self._ensure_environment()
         with ExitStack() as stack:
             stack.enter_context(self._strategy.tensor_init_context(empty_init=empty_init))
@@ -408,6 +410,7 @@ class Cohort(CohortLogging):
     def barrier(self, name: str | None = None) -> None:
         """Wait until every process gets here."""
         self._ensure_environment()
+        report_nonfinite(self, "barrier")
         self._strategy.barrier(name)
 
     def _as_tensors(self, data: Any) -> Any:
@@ -422,6 +425,7 @@ class Cohort(CohortLogging):
         _check_path(path, "save")
         if self._module is None:
             raise RuntimeError("Cohort.save needs a set-up module: call cohort.setup(...) first.")
+        report_nonfinite(self, "save")
         checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps)
         self._strategy.save_checkpoint(checkpoint, path)
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
