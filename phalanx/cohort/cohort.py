@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
+from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
 from phalanx.cohort.wrappers import CohortDataLoader, CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.strategies.settings import RunSettings
@@ -348,6 +349,7 @@ class Cohort(CohortLogging):
             raise TypeError(f"Cohort.backward(loss) takes a tensor, got {type(loss).__name__}.")
         self._strategy.backward(loss, None, *args, **kwargs)
         self._last_loss = loss.detach()
+        record_loss(self, loss)
 
     def clip_gradients(
         self, module: nn.Module, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None
@@ -370,7 +372,7 @@ class Cohort(CohortLogging):
     @contextmanager
     def init_module(self, empty_init: bool | None = None) -> Iterator[None]:
         """Create a module's tensors on ``device`` in the precision's dtype (sharded where the strategy shards);
-        ``empty_init`` skips initialisation."""
+        with ``empty_init=True`` their values are unspecified (uninitialised or not, per strategy) until loaded."""
         self._ensure_environment()
         with ExitStack() as stack:
             stack.enter_context(self._strategy.tensor_init_context(empty_init=empty_init))
@@ -389,6 +391,8 @@ class Cohort(CohortLogging):
         """Reduce every tensor (and number) in ``data`` across processes with ``reduce_op`` ('mean', 'sum', 'max',
         'min')."""
         self._ensure_environment()
+        if group is None:
+            agree_on_call(self, "all_reduce")
         return apply_to_tensors(
             self._as_tensors(data), lambda tensor: self._strategy.reduce(tensor, group=group, reduce_op=reduce_op)
         )
@@ -396,6 +400,8 @@ class Cohort(CohortLogging):
     def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
         """Gather every tensor (and number) in ``data`` from every process, stacked along a new first dimension."""
         self._ensure_environment()
+        if group is None:
+            agree_on_call(self, "all_gather")
         return apply_to_tensors(
             self._as_tensors(data), lambda tensor: self._strategy.all_gather(tensor, group=group, sync_grads=sync_grads)
         )
@@ -403,11 +409,14 @@ class Cohort(CohortLogging):
     def broadcast(self, obj: _T, src: int = 0) -> _T:
         """Send a picklable object from process ``src`` to every process and return it."""
         self._ensure_environment()
+        agree_on_call(self, "broadcast")
         return self._strategy.broadcast(obj, src=src)
 
     def barrier(self, name: str | None = None) -> None:
         """Wait until every process gets here."""
         self._ensure_environment()
+        report_nonfinite(self, "barrier")
+        agree_on_call(self, "barrier")
         self._strategy.barrier(name)
 
     def _as_tensors(self, data: Any) -> Any:
@@ -422,6 +431,8 @@ class Cohort(CohortLogging):
         _check_path(path, "save")
         if self._module is None:
             raise RuntimeError("Cohort.save needs a set-up module: call cohort.setup(...) first.")
+        report_nonfinite(self, "save")
+        agree_on_call(self, "save")
         checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps)
         self._strategy.save_checkpoint(checkpoint, path)
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
@@ -438,6 +449,7 @@ class Cohort(CohortLogging):
             raise RuntimeError(
                 "Cohort.load needs a set-up module (the weights load into it): call cohort.setup(...) first."
             )
+        agree_on_call(self, "load")
         checkpoint = self._strategy.load_checkpoint(path)
         # Checked before anything is restored; None when the writer stored none for this rank (the RNG is untouched).
         rng_states = own_rng_states(checkpoint, self.global_rank, str(path)) if restore_rng else None

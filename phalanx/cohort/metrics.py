@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor, nn
 
+from phalanx.cohort.guards import report_nonfinite
+
 if TYPE_CHECKING:
     from phalanx.cohort.cohort import Cohort
     from phalanx.loggers.logger import Logger
@@ -110,6 +112,7 @@ class CohortLogging:
         metrics = check_metrics(metrics, step, caller)
         if not self._loggers or not self.is_global_zero:
             return  # the other ranks never read the values: no device synchronisation for them
+        report_nonfinite(self, caller.removeprefix("Cohort."))
         values = {
             name: value.detach().item() if isinstance(value, Tensor) else value for name, value in metrics.items()
         }

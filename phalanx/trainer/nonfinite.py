@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from phalanx.utilities.nonfinite import LossFinitenessSum
+
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
 
@@ -34,8 +36,7 @@ class NonFiniteLossCheck:
     def __init__(self, trainer: Trainer, global_step: int) -> None:
         self.trainer = trainer
         self.mode: str = trainer.nonfinite_loss
-        self._finite: Tensor | None = None  # sum of the losses since the window started, on the loss's device
-        self._recorded = 0  # losses recorded since the window started
+        self._finite = LossFinitenessSum()  # the losses since the window started, on the loss's device
         self._window_start = global_step
         self.skipped = 0  # batches skipped for a non-finite loss ('skip')
 
@@ -45,41 +46,30 @@ class NonFiniteLossCheck:
         return self.mode in ("skip", "stop", "raise")
 
     def record(self, loss: Tensor) -> None:
-        """'warn': add the loss into a running sum on its device, without reading it (one small kernel per batch).
-
-        A NaN or an infinity in any term makes the sum non-finite, so one read of the sum tells whether the window
-        had a non-finite loss; counting each one would cost a second kernel per batch.
-        """
-        if self.mode != "warn":
-            return
-        if self._finite is None:
-            dtype = torch.float32 if loss.device.type == "mps" else torch.float64  # MPS has no float64
-            self._finite = torch.zeros((), dtype=dtype, device=loss.device)
-        self._finite.add_(loss.detach().sum() if loss.ndim else loss.detach())
-        self._recorded += 1
+        """'warn': add the loss into a running sum on its device, without reading it (one small kernel per batch)."""
+        if self.mode == "warn":
+            self._finite.record(loss)
 
     def report(self) -> None:
         """'warn': read the sum (called where the loop already reads values on the host) and warn once per fit."""
-        if self._finite is None or self._recorded == 0:
-            return
+        recorded = self._finite.recorded
         with self.trainer.strategy.host_reads():
-            finite = bool(torch.isfinite(self._finite))
+            finite = self._finite.read()
+        if finite is None:
+            return
         start, end = self._window_start, self.trainer.fit_loop.global_step
         if not finite:
             trainer = self.trainer
             rank = f"[rank {trainer.global_rank}] " if trainer.world_size > 1 else ""
             warnings.warn(
-                f"{rank}The training loss was NaN or infinite at least once in the {self._recorded} batches between"
+                f"{rank}The training loss was NaN or infinite at least once in the {recorded} batches between"
                 f" global step {start} and {end} (epoch {trainer.current_epoch}); those updates were applied and"
                 f" training goes on (nonfinite_loss='warn'). This is reported once per fit: {_ADVICE}.",
                 UserWarning,
                 stacklevel=2,
             )
             self.mode = "warned"  # once per fit: stop summing
-            self._finite = None
             return
-        self._finite.zero_()
-        self._recorded = 0
         self._window_start = end
 
     def all_finite(self, loss: Tensor) -> bool:

@@ -150,7 +150,9 @@ class Precision:
         if not parameters or clip_val <= 0:
             return None
         if gradient_clip_algorithm == "norm":
-            return torch.nn.utils.clip_grad_norm_(parameters, clip_val)
+            from phalanx.utilities.grad_norm import clip_grad_norm
+
+            return clip_grad_norm(parameters, clip_val)
         torch.nn.utils.clip_grad_value_(parameters, clip_val)
         return None
 
