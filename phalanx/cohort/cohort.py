@@ -391,8 +391,6 @@ class Cohort(CohortLogging):
         """Reduce every tensor (and number) in ``data`` across processes with ``reduce_op`` ('mean', 'sum', 'max',
         'min')."""
         self._ensure_environment()
-        if group is None:
-            agree_on_call(self, "all_reduce")
         return apply_to_tensors(
             self._as_tensors(data), lambda tensor: self._strategy.reduce(tensor, group=group, reduce_op=reduce_op)
         )
@@ -400,8 +398,6 @@ class Cohort(CohortLogging):
     def all_gather(self, data: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
         """Gather every tensor (and number) in ``data`` from every process, stacked along a new first dimension."""
         self._ensure_environment()
-        if group is None:
-            agree_on_call(self, "all_gather")
         return apply_to_tensors(
             self._as_tensors(data), lambda tensor: self._strategy.all_gather(tensor, group=group, sync_grads=sync_grads)
         )
@@ -416,7 +412,7 @@ class Cohort(CohortLogging):
         """Wait until every process gets here."""
         self._ensure_environment()
         report_nonfinite(self, "barrier")
-        agree_on_call(self, "barrier")
+        agree_on_call(self, "barrier", patient=True)
         self._strategy.barrier(name)
 
     def _as_tensors(self, data: Any) -> Any:

@@ -52,12 +52,14 @@ _DEFAULT_AGREEMENT_TIMEOUT = 120.0
 _calls = 0  # collective Cohort calls in this process: the same sequence on every rank of a correct program
 
 
-def agree_on_call(cohort: Any, method: str) -> None:
+def agree_on_call(cohort: Any, method: str, *, patient: bool = False) -> None:
     """Fail fast when a collective Cohort method runs on some ranks only, or ranks run different ones.
 
     Each rank writes the method's name under its call number in the process group's own key-value store and waits
     for every rank's entry (one store round trip, no collective, nothing at world size 1). A rank missing after the
     timeout, or a rank at another method, raises on every rank that got here, naming the method and the ranks.
+    ``patient`` waits as long as the process group would (a barrier after rank-zero-only work is a correct program
+    however long that work takes); a rank at another method still fails at once.
     """
     global _calls
     import torch.distributed as dist
@@ -72,6 +74,8 @@ def agree_on_call(cohort: Any, method: str) -> None:
     store.set(f"{prefix}/{cohort.global_rank}", method)
     keys = [f"{prefix}/{rank}" for rank in range(cohort.world_size)]
     timeout = float(os.environ.get(AGREEMENT_TIMEOUT_ENV, _DEFAULT_AGREEMENT_TIMEOUT))
+    if patient:
+        timeout = max(timeout, store.timeout.total_seconds())
     try:
         store.wait(keys, timedelta(seconds=timeout))
     except Exception:  # the store's timeout error differs between torch versions and stores
