@@ -29,8 +29,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
+from phalanx.cohort.data import CohortData
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
-from phalanx.cohort.wrappers import CohortDataLoader, CohortModule, unwrap_optimizer, wrap_optimizer
+from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
@@ -38,7 +39,7 @@ from phalanx.utilities.apply import apply_to_tensors
 _T = TypeVar("_T")
 
 
-class Cohort(CohortLogging):
+class Cohort(CohortData, CohortLogging):
     """Runs your own loop on any phalanx strategy: processes, wrapping, backward, collectives, checkpoints, logging."""
 
     def __init__(
@@ -308,36 +309,6 @@ class Cohort(CohortLogging):
         if self._strategy.optimizers and unwrap_optimizer(self._strategy.optimizers[0]) is optimizer:
             self._optimizer_steps += 1
         return result
-
-    # ------------------------------------------------------------------ data
-    def setup_dataloaders(
-        self, *dataloaders: Any, use_distributed_sampler: bool = True, move_to_device: bool = True
-    ) -> Any:
-        """Give each dataloader this rank's share of the data (a DistributedSampler) and batches on ``device``."""
-        if not dataloaders:
-            raise ValueError("Cohort.setup_dataloaders needs at least one dataloader.")
-        self._ensure_environment()
-        prepared = [self._setup_dataloader(loader, use_distributed_sampler, move_to_device) for loader in dataloaders]
-        return prepared[0] if len(prepared) == 1 else tuple(prepared)
-
-    def _setup_dataloader(
-        self, dataloader: Any, use_distributed_sampler: bool, move_to_device: bool
-    ) -> CohortDataLoader:
-        import os
-
-        if not hasattr(dataloader, "__iter__"):
-            raise TypeError(
-                f"Cohort.setup_dataloaders takes iterables of batches (DataLoaders), got {type(dataloader).__name__}."
-            )
-        sampler_kwargs = self._strategy.distributed_sampler_kwargs
-        if use_distributed_sampler and sampler_kwargs:
-            from phalanx.trainer.distributed_data import distributed_dataloader
-
-            # The seed the Trainer uses too, so that both shuffle the same way.
-            seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
-            dataloader = distributed_dataloader(dataloader, training=True, seed=seed, **sampler_kwargs)
-        dataloader = self._strategy.process_dataloader(dataloader)
-        return CohortDataLoader(dataloader, self._strategy if move_to_device else None)
 
     # ------------------------------------------------------------------ the step
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
