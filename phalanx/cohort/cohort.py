@@ -413,6 +413,7 @@ class Cohort(CohortData, CohortLogging):
         # Checked before anything is restored; None when the writer stored none for this rank (the RNG is untouched).
         rng_states = own_rng_states(checkpoint, self.global_rank, str(path)) if restore_rng else None
         remaining = restore_checkpoint(checkpoint, state, self._strategy, str(path), strict=strict)
+        self._continue_dataloaders(checkpoint)
         # DeepSpeed's optimizers are no torch Optimizers: they are recognised as the strategy's.
         if any(optimizer_index(value, self._strategy) is not None for value in state.values()):
             step = checkpoint.get("global_step")
