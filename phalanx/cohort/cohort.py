@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
 from phalanx.cohort.data import CohortData
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
+from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
@@ -410,6 +411,7 @@ class Cohort(CohortData, CohortLogging):
                 "Cohort.load needs a set-up module (the weights load into it): call cohort.setup(...) first."
             )
         checkpoint = self._strategy.load_checkpoint(path)
+        refuse_plain_state_dict(checkpoint, str(path))
         # Checked before anything is restored; None when the writer stored none for this rank (the RNG is untouched).
         rng_states = own_rng_states(checkpoint, self.global_rank, str(path)) if restore_rng else None
         remaining = restore_checkpoint(checkpoint, state, self._strategy, str(path), strict=strict)
@@ -424,6 +426,13 @@ class Cohort(CohortData, CohortLogging):
             # Last, so that nothing of the loading draws from them: the loop goes on from the state of the save.
             restore_rng_states(rng_states)
         return remaining
+
+    def load_raw(self, path: str | PathLike, obj: nn.Module, strict: bool = True) -> None:
+        """Load a plain ``torch.save(model.state_dict())`` file (e.g. pretrained weights, after
+        ``init_module(empty_init=True)``) into the set-up module; every rank calls it and keeps its shard."""
+        if self._module is None:
+            raise RuntimeError("Cohort.load_raw needs a set-up module: call cohort.setup(...) first.")
+        load_raw(self._strategy, path, obj, strict=strict)
 
     def __repr__(self) -> str:
         return f"Cohort(strategy={self._strategy!r})"
