@@ -166,6 +166,14 @@ class DeepSpeedCheckpointMixin:
         self._load_full_weights(weights, strict)
         if self._engine is None or not self._engine_trains:
             return
+        optimizer = self._engine.optimizer
+        # ZeRO keeps an fp32 partition beside the module's; refreshed from the module's (now loaded) partitions, as
+        # DeepSpeed does when it loads a checkpoint without fp32 weights. (Its per-parameter setter fails on a
+        # parameter smaller than the world size under stage 3.)
+        restore = getattr(optimizer, "_restore_from_bit16_weights", None)
+        if callable(restore):
+            restore()
+            return
         import torch
         from deepspeed.utils import safe_set_full_fp32_param
 
