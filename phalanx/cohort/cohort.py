@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
 from phalanx.cohort.data import CohortData
+from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
@@ -40,7 +41,7 @@ from phalanx.utilities.apply import apply_to_tensors
 _T = TypeVar("_T")
 
 
-class Cohort(CohortData, CohortLogging):
+class Cohort(CohortData, CohortHabits, CohortLogging):
     """Runs your own loop on any phalanx strategy: processes, wrapping, backward, collectives, checkpoints, logging."""
 
     def __init__(
@@ -53,10 +54,12 @@ class Cohort(CohortData, CohortLogging):
         precision: Any = "32-true",
         plugins: Any = None,
         loggers: Any = None,
+        callbacks: Any = None,
     ) -> None:
         from phalanx.trainer.setup import resolve_strategy
 
         self._loggers = resolve_loggers(loggers)
+        self._callbacks = resolve_callbacks(callbacks)
 
         self._strategy: Strategy = resolve_strategy(
             accelerator=accelerator,
@@ -322,13 +325,24 @@ class Cohort(CohortData, CohortLogging):
         self._last_loss = loss.detach()
 
     def clip_gradients(
-        self, module: nn.Module, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        clip_val: float | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
     ) -> Tensor | None:
-        """Clip ``optimizer``'s gradients by total norm (``max_norm``, returns the norm) or by value (``clip_val``)."""
+        """Clip ``optimizer``'s gradients by total norm (``max_norm``, returns the norm) or by value (``clip_val``);
+        ``error_if_nonfinite`` raises on a NaN/inf norm (it waits for the norm: a host-device sync)."""
         self._check_set_up(module, "clip_gradients")
-        return self._strategy.clip_gradients(
+        check_norm_arguments(norm_type, error_if_nonfinite)
+        norm = self._strategy.clip_gradients(
             self._strategy.module, unwrap_optimizer(optimizer), max_norm=max_norm, clip_val=clip_val
         )
+        if error_if_nonfinite and norm is not None:
+            raise_if_nonfinite(norm)
+        return norm
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> AbstractContextManager:
         """Within it, backward does not synchronise gradients (for accumulation); ``enabled=False`` makes it a no-op."""
@@ -399,10 +413,15 @@ class Cohort(CohortData, CohortLogging):
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
 
     def load(
-        self, path: str | PathLike, state: dict[str, Any], *, strict: bool = True, restore_rng: bool = True
+        self,
+        path: str | PathLike,
+        state: dict[str, Any] | None = None,
+        *,
+        strict: bool = True,
+        restore_rng: bool = True,
     ) -> dict[str, Any]:
         """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``) and, with
-        ``restore_rng``, this process's generator states; returns unread objects."""
+        ``restore_rng``, this process's generator states; returns unread objects (all of them without a state)."""
         _check_path(path, "load")
         if not isinstance(restore_rng, bool):
             raise TypeError(f"Cohort.load(restore_rng={restore_rng!r}) must be True or False.")
@@ -414,6 +433,7 @@ class Cohort(CohortData, CohortLogging):
         refuse_plain_state_dict(checkpoint, str(path))
         # Checked before anything is restored; None when the writer stored none for this rank (the RNG is untouched).
         rng_states = own_rng_states(checkpoint, self.global_rank, str(path)) if restore_rng else None
+        state = {} if state is None else state
         remaining = restore_checkpoint(checkpoint, state, self._strategy, str(path), strict=strict)
         self._continue_dataloaders(checkpoint)
         # DeepSpeed's optimizers are no torch Optimizers: they are recognised as the strategy's.
