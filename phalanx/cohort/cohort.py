@@ -29,9 +29,12 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
+from phalanx.cohort.data import CohortData
 from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
+from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
-from phalanx.cohort.wrappers import CohortDataLoader, CohortModule, unwrap_optimizer, wrap_optimizer
+from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
+from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
@@ -39,7 +42,7 @@ from phalanx.utilities.apply import apply_to_tensors
 _T = TypeVar("_T")
 
 
-class Cohort(CohortLogging):
+class Cohort(CohortData, CohortHabits, CohortLogging):
     """Runs your own loop on any phalanx strategy: processes, wrapping, backward, collectives, checkpoints, logging."""
 
     def __init__(
@@ -52,10 +55,12 @@ class Cohort(CohortLogging):
         precision: Any = "32-true",
         plugins: Any = None,
         loggers: Any = None,
+        callbacks: Any = None,
     ) -> None:
         from phalanx.trainer.setup import resolve_strategy
 
         self._loggers = resolve_loggers(loggers)
+        self._callbacks = resolve_callbacks(callbacks)
 
         self._strategy: Strategy = resolve_strategy(
             accelerator=accelerator,
@@ -310,36 +315,6 @@ class Cohort(CohortLogging):
             self._optimizer_steps += 1
         return result
 
-    # ------------------------------------------------------------------ data
-    def setup_dataloaders(
-        self, *dataloaders: Any, use_distributed_sampler: bool = True, move_to_device: bool = True
-    ) -> Any:
-        """Give each dataloader this rank's share of the data (a DistributedSampler) and batches on ``device``."""
-        if not dataloaders:
-            raise ValueError("Cohort.setup_dataloaders needs at least one dataloader.")
-        self._ensure_environment()
-        prepared = [self._setup_dataloader(loader, use_distributed_sampler, move_to_device) for loader in dataloaders]
-        return prepared[0] if len(prepared) == 1 else tuple(prepared)
-
-    def _setup_dataloader(
-        self, dataloader: Any, use_distributed_sampler: bool, move_to_device: bool
-    ) -> CohortDataLoader:
-        import os
-
-        if not hasattr(dataloader, "__iter__"):
-            raise TypeError(
-                f"Cohort.setup_dataloaders takes iterables of batches (DataLoaders), got {type(dataloader).__name__}."
-            )
-        sampler_kwargs = self._strategy.distributed_sampler_kwargs
-        if use_distributed_sampler and sampler_kwargs:
-            from phalanx.trainer.distributed_data import distributed_dataloader
-
-            # The seed the Trainer uses too, so that both shuffle the same way.
-            seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
-            dataloader = distributed_dataloader(dataloader, training=True, seed=seed, **sampler_kwargs)
-        dataloader = self._strategy.process_dataloader(dataloader)
-        return CohortDataLoader(dataloader, self._strategy if move_to_device else None)
-
     # ------------------------------------------------------------------ the step
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         """Backward through the strategy (precision scaling, DeepSpeed's engine)."""
@@ -352,13 +327,24 @@ class Cohort(CohortLogging):
         record_loss(self, loss)
 
     def clip_gradients(
-        self, module: nn.Module, optimizer: Optimizer, *, max_norm: float | None = None, clip_val: float | None = None
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        clip_val: float | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
     ) -> Tensor | None:
-        """Clip ``optimizer``'s gradients by total norm (``max_norm``, returns the norm) or by value (``clip_val``)."""
+        """Clip ``optimizer``'s gradients by total norm (``max_norm``, returns the norm) or by value (``clip_val``);
+        ``error_if_nonfinite`` raises on a NaN/inf norm (it waits for the norm: a host-device sync)."""
         self._check_set_up(module, "clip_gradients")
-        return self._strategy.clip_gradients(
+        check_norm_arguments(norm_type, error_if_nonfinite)
+        norm = self._strategy.clip_gradients(
             self._strategy.module, unwrap_optimizer(optimizer), max_norm=max_norm, clip_val=clip_val
         )
+        if error_if_nonfinite and norm is not None:
+            raise_if_nonfinite(norm)
+        return norm
 
     def no_backward_sync(self, module: nn.Module, enabled: bool = True) -> AbstractContextManager:
         """Within it, backward does not synchronise gradients (for accumulation); ``enabled=False`` makes it a no-op."""
@@ -434,10 +420,15 @@ class Cohort(CohortLogging):
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
 
     def load(
-        self, path: str | PathLike, state: dict[str, Any], *, strict: bool = True, restore_rng: bool = True
+        self,
+        path: str | PathLike,
+        state: dict[str, Any] | None = None,
+        *,
+        strict: bool = True,
+        restore_rng: bool = True,
     ) -> dict[str, Any]:
         """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``) and, with
-        ``restore_rng``, this process's generator states; returns unread objects."""
+        ``restore_rng``, this process's generator states; returns unread objects (all of them without a state)."""
         _check_path(path, "load")
         if not isinstance(restore_rng, bool):
             raise TypeError(f"Cohort.load(restore_rng={restore_rng!r}) must be True or False.")
@@ -447,9 +438,12 @@ class Cohort(CohortLogging):
             )
         agree_on_call(self, "load")
         checkpoint = self._strategy.load_checkpoint(path)
+        refuse_plain_state_dict(checkpoint, str(path))
         # Checked before anything is restored; None when the writer stored none for this rank (the RNG is untouched).
         rng_states = own_rng_states(checkpoint, self.global_rank, str(path)) if restore_rng else None
+        state = {} if state is None else state
         remaining = restore_checkpoint(checkpoint, state, self._strategy, str(path), strict=strict)
+        self._continue_dataloaders(checkpoint)
         # DeepSpeed's optimizers are no torch Optimizers: they are recognised as the strategy's.
         if any(optimizer_index(value, self._strategy) is not None for value in state.values()):
             step = checkpoint.get("global_step")
@@ -460,6 +454,13 @@ class Cohort(CohortLogging):
             # Last, so that nothing of the loading draws from them: the loop goes on from the state of the save.
             restore_rng_states(rng_states)
         return remaining
+
+    def load_raw(self, path: str | PathLike, obj: nn.Module, strict: bool = True) -> None:
+        """Load a plain ``torch.save(model.state_dict())`` file (e.g. pretrained weights, after
+        ``init_module(empty_init=True)``) into the set-up module; every rank calls it and keeps its shard."""
+        if self._module is None:
+            raise RuntimeError("Cohort.load_raw needs a set-up module: call cohort.setup(...) first.")
+        load_raw(self._strategy, path, obj, strict=strict)
 
     def __repr__(self) -> str:
         return f"Cohort(strategy={self._strategy!r})"

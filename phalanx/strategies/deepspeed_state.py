@@ -162,6 +162,29 @@ class DeepSpeedCheckpointMixin:
             raise CheckpointError(f"DeepSpeed found no checkpoint in {directory} (tag {tag!r}).")
         self._optimizer_restored = True
 
+    def load_full_weights(self, weights: dict[str, Any], strict: bool = True) -> None:
+        """Whole weights (a plain state dict, as ``Cohort.load_raw`` reads) into the module and, once the engine
+        trains, into the optimizer's full-precision partitions too: its next step writes those back into the module."""
+        self._load_full_weights(weights, strict)
+        if self._engine is None or not self._engine_trains:
+            return
+        optimizer = self._engine.optimizer
+        # ZeRO keeps an fp32 partition beside the module's; refreshed from the module's (now loaded) partitions, as
+        # DeepSpeed does when it loads a checkpoint without fp32 weights. (Its per-parameter setter fails on a
+        # parameter smaller than the world size under stage 3.)
+        restore = getattr(optimizer, "_restore_from_bit16_weights", None)
+        if callable(restore):
+            restore()
+            return
+        import torch
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        module = self._module
+        assert module is not None
+        for name, parameter in module.named_parameters():
+            if name in weights:
+                safe_set_full_fp32_param(parameter, weights[name].to(parameter.device, torch.float32))
+
     def _load_full_weights(self, weights: dict[str, Any], strict: bool) -> None:
         module = self._module
         assert module is not None

@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from phalanx.utilities.grad_norm import clip_grad_norm
+
 _NULL = nullcontext()
 #: What runs once gradients are final, before the update (the strategy passes ``RunSettings.before_optimizer_step``).
 BeforeStep = Callable[[Optimizer], None]
@@ -150,8 +152,6 @@ class Precision:
         if not parameters or clip_val <= 0:
             return None
         if gradient_clip_algorithm == "norm":
-            from phalanx.utilities.grad_norm import clip_grad_norm
-
             return clip_grad_norm(parameters, clip_val)
         torch.nn.utils.clip_grad_value_(parameters, clip_val)
         return None
