@@ -52,7 +52,7 @@ class Cohort(CohortLogging):
         plugins: Any = None,
         loggers: Any = None,
     ) -> None:
-        from phalanx.trainer.setup import resolve_strategy
+        from phalanx.strategies.resolve import resolve_strategy
 
         self._loggers = resolve_loggers(loggers)
 
@@ -331,7 +331,7 @@ class Cohort(CohortLogging):
             )
         sampler_kwargs = self._strategy.distributed_sampler_kwargs
         if use_distributed_sampler and sampler_kwargs:
-            from phalanx.trainer.distributed_data import distributed_dataloader
+            from phalanx.data.distributed import distributed_dataloader
 
             # The seed the Trainer uses too, so that both shuffle the same way.
             seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))

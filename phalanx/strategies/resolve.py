@@ -20,7 +20,7 @@ from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
-from phalanx.trainer.argument_checks import reject_class, shown
+from phalanx.utilities.messages import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")

@@ -1,4 +1,4 @@
-"""The Trainer's properties about where it runs (phalanx.trainer.device_properties), right from construction."""
+"""The Trainer's properties about where it runs (phalanx.strategies.properties), right from construction."""
 
 from __future__ import annotations
 
