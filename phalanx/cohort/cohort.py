@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
 from phalanx.cohort.wrappers import CohortDataLoader, CohortModule, unwrap_optimizer, wrap_optimizer
+from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
@@ -38,7 +39,7 @@ from phalanx.utilities.apply import apply_to_tensors
 _T = TypeVar("_T")
 
 
-class Cohort(CohortLogging):
+class Cohort(DeviceProperties, CohortLogging):
     """Runs your own loop on any phalanx strategy: processes, wrapping, backward, collectives, checkpoints, logging."""
 
     def __init__(
@@ -76,31 +77,6 @@ class Cohort(CohortLogging):
     def strategy(self) -> Strategy:
         """The strategy this Cohort drives."""
         return self._strategy
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank among all processes."""
-        return self._strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node."""
-        return self._strategy.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        """This node's rank."""
-        return self._strategy.node_rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of processes."""
-        return self._strategy.world_size
-
-    @property
-    def is_global_zero(self) -> bool:
-        """Whether this is the process of global rank 0."""
-        return self._strategy.is_global_zero
 
     @property
     def device(self) -> torch.device:
