@@ -20,8 +20,8 @@ def load_module_from_checkpoint(
 ) -> TrainingModule:
     """An instance of ``cls`` built from the checkpoint's hyper-parameters (``overrides`` win), with its weights."""
     # Imported on use: phalanx.trainer imports phalanx.module, so a top-level import here would be circular.
+    from phalanx.plugins.io.checks import check_checkpoint, check_weights, check_weights_fit
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
-    from phalanx.trainer.checkpoint_checks import check_checkpoint, check_weights, check_weights_fit
     from phalanx.utilities.exceptions import CheckpointError
 
     source = str(checkpoint_path)

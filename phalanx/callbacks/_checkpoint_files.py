@@ -104,7 +104,7 @@ def removal_refusal(target: str, *, may_be_pending: bool, own_link: bool = False
     ``own_link``: the callback made ``target`` as a symbolic link (``save_last="link"``); such a link may be removed
     (:func:`remove_link` removes the link only, never what it points to).
     """
-    from phalanx.trainer.checkpoint import COMPLETE_MARKER
+    from phalanx.plugins.io.directory import COMPLETE_MARKER
 
     if is_url(target):
         fs, fs_path = _filesystem(target)

@@ -59,8 +59,8 @@ class _Sorted:
             index = optimizer_index(value, strategy)
             if index is None:
                 raise ValueError(
-                    f"Cohort.{method}: state[{key!r}] is an optimizer this Cohort did not set up; pass one returned by"
-                    " Cohort.setup."
+                    f"Cohort.{method}: state[{key!r}] is an optimizer this Cohort did not set up; "
+                    "pass one returned by Cohort.setup."
                 )
             self.optimizer_keys[key] = index
         elif callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
@@ -93,7 +93,7 @@ def optimizer_index(value: Any, strategy: Strategy) -> int | None:
 def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[str, Any]:
     """The checkpoint dict for ``state`` (every rank must call it: states may be gathered)."""
     from phalanx import __version__
-    from phalanx.trainer.checkpoint import check_loadable, plain_hyperparameters
+    from phalanx.plugins.io.checks import check_loadable, plain_hyperparameters
     from phalanx.utilities.seed import collect_rng_states
 
     entries = _Sorted(state, strategy, "save")
@@ -150,8 +150,8 @@ def restore_checkpoint(
 ) -> dict[str, Any]:
     """Load ``checkpoint`` into the objects of ``state`` (plain values are replaced in ``state``); returns the unread
     objects."""
+    from phalanx.plugins.io.checks import check_checkpoint, check_optimizer_states
     from phalanx.strategies.strategy import Strategy
-    from phalanx.trainer.checkpoint_checks import check_checkpoint, check_optimizer_states
 
     check_checkpoint(checkpoint, source, fitting=False)
     entries = _Sorted(state, strategy, "load")
@@ -190,7 +190,7 @@ def restore_checkpoint(
 
 def own_rng_states(checkpoint: Any, rank: int, source: str) -> dict[str, Any] | None:
     """This rank's entry of ``checkpoint['rng_states']`` (checked), or None where the writer stored none for it."""
-    from phalanx.trainer.checkpoint_checks import check_rng_states
+    from phalanx.plugins.io.checks import check_rng_states
 
     if not isinstance(checkpoint, dict) or checkpoint.get("rng_states") is None:
         return None  # e.g. written by an older writer, or weights only: the generators are left as they are

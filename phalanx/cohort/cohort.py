@@ -35,6 +35,7 @@ from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_n
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
+from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
@@ -42,7 +43,7 @@ from phalanx.utilities.apply import apply_to_tensors
 _T = TypeVar("_T")
 
 
-class Cohort(CohortData, CohortHabits, CohortLogging):
+class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
     """Runs your own loop on any phalanx strategy: processes, wrapping, backward, collectives, checkpoints, logging."""
 
     def __init__(
@@ -57,7 +58,7 @@ class Cohort(CohortData, CohortHabits, CohortLogging):
         loggers: Any = None,
         callbacks: Any = None,
     ) -> None:
-        from phalanx.trainer.setup import resolve_strategy
+        from phalanx.strategies.resolve import resolve_strategy
 
         self._loggers = resolve_loggers(loggers)
         self._callbacks = resolve_callbacks(callbacks)
@@ -82,31 +83,6 @@ class Cohort(CohortData, CohortHabits, CohortLogging):
     def strategy(self) -> Strategy:
         """The strategy this Cohort drives."""
         return self._strategy
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank among all processes."""
-        return self._strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node."""
-        return self._strategy.local_rank
-
-    @property
-    def node_rank(self) -> int:
-        """This node's rank."""
-        return self._strategy.node_rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of processes."""
-        return self._strategy.world_size
-
-    @property
-    def is_global_zero(self) -> bool:
-        """Whether this is the process of global rank 0."""
-        return self._strategy.is_global_zero
 
     @property
     def device(self) -> torch.device:
@@ -299,10 +275,9 @@ class Cohort(CohortData, CohortHabits, CohortLogging):
         if any(old is not new for old, new in replaced.items()) and any(optimizer.state.values()):
             # Saved per-parameter state (momentum, ...) has the whole parameter's shape, the new parameters are shards.
             raise ValueError(
-                f"Cohort.setup: {type(self._strategy).__name__} replaces the module's parameters, but the"
-                f" {type(optimizer).__name__} already"
-                " holds per-parameter state; set up an optimizer that has not stepped yet, and load its state with"
-                " cohort.load."
+                f"Cohort.setup: {type(self._strategy).__name__} replaces the module's parameters, "
+                f"but the {type(optimizer).__name__} already holds per-parameter state; "
+                "set up an optimizer that has not stepped yet, and load its state with cohort.load."
             )
 
     def _optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None) -> Any:

@@ -35,7 +35,7 @@ class CohortData:
             raise TypeError(
                 f"Cohort.setup_dataloaders takes iterables of batches (DataLoaders), got {type(dataloader).__name__}."
             )
-        from phalanx.trainer.distributed_data import distributed_dataloader
+        from phalanx.data.distributed import distributed_dataloader
 
         sampler_kwargs = self._strategy.distributed_sampler_kwargs
         # The seed the Trainer uses too, so that both shuffle the same way.

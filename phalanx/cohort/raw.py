@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def load_raw(strategy: Strategy, path: str | PathLike, obj: Any, *, strict: bool = True) -> None:
     """Read ``path`` (``weights_only=True``, the checkpoint reader's bounds) on every rank and load its whole tensors
     into ``obj``, the set-up module: each rank keeps its shard where the strategy shards."""
-    from phalanx.trainer.checkpoint_checks import check_weights
+    from phalanx.plugins.io.checks import check_weights
 
     if not isinstance(path, (str, PathLike)):
         raise TypeError(f"Cohort.load_raw(path, obj): path must be a str or os.PathLike, got {type(path).__name__}.")

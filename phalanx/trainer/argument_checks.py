@@ -11,30 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.utilities.checks import is_int_at_least, is_number
+from phalanx.utilities.messages import shown
 
 #: What ``Trainer(nonfinite_loss=...)`` accepts; see the Trainer docstring for what each does.
 NONFINITE_LOSS_MODES = ("warn", "skip", "stop", "raise", "ignore")
 
 _MAX_TIME_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
 _MAX_TIME_FORMAT = "a 'DD:HH:MM:SS' string (e.g. '00:12:00:00'), a datetime.timedelta, or a dict such as {'hours': 12}"
-
-
-def shown(value: Any) -> str:
-    """``value`` for an error message: its repr, shortened, or the class name for a class."""
-    if isinstance(value, type):
-        return f"the class {value.__qualname__}"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def reject_class(name: str, value: Any, base: type, choices: str) -> None:
-    """Raise when ``value`` is a subclass of ``base`` (a class given where an instance is needed)."""
-    if isinstance(value, type) and issubclass(value, base):
-        suffix = f", or {choices}" if choices else ""
-        raise TypeError(
-            f"{name}={value.__qualname__} is a class, not an instance; pass an instance, e.g."
-            f" {value.__qualname__}(){suffix}."
-        )
 
 
 def parse_max_time(max_time: Any) -> float | None:
@@ -184,7 +167,5 @@ __all__ = [
     "check_number",
     "parse_max_time",
     "refuse_not_integrated",
-    "reject_class",
     "resolve_root_dir",
-    "shown",
 ]

@@ -1,7 +1,7 @@
 """Argument resolution: the Trainer's constructor arguments, checked and turned into the settings it runs with.
 
 :func:`resolve_arguments` checks every argument but those that choose the strategy (see
-:func:`phalanx.trainer.setup.resolve_strategy`), fills in the defaults and applies the modes that override other
+:func:`phalanx.strategies.resolve.resolve_strategy`), fills in the defaults and applies the modes that override other
 arguments (``barebones``, ``fast_dev_run``, ``overfit_batches``); it changes nothing outside the settings it returns.
 :func:`apply_process_switches` sets torch's process-wide switches (``deterministic``, ``benchmark``); the Trainer
 calls it last, so that a Trainer refused for a bad argument leaves them untouched.
@@ -27,15 +27,14 @@ from phalanx.trainer.argument_checks import (
     check_number,
     parse_max_time,
     refuse_not_integrated,
-    reject_class,
     resolve_root_dir,
-    shown,
 )
 from phalanx.trainer.barebones import check_barebones
 from phalanx.trainer.data import validate_limit
 from phalanx.trainer.loggers_and_callbacks import build_callbacks, build_loggers
 from phalanx.trainer.preemption import Preemption
 from phalanx.utilities.enums import GradClipAlgorithmType
+from phalanx.utilities.messages import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:

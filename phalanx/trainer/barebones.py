@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.callbacks.callback import Callback
-from phalanx.trainer.argument_checks import shown
 from phalanx.trainer.logged_results import LoggedResults
 from phalanx.utilities.exceptions import MisconfigurationError
+from phalanx.utilities.messages import shown
 from phalanx.utilities.rank_zero import rank_zero_info
 
 

@@ -3,66 +3,27 @@
 from __future__ import annotations
 
 import zipfile
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.plugins.io.directory import COMPLETE_MARKER, is_retired_copy
-from phalanx.trainer.checkpoint_checks import (
+from phalanx.plugins.io.checks import (
     check_checkpoint,
+    check_loadable,
     check_optimizer_states,
     check_scheduler_states,
     check_weights,
     check_weights_fit,
+    plain_hyperparameters,
 )
+from phalanx.plugins.io.directory import COMPLETE_MARKER, is_retired_copy
 from phalanx.utilities.exceptions import CheckpointError
-from phalanx.utilities.hparams import is_plain
-from phalanx.utilities.rank_zero import rank_zero_print, rank_zero_warn
+from phalanx.utilities.rank_zero import rank_zero_print
 from phalanx.utilities.seed import collect_rng_states
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
-
-_PLAIN_LEAVES = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device, torch.Size)
-
-
-def check_loadable(value: Any, where: str = "checkpoint") -> None:
-    """Raise if ``value`` holds anything ``torch.load(weights_only=True)`` would refuse.
-
-    Types are compared exactly: a str or dict subclass (e.g. ``torch.__version__``) pickles as its own class.
-    """
-    kind = type(value)
-    if kind in _PLAIN_LEAVES or isinstance(value, torch.Tensor):
-        return
-    if kind is dict or kind is OrderedDict:
-        for key, item in value.items():
-            if type(key) not in (str, int, float, bool, type(None)):
-                raise TypeError(f"{where} has a key of type {type(key).__name__}; use str or int keys.")
-            check_loadable(item, f"{where}[{key!r}]")
-        return
-    if kind is list or kind is tuple:
-        for index, item in enumerate(value):
-            check_loadable(item, f"{where}[{index}]")
-        return
-    raise TypeError(
-        f"{where} holds a {kind.__module__}.{kind.__qualname__}, which could only be loaded by unpickling arbitrary"
-        " code. Store tensors and plain values (dict, list, tuple, str, int, float, bool, None)."
-    )
-
-
-def plain_hyperparameters(hparams: dict[str, Any], owner: str) -> dict[str, Any]:
-    """Keep the hyper-parameters that are plain values; warn once about the others."""
-    kept = {key: value for key, value in hparams.items() if is_plain(value)}
-    dropped = sorted(set(hparams) - set(kept))
-    if dropped:
-        rank_zero_warn(
-            f"{owner} hyper-parameters {dropped} are not plain values (str, int, float, bool, None, lists, dicts) and"
-            " are left out of checkpoints; pass them again as overrides to load_from_checkpoint, or"
-            " save_hyperparameters(ignore=...)."
-        )
-    return kept
 
 
 def is_complete_checkpoint(path: Path) -> bool:

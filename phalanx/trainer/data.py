@@ -193,7 +193,7 @@ def prepare_dataloader(trainer: Trainer, dataloader: Any, training: bool) -> Any
     sampler_kwargs = strategy.distributed_sampler_kwargs
     if sampler_kwargs and trainer.use_distributed_sampler:
         # Lazy for import time: only a run that splits its data across processes loads the sampler wrapping.
-        from phalanx.trainer.distributed_data import distributed_dataloader
+        from phalanx.data.distributed import distributed_dataloader
 
         seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
         dataloader = distributed_dataloader(

@@ -196,7 +196,7 @@ def overfit_loader(loader: Any, stage: str, overfit_batches: int | float) -> Any
     if type(sampler) is SequentialSampler or (isinstance(sampler, DistributedSampler) and not sampler.shuffle):
         return loader
     # Lazy for import time: only a loader whose sampler must be replaced loads the sampler wrapping.
-    from phalanx.trainer.distributed_data import with_sampler
+    from phalanx.data.distributed import with_sampler
 
     rank_zero_warn(
         f"overfit_batches={overfit_batches!r}: the {stage} DataLoader draws samples with {type(sampler).__name__};"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from phalanx.callbacks.callback import Callback
-from phalanx.trainer.argument_checks import reject_class, shown
+from phalanx.utilities.messages import reject_class, shown
 
 if TYPE_CHECKING:
     from phalanx.loggers import Logger

@@ -1,6 +1,6 @@
 """Putting the predictions of several ranks back in dataset order, batched as one process would have batched them.
 
-Each rank predicts its own shard of the data (see :mod:`phalanx.trainer.distributed_data`);
+Each rank predicts its own shard of the data (see :mod:`phalanx.data.distributed`);
 :func:`batch_indices` says which dataset indices each of its batches held, and :func:`reassemble_predictions` splits
 every output into samples, sorts them by index and cuts them into batches again.
 """

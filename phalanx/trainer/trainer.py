@@ -1,7 +1,7 @@
 """The Trainer: runs fit, validate, test and predict for a TrainingModule through a Strategy.
 
 The constructor resolves its arguments (:mod:`phalanx.trainer.arguments`) and builds the strategy
-(:mod:`phalanx.trainer.setup`); each entry point checks what it was given and runs its stage
+(:mod:`phalanx.strategies.resolve`); each entry point checks what it was given and runs its stage
 (:mod:`phalanx.trainer.stages`: set-up, the fit loop or an evaluation loop, teardown). What ``self.log`` produced is
 published through :mod:`phalanx.trainer.logged_metrics`.
 """
@@ -21,6 +21,8 @@ from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.module_clipping import overrides_gradient_clipping
 from phalanx.strategies.migration import refuse_trainer_parameters
+from phalanx.strategies.properties import DeviceProperties
+from phalanx.strategies.resolve import resolve_strategy
 from phalanx.strategies.strategy import Strategy
 from phalanx.trainer import arguments
 from phalanx.trainer.argument_checks import RENAMED_TRAINER_ATTRIBUTES
@@ -28,7 +30,6 @@ from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, apply_process_switches
 from phalanx.trainer.barebones import BarebonesResults
 from phalanx.trainer.checkpoint import CheckpointConnector
 from phalanx.trainer.data import DataSource, prepare_dataloader
-from phalanx.trainer.device_properties import DeviceProperties
 from phalanx.trainer.fit_data import prepare_train_data
 from phalanx.trainer.fit_loop import FitLoop
 from phalanx.trainer.hooks import HookTable
@@ -37,7 +38,6 @@ from phalanx.trainer.logged_results import LoggedResults
 from phalanx.trainer.nonfinite import check_nonfinite_mode
 from phalanx.trainer.optimizer import ManualOptimizer
 from phalanx.trainer.preemption import PREEMPTED_EXIT_CODE, Preemption
-from phalanx.trainer.setup import resolve_strategy
 from phalanx.trainer.stages import (
     check_datamodule,
     check_module,

@@ -22,6 +22,7 @@ pytest.importorskip("deepspeed")
 
 from phalanx_distributed import SCRIPTS, assert_ok, clean_environment, run_script  # noqa: E402
 
+from phalanx.plugins.io.checks import check_loadable  # noqa: E402
 from phalanx.plugins.io.formats.deepspeed import (
     STATE_FILE,
     is_deepspeed_checkpoint,
@@ -29,7 +30,6 @@ from phalanx.plugins.io.formats.deepspeed import (
 )  # noqa: E402
 from phalanx.trainer.checkpoint import (
     COMPLETE_MARKER,
-    check_loadable,
     is_complete_checkpoint,
     newest_complete_checkpoint,
 )  # noqa: E402

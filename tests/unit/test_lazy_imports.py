@@ -18,26 +18,30 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 REASONS = ("import time", "optional")
-# ELSEWHERE: files whose lazy imports other helpers of issue 25 rewrite on their own branches (plugins/io: formats;
-# cohort and the trainer's setup services: services). The lead empties this set at merge.
-ELSEWHERE = (
-    "phalanx/cohort/",
-    "phalanx/trainer/setup.py",
-    "phalanx/trainer/device_properties.py",
-    "phalanx/trainer/distributed_data.py",
-    "phalanx/trainer/checkpoint_checks.py",
-)
+# ELSEWHERE: path prefixes skipped while another branch rewrites them: none now.
+ELSEWHERE: tuple[str, ...] = ()
 # PENDING: lazy imports with no stated reason yet, as (file, imported module). Most import a module that the importer
 # has loaded anyway (so laziness saves no import time): they dodge a cycle, or nothing. Each is to be moved to the
 # module's top once its cycle is gone, or given its reason; the set only shrinks (a stale entry fails the test).
 PENDING = {
-    ("phalanx/callbacks/_checkpoint_files.py", "phalanx.trainer.checkpoint"),
+    ("phalanx/callbacks/_checkpoint_files.py", "phalanx.plugins.io.directory"),
     ("phalanx/callbacks/early_stopping.py", "phalanx.utilities.exceptions"),
     ("phalanx/callbacks/model_checkpoint.py", "phalanx.loggers.csv"),
+    ("phalanx/cohort/checkpoint.py", "phalanx"),
+    ("phalanx/cohort/checkpoint.py", "phalanx.plugins.io.checks"),
+    ("phalanx/cohort/checkpoint.py", "phalanx.strategies.strategy"),
+    ("phalanx/cohort/checkpoint.py", "phalanx.utilities.seed"),
+    ("phalanx/cohort/cohort.py", "phalanx.module"),
+    ("phalanx/cohort/cohort.py", "phalanx.strategies.resolve"),
+    ("phalanx/cohort/cohort.py", "phalanx.utilities.seed"),
+    ("phalanx/cohort/data.py", "phalanx.data.distributed"),
+    ("phalanx/cohort/habits.py", "phalanx.utilities.seed"),
+    ("phalanx/cohort/metrics.py", "phalanx.loggers.logger"),
+    ("phalanx/cohort/raw.py", "phalanx.plugins.io.checks"),
     ("phalanx/datamodule.py", "phalanx.utilities.apply"),
     ("phalanx/module_clipping.py", "phalanx.module"),
+    ("phalanx/module_loading.py", "phalanx.plugins.io.checks"),
     ("phalanx/module_loading.py", "phalanx.plugins.io.torch_io"),
-    ("phalanx/module_loading.py", "phalanx.trainer.checkpoint_checks"),
     ("phalanx/module_loading.py", "phalanx.utilities.exceptions"),
     ("phalanx/plugins/io/async_directory.py", "phalanx.plugins.io.sharded_io"),
     ("phalanx/plugins/io/async_directory.py", "phalanx.plugins.io.write_failures"),
@@ -71,6 +75,9 @@ PENDING = {
     ("phalanx/strategies/launchers/xla.py", "phalanx.strategies.xla_collectives"),
     ("phalanx/strategies/launchers/xla.py", "phalanx.utilities.rank_zero"),
     ("phalanx/strategies/model_parallel.py", "phalanx.module"),
+    ("phalanx/strategies/resolve.py", "phalanx.accelerators.xla"),
+    ("phalanx/strategies/resolve.py", "phalanx.plugins.environments"),
+    ("phalanx/strategies/resolve.py", "phalanx.strategies.xla_common"),
     ("phalanx/strategies/strategy.py", "phalanx.module"),
     ("phalanx/strategies/strategy.py", "phalanx.plugins.precision.selection"),
     ("phalanx/strategies/xla_spmd.py", "phalanx.accelerators.xla"),

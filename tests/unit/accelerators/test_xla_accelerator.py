@@ -22,7 +22,7 @@ from phalanx.accelerators import xla as xla_module
 from phalanx.accelerators.xla import import_torch_xla, parse_xla_devices
 from phalanx.plugins.precision import XLAPrecision
 from phalanx.strategies import SingleDeviceXLAStrategy, XLASPMDStrategy, XLAStrategy
-from phalanx.trainer.setup import resolve_strategy
+from phalanx.strategies.resolve import resolve_strategy
 
 
 @pytest.fixture

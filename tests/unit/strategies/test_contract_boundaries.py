@@ -97,7 +97,7 @@ def test_no_strategy_plugin_or_accelerator_reaches_the_trainer(path: Path) -> No
 
 CHECKER_CASES = [
     # (source, flagged)
-    ("from phalanx.trainer.setup import precision_plugin_for", True),
+    ("from phalanx.trainer.arguments import TrainerSettings", True),
     ("def f():\n    from phalanx.callbacks import ModelCheckpoint", True),
     ("import phalanx.trainer.trainer", True),
     ("from phalanx import trainer", True),

@@ -8,8 +8,8 @@ import pytest
 import phalanx
 from phalanx.accelerators.mps import MPSAccelerator
 from phalanx.strategies import DDPStrategy, FSDPStrategy
+from phalanx.strategies.resolve import resolve_strategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
-from phalanx.trainer.setup import resolve_strategy
 
 PARALLEL = [
     "ddp",

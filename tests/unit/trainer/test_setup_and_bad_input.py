@@ -10,7 +10,7 @@ import phalanx
 from phalanx.accelerators import CPUAccelerator, CUDAAccelerator
 from phalanx.plugins import DoublePrecision, HalfPrecision, MixedPrecision, Precision, TorchCheckpointIO
 from phalanx.strategies import SingleDeviceStrategy
-from phalanx.trainer.setup import normalize_precision, resolve_strategy
+from phalanx.strategies.resolve import normalize_precision, resolve_strategy
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 

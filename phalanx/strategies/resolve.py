@@ -20,7 +20,7 @@ from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
-from phalanx.trainer.argument_checks import reject_class, shown
+from phalanx.utilities.messages import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 PRECISIONS = ("32-true", "64-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true")
@@ -47,8 +47,8 @@ def normalize_precision(precision: Any) -> str:
             f" a name in precision= ({list(PRECISIONS)})."
         )
     raise ValueError(
-        f"precision={shown(precision)} is not supported. Choose one of {list(PRECISIONS)} (aliases: 32, 64, 16,"
-        " 'bf16')."
+        f"precision={shown(precision)} is not supported. "
+        f"Choose one of {list(PRECISIONS)} (aliases: 32, 64, 16, 'bf16')."
     )
 
 
@@ -150,8 +150,8 @@ def resolve_strategy(
         )
     if given.precision is not None and precision_name != "32-true":
         raise ValueError(
-            f"Both precision={precision!r} and a Precision plugin ({type(given.precision).__name__}) were given; pass"
-            " only one."
+            f"Both precision={precision!r} and a Precision plugin ({type(given.precision).__name__}) "
+            "were given; pass only one."
         )
     if isinstance(strategy, Strategy):
         built = _complete_strategy_instance(strategy, accelerator, precision_name, given.precision, given.checkpoint_io)
@@ -227,7 +227,8 @@ def _build_registered(
     process_count = len(parallel_devices) * num_nodes
     name = _registered_name(strategy, devices, num_nodes, process_count, accelerator)
     strategy_class = STRATEGY_REGISTRY.get_class(name)
-    refuse_unfit_strategy(strategy_class, accelerator, repr(strategy))
+    if isinstance(strategy_class, type):  # a registered factory function has no class to check
+        refuse_unfit_strategy(strategy_class, accelerator, repr(strategy))
     make_plugin = getattr(strategy_class, "precision_plugin_for", None) or precision_plugin_for
     plugin = given.precision if given.precision is not None else make_plugin(precision_name, accelerator)
     if name == "single_device" or (

@@ -195,9 +195,8 @@ class DistributedSamplerWrapper(DistributedSampler):
         indices = self._inner_indices()
         if len(indices) != len(self.dataset):
             raise RuntimeError(
-                f"{type(self.sampler).__name__} yielded {len(indices)} indices but its length was {len(self.dataset)}"
-                " when the "
-                "DistributedSamplerWrapper was built; a wrapped sampler must keep its length."
+                f"{type(self.sampler).__name__} yielded {len(indices)} indices but its length was {len(self.dataset)} "
+                "when the DistributedSamplerWrapper was built; a wrapped sampler must keep its length."
             )
         if self.repeat:
             positions: Any = super().__iter__()

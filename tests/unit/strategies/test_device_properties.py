@@ -1,4 +1,4 @@
-"""The Trainer's properties about where it runs (phalanx.trainer.device_properties), right from construction."""
+"""The Trainer's properties about where it runs (phalanx.strategies.properties), right from construction."""
 
 from __future__ import annotations
 
@@ -37,3 +37,23 @@ def test_world_size_is_devices_times_nodes_from_construction(monkeypatch, argume
     assert trainer.strategy.world_size == world_size
     assert (trainer.global_rank, trainer.local_rank, trainer.node_rank, trainer.is_global_zero) == (0, 0, 0, True)
     assert trainer.num_nodes == arguments.get("num_nodes", 1)
+
+
+SHARED_PROPERTIES = [
+    "global_rank", "local_rank", "node_rank", "world_size", "num_nodes", "is_global_zero", "accelerator",
+    "precision_plugin", "device_ids", "num_devices",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SHARED_PROPERTIES)
+def test_the_cohort_and_the_trainer_share_one_definition_of_each_property(name: str) -> None:
+    from phalanx.strategies.properties import DeviceProperties
+
+    cohort = phalanx.Cohort(accelerator="cpu", strategy="single_device", devices=1)
+    trainer = phalanx.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert getattr(type(cohort), name) is getattr(DeviceProperties, name) is getattr(type(trainer), name)
+    # Each owns its strategy, so plugin instances differ: compare their classes.
+    values = [getattr(owner, name) for owner in (cohort, trainer)]
+    assert [value if isinstance(value, (int, list)) else type(value) for value in values] == [
+        values[1] if isinstance(values[1], (int, list)) else type(values[1])
+    ] * 2

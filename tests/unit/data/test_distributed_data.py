@@ -22,7 +22,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from phalanx.trainer.distributed_data import (
+from phalanx.data.distributed import (
     DistributedSamplerWrapper,
     UnrepeatedDistributedSampler,
     distributed_dataloader,

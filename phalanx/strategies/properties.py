@@ -1,4 +1,4 @@
-"""The Trainer's properties about where it runs, read from its strategy (Lightning's ``Trainer`` has them too)."""
+"""The Trainer's and the Cohort's properties about where they run, read from their strategy (as Lightning's Trainer)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Data services shared by the Trainer and the Cohort: distributed samplers and loaders."""
