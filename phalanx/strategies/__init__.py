@@ -2,8 +2,7 @@
 
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.deepspeed import DeepSpeedStrategy
-from phalanx.strategies.fsdp import FSDPStrategy
-from phalanx.strategies.model_parallel import ModelParallelStrategy
+from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.settings import RunSettings

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.deepspeed import DeepSpeedStrategy
-from phalanx.strategies.fsdp import FSDPStrategy
-from phalanx.strategies.model_parallel import ModelParallelStrategy
+from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla import XLAStrategy

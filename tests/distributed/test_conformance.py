@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from phalanx.strategies.ddp import DDPStrategy
-from phalanx.strategies.fsdp import FSDPStrategy
-from phalanx.strategies.model_parallel import ModelParallelStrategy
+from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.testing import CHECKS, StrategyConformanceError, check_strategy, run_conformance
 

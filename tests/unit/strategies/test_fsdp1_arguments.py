@@ -31,9 +31,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import phalanx
 from phalanx.plugins.layer_sync import TorchSyncBatchNorm
 from phalanx.strategies import FSDPStrategy
-from phalanx.strategies import fsdp_seed_arguments as seed
 from phalanx.strategies.dtensor_state import is_dtensor
-from phalanx.strategies.fsdp_seed_arguments import module_picker
+from phalanx.strategies.fsdp import _fsdp1_arguments as seed
+from phalanx.strategies.fsdp._fsdp1_arguments import module_picker
 
 
 @pytest.fixture(autouse=True)
