@@ -31,13 +31,13 @@ def _warm_imports():
 
 
 def _deepspeed(stage: int) -> Any:
-    from phalanx.strategies.deepspeed import DeepSpeedStrategy
+    from phalanx.strategies.deepspeed.strategy import DeepSpeedStrategy
 
     return DeepSpeedStrategy(stage=stage)
 
 
 def _deepspeed_available() -> bool:
-    from phalanx.strategies.deepspeed import deepspeed_available
+    from phalanx.strategies.deepspeed.strategy import deepspeed_available
 
     return deepspeed_available()
 

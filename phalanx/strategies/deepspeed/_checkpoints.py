@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.plugins.io.torch_io import is_url
+from phalanx.strategies.deepspeed._engine import partitioned_parameters
 from phalanx.strategies.deepspeed_checkpoint import (
     ENGINE_STEPS,
     STATE_FILE,
     TAG,
     load_deepspeed_checkpoint_as_full,
 )
-from phalanx.strategies.deepspeed_engine import partitioned_parameters
 from phalanx.strategies.deepspeed_files import (
     check_tag_files,
     refuse_unsafe_engine_reads,
@@ -75,7 +75,7 @@ class DeepSpeedCheckpointMixin:
 
     def _load_converted(self, checkpoint: dict[str, Any], meta: dict[str, Any] | None, strict: bool) -> None:
         """Another layout: read it whole, load the weights into the module and the optimizer state into the engine."""
-        from phalanx.strategies.checkpoint_conversion import (
+        from phalanx.strategies.deepspeed._conversion import (
             conversion_error,
             deepspeed_layout,
             load_into_zero_optimizer,
@@ -193,7 +193,7 @@ class DeepSpeedCheckpointMixin:
         """Every rank writes its partitions through the CheckpointIO into a staging directory; rank 0 adds the
         Trainer's state; the IO publishes it with ``.complete`` (see ``deepspeed_io``)."""
         from phalanx.plugins.io.collectives import Collectives
-        from phalanx.strategies.deepspeed_io import save_deepspeed_directory
+        from phalanx.strategies.deepspeed._io import save_deepspeed_directory
 
         engine = self._require_training_engine()
         if storage_options is not None:
@@ -231,7 +231,7 @@ class DeepSpeedCheckpointMixin:
         self._resume_path = checkpoint_path
         if isinstance(checkpoint_path, (str, os.PathLike)) and checkpoint_layout(checkpoint_path) == "deepspeed":
             if is_url(checkpoint_path):  # DeepSpeed's engine reads local files: a local copy, kept while resuming
-                from phalanx.strategies.deepspeed_io import local_copy_for_resume
+                from phalanx.strategies.deepspeed._io import local_copy_for_resume
 
                 checkpoint_path = local_copy_for_resume(checkpoint_path, self)
             directory = Path(checkpoint_path)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from phalanx.optimization import LRSchedulerConfig
-from phalanx.strategies.deepspeed_config import partitioning_config
+from phalanx.strategies.deepspeed._config import partitioning_config
 from phalanx.strategies.settings import RunSettings
 from phalanx.utilities import distributed
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn

@@ -7,8 +7,8 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Iterator
 
-from phalanx.strategies.deepspeed_config import partitioning_config
-from phalanx.strategies.deepspeed_engine import partitioned_parameters
+from phalanx.strategies.deepspeed._config import partitioning_config
+from phalanx.strategies.deepspeed._engine import partitioned_parameters
 from phalanx.utilities.init import empty_init_context
 
 

@@ -22,10 +22,10 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
   (``strategy.requires_equal_batches``), and evaluation steps run under ``no_grad`` instead of inference mode
   (parameters gathered in inference mode could not be used by training afterwards).
 
-The config is built (and the arguments checked) in :mod:`~phalanx.strategies.deepspeed_config`, the engine in
-:mod:`~phalanx.strategies.deepspeed_engine`, checkpoints are read and written by
-:mod:`~phalanx.strategies.deepspeed_state`, and ZeRO-3's model creation and evaluation live in
-:mod:`~phalanx.strategies.deepspeed_zero3`.
+The config is built (and the arguments checked) in :mod:`~phalanx.strategies.deepspeed._config`, the engine in
+:mod:`~phalanx.strategies.deepspeed._engine`, checkpoints are read and written by
+:mod:`~phalanx.strategies.deepspeed._checkpoints`, and ZeRO-3's model creation and evaluation live in
+:mod:`~phalanx.strategies.deepspeed._zero3`.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.deepspeed import DEEPSPEED_PRECISIONS, DeepSpeedPrecision
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies.deepspeed_activation import (
+from phalanx.strategies.deepspeed._activation import (
     activation_settings,
     configure_activation_checkpointing,
     merge_activation_section,
 )
-from phalanx.strategies.deepspeed_checkpoint import OPTIMIZER_MARKER
-from phalanx.strategies.deepspeed_config import (
+from phalanx.strategies.deepspeed._checkpoints import DeepSpeedCheckpointMixin
+from phalanx.strategies.deepspeed._config import (
     CONFIG_ENV_VAR,
     checked_flag,
     checked_logging_batch_size,
@@ -62,14 +62,14 @@ from phalanx.strategies.deepspeed_config import (
     micro_batch_size,
     zero_settings,
 )
-from phalanx.strategies.deepspeed_engine import (
+from phalanx.strategies.deepspeed._engine import (
     DeepSpeedEngineMixin,
     DeepSpeedOptimizerHandle,
     memory_footprint,
     partitioned_parameters,
 )
-from phalanx.strategies.deepspeed_state import DeepSpeedCheckpointMixin
-from phalanx.strategies.deepspeed_zero3 import DeepSpeedZero3Mixin
+from phalanx.strategies.deepspeed._zero3 import DeepSpeedZero3Mixin
+from phalanx.strategies.deepspeed_checkpoint import OPTIMIZER_MARKER
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 
@@ -115,7 +115,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
         partition_activations, cpu_checkpointing, contiguous_memory_optimization, synchronize_checkpoint_boundary:
             DeepSpeed activation checkpointing (the config's ``activation_checkpointing`` section, handed to
             ``deepspeed.checkpointing.configure``); they apply where the model calls
-            ``deepspeed.checkpointing.checkpoint``. See :mod:`phalanx.strategies.deepspeed_activation`.
+            ``deepspeed.checkpointing.checkpoint``. See :mod:`phalanx.strategies.deepspeed._activation`.
         config: a full DeepSpeed config (dict, or path of a JSON file; default: the file named by
             ``PHALANX_DEEPSPEED_CONFIG_PATH``). It replaces the one built from the arguments above; the Trainer
             still fills in batch size, gradient accumulation, clipping and precision where the config leaves them out.
