@@ -8,10 +8,7 @@ from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.xla import XLAStrategy
-from phalanx.strategies.xla_fsdp import XLAFSDPStrategy
-from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
-from phalanx.strategies.xla_spmd import XLASPMDStrategy
+from phalanx.strategies.xla import SingleDeviceXLAStrategy, XLAFSDPStrategy, XLASPMDStrategy, XLAStrategy
 
 __all__ = [
     "DDPStrategy",

@@ -10,7 +10,7 @@ from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.single_device import SingleDeviceStrategy
-from phalanx.strategies.xla_common import XLAStrategyMixin, xla_device
+from phalanx.strategies.xla._common import XLAStrategyMixin, xla_device
 
 
 class SingleDeviceXLAStrategy(XLAStrategyMixin, SingleDeviceStrategy):
