@@ -13,7 +13,11 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MAX_COLUMNS = 120
 # The Trainer reads top to bottom: constructor, entry points, properties; the rest lives in modules with one job each.
-MAX_LINES = {"trainer/trainer.py": 450}
+MAX_LINES = {
+    "trainer/trainer.py": 450,
+    # DeepSpeedStrategy is one class in one module (issue 25): the methods its mixins held are the class's own.
+    "strategies/deepspeed/strategy.py": 600,
+}
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 

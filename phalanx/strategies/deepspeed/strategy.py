@@ -24,8 +24,7 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
 
 The config is built (and the arguments checked) in :mod:`~phalanx.strategies.deepspeed._config`, the engine in
 :mod:`~phalanx.strategies.deepspeed._engine`, checkpoints are read and written by
-:mod:`~phalanx.strategies.deepspeed._checkpoints`, and ZeRO-3's model creation and evaluation live in
-:mod:`~phalanx.strategies.deepspeed._zero3`.
+:mod:`~phalanx.strategies.deepspeed._checkpoints`; ZeRO-3's model creation and evaluation are methods of the class.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import copy
 import importlib.util
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Iterator
 
@@ -60,6 +59,7 @@ from phalanx.strategies.deepspeed._config import (
     generated_config,
     load_config,
     micro_batch_size,
+    partitioning_config,
     zero_settings,
 )
 from phalanx.strategies.deepspeed._engine import (
@@ -68,10 +68,10 @@ from phalanx.strategies.deepspeed._engine import (
     memory_footprint,
     partitioned_parameters,
 )
-from phalanx.strategies.deepspeed._zero3 import DeepSpeedZero3Mixin
 from phalanx.strategies.deepspeed_checkpoint import OPTIMIZER_MARKER
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
+from phalanx.utilities.init import empty_init_context
 
 INSTALL_HINT = "pip install 'phalanx[deepspeed]'"
 
@@ -94,7 +94,7 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpeedZero3Mixin, ParallelStrategy):
+class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, ParallelStrategy):
     """ZeRO data parallelism through DeepSpeed: stage 1 partitions optimizer states, 2 also gradients, 3 also
     parameters.
 
@@ -431,6 +431,71 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
     def wraps_module_with_optimizers(self) -> bool:
         """True: ``deepspeed.initialize`` builds one engine from the module and its optimizer."""
         return True
+
+    # ------------------------------------------------------------------ ZeRO-3: evaluation
+    @property
+    def pads_evaluation(self) -> bool:
+        """Under ZeRO-3 each forward pass gathers parameters: ranks must run equally many, so evaluation is padded."""
+        return self.zero_stage == 3
+
+    @property
+    def requires_equal_batches(self) -> bool:
+        """Under ZeRO-3 with parameters partitioned over several processes: each forward pass gathers them."""
+        return self.world_size > 1 and self._module is not None and bool(partitioned_parameters(self._module))
+
+    @property
+    def allows_inference_mode(self) -> bool:
+        """Not under ZeRO-3: it keeps some parameters it gathers between steps, and made in inference mode training
+        could never use them again."""
+        return self.zero_stage != 3
+
+    def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
+        if method == "training_step":
+            return super()._run_step(method, context, *args, **kwargs)
+        # Evaluation calls the module itself (ZeRO-3's hooks live on its submodules and still gather parameters).
+        with context:
+            return getattr(self._module, method)(*args, **kwargs)
+
+    # ------------------------------------------------------------------ ZeRO-3: creating the model
+    def _zero_init(self) -> AbstractContextManager:
+        """ZeRO-3: ``deepspeed.zero.Init``, which partitions each parameter as soon as it is created."""
+        if self.zero_stage != 3 or self._zero_init_active:
+            return nullcontext()
+        deepspeed = self._deepspeed()
+        config = partitioning_config(self.config)
+        for key, value in self._precision_config().items():
+            config.setdefault(key, value)
+        return self._flag_zero_init(
+            deepspeed.zero.Init(
+                remote_device=self.remote_device,
+                pin_memory=self._zero_settings["pin_memory"],
+                config_dict_or_path=config,
+            )
+        )
+
+    @contextmanager
+    def _flag_zero_init(self, context: AbstractContextManager) -> Iterator[None]:
+        self._zero_init_active = True
+        try:
+            with context:
+                yield
+        finally:
+            self._zero_init_active = False
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """As the base (device, dtype, ``empty_init``); under ZeRO-3 parameters are partitioned as they are created."""
+        with ExitStack() as stack:
+            if self.root_device.type != "cpu":
+                stack.enter_context(self.root_device)
+            stack.enter_context(empty_init_context(bool(empty_init)))
+            stack.enter_context(self.precision_plugin.tensor_init_context())
+            stack.enter_context(self._zero_init())
+            yield
+
+    def model_sharded_context(self) -> AbstractContextManager:
+        """Under ZeRO-3, ``configure_model`` creates parameters already partitioned across the processes."""
+        return self._zero_init()
 
     # ------------------------------------------------------------------ memory
     def memory_footprint(self) -> dict[str, int]:
