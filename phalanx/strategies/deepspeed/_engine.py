@@ -158,7 +158,7 @@ class DeepSpeedEngineMixin:
     _engine_trains: bool
     _accumulation: int
     _updated_last_step: bool
-    _optimizer_restored: bool
+    _checkpoints: Any
     _warned_backward_hook: bool
     optimizers: list[Any]
     lr_scheduler_configs: list[LRSchedulerConfig]
@@ -191,7 +191,7 @@ class DeepSpeedEngineMixin:
         self._engine = engine
         self._engine_trains = True
         self._model = engine
-        self._optimizer_restored = False
+        self._checkpoints.optimizer_restored = False
         self._updated_last_step = True
         self.optimizers = [DeepSpeedOptimizerHandle(ds_optimizer)]
         self.lr_scheduler_configs = scheduler_configs_for_engine(

@@ -50,7 +50,7 @@ from phalanx.strategies.deepspeed._activation import (
     configure_activation_checkpointing,
     merge_activation_section,
 )
-from phalanx.strategies.deepspeed._checkpoints import DeepSpeedCheckpointMixin
+from phalanx.strategies.deepspeed._checkpoints import _DeepSpeedCheckpoints
 from phalanx.strategies.deepspeed._config import (
     CONFIG_ENV_VAR,
     checked_flag,
@@ -94,7 +94,7 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, ParallelStrategy):
+class DeepSpeedStrategy(DeepSpeedEngineMixin, ParallelStrategy):
     """ZeRO data parallelism through DeepSpeed: stage 1 partitions optimizer states, 2 also gradients, 3 also
     parameters.
 
@@ -249,7 +249,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
         self._accumulation = 1
         self._window_open = False  # inside block_backward_sync: this batch does not end an accumulation window
         self._updated_last_step = True
-        self._optimizer_restored = False
+        self._checkpoints = _DeepSpeedCheckpoints(self)
         self._zero_init_active = False
         self._warned_backward_hook = False
 
@@ -496,6 +496,32 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, Parallel
     def model_sharded_context(self) -> AbstractContextManager:
         """Under ZeRO-3, ``configure_model`` creates parameters already partitioned across the processes."""
         return self._zero_init()
+
+    # ------------------------------------------------------------------ checkpoints (read and written by _checkpoints)
+    def module_state_dict(self) -> dict[str, Any]:
+        """The module's full state dict on every rank (ZeRO-3 gathers the partitioned parameters for it)."""
+        return self._checkpoints.module_state_dict()
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Fitting: the engine loads weights and optimizer (converted when the checkpoint has another layout).
+        Otherwise: full weights."""
+        self._checkpoints.load_model_state(checkpoint, strict)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Nothing left to read: the engine restored its optimizer partitions with the weights
+        (``load_model_state_dict``)."""
+        self._checkpoints.check_optimizer_restored(checkpoint)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes its partitions through the CheckpointIO into a staging directory; rank 0 adds the
+        Trainer's state; the IO publishes it with ``.complete`` (see ``deepspeed._io``)."""
+        self._checkpoints.save(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+        """A DeepSpeed directory: the Trainer's state, read through the CheckpointIO (its weights stay in DeepSpeed's
+        files, see ``load_model_state_dict``); any other layout as the base reads it."""
+        state = self._checkpoints.load(checkpoint_path)
+        return state if state is not None else super().load_checkpoint(checkpoint_path)
 
     # ------------------------------------------------------------------ memory
     def memory_footprint(self) -> dict[str, int]:
