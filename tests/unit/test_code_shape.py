@@ -15,8 +15,9 @@ MAX_COLUMNS = 120
 # The Trainer reads top to bottom: constructor, entry points, properties; the rest lives in modules with one job each.
 MAX_LINES = {
     "trainer/trainer.py": 450,
-    # DeepSpeedStrategy is one class in one module (issue 25): the methods its mixins held are the class's own.
-    "strategies/deepspeed/strategy.py": 600,
+    # DeepSpeedStrategy is one class in one module (issue 25): the engine and ZeRO-3 methods of its former mixins
+    # are its own; its checkpoints are read and written by a collaborator (deepspeed/_checkpoints.py).
+    "strategies/deepspeed/strategy.py": 700,
 }
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))

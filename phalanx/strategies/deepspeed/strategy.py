@@ -63,15 +63,19 @@ from phalanx.strategies.deepspeed._config import (
     zero_settings,
 )
 from phalanx.strategies.deepspeed._engine import (
-    DeepSpeedEngineMixin,
     DeepSpeedOptimizerHandle,
+    engine_optimizer,
     memory_footprint,
+    overrides,
     partitioned_parameters,
+    scheduler_configs_for_engine,
 )
 from phalanx.strategies.deepspeed_checkpoint import OPTIMIZER_MARKER
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
+from phalanx.utilities import distributed
 from phalanx.utilities.init import empty_init_context
+from phalanx.utilities.rank_zero import rank_zero_warn
 
 INSTALL_HINT = "pip install 'phalanx[deepspeed]'"
 
@@ -94,7 +98,7 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-class DeepSpeedStrategy(DeepSpeedEngineMixin, ParallelStrategy):
+class DeepSpeedStrategy(ParallelStrategy):
     """ZeRO data parallelism through DeepSpeed: stage 1 partitions optimizer states, 2 also gradients, 3 also
     parameters.
 
@@ -368,6 +372,84 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, ParallelStrategy):
     def _deepspeed(self) -> Any:
         """The deepspeed package (imported on first use; the install hint if it is missing)."""
         return _import_deepspeed()
+
+    # ------------------------------------------------------------------ the engine
+    def _device_args(self) -> Any:
+        import argparse  # DeepSpeed reads the device index from an argparse namespace
+
+        index = self.root_device.index if self.root_device.type != "cpu" else None
+        return argparse.Namespace(device_rank=index if index is not None else self.local_rank)
+
+    def _initialize_training_engine(self, config: dict[str, Any], settings: RunSettings) -> None:
+        module = self._module
+        assert module is not None
+        if not self._warned_backward_hook and overrides(module, "backward"):
+            self._warned_backward_hook = True
+            rank_zero_warn(
+                f"{type(module).__name__}.backward is overridden, but under DeepSpeed the engine runs backward"
+                " (engine.backward(loss)); the override is not called."
+            )
+        optimizer, scheduler_configs = engine_optimizer(module, config, settings)
+        parameters = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
+        engine, ds_optimizer, _, ds_scheduler = self._deepspeed().initialize(
+            args=self._device_args(),
+            model=module,
+            optimizer=optimizer,
+            model_parameters=parameters,
+            config=config,
+            dist_init_required=False,
+        )
+        self._engine = engine
+        self._engine_trains = True
+        self._model = engine
+        self._checkpoints.optimizer_restored = False
+        self._updated_last_step = True
+        self.optimizers = [DeepSpeedOptimizerHandle(ds_optimizer)]
+        self.lr_scheduler_configs = scheduler_configs_for_engine(
+            scheduler_configs, ds_scheduler, self._accumulation, lambda: self._updated_last_step
+        )
+
+    def _initialize_evaluation(self, config: dict[str, Any]) -> None:
+        self.optimizers = []
+        self.lr_scheduler_configs = []
+        module = self._module
+        assert module is not None
+        if self.zero_stage == 3:
+            # Without an optimizer, ZeRO-3's engine only installs the hooks that gather each layer's parameters.
+            deepspeed = self._deepspeed()
+            inference_config = partitioning_config(config)
+            self._engine, *_ = deepspeed.initialize(
+                args=self._device_args(),
+                model=module,
+                config=inference_config,
+                model_parameters=[],
+                dist_init_required=False,
+            )
+            self._engine_trains = False
+            self._model = self._engine
+            return
+        # Stages 0-2 evaluate the plain module; every rank starts from rank 0's weights.
+        for tensor in module.state_dict().values():
+            distributed.run_collective(
+                "broadcast(weights)",
+                self.global_rank,
+                self._timeout,
+                lambda t=tensor: torch.distributed.broadcast(t, src=0),
+            )
+
+    def _release_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        self._engine_trains = False
+        if engine is not None:
+            engine.destroy()  # removes ZeRO-3's module hooks before another engine installs its own
+
+    def _require_training_engine(self) -> Any:
+        if self._engine is None or not self._engine_trains:
+            raise RuntimeError(
+                "The DeepSpeed engine with its optimizer exists during and after fit; call this while fitting (or"
+                " after fit)."
+            )
+        return self._engine
 
     # ------------------------------------------------------------------ steps
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
