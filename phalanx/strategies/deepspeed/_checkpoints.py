@@ -207,7 +207,7 @@ class _DeepSpeedCheckpoints:
     # ------------------------------------------------------------------ checkpoint directories
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank writes its partitions through the CheckpointIO into a staging directory; rank 0 adds the
-        Trainer's state; the IO publishes it with ``.complete`` (see ``deepspeed_io``)."""
+        Trainer's state; the IO publishes it with ``.complete`` (see ``deepspeed._io``)."""
         from phalanx.plugins.io.collectives import Collectives
         from phalanx.strategies.deepspeed._io import save_deepspeed_directory
 

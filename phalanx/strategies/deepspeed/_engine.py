@@ -1,5 +1,5 @@
-"""The DeepSpeed engine: how it is built for training or evaluation, the optimizer handle and scheduler proxy the loops
-see, and what the engine holds in memory."""
+"""What DeepSpeedStrategy builds its engine with (the optimizer to hand it), the optimizer handle and scheduler proxy
+the loops see, and what the engine holds in memory."""
 
 from __future__ import annotations
 

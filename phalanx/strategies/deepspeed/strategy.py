@@ -22,9 +22,9 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
   (``strategy.requires_equal_batches``), and evaluation steps run under ``no_grad`` instead of inference mode
   (parameters gathered in inference mode could not be used by training afterwards).
 
-The config is built (and the arguments checked) in :mod:`~phalanx.strategies.deepspeed._config`, the engine in
-:mod:`~phalanx.strategies.deepspeed._engine`, checkpoints are read and written by
-:mod:`~phalanx.strategies.deepspeed._checkpoints`; ZeRO-3's model creation and evaluation are methods of the class.
+The config is built (and the arguments checked) in :mod:`~phalanx.strategies.deepspeed._config`, the optimizer handle
+and scheduler proxy live in :mod:`~phalanx.strategies.deepspeed._engine`, and checkpoints are read and written by a
+``_DeepSpeedCheckpoints`` the strategy owns (:mod:`~phalanx.strategies.deepspeed._checkpoints`).
 """
 
 from __future__ import annotations
