@@ -20,16 +20,6 @@ class CohortHabits:
     _callbacks: list[Any]
     _ensure_environment: Callable[[], None]
 
-    @property
-    def num_nodes(self) -> int:
-        """Number of nodes."""
-        return self._strategy.num_nodes
-
-    @property
-    def num_devices(self) -> int:
-        """Processes (devices) per node."""
-        return max(self._strategy.world_size // max(self._strategy.num_nodes, 1), 1)
-
     def to_device(self, obj: Any) -> Any:
         """``obj`` on this process's device: a module is moved in place (and returned), every tensor in a collection
         is copied."""

@@ -2,17 +2,13 @@
 
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.deepspeed import DeepSpeedStrategy
-from phalanx.strategies.fsdp import FSDPStrategy
-from phalanx.strategies.model_parallel import ModelParallelStrategy
+from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.xla import XLAStrategy
-from phalanx.strategies.xla_fsdp import XLAFSDPStrategy
-from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
-from phalanx.strategies.xla_spmd import XLASPMDStrategy
+from phalanx.strategies.xla import SingleDeviceXLAStrategy, XLAFSDPStrategy, XLASPMDStrategy, XLAStrategy
 
 __all__ = [
     "DDPStrategy",

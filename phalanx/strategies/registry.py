@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.deepspeed import DeepSpeedStrategy
-from phalanx.strategies.fsdp import FSDPStrategy
-from phalanx.strategies.model_parallel import ModelParallelStrategy
+from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.xla import XLAStrategy
-from phalanx.strategies.xla_fsdp import XLAFSDPStrategy
-from phalanx.strategies.xla_single_device import SingleDeviceXLAStrategy
-from phalanx.strategies.xla_spmd import XLASPMDStrategy
+from phalanx.strategies.xla import SingleDeviceXLAStrategy, XLAFSDPStrategy, XLASPMDStrategy, XLAStrategy
 from phalanx.utilities.registry import Registry
 
 STRATEGY_REGISTRY: Registry[Strategy] = Registry(

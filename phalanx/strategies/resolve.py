@@ -276,7 +276,7 @@ def refuse_non_xla_strategy(strategy_class: type, accelerator: Accelerator | Non
     or in a launcher that starts one process per device without torch_xla's runtime.
     """
     from phalanx.accelerators.xla import XLAAccelerator
-    from phalanx.strategies.xla_common import XLAStrategyMixin
+    from phalanx.strategies.xla._common import XLAStrategyMixin
 
     if not isinstance(accelerator, XLAAccelerator) or issubclass(strategy_class, XLAStrategyMixin):
         return

@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from phalanx.strategies.ddp import DDPStrategy
-from phalanx.strategies.fsdp import FSDPStrategy
-from phalanx.strategies.model_parallel import ModelParallelStrategy
+from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.testing import CHECKS, StrategyConformanceError, check_strategy, run_conformance
 
@@ -32,13 +31,13 @@ def _warm_imports():
 
 
 def _deepspeed(stage: int) -> Any:
-    from phalanx.strategies.deepspeed import DeepSpeedStrategy
+    from phalanx.strategies.deepspeed.strategy import DeepSpeedStrategy
 
     return DeepSpeedStrategy(stage=stage)
 
 
 def _deepspeed_available() -> bool:
-    from phalanx.strategies.deepspeed import deepspeed_available
+    from phalanx.strategies.deepspeed.strategy import deepspeed_available
 
     return deepspeed_available()
 

@@ -13,7 +13,12 @@ MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 MAX_COLUMNS = 120
 # The Trainer reads top to bottom: constructor, entry points, properties; the rest lives in modules with one job each.
-MAX_LINES = {"trainer/trainer.py": 450}
+MAX_LINES = {
+    "trainer/trainer.py": 450,
+    # DeepSpeedStrategy is one class in one module (issue 25): the engine and ZeRO-3 methods of its former mixins
+    # are its own; its checkpoints are read and written by a collaborator (deepspeed/_checkpoints.py).
+    "strategies/deepspeed/strategy.py": 700,
+}
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))
 
@@ -48,7 +53,7 @@ def test_files_and_functions_stay_short(path: Path) -> None:
 def test_the_size_check_sees_the_package() -> None:
     names = {_name(path) for path in SOURCES}
     assert {
-        "phalanx/strategies/deepspeed.py",
+        "phalanx/strategies/deepspeed/strategy.py",
         "phalanx/module.py",
         "phalanx/callbacks/model_checkpoint.py",
         "phalanx/trainer/trainer.py",

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from phalanx.strategies.checkpoint_conversion import single_optimizer_state, source_layout, split_group_state
+from phalanx.strategies.deepspeed._conversion import single_optimizer_state, source_layout, split_group_state
 from phalanx.utilities.exceptions import CheckpointError
 
 SOURCE, PATH, TARGET = "a single-file checkpoint", "/runs/step=5.ckpt", "DeepSpeed ZeRO stage 3 on 2 processes"

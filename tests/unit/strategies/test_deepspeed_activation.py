@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 import phalanx
-import phalanx.strategies.deepspeed as deepspeed_module
+import phalanx.strategies.deepspeed.strategy as deepspeed_module
 from phalanx.strategies import DeepSpeedStrategy, RunSettings
-from phalanx.strategies.deepspeed import CONFIG_ENV_VAR
-from phalanx.strategies.deepspeed_activation import configure_activation_checkpointing
+from phalanx.strategies.deepspeed._activation import configure_activation_checkpointing
+from phalanx.strategies.deepspeed.strategy import CONFIG_ENV_VAR
 
 
 @pytest.fixture(autouse=True)

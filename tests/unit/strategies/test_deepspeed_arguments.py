@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-import phalanx.strategies.deepspeed as deepspeed_module
+import phalanx.strategies.deepspeed.strategy as deepspeed_module
 from phalanx.plugins.precision import DeepSpeedPrecision
 from phalanx.strategies import DeepSpeedStrategy, RunSettings
-from phalanx.strategies.deepspeed_config import CONFIG_ENV_VAR
+from phalanx.strategies.deepspeed._config import CONFIG_ENV_VAR
 
 
 @pytest.fixture(autouse=True)

@@ -13,11 +13,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-import phalanx.strategies.deepspeed as deepspeed_module
+import phalanx.strategies.deepspeed.strategy as deepspeed_module
 from phalanx.optimization import init_optimizers_and_schedulers
 from phalanx.plugins.precision import DeepSpeedPrecision, HalfPrecision, MixedPrecision
 from phalanx.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, RunSettings
-from phalanx.strategies.deepspeed import CONFIG_ENV_VAR, DeepSpeedOptimizerHandle
+from phalanx.strategies.deepspeed.strategy import CONFIG_ENV_VAR, DeepSpeedOptimizerHandle
 from phalanx.trainer.data import DataSource
 from phalanx.trainer.evaluation_loop import check_equal_batches
 from phalanx.trainer.run_settings import train_batch_size

@@ -9,8 +9,8 @@ from torch import nn
 import phalanx
 from phalanx.plugins.precision import FSDPPrecision, MixedPrecision, Precision
 from phalanx.strategies import STRATEGY_REGISTRY, FSDPStrategy, ModelParallelStrategy
-from phalanx.strategies.fsdp import checkpoint_activations
-from phalanx.strategies.fsdp_seed_arguments import module_picker
+from phalanx.strategies.fsdp._fsdp1_arguments import module_picker
+from phalanx.strategies.fsdp.strategy import checkpoint_activations
 
 
 def test_registry_names_and_trainer_resolution():

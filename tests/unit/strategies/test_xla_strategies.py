@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from phalanx.accelerators import XLAAccelerator
+from phalanx.plugins.environments.xla import XLAEnvironment
 from phalanx.plugins.precision import MixedPrecision, XLAPrecision
 from phalanx.strategies import (
     STRATEGY_REGISTRY,
@@ -25,11 +26,10 @@ from phalanx.strategies import (
     XLASPMDStrategy,
     XLAStrategy,
 )
-from phalanx.strategies.launchers.xla import XLALauncher, _variables
-from phalanx.strategies.xla_collectives import _padded_length
-from phalanx.strategies.xla_common import DeviceLoader, holds_xla_tensors, to_cpu
-from phalanx.strategies.xla_environment import XLAEnvironment
-from phalanx.strategies.xla_spmd import partition_spec
+from phalanx.strategies.xla._collectives import _padded_length
+from phalanx.strategies.xla._common import DeviceLoader, holds_xla_tensors, to_cpu
+from phalanx.strategies.xla.launcher import XLALauncher, _variables
+from phalanx.strategies.xla.spmd import partition_spec
 from phalanx.utilities import rank_zero
 from phalanx.utilities.rank_zero import rank_zero_only, use_thread_rank
 
@@ -131,7 +131,8 @@ def test_xla_fsdp_refuses_half_precision_weights_at_setup(precision: str) -> Non
 def test_xla_fsdp_on_one_of_several_devices_is_refused_at_setup(
     monkeypatch: pytest.MonkeyPatch, host_devices: int, refused: bool
 ) -> None:
-    from phalanx.strategies import RunSettings, xla_fsdp
+    from phalanx.strategies import RunSettings
+    from phalanx.strategies.xla import fsdp as xla_fsdp
 
     monkeypatch.setattr(xla_fsdp, "local_device_count", lambda: host_devices)  # asking for real needs torch_xla
     strategy = XLAFSDPStrategy(accelerator=XLAAccelerator(), parallel_devices=[torch.device("xla", 0)])
@@ -148,7 +149,7 @@ def test_xla_fsdp_on_one_of_several_devices_is_refused_at_setup(
 def test_forwards_changed_by_activation_checkpointing_are_given_back() -> None:
     from types import MethodType
 
-    from phalanx.strategies.xla_fsdp_state import undo_activation_checkpointing
+    from phalanx.strategies.xla._fsdp_state import undo_activation_checkpointing
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
     changed = model[2]
@@ -165,7 +166,7 @@ def test_forwards_changed_by_activation_checkpointing_are_given_back() -> None:
 
 @pytest.mark.parametrize("threads", [True, False])
 def test_host_reads_take_turns_only_where_replicas_are_threads(monkeypatch: pytest.MonkeyPatch, threads: bool) -> None:
-    from phalanx.strategies import xla_collectives
+    from phalanx.strategies.xla import _collectives as xla_collectives
 
     monkeypatch.setattr(xla_collectives, "threads_share_process", lambda: threads)
     strategy = XLAStrategy()

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.precision.precision import Precision
 from phalanx.plugins.precision.xla import XLAPrecision
-from phalanx.strategies.xla_collectives import cut_graph, launch_turn
+from phalanx.strategies.xla._collectives import cut_graph, launch_turn
 from phalanx.utilities.apply import apply_to_tensors
 
 

@@ -1,19 +1,15 @@
-"""The DeepSpeed engine: how it is built for training or evaluation, the optimizer handle and scheduler proxy the loops
-see, and what the engine holds in memory."""
+"""What DeepSpeedStrategy builds its engine with (the optimizer to hand it), the optimizer handle and scheduler proxy
+the loops see, and what the engine holds in memory."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable
 
-import torch
 from torch import Tensor, nn
 
 from phalanx.optimization import LRSchedulerConfig
-from phalanx.strategies.deepspeed_config import partitioning_config
 from phalanx.strategies.settings import RunSettings
-from phalanx.utilities import distributed
-from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from phalanx.utilities.rank_zero import rank_zero_info
 
 
 class DeepSpeedOptimizerHandle:
@@ -149,99 +145,6 @@ def memory_footprint(module: nn.Module, engine: Any, engine_trains: bool) -> dic
     return {"parameters": parameters, "optimizer_states": states + masters, "master_weights": masters}
 
 
-class DeepSpeedEngineMixin:
-    """Building and releasing the engine, for ``DeepSpeedStrategy`` (which provides the module, the ranks and
-    ``_deepspeed()``)."""
-
-    _module: Any
-    _model: Any
-    _engine: Any
-    _engine_trains: bool
-    _accumulation: int
-    _updated_last_step: bool
-    _optimizer_restored: bool
-    _warned_backward_hook: bool
-    optimizers: list[Any]
-    lr_scheduler_configs: list[LRSchedulerConfig]
-
-    def _device_args(self) -> Any:
-        import argparse  # DeepSpeed reads the device index from an argparse namespace
-
-        index = self.root_device.index if self.root_device.type != "cpu" else None
-        return argparse.Namespace(device_rank=index if index is not None else self.local_rank)
-
-    def _initialize_training_engine(self, config: dict[str, Any], settings: RunSettings) -> None:
-        module = self._module
-        assert module is not None
-        if not self._warned_backward_hook and overrides(module, "backward"):
-            self._warned_backward_hook = True
-            rank_zero_warn(
-                f"{type(module).__name__}.backward is overridden, but under DeepSpeed the engine runs backward"
-                " (engine.backward(loss)); the override is not called."
-            )
-        optimizer, scheduler_configs = engine_optimizer(module, config, settings)
-        parameters = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
-        engine, ds_optimizer, _, ds_scheduler = self._deepspeed().initialize(
-            args=self._device_args(),
-            model=module,
-            optimizer=optimizer,
-            model_parameters=parameters,
-            config=config,
-            dist_init_required=False,
-        )
-        self._engine = engine
-        self._engine_trains = True
-        self._model = engine
-        self._optimizer_restored = False
-        self._updated_last_step = True
-        self.optimizers = [DeepSpeedOptimizerHandle(ds_optimizer)]
-        self.lr_scheduler_configs = scheduler_configs_for_engine(
-            scheduler_configs, ds_scheduler, self._accumulation, lambda: self._updated_last_step
-        )
-
-    def _initialize_evaluation(self, config: dict[str, Any]) -> None:
-        self.optimizers = []
-        self.lr_scheduler_configs = []
-        module = self._module
-        assert module is not None
-        if self.zero_stage == 3:
-            # Without an optimizer, ZeRO-3's engine only installs the hooks that gather each layer's parameters.
-            deepspeed = self._deepspeed()
-            inference_config = partitioning_config(config)
-            self._engine, *_ = deepspeed.initialize(
-                args=self._device_args(),
-                model=module,
-                config=inference_config,
-                model_parameters=[],
-                dist_init_required=False,
-            )
-            self._engine_trains = False
-            self._model = self._engine
-            return
-        # Stages 0-2 evaluate the plain module; every rank starts from rank 0's weights.
-        for tensor in module.state_dict().values():
-            distributed.run_collective(
-                "broadcast(weights)",
-                self.global_rank,
-                self._timeout,
-                partial(torch.distributed.broadcast, tensor, src=0),
-            )
-
-    def _release_engine(self) -> None:
-        engine, self._engine = self._engine, None
-        self._engine_trains = False
-        if engine is not None:
-            engine.destroy()  # removes ZeRO-3's module hooks before another engine installs its own
-
-    def _require_training_engine(self) -> Any:
-        if self._engine is None or not self._engine_trains:
-            raise RuntimeError(
-                "The DeepSpeed engine with its optimizer exists during and after fit; "
-                "call this while fitting (or after fit)."
-            )
-        return self._engine
-
-
 def partitioned_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters ZeRO-3 partitioned (it marks them with ``ds_id``)."""
     return [p for p in module.parameters() if hasattr(p, "ds_id")]
@@ -253,7 +156,6 @@ def tensor_bytes(tensor: Tensor) -> int:
 
 
 __all__ = [
-    "DeepSpeedEngineMixin",
     "DeepSpeedOptimizerHandle",
     "SchedulerProxy",
     "engine_optimizer",

@@ -16,13 +16,13 @@ import torch
 from torch import Tensor
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.plugins.environments.xla import XLAEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.xla_common import XLAParallelDevices, XLAStrategyMixin
-from phalanx.strategies.xla_environment import XLAEnvironment
+from phalanx.strategies.xla._common import XLAParallelDevices, XLAStrategyMixin
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.distributed import normalize_reduce_op
 from phalanx.utilities.rank_zero import set_global_rank

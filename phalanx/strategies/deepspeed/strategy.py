@@ -22,10 +22,9 @@ How DeepSpeed's differences reach the loops (which never look at the strategy's 
   (``strategy.requires_equal_batches``), and evaluation steps run under ``no_grad`` instead of inference mode
   (parameters gathered in inference mode could not be used by training afterwards).
 
-The config is built (and the arguments checked) in :mod:`~phalanx.strategies.deepspeed_config`, the engine in
-:mod:`~phalanx.strategies.deepspeed_engine`, checkpoints are read and written by
-:mod:`~phalanx.strategies.deepspeed_state`, and ZeRO-3's model creation and evaluation live in
-:mod:`~phalanx.strategies.deepspeed_zero3`.
+The config is built (and the arguments checked) in :mod:`~phalanx.strategies.deepspeed._config`, the optimizer handle
+and scheduler proxy live in :mod:`~phalanx.strategies.deepspeed._engine`, and checkpoints are read and written by a
+``_DeepSpeedCheckpoints`` the strategy owns (:mod:`~phalanx.strategies.deepspeed._checkpoints`).
 """
 
 from __future__ import annotations
@@ -34,8 +33,9 @@ import copy
 import importlib.util
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import Any, Callable, Iterator
 
 import torch
@@ -47,12 +47,13 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.formats.deepspeed import OPTIMIZER_MARKER
 from phalanx.plugins.precision.deepspeed import DEEPSPEED_PRECISIONS, DeepSpeedPrecision
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies.deepspeed_activation import (
+from phalanx.strategies.deepspeed._activation import (
     activation_settings,
     configure_activation_checkpointing,
     merge_activation_section,
 )
-from phalanx.strategies.deepspeed_config import (
+from phalanx.strategies.deepspeed._checkpoints import _DeepSpeedCheckpoints
+from phalanx.strategies.deepspeed._config import (
     CONFIG_ENV_VAR,
     checked_flag,
     checked_logging_batch_size,
@@ -60,19 +61,23 @@ from phalanx.strategies.deepspeed_config import (
     generated_config,
     load_config,
     micro_batch_size,
+    partitioning_config,
     zero_settings,
 )
-from phalanx.strategies.deepspeed_engine import (
-    DeepSpeedEngineMixin,
+from phalanx.strategies.deepspeed._engine import (
     DeepSpeedOptimizerHandle,
+    engine_optimizer,
     memory_footprint,
+    overrides,
     partitioned_parameters,
+    scheduler_configs_for_engine,
 )
-from phalanx.strategies.deepspeed_state import DeepSpeedCheckpointMixin
-from phalanx.strategies.deepspeed_zero3 import DeepSpeedZero3Mixin
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
+from phalanx.utilities import distributed
+from phalanx.utilities.init import empty_init_context
+from phalanx.utilities.rank_zero import rank_zero_warn
 from phalanx.utilities.registry import Registry
 
 INSTALL_HINT = "pip install 'phalanx[deepspeed]'"
@@ -96,7 +101,7 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpeedZero3Mixin, ParallelStrategy):
+class DeepSpeedStrategy(ParallelStrategy):
     """ZeRO data parallelism through DeepSpeed: stage 1 partitions optimizer states, 2 also gradients, 3 also
     parameters.
 
@@ -117,7 +122,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
         partition_activations, cpu_checkpointing, contiguous_memory_optimization, synchronize_checkpoint_boundary:
             DeepSpeed activation checkpointing (the config's ``activation_checkpointing`` section, handed to
             ``deepspeed.checkpointing.configure``); they apply where the model calls
-            ``deepspeed.checkpointing.checkpoint``. See :mod:`phalanx.strategies.deepspeed_activation`.
+            ``deepspeed.checkpointing.checkpoint``. See :mod:`phalanx.strategies.deepspeed._activation`.
         config: a full DeepSpeed config (dict, or path of a JSON file; default: the file named by
             ``PHALANX_DEEPSPEED_CONFIG_PATH``). It replaces the one built from the arguments above; the Trainer
             still fills in batch size, gradient accumulation, clipping and precision where the config leaves them out.
@@ -251,7 +256,7 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
         self._accumulation = 1
         self._window_open = False  # inside block_backward_sync: this batch does not end an accumulation window
         self._updated_last_step = True
-        self._optimizer_restored = False
+        self._checkpoints = _DeepSpeedCheckpoints(self)
         self._zero_init_active = False
         self._warned_backward_hook = False
 
@@ -348,14 +353,15 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
         """Convert the module and build the engine: with the optimizer when fitting, parameter gathering only for ZeRO-3
         evaluation."""
         self._begin_setup(settings)
-        assert self._module is not None
+        module = self._module
+        assert module is not None
         fitting = settings.fitting
         self._release_engine()
         if fitting and self._layer_sync is not None:
-            self._module = self._layer_sync.apply(self._module)
-        self._module = self.precision_plugin.convert_module(self._module)
-        self._model = self._module
-        if not partitioned_parameters(self._module):
+            module = self._layer_sync.apply(module)  # type: ignore[assignment]  # the same TrainingModule
+        module = self._module = self.precision_plugin.convert_module(module)
+        self._model = module
+        if not partitioned_parameters(module):
             self.model_to_device()
         config = self._config = self._build_config(settings)
         self._accumulation = int(config["gradient_accumulation_steps"])
@@ -372,6 +378,85 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
     def _deepspeed(self) -> Any:
         """The deepspeed package (imported on first use; the install hint if it is missing)."""
         return _import_deepspeed()
+
+    # ------------------------------------------------------------------ the engine
+    def _device_args(self) -> Any:
+        import argparse  # DeepSpeed reads the device index from an argparse namespace
+
+        index = self.root_device.index if self.root_device.type != "cpu" else None
+        return argparse.Namespace(device_rank=index if index is not None else self.local_rank)
+
+    def _initialize_training_engine(self, config: dict[str, Any], settings: RunSettings) -> None:
+        module = self._module
+        assert module is not None
+        if not self._warned_backward_hook and overrides(module, "backward"):
+            self._warned_backward_hook = True
+            rank_zero_warn(
+                f"{type(module).__name__}.backward is overridden, but under DeepSpeed the engine runs backward"
+                " (engine.backward(loss)); the override is not called."
+            )
+        optimizer, scheduler_configs = engine_optimizer(module, config, settings)
+        parameters = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
+        engine, ds_optimizer, _, ds_scheduler = self._deepspeed().initialize(
+            args=self._device_args(),
+            model=module,
+            optimizer=optimizer,
+            model_parameters=parameters,
+            config=config,
+            dist_init_required=False,
+        )
+        self._engine = engine
+        self._engine_trains = True
+        self._model = engine
+        self._checkpoints.optimizer_restored = False
+        self._updated_last_step = True
+        # The handle stands in for torch's Optimizer wherever the loops use one (step, zero_grad, state_dict).
+        self.optimizers = [DeepSpeedOptimizerHandle(ds_optimizer)]  # type: ignore[list-item]
+        self.lr_scheduler_configs = scheduler_configs_for_engine(
+            scheduler_configs, ds_scheduler, self._accumulation, lambda: self._updated_last_step
+        )
+
+    def _initialize_evaluation(self, config: dict[str, Any]) -> None:
+        self.optimizers = []
+        self.lr_scheduler_configs = []
+        module = self._module
+        assert module is not None
+        if self.zero_stage == 3:
+            # Without an optimizer, ZeRO-3's engine only installs the hooks that gather each layer's parameters.
+            deepspeed = self._deepspeed()
+            inference_config = partitioning_config(config)
+            self._engine, *_ = deepspeed.initialize(
+                args=self._device_args(),
+                model=module,
+                config=inference_config,
+                model_parameters=[],
+                dist_init_required=False,
+            )
+            self._engine_trains = False
+            self._model = self._engine
+            return
+        # Stages 0-2 evaluate the plain module; every rank starts from rank 0's weights.
+        for tensor in module.state_dict().values():
+            distributed.run_collective(
+                "broadcast(weights)",
+                self.global_rank,
+                self._timeout,
+                partial(torch.distributed.broadcast, tensor, src=0),
+            )
+
+    def _release_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        self._engine_trains = False
+        if engine is not None:
+            engine.destroy()  # removes ZeRO-3's module hooks before another engine installs its own
+
+    def _require_training_engine(self) -> Any:
+        if self._engine is None or not self._engine_trains:
+            raise RuntimeError(
+                "The DeepSpeed engine with its optimizer exists during and after fit; "
+                "call this while fitting (or after fit)."
+            )
+        return self._engine
 
     # ------------------------------------------------------------------ steps
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -435,6 +520,102 @@ class DeepSpeedStrategy(DeepSpeedEngineMixin, DeepSpeedCheckpointMixin, DeepSpee
     def wraps_module_with_optimizers(self) -> bool:
         """True: ``deepspeed.initialize`` builds one engine from the module and its optimizer."""
         return True
+
+    # ------------------------------------------------------------------ ZeRO-3: evaluation
+    @property
+    def pads_evaluation(self) -> bool:
+        """Under ZeRO-3 each forward pass gathers parameters: ranks must run equally many, so evaluation is padded."""
+        return self.zero_stage == 3
+
+    @property
+    def requires_equal_batches(self) -> bool:
+        """Under ZeRO-3 with parameters partitioned over several processes: each forward pass gathers them."""
+        return self.world_size > 1 and self._module is not None and bool(partitioned_parameters(self._module))
+
+    @property
+    def allows_inference_mode(self) -> bool:
+        """Not under ZeRO-3: it keeps some parameters it gathers between steps, and made in inference mode training
+        could never use them again."""
+        return self.zero_stage != 3
+
+    def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
+        if method == "training_step":
+            return super()._run_step(method, context, *args, **kwargs)
+        # Evaluation calls the module itself (ZeRO-3's hooks live on its submodules and still gather parameters).
+        with context:
+            return getattr(self._module, method)(*args, **kwargs)
+
+    # ------------------------------------------------------------------ ZeRO-3: creating the model
+    def _zero_init(self) -> AbstractContextManager:
+        """ZeRO-3: ``deepspeed.zero.Init``, which partitions each parameter as soon as it is created."""
+        if self.zero_stage != 3 or self._zero_init_active:
+            return nullcontext()
+        deepspeed = self._deepspeed()
+        config = partitioning_config(self.config)
+        for key, value in self._precision_config().items():
+            config.setdefault(key, value)
+        return self._flag_zero_init(
+            deepspeed.zero.Init(
+                remote_device=self.remote_device,
+                pin_memory=self._zero_settings["pin_memory"],
+                config_dict_or_path=config,
+            )
+        )
+
+    @contextmanager
+    def _flag_zero_init(self, context: AbstractContextManager) -> Iterator[None]:
+        self._zero_init_active = True
+        try:
+            with context:
+                yield
+        finally:
+            self._zero_init_active = False
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """As the base (device, dtype, ``empty_init``); under ZeRO-3 parameters are partitioned as they are created."""
+        with ExitStack() as stack:
+            if self.root_device.type != "cpu":
+                stack.enter_context(self.root_device)
+            stack.enter_context(empty_init_context(bool(empty_init)))
+            stack.enter_context(self.precision_plugin.tensor_init_context())
+            stack.enter_context(self._zero_init())
+            yield
+
+    def model_sharded_context(self) -> AbstractContextManager:
+        """Under ZeRO-3, ``configure_model`` creates parameters already partitioned across the processes."""
+        return self._zero_init()
+
+    # ------------------------------------------------------------------ checkpoints (read and written by _checkpoints)
+    def module_state_dict(self) -> dict[str, Any]:
+        """The module's full state dict on every rank (ZeRO-3 gathers the partitioned parameters for it)."""
+        return self._checkpoints.module_state_dict()
+
+    def load_full_weights(self, weights: dict[str, Any], strict: bool = True) -> None:
+        """Whole weights (a plain state dict, as ``Cohort.load_raw`` reads) into the module and, once the engine
+        trains, into ZeRO's full-precision partitions too."""
+        self._checkpoints.load_full_weights(weights, strict)
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Fitting: the engine loads weights and optimizer (converted when the checkpoint has another layout).
+        Otherwise: full weights."""
+        self._checkpoints.load_model_state(checkpoint, strict)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Nothing left to read: the engine restored its optimizer partitions with the weights
+        (``load_model_state_dict``)."""
+        self._checkpoints.check_optimizer_restored(checkpoint)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes its partitions through the CheckpointIO into a staging directory; rank 0 adds the
+        Trainer's state; the IO publishes it with ``.complete`` (see ``deepspeed._io``)."""
+        self._checkpoints.save(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any) -> dict[str, Any]:
+        """A DeepSpeed directory: the Trainer's state, read through the CheckpointIO (its weights stay in DeepSpeed's
+        files, see ``load_model_state_dict``); any other layout as the base reads it."""
+        state = self._checkpoints.load(checkpoint_path)
+        return state if state is not None else super().load_checkpoint(checkpoint_path)
 
     # ------------------------------------------------------------------ memory
     def memory_footprint(self) -> dict[str, int]:

@@ -3,7 +3,7 @@
 Each replica holds the whole model; gradients are averaged by an all-reduce inside the step's graph
 (``xm.reduce_gradients``) before the update and the hooks that precede it (clipping sees averaged gradients). On a TPU
 host the launcher starts one process per chip; on the PJRT CPU runtime it starts one process with one thread per
-device (see ``launchers/xla.py`` for what that means for the objects each replica uses).
+device (see ``xla/launcher.py`` for what that means for the objects each replica uses).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from torch.optim import Optimizer
 
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
+from phalanx.plugins.environments.xla import XLAEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies import xla_collectives as collectives
-from phalanx.strategies.launchers.xla import XLA_START_METHODS, XLALauncher
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.xla_common import XLAParallelDevices, XLAStrategyMixin, holds_xla_tensors, to_cpu
-from phalanx.strategies.xla_environment import XLAEnvironment
+from phalanx.strategies.xla import _collectives as collectives
+from phalanx.strategies.xla._common import XLAParallelDevices, XLAStrategyMixin, holds_xla_tensors, to_cpu
+from phalanx.strategies.xla.launcher import XLA_START_METHODS, XLALauncher
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.distributed import normalize_reduce_op
 from phalanx.utilities.rank_zero import set_global_rank

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from phalanx.strategies import xla_collectives as collectives
+from phalanx.strategies.xla import _collectives as collectives
 
 
 @dataclass

@@ -11,10 +11,10 @@ from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies.fsdp import is_sharded
+from phalanx.strategies.fsdp._sharded import ShardedStrategyMixin, check_state_dict_type
+from phalanx.strategies.fsdp.strategy import is_sharded
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
-from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.checks import is_int_at_least
 from phalanx.utilities.dtensor import has_dtensors, has_meta_tensors

@@ -130,7 +130,7 @@ def _run_here(
 def _run_replica(index: int, payload: tuple, results_path: str, settings: dict[str, Any]) -> None:
     import torch_xla.runtime as xr
 
-    from phalanx.strategies.xla_collectives import PeerReplicaFailed, join_replica_threads, threads_share_process
+    from phalanx.strategies.xla._collectives import PeerReplicaFailed, join_replica_threads, threads_share_process
     from phalanx.utilities.rank_zero import use_thread_rank
 
     barrier = None

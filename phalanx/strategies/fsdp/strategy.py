@@ -21,11 +21,11 @@ from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.fsdp import FSDPPrecision
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies import fsdp_seed_arguments as seed
-from phalanx.strategies.fsdp_seed_arguments import HYBRID_STRATEGIES, KEEP_GATHERED_AFTER_FORWARD, ModulePolicy
+from phalanx.strategies.fsdp import _fsdp1_arguments as seed
+from phalanx.strategies.fsdp._fsdp1_arguments import HYBRID_STRATEGIES, KEEP_GATHERED_AFTER_FORWARD, ModulePolicy
+from phalanx.strategies.fsdp._sharded import ShardedStrategyMixin, check_state_dict_type
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
-from phalanx.strategies.sharded import ShardedStrategyMixin, check_state_dict_type
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities import distributed
 from phalanx.utilities.dtensor import has_meta_tensors, is_dtensor

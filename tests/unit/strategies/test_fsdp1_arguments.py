@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import phalanx
 from phalanx.plugins.layer_sync import TorchSyncBatchNorm
 from phalanx.strategies import FSDPStrategy
-from phalanx.strategies import fsdp_seed_arguments as seed
-from phalanx.strategies.fsdp_seed_arguments import module_picker
+from phalanx.strategies.fsdp import _fsdp1_arguments as seed
+from phalanx.strategies.fsdp._fsdp1_arguments import module_picker
 from phalanx.utilities.dtensor import is_dtensor
 
 
@@ -178,8 +178,11 @@ def test_ignored_modules_become_fully_shards_ignored_params():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"use_orig_param": True}, r"unexpected keyword.*'use_orig_param'.*reshard_after_forward.*use_orig_params"),
-        ({"bucket_cap_mb": 25}, r"unexpected keyword.*'bucket_cap_mb'.*limit_all_gathers"),
+        (
+            {"use_orig_param": True},
+            r"unexpected keyword.*'use_orig_param'.*reshard_after_forward.*Lightning's FSDPStrategy: .*use_orig_params",
+        ),
+        ({"bucket_cap_mb": 25}, r"unexpected keyword.*'bucket_cap_mb'.*Lightning's FSDPStrategy: .*limit_all_gathers"),
     ],
 )
 def test_a_name_neither_fully_shard_nor_fsdp1_knows_is_refused_with_the_valid_names(kwargs, match):

@@ -27,13 +27,13 @@ from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.formats.layout import checkpoint_layout
 from phalanx.plugins.io.formats.xla_fsdp import ShardState, consolidate_xla_fsdp, read_own_pieces, write_sharded
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies import xla_collectives as collectives
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.xla import XLAStrategy
-from phalanx.strategies.xla_common import to_cpu
-from phalanx.strategies.xla_fsdp_state import ModuleTree, ShardedParameters, undo_activation_checkpointing
+from phalanx.strategies.xla import _collectives as collectives
+from phalanx.strategies.xla._common import to_cpu
+from phalanx.strategies.xla._fsdp_state import ModuleTree, ShardedParameters, undo_activation_checkpointing
+from phalanx.strategies.xla.replicas import XLAStrategy
 from phalanx.utilities.registry import Registry
 
 #: Options phalanx sets itself (the wrapper's other keyword arguments pass through).

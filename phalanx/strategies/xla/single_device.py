@@ -9,7 +9,7 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.xla_common import XLAStrategyMixin, xla_device
+from phalanx.strategies.xla._common import XLAStrategyMixin, xla_device
 from phalanx.utilities.registry import Registry
 
 

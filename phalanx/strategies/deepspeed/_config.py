@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from phalanx.strategies.deepspeed_activation import merge_activation_section
+from phalanx.strategies.deepspeed._activation import merge_activation_section
 from phalanx.strategies.settings import RunSettings
 from phalanx.utilities.rank_zero import rank_zero_info
 

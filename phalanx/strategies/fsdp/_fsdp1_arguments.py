@@ -1,6 +1,6 @@
-"""The FSDP1 arguments of Lightning's FSDPStrategy (the seed), mapped onto FSDP2's ``fully_shard``.
+"""The FSDP1 arguments of Lightning's FSDPStrategy, mapped onto FSDP2's ``fully_shard``.
 
-A script written for the seed passes ``torch.distributed.fsdp`` FSDP1 objects and keyword arguments: ``CPUOffload``,
+A script written for Lightning passes ``torch.distributed.fsdp`` FSDP1 objects and keyword arguments: ``CPUOffload``,
 ``MixedPrecision``, ``ShardingStrategy`` members, ``ModuleWrapPolicy`` or policy callables ``(module, recurse,
 nonwrapped_numel)``, ``process_group``, ``use_orig_params``, ... Each is translated here into what FSDP2 does; where
 FSDP2 has no equivalent, a warning (once per process, on rank zero) says what happens instead. ``torch.distributed``
@@ -263,9 +263,9 @@ def seed_keyword_arguments(kwargs: dict[str, Any], fully_shard_names: set[str]) 
     unknown = sorted(set(kwargs) - fully_shard_names - set(SEED_KEYWORD_ARGUMENTS))
     if unknown:
         raise TypeError(
-            f"FSDPStrategy got unexpected keyword argument(s) {unknown}; extra keyword arguments go to fully_shard, "
-            f"which accepts {sorted(fully_shard_names)}, or are FSDP1 arguments of the seed: "
-            f"{sorted(SEED_KEYWORD_ARGUMENTS)}."
+            f"FSDPStrategy got unexpected keyword argument(s) {unknown}. "
+            f"Extra keyword arguments go to fully_shard, which accepts {sorted(fully_shard_names)}, "
+            f"or are FSDP1 arguments of Lightning's FSDPStrategy: {sorted(SEED_KEYWORD_ARGUMENTS)}."
         )
     fully_shard_kwargs = {name: value for name, value in kwargs.items() if name in fully_shard_names}
     for name in SEED_KEYWORD_ARGUMENTS:
