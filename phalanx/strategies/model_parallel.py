@@ -136,11 +136,8 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             )
         super().connect(model)
 
-    def setup(self, settings: RunSettings) -> None:
-        """Check that configure_model parallelised the module, materialise meta tensors, create optimizers."""
-        self._begin_setup(settings)
-        module = self._module
-        assert module is not None
+    def prepare_module(self, module: torch.nn.Module, settings: RunSettings) -> torch.nn.Module:
+        """Convert the module and check that configure_model parallelised it."""
         module = self.precision_plugin.convert_module(module)
         self._module = module
         dp, _ = self.mesh_shape()
@@ -154,14 +151,15 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
                 "configure_model did not parallelise any parameter with self.device_mesh; the model would be"
                 " replicated without synchronisation."
             )
-        if has_meta_tensors(module):
-            self._materialize(module)
+        return module
+
+    def place_module(self, settings: RunSettings) -> None:
+        """Materialise meta tensors on the device, or move the module there."""
+        assert self._module is not None
+        if has_meta_tensors(self._module):
+            self._materialize(self._module)
         else:
             self.model_to_device()
-        self._model = module
-        if settings.fitting:
-            self.setup_optimizers(settings)
-        self.setup_precision_plugin()
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:

@@ -21,7 +21,8 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.forward_redirection import evaluation_grad_mode, redirect_forward
-from phalanx.strategies.settings import RunSettings, check_run_settings
+from phalanx.strategies.settings import RunSettings
+from phalanx.strategies.setup_steps import SetupSteps
 from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.init import empty_init_context
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-class Strategy(ABC):
+class Strategy(SetupSteps, ABC):
     """Base class of every strategy; composes an Accelerator, a Precision plugin and a CheckpointIO."""
 
     #: The precision plugins this strategy can run with (strategies that own mixed precision narrow it).
@@ -220,43 +221,6 @@ class Strategy(ABC):
         """Prepare the process: select the device (and, for parallel strategies, join the process group)."""
         assert self.accelerator is not None, "the Trainer attaches an accelerator before setup"
         self.accelerator.setup_device(self.root_device)
-
-    def setup(self, settings: RunSettings) -> None:
-        """Move the module to its device, apply the precision, and create the optimizers when ``settings.fitting``."""
-        self._begin_setup(settings)
-        assert self._module is not None
-        self._module = self.precision_plugin.convert_module(self._module)
-        self._model = self._module
-        self.model_to_device()
-        if settings.fitting:
-            self.setup_optimizers(settings)
-        self.setup_precision_plugin()
-
-    def _begin_setup(self, settings: RunSettings) -> None:
-        """What every ``setup`` does first: check its arguments, keep the settings, let the accelerator prepare."""
-        check_run_settings(type(self).__name__, settings)
-        if self.accelerator is None:
-            raise RuntimeError(
-                f"{type(self).__name__} has no accelerator: give it one (accelerator=...) before setup()."
-            )
-        if self._module is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() needs a module: call connect(module) first.")
-        self._run_settings = settings
-        self.accelerator.setup()
-
-    def setup_optimizers(self, settings: RunSettings) -> None:
-        """Create the optimizers and LR scheduler configs with ``settings.configure_optimizers`` (none without it)."""
-        factory = settings.configure_optimizers
-        if factory is None:
-            return
-        assert self._module is not None
-        self.optimizers, self.lr_scheduler_configs = factory(self._module)
-
-    def setup_precision_plugin(self) -> None:
-        """Let the precision plugin wrap the model, optimizers and schedulers."""
-        model, optimizers, _ = self.precision_plugin.connect(self.model, self.optimizers, self.lr_scheduler_configs)
-        self._model = model
-        self.optimizers = optimizers
 
     def teardown(self) -> None:
         """Release the device and plugins; the module and optimizers stay usable (e.g. for save_checkpoint)."""
