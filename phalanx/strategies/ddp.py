@@ -109,32 +109,32 @@ class DDPStrategy(ParallelStrategy):
         self._ddp_kwargs = kwargs
 
     # ------------------------------------------------------------------ wrapping
-    def setup(self, settings: RunSettings) -> None:
-        """Move, convert and (when fitting) wrap the module with ``configure_ddp``, then create the optimizers."""
-        self._begin_setup(settings)
-        assert self._module is not None
-        fitting = settings.fitting
-        if fitting and self._layer_sync is not None:
-            # LayerSync gives back this TrainingModule itself: only its batch-norm children are replaced.
-            self._module = self._layer_sync.apply(self._module)  # type: ignore[assignment]
-        assert self._module is not None
-        self._module = self.precision_plugin.convert_module(self._module)
-        self._model = self._module
-        self.model_to_device()
-        if fitting:
+    def prepare_module(self, module: torch.nn.Module, settings: RunSettings) -> torch.nn.Module:
+        """Apply the layer sync (when fitting), then convert the module."""
+        if settings.fitting and self._layer_sync is not None:
+            module = self._layer_sync.apply(module)
+        return super().prepare_module(module, settings)
+
+    def wrap_module(self, module: torch.nn.Module, settings: RunSettings) -> torch.nn.Module:
+        """Wrap with ``configure_ddp`` when fitting; evaluation runs unwrapped, from rank 0's weights."""
+        if settings.fitting:
             self.configure_ddp()
-            self.setup_optimizers(settings)
+            assert self._model is not None
+            return self._model
+        for tensor in module.state_dict().values():
+            distributed.run_collective(
+                "broadcast(weights)",
+                self.global_rank,
+                self._timeout,
+                partial(torch.distributed.broadcast, tensor, src=0),
+            )
+        return module
+
+    def wrap_module_and_optimizers(self, settings: RunSettings) -> None:
+        """Wrap, create the optimizers, then start model averaging (post-local SGD) when fitting."""
+        super().wrap_module_and_optimizers(settings)
+        if settings.fitting:
             self._enable_model_averaging()
-        else:
-            # Evaluation runs unwrapped; every rank starts from rank 0's weights.
-            for tensor in self._module.state_dict().values():
-                distributed.run_collective(
-                    "broadcast(weights)",
-                    self.global_rank,
-                    self._timeout,
-                    partial(torch.distributed.broadcast, tensor, src=0),
-                )
-        self.setup_precision_plugin()
 
     def configure_ddp(self) -> None:
         """Wrap ``self.module`` in DistributedDataParallel as ``self.model`` and register the comm hook (override to

@@ -7,6 +7,7 @@ else as explicit arguments of its methods.
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
@@ -215,25 +216,24 @@ class Strategy(ABC):
         """Context for reading device values on the host outside a step (checks at save points); nothing by default."""
         return nullcontext()
 
-    # ------------------------------------------------------------------ lifecycle
-    def setup_environment(self) -> None:
-        """Prepare the process: select the device (and, for parallel strategies, join the process group)."""
-        assert self.accelerator is not None, "the Trainer attaches an accelerator before setup"
-        self.accelerator.setup_device(self.root_device)
-
+    # ------------------------------------------------------------------ set-up: one fixed order of named steps
+    # check_setup -> prepare_module -> place_module -> wrap_module_and_optimizers (wrap_module, then setup_optimizers
+    # when fitting) -> setup_precision_plugin -> finish_setup. Strategies override the steps, never setup itself.
     def setup(self, settings: RunSettings) -> None:
-        """Move the module to its device, apply the precision, and create the optimizers when ``settings.fitting``."""
-        self._begin_setup(settings)
+        """Set the module up for a run in the fixed order of the steps; strategies override the steps, not this."""
+        self.check_setup(settings)
+        self._start_setup(settings)
         assert self._module is not None
-        self._module = self.precision_plugin.convert_module(self._module)
+        # A step may swap the module's layers but hands back the same TrainingModule the strategy connected.
+        self._module = self.prepare_module(self._module, settings)  # type: ignore[assignment]
         self._model = self._module
-        self.model_to_device()
-        if settings.fitting:
-            self.setup_optimizers(settings)
+        self.place_module(settings)
+        self.wrap_module_and_optimizers(settings)
         self.setup_precision_plugin()
+        self.finish_setup(settings)
 
-    def _begin_setup(self, settings: RunSettings) -> None:
-        """What every ``setup`` does first: check its arguments, keep the settings, let the accelerator prepare."""
+    def _start_setup(self, settings: RunSettings) -> None:
+        """Checks that no step may skip (the arguments, the composed parts), then the accelerator prepares."""
         check_run_settings(type(self).__name__, settings)
         if self.accelerator is None:
             raise RuntimeError(
@@ -244,6 +244,39 @@ class Strategy(ABC):
         self._run_settings = settings
         self.accelerator.setup()
 
+    def _begin_setup(self, settings: RunSettings) -> None:
+        """Deprecated: strategies no longer override ``setup``; override its steps (see docs/adding-a-strategy.md)."""
+        warnings.warn(
+            f"{type(self).__name__} calls Strategy._begin_setup, deprecated and removed in the next release. "
+            "Do not override setup(): override its steps instead"
+            " (check_setup, prepare_module, place_module, wrap_module, wrap_module_and_optimizers, finish_setup).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        self._start_setup(settings)
+
+    def check_setup(self, settings: RunSettings) -> None:
+        """Step 0, before anything changes: refuse settings or options this strategy cannot run (nothing by default)."""
+
+    def prepare_module(self, module: nn.Module, settings: RunSettings) -> nn.Module:
+        """Step 1, before placement: convert the module (precision, layer sync, sharding); returns the module to use."""
+        return self.precision_plugin.convert_module(module)
+
+    def place_module(self, settings: RunSettings) -> None:
+        """Step 2: put the module on its device (``model_to_device`` by default)."""
+        self.model_to_device()
+
+    def wrap_module_and_optimizers(self, settings: RunSettings) -> None:
+        """Step 3: ``wrap_module``, then the optimizers when fitting (override both where one engine needs both)."""
+        assert self._module is not None
+        self._model = self.wrap_module(self._module, settings)
+        if settings.fitting:
+            self.setup_optimizers(settings)
+
+    def wrap_module(self, module: nn.Module, settings: RunSettings) -> nn.Module:
+        """The module that the steps run through (a wrapper such as DistributedDataParallel); ``module`` by default."""
+        return module
+
     def setup_optimizers(self, settings: RunSettings) -> None:
         """Create the optimizers and LR scheduler configs with ``settings.configure_optimizers`` (none without it)."""
         factory = settings.configure_optimizers
@@ -253,11 +286,20 @@ class Strategy(ABC):
         self.optimizers, self.lr_scheduler_configs = factory(self._module)
 
     def setup_precision_plugin(self) -> None:
-        """Let the precision plugin wrap the model, optimizers and schedulers."""
+        """Step 4: let the precision plugin wrap the model, optimizers and schedulers."""
         assert self.model is not None
         model, optimizers, _ = self.precision_plugin.connect(self.model, self.optimizers, self.lr_scheduler_configs)
         self._model = model
         self.optimizers = optimizers
+
+    def finish_setup(self, settings: RunSettings) -> None:
+        """Step 5, last: anything that needs the finished set-up (e.g. joining a swarm with the optimizers)."""
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup_environment(self) -> None:
+        """Prepare the process: select the device (and, for parallel strategies, join the process group)."""
+        assert self.accelerator is not None, "the Trainer attaches an accelerator before setup"
+        self.accelerator.setup_device(self.root_device)
 
     def teardown(self) -> None:
         """Release the device and plugins; the module and optimizers stay usable (e.g. for save_checkpoint)."""

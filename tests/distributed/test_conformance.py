@@ -15,9 +15,18 @@ from typing import Any
 import pytest
 import torch
 
-from phalanx.strategies.ddp import DDPStrategy
-from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
-from phalanx.strategies.single_device import SingleDeviceStrategy
+from phalanx.strategies import (
+    STRATEGY_REGISTRY,
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    SingleDeviceXLAStrategy,
+    XLAFSDPStrategy,
+    XLASPMDStrategy,
+    XLAStrategy,
+)
 from phalanx.testing import CHECKS, StrategyConformanceError, check_strategy, run_conformance
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
@@ -43,20 +52,48 @@ def _deepspeed_available() -> bool:
 
 
 # ---------------------------------------------------------------------------- every built-in strategy passes
-# (make_strategy, processes, the checks that have nothing to verify there and are skipped)
+# How to run each registered built-in class: (make_strategy, processes, the checks that have nothing to verify there
+# and are skipped, id). The list of classes comes from the registry: a new built-in without an entry here fails.
+RUNS: dict[type, list[tuple[Any, int, set[str], str]]] = {
+    SingleDeviceStrategy: [(SingleDeviceStrategy, 1, {"no_sync"}, "single_device-1")],
+    DDPStrategy: [(DDPStrategy, 1, {"no_sync"}, "ddp-1"), (DDPStrategy, 2, set(), "ddp-2")],
+    FSDPStrategy: [
+        (FSDPStrategy, 2, set(), "fsdp-2"),
+        (partial(FSDPStrategy, state_dict_type="sharded"), 2, set(), "fsdp_sharded_checkpoints-2"),
+    ],
+    # tensor parallel: both ranks read the same data
+    ModelParallelStrategy: [(ModelParallelStrategy, 2, {"no_sync"}, "model_parallel-2")],
+    # accumulates itself
+    DeepSpeedStrategy: [
+        (partial(_deepspeed, stage), 2, {"no_sync"}, f"deepspeed_stage_{stage}-2") for stage in (1, 2, 3)
+    ],
+}
+# Built-ins that need torch_xla: the XLA tier (tests/xla) runs them.
+XLA_TIER = {SingleDeviceXLAStrategy, XLAStrategy, XLASPMDStrategy, XLAFSDPStrategy}
+
+
+def _built_in_classes() -> list[type]:
+    classes = {STRATEGY_REGISTRY.get_class(name) for name in STRATEGY_REGISTRY.available()}
+    built_in = {cls for cls in classes if isinstance(cls, type) and cls.__module__.startswith("phalanx.strategies.")}
+    return sorted(built_in - XLA_TIER, key=lambda cls: cls.__name__)
+
+
+def _no_run(cls: type) -> Any:
+    def fail() -> Any:
+        raise AssertionError(f"{cls.__name__} is registered but has no entry in RUNS: say how the kit runs it.")
+
+    return fail
+
+
 BUILT_IN = [
-    pytest.param(SingleDeviceStrategy, 1, {"no_sync"}, id="single_device-1"),
-    pytest.param(DDPStrategy, 1, {"no_sync"}, id="ddp-1"),
-    pytest.param(DDPStrategy, 2, set(), id="ddp-2"),
-    pytest.param(FSDPStrategy, 2, set(), id="fsdp-2"),
-    pytest.param(partial(FSDPStrategy, state_dict_type="sharded"), 2, set(), id="fsdp_sharded_checkpoints-2"),
-    pytest.param(
-        ModelParallelStrategy, 2, {"no_sync"}, id="model_parallel-2"
-    ),  # tensor parallel: both ranks read the same data
-    *[
-        pytest.param(partial(_deepspeed, stage), 2, {"no_sync"}, id=f"deepspeed_stage_{stage}-2") for stage in (1, 2, 3)
-    ],  # accumulates itself
+    pytest.param(make, processes, skipped, id=name)
+    for cls in _built_in_classes()
+    for make, processes, skipped, name in RUNS.get(cls, [(_no_run(cls), 1, set(), f"{cls.__name__}-missing")])
 ]
+
+
+def test_every_registered_built_in_has_a_run():
+    assert _built_in_classes() == sorted(RUNS, key=lambda cls: cls.__name__)
 
 
 @pytest.mark.parametrize(("make_strategy", "processes", "not_applicable"), BUILT_IN)

@@ -18,6 +18,9 @@ MAX_LINES = {
     # DeepSpeedStrategy is one class in one module (issue 25): the engine and ZeRO-3 methods of its former mixins
     # are its own; its checkpoints are read and written by a collaborator (deepspeed/_checkpoints.py).
     "strategies/deepspeed/strategy.py": 700,
+    # The Strategy contract reads in one place: its set-up order with every named step beside the rest of the base
+    # class, rather than a mixin that would have to stub the attributes it reads.
+    "strategies/strategy.py": 560,
 }
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))

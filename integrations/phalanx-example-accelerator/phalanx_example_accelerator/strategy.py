@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from phalanx.strategies import RunSettings, SingleDeviceStrategy
 from phalanx_example_accelerator.accelerator import ExampleCPUAccelerator
 
@@ -17,10 +19,10 @@ class ExampleStrategy(SingleDeviceStrategy):
         super().__init__(*args, **kwargs)
         self.settings: list[RunSettings] = []
 
-    def setup(self, settings: RunSettings) -> None:
-        """Keep the run's settings (what a real strategy would read its options from), then set up as usual."""
+    def prepare_module(self, module: nn.Module, settings: RunSettings) -> nn.Module:
+        """Keep the run's settings (what a real strategy would read its options from), then prepare as usual."""
         self.settings.append(settings)
-        super().setup(settings)
+        return super().prepare_module(module, settings)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:

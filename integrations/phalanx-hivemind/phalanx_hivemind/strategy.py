@@ -187,8 +187,8 @@ class HivemindStrategy(SingleDeviceStrategy):
         _check_precision(precision)
         return super().precision_plugin_for(precision, accelerator)
 
-    def setup(self, settings: RunSettings) -> None:
-        """Place the module; when fitting, wrap its optimizer in a ``hivemind.Optimizer`` bound to the swarm."""
+    def check_setup(self, settings: RunSettings) -> None:
+        """Refuse what the swarm cannot run: loss scaling, accumulate_grad_batches."""
         _check_precision(self.precision_plugin.precision)
         if settings.fitting and settings.accumulate_grad_batches != 1:
             raise ValueError(
@@ -196,7 +196,9 @@ class HivemindStrategy(SingleDeviceStrategy):
                 " swarm accumulates gradients until target_batch_size samples. Remove accumulate_grad_batches and"
                 " set target_batch_size."
             )
-        super().setup(settings)
+
+    def finish_setup(self, settings: RunSettings) -> None:
+        """When fitting, wrap the optimizer in a ``hivemind.Optimizer`` bound to the swarm."""
         if settings.fitting:
             self._join_swarm()
 

@@ -349,31 +349,31 @@ class DeepSpeedStrategy(ParallelStrategy):
         deepspeed.init_distributed(dist_backend=self.process_group_backend, dist_init_required=False)
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, settings: RunSettings) -> None:
-        """Convert the module and build the engine: with the optimizer when fitting, parameter gathering only for ZeRO-3
-        evaluation."""
-        self._begin_setup(settings)
-        module = self._module
-        assert module is not None
-        fitting = settings.fitting
+    def prepare_module(self, module: nn.Module, settings: RunSettings) -> nn.Module:
+        """Release the previous run's engine, apply the layer sync (when fitting), then convert the module."""
         self._release_engine()
-        if fitting and self._layer_sync is not None:
-            module = self._layer_sync.apply(module)  # type: ignore[assignment]  # the same TrainingModule
-        module = self._module = self.precision_plugin.convert_module(module)
-        self._model = module
-        if not partitioned_parameters(module):
+        if settings.fitting and self._layer_sync is not None:
+            module = self._layer_sync.apply(module)
+        return super().prepare_module(module, settings)
+
+    def place_module(self, settings: RunSettings) -> None:
+        """Move the module to the device unless ZeRO-3 partitioned its parameters already."""
+        assert self._module is not None
+        if not partitioned_parameters(self._module):
             self.model_to_device()
+
+    def wrap_module_and_optimizers(self, settings: RunSettings) -> None:
+        """Build the engine: with the optimizer when fitting, parameter gathering only for ZeRO-3 evaluation."""
         config = self._config = self._build_config(settings)
         self._accumulation = int(config["gradient_accumulation_steps"])
         self.precision_plugin.engine_gradient_clipping = float(  # type: ignore[attr-defined]  # precision_plugin_type
             config.get("gradient_clipping") or 0.0
         )
-        if fitting:
+        if settings.fitting:
             self._initialize_training_engine(config, settings)
             configure_activation_checkpointing(self._deepspeed(), config)
         else:
             self._initialize_evaluation(config)
-        self.setup_precision_plugin()
 
     def _deepspeed(self) -> Any:
         """The deepspeed package (imported on first use; the install hint if it is missing)."""

@@ -139,13 +139,10 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             )
         super().connect(model)
 
-    def setup(self, settings: RunSettings) -> None:
-        """Check that configure_model parallelised the module, materialise meta tensors, create optimizers."""
-        self._begin_setup(settings)
-        module = self._module
-        assert module is not None
+    def prepare_module(self, module: torch.nn.Module, settings: RunSettings) -> torch.nn.Module:
+        """Convert the module and check that configure_model parallelised it."""
         module = self.precision_plugin.convert_module(module)
-        self._module = module
+        self._module = module  # type: ignore[assignment]  # the connected TrainingModule, converted in place
         dp, _ = self.mesh_shape()
         if dp > 1 and not is_sharded(module):
             raise ValueError(
@@ -157,14 +154,15 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
                 "configure_model did not parallelise any parameter with self.device_mesh; the model would be"
                 " replicated without synchronisation."
             )
-        if has_meta_tensors(module):
-            self._materialize(module)
+        return module
+
+    def place_module(self, settings: RunSettings) -> None:
+        """Materialise meta tensors on the device, or move the module there."""
+        assert self._module is not None
+        if has_meta_tensors(self._module):
+            self._materialize(self._module)
         else:
             self.model_to_device()
-        self._model = module
-        if settings.fitting:
-            self.setup_optimizers(settings)
-        self.setup_precision_plugin()
 
     @classmethod
     def register_strategies(cls, registry: Registry[Strategy]) -> None:

@@ -270,35 +270,28 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
                         else:
                             table[name] = tensor.to(device)  # type: ignore[assignment]  # a buffer's table
 
-    def setup(self, settings: RunSettings) -> None:
-        """Shard the module in host memory (unless configure_model did), materialise meta tensors, create optimizers.
+    def prepare_module(self, module: nn.Module, settings: RunSettings) -> nn.Module:
+        """Shard the module in host memory (unless configure_model did), then materialise meta tensors.
 
         Nothing is moved whole to the device first: ``fully_shard`` moves each group's tensors as it shards them.
         """
-        self._begin_setup(settings)
-        module = self._module
-        assert module is not None
         if not is_sharded(module):
             if settings.fitting and self._layer_sync is not None:
                 # Before sharding, so that the synchronised layers' parameters are sharded like any other.
-                module = self._layer_sync.apply(module)  # type: ignore[assignment]  # the same TrainingModule
+                module = self._layer_sync.apply(module)
             module = self.precision_plugin.convert_module(module)
-            self._module = module
+            self._module = module  # type: ignore[assignment]  # the connected TrainingModule, converted in place
             self._broadcast_from_rank_zero(module)
             self._apply_activation_checkpointing(module)
             self._shard(module)
             self._sharded_by_strategy = module
         else:
             self._check_presharded(module)
-            self._module = module = self.precision_plugin.convert_module(module)
+            module = self.precision_plugin.convert_module(module)
+            self._module = module  # type: ignore[assignment]  # the connected TrainingModule, converted in place
         if has_meta_tensors(module):
             self._materialize(module)
-        self.model_to_device()
-        self._model = module
-        if settings.fitting:
-            # After sharding: the optimizers must hold the sharded parameters.
-            self.setup_optimizers(settings)
-        self.setup_precision_plugin()
+        return module
 
     def _check_presharded(self, module: nn.Module) -> None:
         if module is self._sharded_by_strategy:

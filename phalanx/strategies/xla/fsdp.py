@@ -133,9 +133,8 @@ class XLAFSDPStrategy(XLAStrategy):
         self._shards: ShardedParameters | None = None
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, settings: RunSettings) -> None:
-        """Place the module, build the optimizers on its parameters, wrap it, then point them at the shards."""
-        self._begin_setup(settings)
+    def check_setup(self, settings: RunSettings) -> None:
+        """Refuse what torch_xla's wrapper cannot run."""
         if self.layer_sync is not None:
             raise ValueError("sync_batchnorm=True (or a LayerSync plugin) is not supported by XLAFSDPStrategy.")
         if self.precision_plugin.precision == "bf16-true":
@@ -159,12 +158,16 @@ class XLAFSDPStrategy(XLAStrategy):
                 " one process (torch_xla's CPU runtime with several devices): torch_xla's recomputation fails there."
                 " Run one replica per process (as on TPU), or leave the policy out."
             )
-        assert self._module is not None
-        self._module = self.precision_plugin.convert_module(self._module)
-        self._model = self._module
+
+    def place_module(self, settings: RunSettings) -> None:
+        """Move the module to the device, then make the replicas equal."""
         self.model_to_device()
         if self._sync_module_states and self.world_size > 1:
             self._broadcast_module_states()
+
+    def wrap_module_and_optimizers(self, settings: RunSettings) -> None:
+        """Build the optimizers on the whole parameters, wrap the module, then point the optimizers at the shards."""
+        assert self._module is not None
         if settings.fitting:
             self.setup_optimizers(settings)  # on the whole parameters: the module's own configure_optimizers
         tree = ModuleTree.of(self._module)
@@ -172,7 +175,6 @@ class XLAFSDPStrategy(XLAStrategy):
         self._shards = ShardedParameters.of(self._model, tree, rank=self.global_rank, world_size=self.world_size)
         for optimizer in self.optimizers:
             self._shards.point_at_shards(optimizer)
-        self.setup_precision_plugin()
 
     def _broadcast_module_states(self) -> None:
         super()._broadcast_module_states()

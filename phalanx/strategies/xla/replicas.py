@@ -136,23 +136,19 @@ class XLAStrategy(XLAParallelDevices, XLAStrategyMixin, ParallelStrategy):
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     # ------------------------------------------------------------------ set-up and steps
-    def setup(self, settings: RunSettings) -> None:
-        """Convert and place the module, make the replicas equal, then build the optimizers (when fitting)."""
-        self._begin_setup(settings)
+    def check_setup(self, settings: RunSettings) -> None:
+        """Refuse a layer sync: it needs a torch.distributed process group."""
         if self.layer_sync is not None:
             raise ValueError(
                 "sync_batchnorm=True (or a LayerSync plugin) is not supported by XLAStrategy: torch's SyncBatchNorm"
                 " needs a torch.distributed process group. Remove it, or normalise with the local batch's statistics."
             )
-        assert self._module is not None
-        self._module = self.precision_plugin.convert_module(self._module)
-        self._model = self._module
+
+    def place_module(self, settings: RunSettings) -> None:
+        """Move the module to the device, then make the replicas equal."""
         self.model_to_device()
         if self._sync_module_states and self.world_size > 1:
             self._broadcast_module_states()
-        if settings.fitting:
-            self.setup_optimizers(settings)
-        self.setup_precision_plugin()
 
     def _broadcast_module_states(self) -> None:
         import torch_xla.core.xla_model as xm

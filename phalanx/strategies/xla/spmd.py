@@ -145,22 +145,18 @@ class XLASPMDStrategy(XLAParallelDevices, XLAStrategyMixin, ParallelStrategy):
         Strategy.setup_environment(self)
 
     # ------------------------------------------------------------------ set-up
-    def setup(self, settings: RunSettings) -> None:
-        """Place the module, shard its parameters (with 'fsdp'), then build the optimizers (when fitting)."""
-        self._begin_setup(settings)
+    def check_setup(self, settings: RunSettings) -> None:
+        """Refuse a layer sync: the compiler computes statistics over the global batch already."""
         if self.layer_sync is not None:
             raise ValueError(
                 "sync_batchnorm=True is not supported by XLASPMDStrategy: batch statistics are computed over the global"
                 " batch already (the compiler shards the computation)."
             )
-        assert self._module is not None
-        self._module = self.precision_plugin.convert_module(self._module)
-        self._model = self._module
+
+    def place_module(self, settings: RunSettings) -> None:
+        """Move the module to the device, then shard its parameters (with 'fsdp')."""
         self.model_to_device()
         self.shard_parameters()
-        if settings.fitting:
-            self.setup_optimizers(settings)
-        self.setup_precision_plugin()
 
     def shard_parameters(self) -> None:
         """Annotate each parameter with its sharding ('fsdp'), or leave it whole on every device ('replicated')."""
