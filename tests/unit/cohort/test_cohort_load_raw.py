@@ -1,5 +1,5 @@
 """Cohort.load_raw: a plain torch.save(model.state_dict()) file into the set-up module (one process here; the sharded
-strategies in tests/distributed/test_cohort_habits.py)."""
+strategies in tests/distributed/test_cohort_habits_processes.py)."""
 
 from __future__ import annotations
 
