@@ -1,4 +1,4 @@
-"""Sharding dataloaders across ranks (:mod:`phalanx.trainer.prediction_order` puts distributed predictions back in
+"""Sharding dataloaders across ranks (:mod:`phalanx.trainer.loops.prediction_order` puts distributed predictions back in
 dataset order).
 
 Everything here is pure and single-process: a sampler is told its ``num_replicas`` and ``rank`` (or reads them from an

@@ -29,9 +29,9 @@ from phalanx.trainer.argument_checks import (
     refuse_not_integrated,
     resolve_root_dir,
 )
-from phalanx.trainer.barebones import check_barebones
-from phalanx.trainer.data import validate_limit
-from phalanx.trainer.loggers_and_callbacks import build_callbacks, build_loggers
+from phalanx.trainer.logging.barebones import check_barebones
+from phalanx.trainer.logging.loggers_and_callbacks import build_callbacks, build_loggers
+from phalanx.trainer.loops.data import validate_limit
 from phalanx.trainer.preemption import Preemption
 from phalanx.utilities.enums import GradClipAlgorithmType
 from phalanx.utilities.messages import reject_class, shown

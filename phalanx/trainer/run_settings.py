@@ -9,7 +9,7 @@ from phalanx.strategies.settings import RunSettings
 from phalanx.trainer.state import TrainerFn
 
 if TYPE_CHECKING:
-    from phalanx.trainer.data import DataSource
+    from phalanx.trainer.loops.data import DataSource
     from phalanx.trainer.trainer import Trainer
 
 

@@ -16,17 +16,17 @@ import torch
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.strategies.migration import refuse_trainer_launcher
-from phalanx.trainer.data import DataSource, limited_batches, prepare_dataloader
-from phalanx.trainer.evaluation_loop import (
+from phalanx.trainer.logging.loggers_and_callbacks import agree_on_log_versions, merge_module_callbacks
+from phalanx.trainer.loops.data import DataSource, limited_batches, prepare_dataloader
+from phalanx.trainer.loops.evaluation_loop import (
     print_results,
     run_evaluation,
     run_prediction,
     sanity_check,
     split_by_dataloader,
 )
-from phalanx.trainer.fit_data import prepare_fit_data
-from phalanx.trainer.loggers_and_callbacks import agree_on_log_versions, merge_module_callbacks
-from phalanx.trainer.optimizer import prepare_optimization
+from phalanx.trainer.loops.fit_data import prepare_fit_data
+from phalanx.trainer.loops.optimizer import prepare_optimization
 from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.spawn_state import TrainerWorkerState
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerStatus

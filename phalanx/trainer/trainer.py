@@ -3,7 +3,7 @@
 The constructor resolves its arguments (:mod:`phalanx.trainer.arguments`) and builds the strategy
 (:mod:`phalanx.strategies.resolve`); each entry point checks what it was given and runs its stage
 (:mod:`phalanx.trainer.stages`: set-up, the fit loop or an evaluation loop, teardown). What ``self.log`` produced is
-published through :mod:`phalanx.trainer.logged_metrics`.
+published through :mod:`phalanx.trainer.logging.metrics`.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from phalanx.strategies.strategy import Strategy
 from phalanx.trainer import arguments
 from phalanx.trainer.argument_checks import RENAMED_TRAINER_ATTRIBUTES
 from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, apply_process_switches, resolve_arguments
-from phalanx.trainer.barebones import BarebonesResults
 from phalanx.trainer.checkpoint import CheckpointConnector
-from phalanx.trainer.data import DataSource, prepare_dataloader
-from phalanx.trainer.fit_data import prepare_train_data
-from phalanx.trainer.fit_loop import FitLoop
 from phalanx.trainer.hooks import HookTable
-from phalanx.trainer.logged_metrics import LoggedMetrics
-from phalanx.trainer.logged_results import LoggedResults
-from phalanx.trainer.nonfinite import check_nonfinite_mode
-from phalanx.trainer.optimizer import ManualOptimizer
+from phalanx.trainer.logging.barebones import BarebonesResults
+from phalanx.trainer.logging.metrics import LoggedMetrics
+from phalanx.trainer.logging.results import LoggedResults
+from phalanx.trainer.loops.data import DataSource, prepare_dataloader
+from phalanx.trainer.loops.fit_data import prepare_train_data
+from phalanx.trainer.loops.fit_loop import FitLoop
+from phalanx.trainer.loops.nonfinite import check_nonfinite_mode
+from phalanx.trainer.loops.optimizer import ManualOptimizer
 from phalanx.trainer.preemption import PREEMPTED_EXIT_CODE, Preemption
 from phalanx.trainer.stages import (
     check_datamodule,
@@ -57,7 +57,8 @@ class Trainer(DeviceProperties):
     The arguments mean what they mean in Lightning's Trainer; each is checked here, and a bad value raises a
     TypeError or ValueError naming the argument, the value and the valid choices (``logger=None`` is the default
     logger, as in Lightning; ``overfit_batches`` and ``reload_dataloaders_every_n_epochs``: see
-    :mod:`phalanx.trainer.fit_data`; ``barebones``: see :mod:`phalanx.trainer.barebones`). Beyond Lightning:
+    :mod:`phalanx.trainer.loops.fit_data`; ``barebones``: see :mod:`phalanx.trainer.logging.barebones`).
+    Beyond Lightning:
 
     Args:
         preemption: True (default) saves a checkpoint and stops on SIGTERM/SIGUSR1-like signals (see

@@ -61,7 +61,7 @@ def test_the_size_check_sees_the_package() -> None:
         "phalanx/callbacks/model_checkpoint.py",
         "phalanx/trainer/trainer.py",
         "phalanx/trainer/arguments.py",
-        "phalanx/trainer/logged_metrics.py",
+        "phalanx/trainer/logging/metrics.py",
         "phalanx/cohort/cohort.py",
     } <= names
 

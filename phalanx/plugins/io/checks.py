@@ -20,7 +20,7 @@ from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.hparams import is_plain
 from phalanx.utilities.rank_zero import rank_zero_warn
 
-#: Where the fit loop was inside an epoch when the checkpoint was taken (see phalanx.trainer.fit_loop).
+#: Where the fit loop was inside an epoch when the checkpoint was taken (see phalanx.trainer.loops.fit_loop).
 LOOP_PHASES = ("batches", "batch_end", "validated", "ended")
 
 # State entries that torch's built-in optimizers keep with the shape of their parameter.

@@ -28,7 +28,7 @@ from phalanx.data.distributed import (
     distributed_dataloader,
     with_sampler,
 )
-from phalanx.trainer.prediction_order import batch_indices, reassemble_predictions
+from phalanx.trainer.loops.prediction_order import batch_indices, reassemble_predictions
 
 
 class Indices(Dataset):

@@ -18,8 +18,8 @@ from phalanx.optimization import init_optimizers_and_schedulers
 from phalanx.plugins.precision import DeepSpeedPrecision, HalfPrecision, MixedPrecision
 from phalanx.strategies import STRATEGY_REGISTRY, DeepSpeedStrategy, RunSettings
 from phalanx.strategies.deepspeed.strategy import CONFIG_ENV_VAR, DeepSpeedOptimizerHandle
-from phalanx.trainer.data import DataSource
-from phalanx.trainer.evaluation_loop import check_equal_batches
+from phalanx.trainer.loops.data import DataSource
+from phalanx.trainer.loops.evaluation_loop import check_equal_batches
 from phalanx.trainer.run_settings import train_batch_size
 
 NAMES = {

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.trainer.optimizer import ManualOptimizer
+from phalanx.trainer.loops.optimizer import ManualOptimizer
 
 
 @pytest.mark.parametrize(

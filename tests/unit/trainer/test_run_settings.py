@@ -13,7 +13,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 import phalanx
 from phalanx.accelerators import CPUAccelerator
 from phalanx.strategies import RunSettings, SingleDeviceStrategy
-from phalanx.trainer.data import DataSource
+from phalanx.trainer.loops.data import DataSource
 from phalanx.trainer.run_settings import train_batch_size
 
 

@@ -74,7 +74,7 @@ SCHEDULES = [
 
 @pytest.mark.parametrize(("schedule", "loop", "is_last", "after_batch", "at_epoch_end"), SCHEDULES)
 def test_validation_due_after_a_batch_and_at_the_epoch_end(schedule, loop, is_last, after_batch, at_epoch_end):
-    from phalanx.trainer.fit_data import epoch_end_validation_due, val_check_due
+    from phalanx.trainer.loops.fit_data import epoch_end_validation_due, val_check_due
 
     assert val_check_due(schedule, loop, is_last=is_last) is after_batch
     assert epoch_end_validation_due(schedule, loop) is at_epoch_end

@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor
 
-from phalanx.trainer.data import empty_data_reason, iterate_from
-from phalanx.trainer.evaluation_loop import run_validation_during_fit
-from phalanx.trainer.fit_data import epoch_end_validation_due, reload_train_data_if_due, val_check_due
-from phalanx.trainer.nonfinite import NonFiniteLossCheck, SkippedBatch
-from phalanx.trainer.optimizer import call_step_hook, step_schedulers
+from phalanx.trainer.loops.data import empty_data_reason, iterate_from
+from phalanx.trainer.loops.evaluation_loop import run_validation_during_fit
+from phalanx.trainer.loops.fit_data import epoch_end_validation_due, reload_train_data_if_due, val_check_due
+from phalanx.trainer.loops.nonfinite import NonFiniteLossCheck, SkippedBatch
+from phalanx.trainer.loops.optimizer import call_step_hook, step_schedulers
 from phalanx.trainer.preemption import save_if_preempted
 from phalanx.trainer.state import RunningStage
 from phalanx.trainer.step_output import extract_loss

@@ -1,6 +1,6 @@
 """The metrics of a run as callbacks, loggers and the progress bar see them, and their delivery to the loggers.
 
-:class:`~phalanx.trainer.logged_results.LoggedResults` records what ``self.log`` is given; the Trainer's
+:class:`~phalanx.trainer.logging.results.LoggedResults` records what ``self.log`` is given; the Trainer's
 :class:`LoggedMetrics` publishes what those results hold at each step and epoch end into the dictionaries behind
 ``trainer.callback_metrics``, ``trainer.logged_metrics`` and ``trainer.progress_bar_metrics``, and sends the logged
 ones to the loggers.
@@ -14,7 +14,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
-    from phalanx.trainer.logged_results import LoggedResults
+    from phalanx.trainer.logging.results import LoggedResults
     from phalanx.trainer.trainer import Trainer
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx.callbacks.callback import Callback
-from phalanx.trainer.logged_results import LoggedResults
+from phalanx.trainer.logging.results import LoggedResults
 from phalanx.utilities.exceptions import MisconfigurationError
 from phalanx.utilities.messages import shown
 from phalanx.utilities.rank_zero import rank_zero_info

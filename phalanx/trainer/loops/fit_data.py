@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
-from phalanx.trainer.data import DataSource, empty_data_reason, limited_batches, prepare_dataloader
+from phalanx.trainer.loops.data import DataSource, empty_data_reason, limited_batches, prepare_dataloader
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
-    from phalanx.trainer.fit_loop import FitLoop
+    from phalanx.trainer.loops.fit_loop import FitLoop
     from phalanx.trainer.trainer import Trainer
 
 

@@ -1,4 +1,4 @@
-"""What ``self.log`` records (phalanx.trainer.logged_results), end to end through a Trainer, as Lightning 2.6 names and
+"""What ``self.log`` records (phalanx.trainer.logging.results), end to end through a Trainer, as Lightning 2.6 names and
 keeps it: a value per hook and name, step values in validation and test, and the refusal of step values where a hook
 has no step."""
 

@@ -1,4 +1,4 @@
-"""The Trainer's published metrics (phalanx.trainer.logged_metrics): what callbacks, loggers and the progress bar see,
+"""The Trainer's published metrics (phalanx.trainer.logging.metrics): what callbacks, loggers and the progress bar see,
 and when the loggers receive it, driven without a Trainer."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from phalanx.trainer.logged_metrics import LoggedMetrics
+from phalanx.trainer.logging.metrics import LoggedMetrics
 
 
 class _Results:

@@ -1,0 +1,1 @@
+"""What the Trainer logs: metrics, results, loggers and the barebones switch."""

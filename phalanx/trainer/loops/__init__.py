@@ -1,0 +1,1 @@
+"""The Trainer's loops: fit, evaluation and prediction, with their data and optimizer steps."""
