@@ -362,14 +362,14 @@ class TrainingModule(nn.Module):
         they are averaged over the epoch (weighted by ``batch_size``, inferred from the batch when omitted).
         """
         trainer = self._trainer
-        if trainer is None or trainer._results is None:
+        if trainer is None or trainer._run.results is None:
             cohort = _cohort_of(self)
             if cohort is None:
                 rank_zero_warn(f"self.log({name!r}, ...) was called outside a Trainer run and is ignored.")
                 return
             cohort._log_from_module({name: value}, "log", logger=logger, sync_dist=sync_dist, reduce_fx=reduce_fx)
             return
-        trainer._results.log(
+        trainer._run.results.log(
             self._current_fx,
             name,
             value,
@@ -387,7 +387,7 @@ class TrainingModule(nn.Module):
         """``self.log`` each item of ``dictionary`` with the same options."""
         if not isinstance(dictionary, Mapping):
             raise TypeError(f"log_dict expects a mapping of names to values, got {type(dictionary).__name__}.")
-        cohort = _cohort_of(self) if self._trainer is None or self._trainer._results is None else None
+        cohort = _cohort_of(self) if self._trainer is None or self._trainer._run.results is None else None
         if cohort is not None:
             cohort._log_from_module(dictionary, "log_dict", **kwargs)  # one entry, as Cohort.log_dict writes
             return
@@ -414,7 +414,7 @@ class TrainingModule(nn.Module):
     # ------------------------------------------------------------------ optimization helpers
     def optimizers(self) -> Any:
         """The optimizer(s) from ``configure_optimizers``, wrapped so that ``step()`` goes through the strategy."""
-        optimizers = self.trainer._manual_optimizers
+        optimizers = self.trainer._run.manual_optimizers
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
     def lr_schedulers(self) -> Any:

@@ -246,9 +246,9 @@ def _with_fx_name(module: TrainingModule, name: str) -> Callable[..., Any]:
         finally:
             module.__dict__["_current_fx"] = previous
         trainer = module._trainer
-        if publishes_epoch_metrics and trainer is not None and trainer._results is not None:
+        if publishes_epoch_metrics and trainer is not None and trainer._run.results is not None:
             # What the module logged at epoch end must be visible to the monitoring callbacks called next.
-            trainer._metrics.publish_epoch(trainer._results)
+            trainer._metrics.publish_epoch(trainer._run.results)
         return result
 
     return call_module_hook

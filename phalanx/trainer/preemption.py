@@ -123,5 +123,5 @@ def save_if_preempted(trainer: Trainer, batches: int) -> bool:
     rank_zero_info(f"Preempted ({signame}): saving {path} and stopping.")
     trainer.save_checkpoint(path)
     preemption.requeue_job(trainer)
-    trainer.preempted = True
+    trainer._run.preempted = True
     return True

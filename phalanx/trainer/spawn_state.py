@@ -61,9 +61,9 @@ class TrainerWorkerState:
             progress["phase"],
         )
         trainer._metrics.callback = state["callback_metrics"]
-        trainer.preempted = state["preempted"]
+        trainer._run.preempted = state["preempted"]
         trainer._metrics.logged = state["logged_metrics"]
-        trainer.ckpt_path = state["ckpt_path"]
+        trainer._run.ckpt_path = state["ckpt_path"]
         for logger, logger_state in zip(trainer.loggers, state["loggers"]):
             logger.load_worker_state(logger_state)
         for callback, folder, callback_state in zip(trainer.callbacks, state["checkpoint_folders"], state["callbacks"]):

@@ -54,8 +54,8 @@ def start(trainer: Trainer, fn: TrainerFn, run: Callable[..., Any], *args: Any) 
     the strategy and the loggers, tear the strategy down and raise."""
     trainer.state.fn = fn
     trainer.state.status = TrainerStatus.RUNNING
-    trainer.should_stop = False
-    trainer._stop_now = False
+    trainer._run.should_stop = False
+    trainer._run.stop_now = False
     try:
         launcher = trainer.strategy.launcher
         worker_state = None
@@ -101,8 +101,8 @@ def _run_detecting_anomalies(run: Callable[..., Any], *args: Any) -> Any:
 def setup_run(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_path: Any) -> dict[str, Any] | None:
     """Everything common to the four entry points, up to a set-up strategy; returns the loaded checkpoint."""
     strategy = trainer.strategy
-    trainer.datamodule = source.datamodule
-    trainer._data_source = source
+    trainer._run.datamodule = source.datamodule
+    trainer._run.data_source = source
     strategy.connect(module)
     module.trainer = trainer
     if trainer.datamodule is not None:
@@ -131,7 +131,7 @@ def setup_run(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt
 def _setup_strategy_and_checkpoint(trainer: Trainer, source: DataSource, ckpt_path: Any) -> dict[str, Any] | None:
     strategy, connector = trainer.strategy, trainer._checkpoint_connector
     path = connector.resolve_path(ckpt_path)
-    trainer.ckpt_path = path
+    trainer._run.ckpt_path = path
     fitting = trainer.state.fn == TrainerFn.FITTING
     checkpoint = None
     if path is not None and not strategy.restore_checkpoint_after_setup:
@@ -166,7 +166,7 @@ def teardown_run(trainer: Trainer, module: TrainingModule) -> None:
     for logger in trainer.loggers:
         logger.finalize("success")
     trainer.strategy.teardown()
-    trainer._results = None
+    trainer._run.results = None
 
 
 def run_fit(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_path: Any) -> None:
@@ -182,7 +182,7 @@ def run_fit(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_p
     trainer._metrics.reset()
     trainer._hooks.call("on_fit_start")
     sanity_check(trainer)
-    trainer._results = trainer._train_results
+    trainer._run.results = trainer._train_results
     # A fit that starts with max_epochs or max_steps reached trains nothing; Lightning then skips the training stage,
     # its on_train_start and on_train_end hooks included.
     if not trainer.fit_loop.reached_limit():
@@ -196,7 +196,7 @@ def _train(trainer: Trainer) -> None:
     strategy.on_train_start()
     trainer._hooks.call("on_train_start")
     max_time = trainer._max_time
-    trainer._deadline = time.monotonic() + max_time if max_time is not None else None
+    trainer._run.deadline = time.monotonic() + max_time if max_time is not None else None
     for optimizer in strategy.optimizers:
         optimizer.zero_grad(set_to_none=True)
     _run_fit_loop(trainer)
@@ -249,15 +249,15 @@ def run_evaluate(
     data_key = "validate" if stage == "validation" else "test"
     dataloaders, limits = _evaluation_data(trainer, source, data_key, limit, f"limit_{short}_batches")
     if stage == "validation":
-        trainer.num_val_batches = limits
+        trainer._run.num_val_batches = limits
     else:
-        trainer.num_test_batches = limits
+        trainer._run.num_test_batches = limits
     if sum(limits) == 0:
         teardown_run(trainer, module)
         return []
     trainer._metrics.reset()
     trainer.state.stage = RunningStage.VALIDATING if stage == "validation" else RunningStage.TESTING
-    trainer._results = trainer._eval_results
+    trainer._run.results = trainer._eval_results
     metrics = run_evaluation(trainer, stage, dataloaders, limits, trainer._eval_results)
     results = split_by_dataloader(metrics, len(dataloaders))
     if verbose and trainer.is_global_zero:
@@ -272,7 +272,7 @@ def run_predict(
     """The predict stage: ``predict_step`` over the data; the outputs per batch (a list per dataloader if several)."""
     setup_run(trainer, module, source, ckpt_path)
     limit = trainer.limit_predict_batches
-    dataloaders, trainer.num_predict_batches = _evaluation_data(
+    dataloaders, trainer._run.num_predict_batches = _evaluation_data(
         trainer, source, "predict", limit, "limit_predict_batches"
     )
     if sum(trainer.num_predict_batches) == 0:

@@ -36,7 +36,6 @@ from phalanx.trainer.loops.data import DataSource, prepare_dataloader
 from phalanx.trainer.loops.fit_data import prepare_train_data
 from phalanx.trainer.loops.fit_loop import FitLoop
 from phalanx.trainer.loops.nonfinite import check_nonfinite_mode
-from phalanx.trainer.loops.optimizer import ManualOptimizer
 from phalanx.trainer.preemption import PREEMPTED_EXIT_CODE, Preemption
 from phalanx.trainer.stages import (
     check_datamodule,
@@ -47,7 +46,7 @@ from phalanx.trainer.stages import (
     run_predict,
     start,
 )
-from phalanx.trainer.state import RunningStage, TrainerFn, TrainerState, TrainerStatus
+from phalanx.trainer.state import RunField, RunningStage, RunState, TrainerFn, TrainerState, TrainerStatus
 from phalanx.trainer.step_output import check_manual_backward_loss
 
 
@@ -141,46 +140,17 @@ class Trainer(DeviceProperties):
         # trainer.max_epochs, trainer.limit_val_batches, trainer.loggers, ...: one attribute per resolved setting.
         for name, value in settings.trainer_attributes().items():
             setattr(self, name, value)
-        self.preempted = False
         self.state = TrainerState()
+        self._run = RunState()  # what the stages fill in: everything per run is declared there
         self.fit_loop = FitLoop(self)
-        self.should_stop = False
-        self.datamodule: DataModule | None = None
         self._checkpoint_connector = CheckpointConnector(self)
-        #: The checkpoint the current (or last) run started from, resolved ('last', 'best', 'auto' become a path).
-        self.ckpt_path: str | None = None
         self._hooks = HookTable()
         self._metrics = LoggedMetrics(self)
-        self._results: LoggedResults | None = None  # what self.log records into now: training or evaluation results
         results = BarebonesResults if self.barebones else LoggedResults
         self._train_results = results(self.strategy)
         self._eval_results = results(self.strategy, training=False)
-        self._init_run_state()
         # Process-wide switches last: a Trainer refused for a bad argument leaves them untouched.
         apply_process_switches(deterministic=self.deterministic, benchmark=benchmark)
-
-    def _init_run_state(self) -> None:
-        # What the stages fill in: the data, its batch counts, the validation schedule, the optimizers.
-        self._manual_optimizers: list[ManualOptimizer] = []
-        self._data_source: DataSource | None = None
-        self._train_dataloader: Any = None
-        self._train_data_epoch = self._val_data_epoch = 0  # the epochs the fit's dataloaders were last built in
-        self._val_dataloaders: list[Any] = []
-        self._val_limits: list[int | float] = []
-        self.num_training_batches: int | float = 0
-        self.num_val_batches: list[int | float] = []
-        self.num_sanity_val_batches: list[int | float] = []
-        self.num_test_batches: list[int | float] = []
-        self.num_predict_batches: list[int | float] = []
-        self.validation_enabled = False
-        self._val_every_batches: int | None = None
-        self._val_across_epochs = False
-        self._stop_now = False
-        self._deadline: float | None = None
-        self._loss_divisor = 1
-        self._optimizer: Any = None
-        self._step_scheduler_configs: list[Any] = []
-        self._epoch_scheduler_configs: list[Any] = []
 
     # ------------------------------------------------------------------ public entry points
     def fit(
@@ -200,8 +170,8 @@ class Trainer(DeviceProperties):
         check_datamodule(datamodule)
         check_nonfinite_mode(self, module.automatic_optimization)
         source = DataSource(module, datamodule, train=train_dataloaders, validate=val_dataloaders)
-        self.preempted = False
-        self._train_dataloader = None  # built anew for this fit (estimated_stepping_batches may build it early)
+        self._run.preempted = False
+        self._run.train_dataloader = None  # built anew for this fit (estimated_stepping_batches may build it early)
         start(self, TrainerFn.FITTING, run_fit, module, source, ckpt_path)
         if self.preempted and self.preemption is not None and self.preemption.exit:
             raise SystemExit(PREEMPTED_EXIT_CODE)
@@ -281,6 +251,28 @@ class Trainer(DeviceProperties):
         instead = RENAMED_TRAINER_ATTRIBUTES.get(name)
         hint = f"; Lightning's trainer.{name} is {instead} in phalanx" if instead else ""
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}{hint}")
+
+    # ------------------------------------------------------------------ per-run state (declared in RunState)
+    should_stop: RunField[bool] = RunField(writable=True)
+    """Set to True (by a callback, say) to stop fit after the current batch, once min_epochs/min_steps allow."""
+    preempted: RunField[bool] = RunField()
+    """Whether the last fit stopped on a preemption signal (after saving a checkpoint)."""
+    ckpt_path: RunField[str | None] = RunField(writable=True)
+    """The checkpoint the current (or last) run started from, resolved ('last', 'best', 'auto' become a path)."""
+    datamodule: RunField[DataModule | None] = RunField(writable=True)
+    """The DataModule of the current (or last) run, or None."""
+    num_training_batches: RunField[int | float] = RunField()
+    """Training batches per epoch of the current (or last) fit."""
+    num_val_batches: RunField[list[int | float]] = RunField()
+    """Validation batches per dataloader of the last fit or validate."""
+    num_sanity_val_batches: RunField[list[int | float]] = RunField()
+    """Sanity-check batches per validation dataloader of the last fit."""
+    num_test_batches: RunField[list[int | float]] = RunField()
+    """Test batches per dataloader of the last test."""
+    num_predict_batches: RunField[list[int | float]] = RunField()
+    """Predict batches per dataloader of the last predict."""
+    validation_enabled: RunField[bool] = RunField()
+    """Whether the current (or last) fit validates: it has validation data and a limit above 0."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -411,8 +403,9 @@ class Trainer(DeviceProperties):
         ``configure_optimizers`` it builds the training dataloader first, as Lightning does."""
         if self.max_epochs == -1:
             return self.max_steps if self.max_steps != -1 else math.inf
-        if self._train_dataloader is None and self.state.fn == TrainerFn.FITTING and self._data_source is not None:
-            prepare_train_data(self, self._data_source)
+        run = self._run
+        if run.train_dataloader is None and self.state.fn == TrainerFn.FITTING and run.data_source is not None:
+            prepare_train_data(self, run.data_source)
         per_epoch = self.num_training_batches
         if math.isinf(per_epoch) or self.max_epochs == -1:
             return self.max_steps if self.max_steps != -1 else math.inf

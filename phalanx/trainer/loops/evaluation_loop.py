@@ -148,14 +148,14 @@ def sanity_check(trainer: Trainer) -> None:
     """Before training: run ``num_sanity_val_steps`` validation batches per dataloader, then forget their metrics."""
     steps = trainer.num_sanity_val_steps
     if steps == 0 or not trainer.validation_enabled:
-        trainer.num_sanity_val_batches = []
+        trainer._run.num_sanity_val_batches = []
         return
-    limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._val_limits]
-    trainer.num_sanity_val_batches = limits
+    limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._run.val_limits]
+    trainer._run.num_sanity_val_batches = limits
     trainer.state.stage = RunningStage.SANITY_CHECKING
-    trainer._results = trainer._eval_results
+    trainer._run.results = trainer._eval_results
     trainer._hooks.call("on_sanity_check_start")
-    run_evaluation(trainer, "validation", trainer._val_dataloaders, limits, trainer._eval_results)
+    run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
     trainer._hooks.call("on_sanity_check_end")
     # The sanity check only proves the validation code runs: its numbers must not reach callbacks or loggers.
     trainer._metrics.reset()
@@ -167,9 +167,9 @@ def run_validation_during_fit(trainer: Trainer) -> None:
     """A validation epoch inside ``fit`` (the fit loop decides when), on fresh validation data when it is due."""
     reload_val_data_if_due(trainer)
     trainer.state.stage = RunningStage.VALIDATING
-    trainer._results = trainer._eval_results
-    run_evaluation(trainer, "validation", trainer._val_dataloaders, trainer._val_limits, trainer._eval_results)
-    trainer._results = trainer._train_results
+    trainer._run.results = trainer._eval_results
+    run_evaluation(trainer, "validation", trainer._run.val_dataloaders, trainer._run.val_limits, trainer._eval_results)
+    trainer._run.results = trainer._train_results
 
 
 def split_by_dataloader(metrics: dict[str, torch.Tensor], count: int) -> list[dict[str, float]]:

@@ -27,10 +27,10 @@ if TYPE_CHECKING:
 
 def prepare_fit_data(trainer: Trainer, source: DataSource) -> None:
     """Build the training and validation dataloaders of a ``fit`` and decide when validation runs."""
-    if trainer._train_dataloader is None:
+    if trainer._run.train_dataloader is None:
         prepare_train_data(trainer, source)
     else:  # built by estimated_stepping_batches in configure_optimizers; it serves the (maybe resumed) first epoch
-        trainer._train_data_epoch = trainer.current_epoch
+        trainer._run.train_data_epoch = trainer.current_epoch
     prepare_val_data(trainer, source, first=True)
     schedule_validation(trainer)
 
@@ -48,13 +48,13 @@ def prepare_train_data(trainer: Trainer, source: DataSource) -> None:
             f"fit() takes one training dataloader, got {len(train)}; combine the datasets into one DataLoader."
         )
     loader = overfit_loader(train[0], "training", trainer.overfit_batches)
-    trainer._train_dataloader = prepare_dataloader(trainer, loader, training=True)
-    trainer.num_training_batches = limited_batches(
-        trainer._train_dataloader, trainer.limit_train_batches, "limit_train_batches"
+    trainer._run.train_dataloader = prepare_dataloader(trainer, loader, training=True)
+    trainer._run.num_training_batches = limited_batches(
+        trainer._run.train_dataloader, trainer.limit_train_batches, "limit_train_batches"
     )
-    trainer._train_data_epoch = trainer.current_epoch
+    trainer._run.train_data_epoch = trainer.current_epoch
     if trainer.num_training_batches == 0:
-        reason = empty_data_reason(trainer._train_dataloader, trainer.limit_train_batches)
+        reason = empty_data_reason(trainer._run.train_dataloader, trainer.limit_train_batches)
         rank_zero_warn(f"The training data gives no batch ({reason}): fit returns without training.")
     warn_if_epoch_shorter_than_log_interval(trainer)
 
@@ -80,13 +80,14 @@ def prepare_val_data(trainer: Trainer, source: DataSource, first: bool = False) 
     has_validation_step = type(module).validation_step is not TrainingModule.validation_step
     val = source.get("validate") if has_validation_step and trainer.limit_val_batches != 0 else []
     val = [overfit_loader(loader, "validation", trainer.overfit_batches) for loader in val]
-    trainer._val_dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in val]
-    trainer._val_limits = [
-        limited_batches(loader, trainer.limit_val_batches, "limit_val_batches") for loader in trainer._val_dataloaders
+    run = trainer._run
+    run.val_dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in val]
+    run.val_limits = [
+        limited_batches(loader, trainer.limit_val_batches, "limit_val_batches") for loader in run.val_dataloaders
     ]
-    trainer.num_val_batches = list(trainer._val_limits)
-    trainer.validation_enabled = bool(trainer._val_dataloaders) and any(limit > 0 for limit in trainer._val_limits)
-    trainer._val_data_epoch = trainer.current_epoch
+    run.num_val_batches = list(run.val_limits)
+    run.validation_enabled = bool(run.val_dataloaders) and any(limit > 0 for limit in run.val_limits)
+    run.val_data_epoch = trainer.current_epoch
     if first and source.defines("validate") and not has_validation_step:
         rank_zero_warn(
             "Validation data was given but the TrainingModule has no validation_step: validation is skipped."
@@ -95,8 +96,8 @@ def prepare_val_data(trainer: Trainer, source: DataSource, first: bool = False) 
 
 def schedule_validation(trainer: Trainer) -> None:
     """Every how many training batches validation runs (``val_check_interval``), from the epoch's batch count."""
-    trainer._val_every_batches = None
-    trainer._val_across_epochs = False
+    trainer._run.val_every_batches = None
+    trainer._run.val_across_epochs = False
     if not trainer.validation_enabled:
         return
     interval = trainer.val_check_interval
@@ -107,11 +108,11 @@ def schedule_validation(trainer: Trainer) -> None:
                     f"val_check_interval={interval} is a fraction of an epoch, but the training dataloader has no"
                     " length; pass an int number of batches."
                 )
-            trainer._val_every_batches = max(1, int(trainer.num_training_batches * interval))
+            trainer._run.val_every_batches = max(1, int(trainer.num_training_batches * interval))
         return
-    trainer._val_every_batches = interval
+    trainer._run.val_every_batches = interval
     if trainer.check_val_every_n_epoch is None:
-        trainer._val_across_epochs = True
+        trainer._run.val_across_epochs = True
     elif interval > trainer.num_training_batches:
         raise ValueError(
             f"val_check_interval={interval} is more than the {trainer.num_training_batches} training batches of an "
@@ -122,10 +123,10 @@ def schedule_validation(trainer: Trainer) -> None:
 def val_check_due(trainer: Trainer, loop: FitLoop, is_last: bool) -> bool:
     """After a training batch: whether validation runs now (``is_last``: the epoch's last batch, which validates at
     the epoch's end instead unless validation counts batches across epochs)."""
-    every = trainer._val_every_batches
+    every = trainer._run.val_every_batches
     if every is None or not trainer.validation_enabled:
         return False
-    if trainer._val_across_epochs:
+    if trainer._run.val_across_epochs:
         return loop.total_batches % every == 0
     every_n_epochs = trainer.check_val_every_n_epoch  # _validating_epoch, inlined: this runs after every batch
     if every_n_epochs is not None and (loop.current_epoch + 1) % every_n_epochs != 0:
@@ -135,7 +136,7 @@ def val_check_due(trainer: Trainer, loop: FitLoop, is_last: bool) -> bool:
 
 def epoch_end_validation_due(trainer: Trainer, loop: FitLoop) -> bool:
     """At an epoch's end: whether validation runs (once per epoch end, not again after a batch that validated)."""
-    if not trainer.validation_enabled or trainer._val_across_epochs:
+    if not trainer.validation_enabled or trainer._run.val_across_epochs:
         return False
     if not _validating_epoch(trainer, loop):
         return False
@@ -144,10 +145,10 @@ def epoch_end_validation_due(trainer: Trainer, loop: FitLoop) -> bool:
     interval = trainer.val_check_interval
     if isinstance(interval, int):
         return loop.batches_done % interval == 0
-    if interval < 1.0 and trainer._val_every_batches:
+    if interval < 1.0 and trainer._run.val_every_batches:
         # A fraction validates every int(fraction * batches) batches, as in Lightning: 0.3 of 32 batches is batches
         # 9, 18 and 27, not also the epoch's end.
-        return loop.batches_done % trainer._val_every_batches == 0
+        return loop.batches_done % trainer._run.val_every_batches == 0
     return True
 
 
@@ -163,16 +164,16 @@ def _reload_due(trainer: Trainer, built_at: int) -> bool:
 
 def reload_train_data_if_due(trainer: Trainer) -> None:
     """At an epoch's start: build the training data anew when ``reload_dataloaders_every_n_epochs`` says so."""
-    if _reload_due(trainer, trainer._train_data_epoch):
-        prepare_train_data(trainer, trainer._data_source)
+    if _reload_due(trainer, trainer._run.train_data_epoch):
+        prepare_train_data(trainer, trainer._run.data_source)
         schedule_validation(trainer)  # the number of batches per epoch may have changed
 
 
 def reload_val_data_if_due(trainer: Trainer) -> None:
     """Before validation during ``fit``: build the validation data anew when ``reload_dataloaders_every_n_epochs`` says
     so."""
-    if _reload_due(trainer, trainer._val_data_epoch):
-        prepare_val_data(trainer, trainer._data_source)
+    if _reload_due(trainer, trainer._run.val_data_epoch):
+        prepare_val_data(trainer, trainer._run.data_source)
 
 
 # ---------------------------------------------------------------------------- overfit_batches

@@ -125,7 +125,7 @@ class FitLoop:
         hooks = self.trainer._hooks
         self._step_hook = next(iter(hooks["optimizer_step"]), None)
         self._zero_grad_hook = next(iter(hooks["optimizer_zero_grad"]), None)
-        self._step_handle = next(iter(self.trainer._manual_optimizers), None)
+        self._step_handle = next(iter(self.trainer._run.manual_optimizers), None)
         self._release_grads = next(iter(hooks["on_validation_model_zero_grad"]), None)
         module = self.trainer.strategy.module
         if self._release_grads is None and self._zero_grad_hook is not None and module is not None:
@@ -147,7 +147,7 @@ class FitLoop:
 
     def _done(self) -> bool:
         trainer = self.trainer
-        if trainer._stop_now:
+        if trainer._run.stop_now:
             return True
         if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
             return True
@@ -158,7 +158,7 @@ class FitLoop:
     def _run_epoch(self, restored: dict[str, Any] | None) -> None:
         trainer = self.trainer
         reload_train_data_if_due(trainer)
-        dataloader = trainer._train_dataloader
+        dataloader = trainer._run.train_dataloader
         self.num_batches = trainer.num_training_batches
         trainer.state.stage = RunningStage.TRAINING
         trainer._train_results.reset()
@@ -169,7 +169,7 @@ class FitLoop:
         self._call_epoch_hook("on_train_epoch_start")
         iterator, skip = self._epoch_iterator(dataloader, restored)
         # A checkpoint saved in on_train_batch_end resumes with that batch's validation and stop checks.
-        stop = self._after_batch(trainer._deadline) if skip and self.phase == _BATCH_END else False
+        stop = self._after_batch(trainer._run.deadline) if skip and self.phase == _BATCH_END else False
         exhausted, skipped_by_hook = (False, False) if stop else self._run_batches(iterator)
         self._end_epoch(exhausted, skipped_by_hook)
 
@@ -212,7 +212,7 @@ class FitLoop:
         num_batches = self.num_batches
         run_batch = self._automatic_batch if strategy.module.automatic_optimization else self._manual_batch
         move_batch = hooks.move_batch
-        deadline = trainer._deadline
+        deadline = trainer._run.deadline
         loggers = trainer.loggers
         log_every = trainer.log_every_n_steps  # 0: barebones, no step logging
         stop = False
@@ -254,7 +254,7 @@ class FitLoop:
             self._step_pending = True
         self._skip_window = False
         if exhausted and self.batches_done == 0 and self._epoch_cannot_train(skipped_by_hook):
-            trainer._stop_now = True
+            trainer._run.stop_now = True
             stopped_inside_epoch = True
         else:
             stopped_inside_epoch = not exhausted and self.batches_done < self.num_batches
@@ -282,7 +282,7 @@ class FitLoop:
                 return False  # on_train_batch_start may train in a later epoch, and max_epochs ends the run anyway
             reason = "on_train_batch_start returned -1 before its first batch, and max_epochs=-1 sets no epoch limit"
         else:
-            reason = empty_data_reason(trainer._train_dataloader, trainer.limit_train_batches)
+            reason = empty_data_reason(trainer._run.train_dataloader, trainer.limit_train_batches)
         rank_zero_warn(
             f"Epoch {self.current_epoch} trained no batch ({reason}): fit stops at global step {self.global_step},"
             " as no later epoch would train either."
@@ -339,16 +339,16 @@ class FitLoop:
         if self.batches_done < self.num_batches:
             self._count_stepped()  # the epoch's last batch is counted after the epoch's validation
         if trainer.preemption is not None and save_if_preempted(trainer, self.total_batches):
-            trainer._stop_now = True
+            trainer._run.stop_now = True
             return True
         if self._stop_requested(deadline):
-            trainer._stop_now = True
+            trainer._run.stop_now = True
             return True
         return False
 
     def _stop_requested(self, deadline: float | None) -> bool:
         trainer = self.trainer
-        if trainer._stop_now:  # nonfinite_loss='stop'
+        if trainer._run.stop_now:  # nonfinite_loss='stop'
             return True
         if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
             return True
@@ -391,8 +391,8 @@ class FitLoop:
         loss = extract_loss(output)
         if loss is None:
             return None, output
-        if trainer._loss_divisor != 1:
-            loss = loss / trainer._loss_divisor
+        if trainer._run.loss_divisor != 1:
+            loss = loss / trainer._run.loss_divisor
         nonfinite = self.nonfinite
         if self._skip_window:
             raise SkippedBatch(output)  # the rest of a window with a non-finite loss ('skip')
@@ -404,7 +404,7 @@ class FitLoop:
             nonfinite.record(loss)
         for hook in self._before_backward_hooks:
             hook(loss)
-        strategy.backward(loss, trainer._optimizer)
+        strategy.backward(loss, trainer._run.optimizer)
         for hook in self._after_backward_hooks:
             hook()
         loss = loss.detach()
@@ -455,9 +455,9 @@ class FitLoop:
     def _drop_window(self, ends_window: bool) -> None:
         # A non-finite loss: the gradients of its accumulation window are dropped and no optimizer step is taken
         # (global_step does not count it); the rest of the window runs forward only.
-        self.trainer._optimizer.zero_grad(set_to_none=True)
+        self.trainer._run.optimizer.zero_grad(set_to_none=True)
         self._accumulated = 0
-        self._skip_window = not ends_window and not self.trainer._stop_now
+        self._skip_window = not ends_window and not self.trainer._run.stop_now
 
     def _flush_accumulated(self) -> None:
         # An iterable without a length ended inside an accumulation window: step on what was accumulated.
@@ -467,7 +467,7 @@ class FitLoop:
     def _optimizer_step(self, closure: Any, batch_idx: int) -> None:
         trainer = self.trainer
         strategy = trainer.strategy
-        optimizer = trainer._optimizer
+        optimizer = trainer._run.optimizer
         step_hook = self._step_hook
         if step_hook is None:
             strategy.optimizer_step(optimizer, closure, strategy.module)
@@ -481,7 +481,7 @@ class FitLoop:
             self._zero_grad_hook(self.current_epoch, batch_idx, optimizer)
         self._accumulated = 0
         self.global_step += 1
-        if trainer._step_scheduler_configs:
+        if trainer._run.step_scheduler_configs:
             step_schedulers(trainer, "step")
 
     def _manual_batch(self, batch: Any, batch_idx: int) -> Any:

@@ -114,8 +114,8 @@ class NonFiniteLossCheck:
                 UserWarning,
                 stacklevel=2,
             )
-            trainer.should_stop = True
-            trainer._stop_now = True
+            trainer._run.should_stop = True
+            trainer._run.stop_now = True
 
 
 def check_nonfinite_mode(trainer: Trainer, automatic: bool) -> None:

@@ -127,8 +127,8 @@ def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
     Trainer options the module's kind of optimization cannot honour."""
     strategy = trainer.strategy
     optimizers = strategy.optimizers
-    trainer._manual_optimizers = [ManualOptimizer(optimizer, trainer) for optimizer in optimizers]
-    trainer._loss_divisor = trainer.accumulate_grad_batches if not strategy.handles_gradient_accumulation else 1
+    trainer._run.manual_optimizers = [ManualOptimizer(optimizer, trainer) for optimizer in optimizers]
+    trainer._run.loss_divisor = trainer.accumulate_grad_batches if not strategy.handles_gradient_accumulation else 1
     if module.automatic_optimization:
         if len(optimizers) != 1:
             raise ValueError(
@@ -136,7 +136,7 @@ def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
                 " For several optimizers (e.g. GANs) set self.automatic_optimization = False and step them in"
                 " training_step."
             )
-        trainer._optimizer = optimizers[0]
+        trainer._run.optimizer = optimizers[0]
         configs = strategy.lr_scheduler_configs
     else:
         if trainer.gradient_clip_val:
@@ -149,15 +149,15 @@ def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
                 "accumulate_grad_batches is for automatic optimization; with manual optimization accumulate in"
                 " training_step."
             )
-        trainer._optimizer = None
+        trainer._run.optimizer = None
         configs = []  # in manual optimization the user steps schedulers
-    trainer._step_scheduler_configs = [c for c in configs if c.interval == "step"]
-    trainer._epoch_scheduler_configs = [c for c in configs if c.interval == "epoch"]
+    trainer._run.step_scheduler_configs = [c for c in configs if c.interval == "step"]
+    trainer._run.epoch_scheduler_configs = [c for c in configs if c.interval == "epoch"]
 
 
 def step_schedulers(trainer: Trainer, interval: str) -> None:
     """Step the LR schedulers of ``interval`` ('step' or 'epoch') that are due at the current step or epoch."""
-    configs = trainer._step_scheduler_configs if interval == "step" else trainer._epoch_scheduler_configs
+    configs = trainer._run.step_scheduler_configs if interval == "step" else trainer._run.epoch_scheduler_configs
     counter = trainer.fit_loop.global_step if interval == "step" else trainer.fit_loop.current_epoch + 1
     module = trainer.strategy.module
     assert module is not None

@@ -54,7 +54,7 @@ def main() -> None:
     fit_metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}
     order_epoch = []
     # The sampler was replaced by a DistributedSampler: record this rank's share for two epochs.
-    sampler = trainer._train_dataloader.sampler
+    sampler = trainer._run.train_dataloader.sampler
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
         order_epoch.append(list(iter(sampler)))

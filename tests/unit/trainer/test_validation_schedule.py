@@ -39,12 +39,11 @@ def _schedule(
 ):
     from types import SimpleNamespace
 
+    from phalanx.trainer.state import RunState
+
+    run = RunState(val_every_batches=every, val_across_epochs=across, validation_enabled=enabled)
     return SimpleNamespace(
-        _val_every_batches=every,
-        val_check_interval=interval,
-        check_val_every_n_epoch=every_n_epochs,
-        _val_across_epochs=across,
-        validation_enabled=enabled,
+        _run=run, val_check_interval=interval, check_val_every_n_epoch=every_n_epochs, validation_enabled=enabled
     )
 
 
