@@ -192,8 +192,9 @@ def count_loop_steps(
 
 
 # ---------------------------------------------------------------------------- the reference run of bench and tests
-#: How a :class:`CountedModule` logs its loss: not at all, ``self.log("loss", loss)``, or with ``prog_bar=True``.
-LOG_MODES = ("none", "log", "prog_bar")
+#: How a :class:`CountedModule` logs its loss: not at all, ``self.log("loss", loss)``, with ``prog_bar=True``, or
+#: three values (the loss, twice it, its square) as a ``log_dict``.
+LOG_MODES = ("none", "log", "prog_bar", "three")
 _WIDTH = 32
 _BATCH = 16
 
@@ -233,7 +234,9 @@ class CountedModule(TrainingModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = _mse(self.model, batch)
-        if self.log_mode != "none":
+        if self.log_mode == "three":
+            self.log_dict({"loss": loss, "twice": loss * 2, "square": loss * loss})
+        elif self.log_mode != "none":
             self.log("loss", loss, prog_bar=self.log_mode == "prog_bar")
         return loss
 

@@ -85,11 +85,12 @@ def test_defaults_on_do_not_sync_a_step_when_nothing_is_shown_on_the_bar(strateg
     assert counts.syncs == 0, counts.sync_calls
 
 
-@pytest.mark.parametrize("log_mode", ["none", "log", "prog_bar"])
+@pytest.mark.parametrize("log_mode", ["none", "log", "prog_bar", "three"])
 def test_a_logger_write_reads_the_device_once_per_write(log_mode, one_process, monkeypatch):
-    # Every second step writes to the logger: it reads the logged values with one sync, and the 'warn' check reads its
-    # running sum with one more. The progress bar never redraws inside the window (its clock stands still), so a
-    # prog_bar value costs nothing more here; a redraw, at most every 0.1 s, reads the bar's values with one sync.
+    # Every second step writes to the logger: it reads the logged values with one sync however many there are, and the
+    # 'warn' check reads its running sum with one more. The progress bar never redraws inside the window (its clock
+    # stands still), so a prog_bar value costs nothing more here; a redraw, at most every 0.1 s, reads the bar's values
+    # with one sync.
     from phalanx.callbacks import progress
 
     monkeypatch.setattr(progress, "_clock", lambda: 0.0)
