@@ -7,7 +7,7 @@ import sys
 from abc import ABC
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -32,6 +32,29 @@ _T = TypeVar("_T")
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 #: The least time ranks wait for each other to start, whatever the collective ``timeout``.
 JOIN_TIMEOUT = timedelta(minutes=5)
+
+
+class _StepCollectives:
+    """What ``naming_collectives`` returns: free on the way in and out of a step; on a transport failure inside it,
+    a CollectiveError naming the collectives, the rank and the timeout."""
+
+    __slots__ = ("_strategy", "_name")
+
+    def __init__(self, strategy: ParallelStrategy, name: str) -> None:
+        self._strategy = strategy
+        self._name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> Literal[False]:
+        if not isinstance(error, RuntimeError) or isinstance(error, distributed.CollectiveError):
+            return False
+        strategy = self._strategy
+        explained = distributed.explain_collective_failure(self._name, strategy.global_rank, strategy._timeout, error)
+        if explained is None or not distributed.from_transport(error):
+            return False
+        raise explained from None
 
 
 class ParallelStrategy(Strategy, ABC):
@@ -235,9 +258,12 @@ class ParallelStrategy(Strategy, ABC):
 
     def naming_collectives(self, phase: str) -> AbstractContextManager:
         """A timeout or lost peer inside becomes a CollectiveError naming ``phase``'s collectives and the rank."""
-        return distributed.naming_collective_failures(
-            self.step_collectives.get(phase, phase), self.global_rank, self._timeout, transport_only=True
-        )
+        # Entered three times per step: one context per phase, made once, that reads the rank only when a step fails.
+        namers = self.__dict__.setdefault("_step_namers", {})
+        namer = namers.get(phase)
+        if namer is None:
+            namer = namers[phase] = _StepCollectives(self, self.step_collectives.get(phase, phase))
+        return namer
 
     def reduce(
         self, tensor: Tensor | Any, group: ProcessGroup | None = None, reduce_op: str | None = "mean"

@@ -19,10 +19,21 @@ class LossFinitenessSum:
 
     def record(self, loss: Tensor) -> None:
         """Add ``loss`` (any shape) into the sum on its device, without reading it."""
-        if self._sum is None:
-            dtype = torch.float32 if loss.device.type == "mps" else torch.float64  # MPS has no float64
-            self._sum = torch.zeros((), dtype=dtype, device=loss.device)
-        self._sum.add_(loss.detach().sum() if loss.ndim else loss.detach())
+        if loss.requires_grad:
+            loss = loss.detach()
+        if loss.ndim:
+            loss = loss.sum()
+        total = self._sum
+        if total is None:
+            # A float32 or float64 loss is summed in its own dtype: adding it then needs no conversion op per batch
+            # (and only losses near the dtype's limit could make a finite window overflow). 16-bit losses get more
+            # bits, where a long window of finite ones cannot overflow; MPS has no float64.
+            if loss.dtype in (torch.float32, torch.float64):
+                dtype = loss.dtype
+            else:
+                dtype = torch.float32 if loss.device.type == "mps" else torch.float64
+            total = self._sum = torch.zeros((), dtype=dtype, device=loss.device)
+        total.add_(loss)
         self.recorded += 1
 
     def read(self) -> bool | None:

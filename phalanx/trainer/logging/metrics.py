@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class LoggedMetrics:
 
     def _send(self, metrics: dict[str, Tensor], step: int | None = None, with_epoch: bool = True) -> None:
         trainer = self._trainer
-        values = {name: float(value.item()) for name, value in metrics.items()}
+        values = _host_floats(metrics)
         if with_epoch:
             values["epoch"] = float(trainer.current_epoch)
         if step is None:
@@ -106,6 +107,22 @@ class LoggedMetrics:
             step = trainer.fit_loop.batches_stepped
         for logger in trainer.loggers:
             logger.log_metrics(values, step=step)
+
+
+def _host_floats(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """The values as Python floats, read with one host-device sync per device rather than one per value."""
+    if len(metrics) == 1:
+        ((name, value),) = metrics.items()
+        return {name: float(value.item())}
+    by_device: dict[torch.device, list[str]] = {}
+    for name, value in metrics.items():
+        by_device.setdefault(value.device, []).append(name)
+    read: dict[str, float] = {}
+    for device, names in by_device.items():
+        dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+        stacked = torch.stack([metrics[name].detach().reshape(()).to(dtype) for name in names])
+        read.update(zip(names, stacked.tolist()))
+    return {name: read[name] for name in metrics}
 
 
 __all__ = ["LoggedMetrics"]
