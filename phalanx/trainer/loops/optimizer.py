@@ -128,7 +128,7 @@ def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
     strategy = trainer.strategy
     optimizers = strategy.optimizers
     trainer._manual_optimizers = [ManualOptimizer(optimizer, trainer) for optimizer in optimizers]
-    trainer._loss_divisor = trainer.accumulate_grad_batches if not strategy.handles_gradient_accumulation else 1
+    trainer._loss_divisor = trainer.accumulate_grad_batches if not strategy.traits.handles_gradient_accumulation else 1
     if module.automatic_optimization:
         if len(optimizers) != 1:
             raise ValueError(
