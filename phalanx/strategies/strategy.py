@@ -40,6 +40,11 @@ class Strategy(ABC):
 
     #: The precision plugins this strategy can run with (strategies that own mixed precision narrow it).
     precision_plugin_type: type[Precision] = Precision
+    #: The family whose members share a device runtime (the XLA strategies say "xla"); an accelerator that runs only
+    #: one family (``Accelerator.strategy_family``) refuses the others.
+    family: ClassVar[str | None] = None
+    #: Whether the strategy runs several processes that communicate (refused where ``Accelerator.max_processes`` is 1).
+    multi_process: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -91,6 +91,8 @@ class XLAStrategyMixin:
     """Steps end with a graph cut; dataloaders feed the device; checkpoints are written from CPU copies."""
 
     precision_plugin_type: type[Precision] = XLAPrecision
+    #: The XLA accelerator runs only this family (``XLAAccelerator.strategy_family``).
+    family: ClassVar[str | None] = "xla"
 
     @classmethod
     def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> XLAPrecision:
