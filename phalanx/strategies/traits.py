@@ -50,6 +50,6 @@ def legacy_trait_overrides(cls: type, base: type) -> tuple[str, ...]:
                 f"{cls.__name__} overrides the Strategy property {name!r}: deprecated, ignored after this release."
                 f" Override declare_traits() instead, returning replace(super().declare_traits(), {name}=...).",
                 DeprecationWarning,
-                stacklevel=3,
+                stacklevel=4,  # this function, Strategy.__init_subclass__, ABCMeta.__new__, then the class statement
             )
     return tuple(name for name in TRAIT_NAMES if getattr(cls, name) is not getattr(base, name))
