@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -14,6 +14,12 @@ class Accelerator(ABC):
     """Base class for a kind of device (CPU, CUDA, MPS)."""
 
     name: str = ""
+    #: Only strategies of this family (``Strategy.family``) run here; None: any strategy.
+    strategy_family: ClassVar[str | None] = None
+    #: The most processes a strategy may run on this kind of device; None: no limit.
+    max_processes: ClassVar[int | None] = None
+    #: Why ``max_processes`` is the limit, for the refusal (e.g. "one Apple GPU, no collective backend").
+    max_processes_reason: ClassVar[str] = ""
 
     def setup_device(self, device: torch.device) -> None:
         """Prepare ``device`` for use by this process (e.g. make it the current CUDA device)."""

@@ -16,6 +16,8 @@ class MPSAccelerator(Accelerator):
     """Runs on Apple silicon GPUs through Metal (one device)."""
 
     name = "mps"
+    max_processes = 1
+    max_processes_reason = "one Apple GPU, no collective backend"
 
     @staticmethod
     def parse_devices(devices: Any) -> list[int]:

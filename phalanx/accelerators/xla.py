@@ -170,6 +170,7 @@ class XLAAccelerator(Accelerator):
     """TPUs (or the PJRT CPU runtime) through torch_xla; ``devices`` is 1, every device ('auto'), or indices."""
 
     name = "xla"
+    strategy_family = "xla"
 
     def setup_device(self, device: torch.device) -> None:
         """Make ``device`` this thread's default XLA device (starts the runtime when it is not running)."""

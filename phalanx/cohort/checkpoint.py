@@ -158,7 +158,7 @@ def restore_checkpoint(
     saved = checkpoint.get(COHORT_ENTRY) or {}
     objects = dict(saved.get("objects") or {})
     _check_present(entries, objects, checkpoint, source, strict=strict)
-    if entries.check_optimizers(strategy, "load") and not strategy.restores_optimizer:
+    if entries.check_optimizers(strategy, "load") and not strategy.traits.restores_optimizer:
         if "optimizer_states" not in checkpoint:
             raise CheckpointError(
                 f"{source} holds no optimizer states (saved without optimizers, or with weights_only=True); leave the"
@@ -175,7 +175,7 @@ def restore_checkpoint(
         if callable(on_load):
             on_load(checkpoint)
         strategy.load_model_state_dict(checkpoint, strict=strict)
-    if entries.optimizer_keys and not strategy.restores_optimizer:
+    if entries.optimizer_keys and not strategy.traits.restores_optimizer:
         strategy.load_optimizer_state_dict(checkpoint)
     for key, value in entries.stateful.items():
         if key in objects:

@@ -176,7 +176,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
     def setup_module(self, module: nn.Module) -> CohortModule:
         """Set up ``module`` alone (create or pass its optimizers to ``setup_optimizers`` afterwards)."""
         self._check_module(module, "setup_module")
-        if self._strategy.wraps_module_with_optimizers:
+        if self._strategy.traits.wraps_module_with_optimizers:
             raise RuntimeError(
                 f"{type(self._strategy).__name__} builds one engine from the module and the optimizer together: call"
                 " cohort.setup(module, optimizer) instead of setup_module."

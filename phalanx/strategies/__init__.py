@@ -8,6 +8,7 @@ from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
+from phalanx.strategies.traits import StrategyTraits
 from phalanx.strategies.xla import SingleDeviceXLAStrategy, XLAFSDPStrategy, XLASPMDStrategy, XLAStrategy
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "SingleDeviceStrategy",
     "SingleDeviceXLAStrategy",
     "Strategy",
+    "StrategyTraits",
     "XLAFSDPStrategy",
     "XLASPMDStrategy",
     "XLAStrategy",

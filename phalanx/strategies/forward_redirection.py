@@ -53,12 +53,12 @@ def redirect_forward(
 
 
 def evaluation_grad_mode(strategy: Any) -> AbstractContextManager:
-    """``no_grad`` in place of the caller's inference mode where ``strategy.allows_inference_mode`` is False.
+    """``no_grad`` in place of the caller's inference mode where ``strategy.traits.allows_inference_mode`` is False.
 
     The Trainer's loops ask the strategy before they enter inference mode; this covers other callers of the evaluation
     steps (a Cohort loop's ``validation_step`` under ``torch.inference_mode()``).
     """
-    if torch.is_inference_mode_enabled() and not strategy.allows_inference_mode:
+    if torch.is_inference_mode_enabled() and not strategy.traits.allows_inference_mode:
         return _no_grad_outside_inference_mode()
     return nullcontext()
 

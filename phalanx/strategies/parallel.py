@@ -7,7 +7,7 @@ import sys
 from abc import ABC
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -60,6 +60,8 @@ class _StepCollectives:
 class ParallelStrategy(Strategy, ABC):
     """Ranks come from a ClusterEnvironment; processes start through a launcher; collectives go through
     torch.distributed."""
+
+    multi_process: ClassVar[bool] = True
 
     def __init__(
         self,

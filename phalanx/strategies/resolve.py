@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from phalanx.accelerators.accelerator import Accelerator
-from phalanx.accelerators.mps import MPSAccelerator
 from phalanx.accelerators.registry import ACCELERATOR_REGISTRY
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
@@ -264,45 +263,47 @@ def _build_registered(
 
 
 def refuse_unfit_strategy(strategy_class: type, accelerator: Accelerator | None, shown_strategy: str) -> None:
-    """Refuse, before anything is built, a strategy the accelerator cannot run (see the two checks)."""
-    refuse_parallel_on_mps(strategy_class, accelerator, shown_strategy)
-    refuse_non_xla_strategy(strategy_class, accelerator, shown_strategy)
+    """Refuse, before anything is built, a strategy that the accelerator's declared limits rule out."""
+    if accelerator is None:
+        return
+    refuse_other_family(strategy_class, accelerator, shown_strategy)
+    refuse_too_many_processes(strategy_class, accelerator, shown_strategy)
 
 
-def refuse_non_xla_strategy(strategy_class: type, accelerator: Accelerator | None, shown_strategy: str) -> None:
-    """Refuse a strategy that is not one of the XLA strategies on XLA devices (TPUs, torch_xla's CPU runtime).
+def refuse_other_family(strategy_class: type, accelerator: Accelerator, shown_strategy: str) -> None:
+    """Refuse a strategy outside the one family the accelerator runs (XLA devices: the XLA strategies).
 
     The others would put their tensors on XLA devices and fail much later, in torch.distributed's CPU or CUDA backends
     or in a launcher that starts one process per device without torch_xla's runtime.
     """
-    from phalanx.accelerators.xla import XLAAccelerator
-    from phalanx.strategies.xla._common import XLAStrategyMixin
-
-    if not isinstance(accelerator, XLAAccelerator) or issubclass(strategy_class, XLAStrategyMixin):
+    family = accelerator.strategy_family
+    if family is None or getattr(strategy_class, "family", None) == family:
         return
     names = []
     for name in STRATEGY_REGISTRY.available():
         candidate = STRATEGY_REGISTRY.get_class(name)
-        if isinstance(candidate, type) and issubclass(candidate, XLAStrategyMixin):
+        if isinstance(candidate, type) and getattr(candidate, "family", None) == family:
             names.append(name)
+    kind = family.upper()
     raise ValueError(
-        f"strategy={shown_strategy} does not run on XLA devices (accelerator={accelerator.name!r}). Use one of the XLA"
-        f" strategies, {names} (or strategy='auto'), or keep this strategy and pass accelerator='cpu' or 'cuda'."
+        f"strategy={shown_strategy} does not run on {kind} devices (accelerator={accelerator.name!r})."
+        f" Use one of the {kind} strategies, {names} (or strategy='auto'),"
+        " or keep this strategy and pass accelerator='cpu' or 'cuda'."
     )
 
 
-def refuse_parallel_on_mps(strategy_class: type, accelerator: Accelerator | None, shown_strategy: str) -> None:
-    """Refuse, before anything is built, a multi-process strategy (DDP, FSDP, DeepSpeed, ...) on Apple's MPS.
-
-    MPS is one device without a collective-communication backend, so these strategies cannot run there (Lightning
-    refuses them too).
-    """
-    if isinstance(accelerator, MPSAccelerator) and issubclass(strategy_class, ParallelStrategy):
-        raise ValueError(
-            f"strategy={shown_strategy} runs several processes that communicate, which the MPS accelerator (one Apple"
-            " GPU, no collective backend) does not support. Train on MPS with strategy='auto' (or 'single_device'),"
-            " or keep this strategy and pass accelerator='cpu'."
-        )
+def refuse_too_many_processes(strategy_class: type, accelerator: Accelerator, shown_strategy: str) -> None:
+    """Refuse a multi-process strategy (DDP, FSDP, DeepSpeed, ...) where the accelerator runs one process (MPS: one
+    device without a collective-communication backend; Lightning refuses them there too)."""
+    limit = accelerator.max_processes
+    if limit is None or limit > 1 or not getattr(strategy_class, "multi_process", False):
+        return
+    kind = accelerator.name.upper()
+    raise ValueError(
+        f"strategy={shown_strategy} runs several processes that communicate, which the {kind} accelerator"
+        f" ({accelerator.max_processes_reason}) does not support."
+        f" Train on {kind} with strategy='auto' (or 'single_device'), or keep this strategy and pass accelerator='cpu'."
+    )
 
 
 def _configure_parallel(
@@ -391,7 +392,6 @@ __all__ = [
     "normalize_precision",
     "precision_plugin_for",
     "refuse_in_interactive_session",
-    "refuse_parallel_on_mps",
     "resolve_accelerator",
     "resolve_strategy",
 ]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +24,7 @@ from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.forward_redirection import evaluation_grad_mode, redirect_forward
 from phalanx.strategies.settings import RunSettings, check_run_settings
+from phalanx.strategies.traits import StrategyTraits, legacy_trait_overrides
 from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.init import empty_init_context
 
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 _NO_CONTEXT = nullcontext()
+_DEFAULT_TRAITS = StrategyTraits()
 
 
 class Strategy(ABC):
@@ -38,6 +41,11 @@ class Strategy(ABC):
 
     #: The precision plugins this strategy can run with (strategies that own mixed precision narrow it).
     precision_plugin_type: type[Precision] = Precision
+    #: The family whose members share a device runtime (the XLA strategies say "xla"); an accelerator that runs only
+    #: one family (``Accelerator.strategy_family``) refuses the others.
+    family: ClassVar[str | None] = None
+    #: Whether the strategy runs several processes that communicate (refused where ``Accelerator.max_processes`` is 1).
+    multi_process: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -199,11 +207,6 @@ class Strategy(ABC):
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
         """``DistributedSampler(dataset, **kwargs)`` arguments (``num_replicas``, ``rank``); None: data not split."""
         return None
-
-    @property
-    def pads_evaluation(self) -> bool:
-        """Whether evaluation data is padded so that every rank runs equally many forward passes (sharded models)."""
-        return False
 
     def all_gather_object(self, obj: _T) -> list[_T]:
         """Gather a picklable object from every process (one element per rank)."""
@@ -467,41 +470,66 @@ class Strategy(ABC):
         """Context in which ``configure_model`` may create a sharded model (nothing to shard here)."""
         return nullcontext()
 
-    # ------------------------------------------------------------------ properties the loops consult
+    # ------------------------------------------------------------------ what the loops consult
+    _legacy_traits: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Out-of-tree strategies written before ``traits`` override the separate properties: read them for a release.
+        cls._legacy_traits = legacy_trait_overrides(cls, Strategy)
+
+    @property
+    def traits(self) -> StrategyTraits:
+        """What the loops need to know about this strategy (``declare_traits``; read at the time they need it)."""
+        declared = self.declare_traits()
+        if not self._legacy_traits:
+            return declared
+        return replace(declared, **{name: getattr(self, name) for name in self._legacy_traits})
+
+    def declare_traits(self) -> StrategyTraits:
+        """Override to declare this strategy's traits: ``dataclasses.replace(super().declare_traits(), flag=...)``."""
+        return _DEFAULT_TRAITS
+
+    # Deprecated (read ``traits``; override ``declare_traits``): the separate flags, kept for one release.
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        """Deprecated: ``traits.handles_gradient_accumulation``."""
+        return self.declare_traits().handles_gradient_accumulation
+
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        """Whether checkpoint weights are loaded after ``setup`` (needed when setup shards the model)."""
-        return False
+        """Deprecated: ``traits.restore_checkpoint_after_setup``."""
+        return self.declare_traits().restore_checkpoint_after_setup
 
     @property
     def restores_optimizer(self) -> bool:
-        """Whether the strategy restores optimizer and scheduler states itself inside ``load_checkpoint``."""
-        return False
-
-    @property
-    def handles_gradient_accumulation(self) -> bool:
-        """Whether the strategy accumulates gradients itself (loops step every batch; see ``block_backward_sync``)."""
-        return False
-
-    @property
-    def wraps_module_with_optimizers(self) -> bool:
-        """Whether ``setup`` needs the optimizers together with the module (one engine holds both, as DeepSpeed's)."""
-        return False
+        """Deprecated: ``traits.restores_optimizer``."""
+        return self.declare_traits().restores_optimizer
 
     @property
     def needs_train_batch_size(self) -> bool:
-        """Whether ``setup`` wants ``RunSettings.train_batch_size`` (the driver reads it from the training data)."""
-        return False
-
-    @property
-    def allows_inference_mode(self) -> bool:
-        """Whether evaluation may run under inference mode (False: the module keeps tensors it makes there; no_grad)."""
-        return True
+        """Deprecated: ``traits.needs_train_batch_size``."""
+        return self.declare_traits().needs_train_batch_size
 
     @property
     def requires_equal_batches(self) -> bool:
-        """Whether all ranks must run as many evaluation batches (forward passes run collectives); drivers check."""
-        return False
+        """Deprecated: ``traits.requires_equal_batches``."""
+        return self.declare_traits().requires_equal_batches
+
+    @property
+    def pads_evaluation(self) -> bool:
+        """Deprecated: ``traits.pads_evaluation``."""
+        return self.declare_traits().pads_evaluation
+
+    @property
+    def allows_inference_mode(self) -> bool:
+        """Deprecated: ``traits.allows_inference_mode``."""
+        return self.declare_traits().allows_inference_mode
+
+    @property
+    def wraps_module_with_optimizers(self) -> bool:
+        """Deprecated: ``traits.wraps_module_with_optimizers``."""
+        return self.declare_traits().wraps_module_with_optimizers
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self) -> None:

@@ -195,10 +195,10 @@ def observe_no_sync(strategy: Strategy, module: ConformanceModule) -> dict[str, 
     replicas = int(sampler.get("num_replicas", 1))
     if world == 1:
         raise NotApplicable("one process: there is no gradient synchronisation to skip")
-    if strategy.handles_gradient_accumulation:
+    if strategy.traits.handles_gradient_accumulation:
         raise NotApplicable(
-            f"{type(strategy).__name__} accumulates gradients itself (handles_gradient_accumulation), so the loops"
-            " never enter block_backward_sync()"
+            f"{type(strategy).__name__} accumulates gradients itself (traits.handles_gradient_accumulation),"
+            " so the loops never enter block_backward_sync()"
         )
     if replicas < 2:
         raise NotApplicable(

@@ -225,7 +225,7 @@ class CheckpointConnector:
         from phalanx.strategies.strategy import Strategy
 
         strategy = self.trainer.strategy
-        if strategy.restores_optimizer:
+        if strategy.traits.restores_optimizer:
             return  # the strategy restored them itself while reading the checkpoint
         if type(strategy).load_optimizer_state_dict is Strategy.load_optimizer_state_dict:
             check_optimizer_states(self._source, checkpoint["optimizer_states"], strategy.optimizers)
@@ -237,7 +237,7 @@ class CheckpointConnector:
         assert strategy.module is not None
         if not hook_called:
             strategy.module.on_load_checkpoint(checkpoint)
-            if not strategy.restore_checkpoint_after_setup:
+            if not strategy.traits.restore_checkpoint_after_setup:
                 check_weights_fit(
                     self._source,
                     checkpoint["state_dict"],
@@ -256,7 +256,7 @@ class CheckpointConnector:
             self._apply(
                 "['precision_plugin']", strategy.precision_plugin.load_state_dict, checkpoint["precision_plugin"]
             )
-        if not strategy.restores_optimizer:
+        if not strategy.traits.restores_optimizer:
             strategy.load_optimizer_state_dict(checkpoint)
             for config, state in zip(strategy.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
                 config.scheduler.load_state_dict(state)

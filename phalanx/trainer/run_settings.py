@@ -22,7 +22,9 @@ def run_settings(trainer: Trainer, source: DataSource) -> RunSettings:
         gradient_clip_val=trainer.gradient_clip_val,
         gradient_clip_algorithm=str(trainer.gradient_clip_algorithm or "norm"),
         # Building the training dataloader may be costly (or counted by the user): only for strategies that ask.
-        train_batch_size=train_batch_size(source) if fitting and trainer.strategy.needs_train_batch_size else None,
+        train_batch_size=train_batch_size(source)
+        if fitting and trainer.strategy.traits.needs_train_batch_size
+        else None,
         configure_optimizers=init_optimizers_and_schedulers if fitting else None,
         before_optimizer_step=trainer._before_optimizer_step,
     )

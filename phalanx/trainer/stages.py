@@ -134,7 +134,7 @@ def _setup_strategy_and_checkpoint(trainer: Trainer, source: DataSource, ckpt_pa
     trainer._run.ckpt_path = path
     fitting = trainer.state.fn == TrainerFn.FITTING
     checkpoint = None
-    if path is not None and not strategy.restore_checkpoint_after_setup:
+    if path is not None and not strategy.traits.restore_checkpoint_after_setup:
         checkpoint = connector.load(path, fitting=fitting)
         if fitting:
             # Applied once the optimizers exist and their states are checked too: a damaged checkpoint is refused
@@ -143,7 +143,7 @@ def _setup_strategy_and_checkpoint(trainer: Trainer, source: DataSource, ckpt_pa
         else:
             connector.restore_model(checkpoint)
     strategy.setup(run_settings(trainer, source))
-    if path is not None and strategy.restore_checkpoint_after_setup:
+    if path is not None and strategy.traits.restore_checkpoint_after_setup:
         # Read once the model is sharded (and its optimizers exist), so that each rank reads only its shards.
         checkpoint = connector.load(path, fitting=fitting)
         if fitting:

@@ -19,8 +19,9 @@ MAX_LINES = {
     # are its own; its checkpoints are read and written by a collaborator (deepspeed/_checkpoints.py).
     "strategies/deepspeed/strategy.py": 700,
     # The Strategy contract reads in one place: its set-up order with every named step beside the rest of the base
-    # class, rather than a mixin that would have to stub the attributes it reads.
-    "strategies/strategy.py": 560,
+    # class, rather than a mixin that would have to stub the attributes it reads. Until the next release it also keeps
+    # the deprecated per-flag properties that ``traits`` replaced (out-of-tree strategies may still override them).
+    "strategies/strategy.py": 600,
 }
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies import RunSettings, SingleDeviceStrategy
+from phalanx.strategies import RunSettings, SingleDeviceStrategy, StrategyTraits
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx_hivemind import options, trust
 from phalanx_hivemind.download import bound_state_download, keep_schedule_on_download
@@ -350,15 +350,12 @@ class HivemindStrategy(SingleDeviceStrategy):
             ):
                 module.log(name, float(value), on_step=True, on_epoch=False, batch_size=1)  # type: ignore[union-attr]
 
-    @property
-    def handles_gradient_accumulation(self) -> bool:
-        """True: hivemind accumulates until the swarm reaches ``target_batch_size`` (the driver steps every batch)."""
-        return True
-
-    @property
-    def wraps_module_with_optimizers(self) -> bool:
-        """True: the optimizer must be known at ``setup`` (hivemind wraps it); Cohort.setup_module is refused."""
-        return True
+    def declare_traits(self) -> StrategyTraits:
+        """hivemind accumulates until the swarm reaches ``target_batch_size`` (the driver steps every batch), and the
+        optimizer must be known at ``setup`` (hivemind wraps it; Cohort.setup_module is refused)."""
+        return dataclasses.replace(
+            super().declare_traits(), handles_gradient_accumulation=True, wraps_module_with_optimizers=True
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -60,7 +60,7 @@ def test_defaults() -> None:
     assert (strategy.target_batch_size, strategy.run_id, strategy.initial_peers) == (4096, "phalanx_run", [])
     assert strategy.host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
     assert (strategy.matchmaking_time, strategy.averaging_timeout, strategy.load_state_timeout) == (5.0, 30.0, 60.0)
-    assert strategy.handles_gradient_accumulation and strategy.is_global_zero and strategy.world_size == 1
+    assert strategy.traits.handles_gradient_accumulation and strategy.is_global_zero and strategy.world_size == 1
     assert strategy.dht is None and strategy.swarm_progress is None and strategy.visible_addresses == []
 
 

@@ -4,22 +4,22 @@
 strategy imports it when a process joins the job (``setup_environment``), so ``import phalanx`` stays cheap and the
 registry can list the DeepSpeed names on machines without it.
 
-How DeepSpeed's differences reach the loops (which never look at the strategy's type):
+How DeepSpeed's differences reach the loops (which never look at the strategy's type; they read its ``traits``):
 
-- ``handles_gradient_accumulation`` is True: the loop steps every batch and the engine accumulates. The loop runs the
-  batches that do not end an accumulation window inside ``block_backward_sync`` (the same windows as DDP: every
-  ``accumulate_grad_batches`` batches and at the end of an epoch), and the strategy tells the engine, so gradients
-  match a DDP run. ``global_step`` counts batches, as in Lightning; schedulers with ``interval='step'`` step once per
-  optimizer update.
+- ``traits.handles_gradient_accumulation`` is True: the loop steps every batch and the engine accumulates. The loop
+  runs the batches that do not end an accumulation window inside ``block_backward_sync`` (the same windows as DDP:
+  every ``accumulate_grad_batches`` batches and at the end of an epoch), and the strategy tells the engine, so
+  gradients match a DDP run. ``global_step`` counts batches, as in Lightning; schedulers with ``interval='step'``
+  step once per optimizer update.
 - backward and the optimizer step go through the engine (``engine.backward``, ``engine.step``), via
   ``DeepSpeedPrecision``; the optimizer handle's ``zero_grad`` does nothing because the engine zeroes gradients itself
   after each update.
 - checkpoints are directories (see ``phalanx.plugins.io.formats.deepspeed``): every rank writes its partitions, the
   Trainer's state goes beside them, and ``.complete`` is written last. Resuming lets the engine read its files
-  (``restore_checkpoint_after_setup``); the LR schedulers are restored by the Trainer from the saved state.
+  (``traits.restore_checkpoint_after_setup``); the LR schedulers are restored by the Trainer from the saved state.
 - under ZeRO-3 every forward pass gathers parameters collectively: evaluation data is padded
-  (``strategy.pads_evaluation``), the driver checks the batch counts at the start of each evaluation
-  (``strategy.requires_equal_batches``), and evaluation steps run under ``no_grad`` instead of inference mode
+  (``traits.pads_evaluation``), the driver checks the batch counts at the start of each evaluation
+  (``traits.requires_equal_batches``), and evaluation steps run under ``no_grad`` instead of inference mode
   (parameters gathered in inference mode could not be used by training afterwards).
 
 The config is built (and the arguments checked) in :mod:`~phalanx.strategies.deepspeed._config`, the optimizer handle
@@ -34,6 +34,7 @@ import importlib.util
 import logging
 import os
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from typing import Any, Callable, Iterator
@@ -75,6 +76,7 @@ from phalanx.strategies.deepspeed._engine import (
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
+from phalanx.strategies.traits import StrategyTraits
 from phalanx.utilities import distributed
 from phalanx.utilities.init import empty_init_context
 from phalanx.utilities.rank_zero import rank_zero_warn
@@ -324,11 +326,6 @@ class DeepSpeedStrategy(ParallelStrategy):
             precision_sections=self._precision_config(), precision=self.precision_plugin.precision,
         )  # fmt: skip
 
-    @property
-    def needs_train_batch_size(self) -> bool:
-        """True unless ``logging_batch_size_per_gpu`` was given: DeepSpeed's config wants the per-process batch size."""
-        return self._logging_batch_size_per_gpu == "auto"
-
     # ------------------------------------------------------------------ processes
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
@@ -506,37 +503,32 @@ class DeepSpeedStrategy(ParallelStrategy):
         return dict(OPTIMIZER_MARKER)
 
     # ------------------------------------------------------------------ what the loops consult
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        """True: the engine, created in ``setup``, reads its own checkpoint files."""
-        return True
-
-    @property
-    def handles_gradient_accumulation(self) -> bool:
-        """True: the engine accumulates gradients; the loop steps every batch."""
-        return True
-
-    @property
-    def wraps_module_with_optimizers(self) -> bool:
-        """True: ``deepspeed.initialize`` builds one engine from the module and its optimizer."""
-        return True
-
-    # ------------------------------------------------------------------ ZeRO-3: evaluation
-    @property
-    def pads_evaluation(self) -> bool:
-        """Under ZeRO-3 each forward pass gathers parameters: ranks must run equally many, so evaluation is padded."""
-        return self.zero_stage == 3
-
-    @property
-    def requires_equal_batches(self) -> bool:
-        """Under ZeRO-3 with parameters partitioned over several processes: each forward pass gathers them."""
-        return self.world_size > 1 and self._module is not None and bool(partitioned_parameters(self._module))
-
-    @property
-    def allows_inference_mode(self) -> bool:
-        """Not under ZeRO-3: it keeps some parameters it gathers between steps, and made in inference mode training
-        could never use them again."""
-        return self.zero_stage != 3
+    def declare_traits(self) -> StrategyTraits:
+        """The engine reads its own checkpoint files after ``setup``, accumulates gradients (the loop steps every
+        batch), and is built from the module and its optimizer together. DeepSpeed's config wants the per-process
+        batch size unless ``logging_batch_size_per_gpu`` was given. Under ZeRO-3 each forward pass gathers parameters:
+        evaluation is padded, ranks must run equally many batches where parameters are partitioned over several
+        processes, and no inference mode (the engine keeps some gathered parameters between steps, and made in
+        inference mode training could never use them again)."""
+        zero3 = self.zero_stage == 3
+        module = self._module
+        # Read every batch: stop at the first partitioned parameter rather than listing them all.
+        partitioned = (
+            zero3
+            and self.world_size > 1
+            and module is not None
+            and any(hasattr(p, "ds_id") for p in module.parameters())
+        )
+        return replace(
+            super().declare_traits(),
+            restore_checkpoint_after_setup=True,
+            handles_gradient_accumulation=True,
+            wraps_module_with_optimizers=True,
+            needs_train_batch_size=self._logging_batch_size_per_gpu == "auto",
+            pads_evaluation=zero3,
+            requires_equal_batches=partitioned,
+            allows_inference_mode=not zero3,
+        )
 
     def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
         if method == "training_step":

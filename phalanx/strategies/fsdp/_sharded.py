@@ -4,6 +4,7 @@ module, gradient accumulation without synchronisation, creation on the meta devi
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import replace
 from typing import Any, Iterator
 
 import torch
@@ -13,6 +14,7 @@ from torch.optim import Optimizer
 from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.formats.layout import checkpoint_layout
 from phalanx.strategies.forward_redirection import redirect_forward
+from phalanx.strategies.traits import StrategyTraits
 from phalanx.utilities.dtensor import (
     full_module_state,
     full_optimizer_state,
@@ -50,10 +52,18 @@ class ShardedStrategyMixin:
         with context:
             return redirect_forward(self._module, self._module, method, *args, **kwargs)  # type: ignore[attr-defined]
 
-    @property
-    def allows_inference_mode(self) -> bool:
-        """No: FSDP2 keeps the buffers it gathers parameters into; made in inference mode, training cannot fill them."""
-        return False
+    def declare_traits(self) -> StrategyTraits:
+        """Every forward pass runs collectives (gathers parameters, or tensor-parallel ones): all ranks must run
+        equally many, so evaluation is padded. No inference mode: FSDP2 keeps the buffers it gathers parameters into,
+        and made in inference mode training cannot fill them. Checkpoints load into the sharded model, after
+        ``setup``, optimizer and scheduler states included."""
+        return replace(
+            super().declare_traits(),  # type: ignore[misc]
+            pads_evaluation=True,
+            allows_inference_mode=False,
+            restore_checkpoint_after_setup=True,
+            restores_optimizer=True,
+        )
 
     def block_backward_sync(self) -> AbstractContextManager:
         """While accumulating, FSDP keeps gradients unsharded and reduces them once, on the last micro-batch."""
@@ -84,16 +94,6 @@ class ShardedStrategyMixin:
             materialize(module, self.root_device)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ checkpoints
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Checkpoints load into the sharded model."""
-        return True
-
-    @property
-    def restores_optimizer(self) -> bool:
-        """Optimizer and scheduler states are restored by ``load_checkpoint``."""
-        return True
 
     def module_state_dict(self) -> dict[str, Any]:
         """'full': whole tensors on rank 0 (other ranks get an empty dict); 'sharded': this rank's shards."""

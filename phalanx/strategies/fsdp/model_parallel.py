@@ -119,11 +119,6 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         dp, tp = self.mesh_shape()
         return {"num_replicas": dp, "rank": self.global_rank // tp}
 
-    @property
-    def pads_evaluation(self) -> bool:
-        """Every forward pass runs collectives: all ranks must run equally many, so evaluation is padded."""
-        return True
-
     # ------------------------------------------------------------------ set-up
     def connect(self, model: Any) -> None:
         """Take the module, which must parallelise itself in ``configure_model``."""

@@ -188,11 +188,6 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         """Every rank reads its shard (``num_replicas``, ``rank``)."""
         return super().distributed_sampler_kwargs
 
-    @property
-    def pads_evaluation(self) -> bool:
-        """Every forward pass gathers parameters: all ranks must run equally many, so evaluation is padded."""
-        return True
-
     def setup_environment(self) -> None:
         """Join the process group, then build the device mesh the parameters are sharded over."""
         super().setup_environment()

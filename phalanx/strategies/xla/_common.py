@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch.optim import Optimizer
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.precision.precision import Precision
 from phalanx.plugins.precision.xla import XLAPrecision
+from phalanx.strategies.traits import StrategyTraits
 from phalanx.strategies.xla._collectives import cut_graph, launch_turn
 from phalanx.utilities.apply import apply_to_tensors
 
@@ -89,17 +91,18 @@ class XLAStrategyMixin:
     """Steps end with a graph cut; dataloaders feed the device; checkpoints are written from CPU copies."""
 
     precision_plugin_type: type[Precision] = XLAPrecision
+    #: The XLA accelerator runs only this family (``XLAAccelerator.strategy_family``).
+    family: ClassVar[str | None] = "xla"
 
     @classmethod
     def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> XLAPrecision:
         """The XLA precision plugin for ``precision`` ('32-true', 'bf16-true', 'bf16-mixed')."""
         return XLAPrecision(precision)
 
-    @property
-    def allows_inference_mode(self) -> bool:
-        """No: torch_xla cannot run a module under inference mode (its tensors lack version counters); as in
+    def declare_traits(self) -> StrategyTraits:
+        """No inference mode: torch_xla cannot run a module under it (its tensors lack version counters); as in
         Lightning, evaluation on XLA runs under no_grad."""
-        return False
+        return replace(super().declare_traits(), allows_inference_mode=False)  # type: ignore[misc]
 
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any

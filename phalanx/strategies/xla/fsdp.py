@@ -11,6 +11,7 @@ a single-device model, or back into xla_fsdp on any number of devices.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from datetime import timedelta
 from functools import partial
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
+from phalanx.strategies.traits import StrategyTraits
 from phalanx.strategies.xla import _collectives as collectives
 from phalanx.strategies.xla._common import to_cpu
 from phalanx.strategies.xla._fsdp_state import ModuleTree, ShardedParameters, undo_activation_checkpointing
@@ -241,10 +243,9 @@ class XLAFSDPStrategy(XLAStrategy):
         return self._model.clip_grad_norm_(max_norm)  # type: ignore[union-attr, operator]
 
     # ------------------------------------------------------------------ checkpoints
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Checkpoints load into the shards: each replica keeps its own piece of every tensor."""
-        return True
+    def declare_traits(self) -> StrategyTraits:
+        """Checkpoints load after ``setup``, into the shards: each replica keeps its own piece of every tensor."""
+        return replace(super().declare_traits(), restore_checkpoint_after_setup=True)
 
     def module_state_dict(self) -> dict[str, Any]:
         """'full': whole CPU tensors under the module's names (every replica gathers); 'sharded': this replica's

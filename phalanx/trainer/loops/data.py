@@ -197,7 +197,7 @@ def prepare_dataloader(trainer: Trainer, dataloader: Any, training: bool) -> Any
 
         seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
         dataloader = distributed_dataloader(
-            dataloader, training=training, seed=seed, pad_evaluation=strategy.pads_evaluation, **sampler_kwargs
+            dataloader, training=training, seed=seed, pad_evaluation=strategy.traits.pads_evaluation, **sampler_kwargs
         )
     if (
         os.environ.get("PHALANX_SEED_WORKERS") == "1"

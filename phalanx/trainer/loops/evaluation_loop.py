@@ -32,7 +32,9 @@ def evaluation_mode(trainer: Trainer, stage: str) -> Iterator[None]:
     model = strategy.model
     hooks = trainer._hooks
     modes = [(module, module.training) for module in model.modules()]
-    with torch.inference_mode() if trainer.inference_mode and strategy.allows_inference_mode else torch.no_grad():
+    with (
+        torch.inference_mode() if trainer.inference_mode and strategy.traits.allows_inference_mode else torch.no_grad()
+    ):
         to_eval = hooks[f"on_{stage}_model_eval"]
         try:
             if to_eval:
@@ -62,7 +64,7 @@ def check_equal_batches(strategy: Strategy, counts: list[int | float], stage: st
     Each forward pass then runs collectives (ZeRO-3 gathers parameters): a process with fewer batches would leave the
     others waiting until the timeout.
     """
-    if not strategy.requires_equal_batches:
+    if not strategy.traits.requires_equal_batches:
         return
     mine = [float(count) for count in counts]
     everyone = strategy.all_gather_object(mine)
@@ -252,5 +254,5 @@ def _gather_in_dataset_order(strategy: Any, dataloader: Any, outputs: list[Any])
     indices = batch_indices(getattr(dataloader, "dataloader", dataloader))[: len(outputs)]
     local = [(batch, apply_to_tensors(output, lambda t: t.detach().cpu())) for batch, output in zip(indices, outputs)]
     per_rank = strategy.all_gather_object(local)
-    padded = strategy.pads_evaluation
+    padded = strategy.traits.pads_evaluation
     return reassemble_predictions(per_rank, getattr(dataloader, "batch_size", None), drop_repeats=padded)

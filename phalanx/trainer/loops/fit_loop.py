@@ -310,7 +310,7 @@ class FitLoop:
         accumulate = self.trainer.accumulate_grad_batches
         if accumulate == 1 or self.batches_done % accumulate == 0:
             return False
-        return self.trainer.strategy.handles_gradient_accumulation or self.batches_done < self.num_batches
+        return self.trainer.strategy.traits.handles_gradient_accumulation or self.batches_done < self.num_batches
 
     def _count_stepped(self) -> None:
         if self._step_pending:
@@ -430,13 +430,13 @@ class FitLoop:
 
     def _ends_window(self) -> bool:
         """Whether the optimizer steps after this batch (every batch with a strategy that accumulates itself)."""
-        return self._closes_window() or self.trainer.strategy.handles_gradient_accumulation
+        return self._closes_window() or self.trainer.strategy.traits.handles_gradient_accumulation
 
     def _forward_backward_step(self, batch: Any, batch_idx: int) -> Any:
         if not self._closes_window():
             strategy = self.trainer.strategy
             with strategy.block_backward_sync():
-                if not strategy.handles_gradient_accumulation:
+                if not strategy.traits.handles_gradient_accumulation:
                     return self._forward_backward(batch, batch_idx)[1]
                 # The strategy (DeepSpeed) steps every batch and learns from this context that the window goes on.
                 return self._step_on(batch, batch_idx)

@@ -130,7 +130,7 @@ def check_nonfinite_mode(trainer: Trainer, automatic: bool) -> None:
             "or pass nonfinite_loss='stop' or 'raise' (checked on the loss training_step returns, "
             "after its own steps)."
         )
-    if trainer.strategy.handles_gradient_accumulation:
+    if trainer.strategy.traits.handles_gradient_accumulation:
         raise ValueError(
             f"nonfinite_loss='skip' cannot skip a batch under {type(trainer.strategy).__name__}: "
             f"its engine counts every batch (gradient accumulation, loss scaling). "

@@ -128,7 +128,9 @@ def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
     strategy = trainer.strategy
     optimizers = strategy.optimizers
     trainer._run.manual_optimizers = [ManualOptimizer(optimizer, trainer) for optimizer in optimizers]
-    trainer._run.loss_divisor = trainer.accumulate_grad_batches if not strategy.handles_gradient_accumulation else 1
+    trainer._run.loss_divisor = (
+        trainer.accumulate_grad_batches if not strategy.traits.handles_gradient_accumulation else 1
+    )
     if module.automatic_optimization:
         if len(optimizers) != 1:
             raise ValueError(

@@ -194,7 +194,7 @@ def main() -> None:
         "val_loss": float(trainer.callback_metrics["val_loss"]),
         "val_count": float(trainer.callback_metrics["val_count"]),
         "last_model_path": checkpointing.last_model_path,
-        "handles_accumulation": trainer.strategy.handles_gradient_accumulation,
+        "handles_accumulation": trainer.strategy.traits.handles_gradient_accumulation,
     }
     if deepspeed:
         report["full"]["config"] = trainer.strategy.config

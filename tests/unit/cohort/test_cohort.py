@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
 from phalanx.cohort import CohortModule
+from phalanx.strategies import StrategyTraits
 from phalanx.utilities.exceptions import CheckpointError
 
 
@@ -306,9 +308,8 @@ def test_load_refuses_optimizer_states_of_another_shape(tmp_path):
 class _OneEngineStrategy(phalanx.strategies.SingleDeviceStrategy):
     """A strategy that, like DeepSpeed, can only set up the module together with its optimizers."""
 
-    @property
-    def wraps_module_with_optimizers(self) -> bool:
-        return True
+    def declare_traits(self) -> StrategyTraits:
+        return dataclasses.replace(super().declare_traits(), wraps_module_with_optimizers=True)
 
 
 def test_setup_module_alone_is_refused_where_the_strategy_needs_the_optimizers_too():
@@ -325,5 +326,5 @@ def test_setup_module_alone_is_refused_where_the_strategy_needs_the_optimizers_t
 def test_deepspeed_declares_that_it_needs_the_optimizers_with_the_module():
     from phalanx.strategies import DDPStrategy, DeepSpeedStrategy
 
-    assert DeepSpeedStrategy(stage=2).wraps_module_with_optimizers is True
-    assert DDPStrategy().wraps_module_with_optimizers is False
+    assert DeepSpeedStrategy(stage=2).traits.wraps_module_with_optimizers is True
+    assert DDPStrategy().traits.wraps_module_with_optimizers is False

@@ -161,9 +161,9 @@ def test_registered_strategy_name_lookup_is_case_insensitive():
 
 def test_base_strategy_contract_defaults():
     strategy = SingleDeviceStrategy()
-    assert strategy.restore_checkpoint_after_setup is False
-    assert strategy.restores_optimizer is False
-    assert strategy.handles_gradient_accumulation is False
+    assert strategy.traits.restore_checkpoint_after_setup is False
+    assert strategy.traits.restores_optimizer is False
+    assert strategy.traits.handles_gradient_accumulation is False
     assert strategy.reduce_boolean_decision(True) is True
     assert strategy.all_gather_object({"a": 1}) == [{"a": 1}]
     assert strategy.distributed_sampler_kwargs is None

@@ -98,14 +98,14 @@ def test_trainer_resolves_deepspeed_with_its_precision_plugin():
         and strategy.precision_plugin.precision == "bf16-mixed"
     )
     assert (
-        strategy.handles_gradient_accumulation
-        and strategy.restore_checkpoint_after_setup
-        and not strategy.restores_optimizer
+        strategy.traits.handles_gradient_accumulation
+        and strategy.traits.restore_checkpoint_after_setup
+        and not strategy.traits.restores_optimizer
     )
-    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and strategy.pads_evaluation
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and strategy.traits.pads_evaluation
     stage2 = phalanx.Trainer(strategy="deepspeed", accelerator="cpu", devices=2, logger=False).strategy
     assert (
-        stage2.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and not stage2.pads_evaluation
+        stage2.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and not stage2.traits.pads_evaluation
     )  # only ZeRO-3 needs equal evaluation batches
     assert isinstance(stage2.precision_plugin, DeepSpeedPrecision) and stage2.precision_plugin.precision == "32-true"
 
@@ -192,7 +192,8 @@ def test_config_takes_batch_size_accumulation_clipping_and_precision_from_the_ru
     loader = DataLoader(TensorDataset(torch.zeros(40, 2)), batch_size=5)
     strategy = DeepSpeedStrategy(stage=2, precision_plugin=DeepSpeedPrecision("bf16-mixed"))
     assert (
-        strategy.needs_train_batch_size and not DeepSpeedStrategy(logging_batch_size_per_gpu=3).needs_train_batch_size
+        strategy.traits.needs_train_batch_size
+        and not DeepSpeedStrategy(logging_batch_size_per_gpu=3).traits.needs_train_batch_size
     )
     batch_size = train_batch_size(DataSource(phalanx.TrainingModule(), None, train=loader))  # what the Trainer passes
     config = strategy._build_config(_settings(accumulate=4, clip=0.25, batch_size=batch_size))
@@ -337,7 +338,7 @@ def test_zero3_refuses_evaluation_that_would_leave_a_rank_waiting(monkeypatch):
     strategy._module = module
     monkeypatch.setattr(DeepSpeedStrategy, "world_size", property(lambda self: 2))
     strategy.all_gather_object = lambda mine: [mine, [4.0]]
-    assert strategy.requires_equal_batches
+    assert strategy.traits.requires_equal_batches
     check_equal_batches(strategy, [4], "validation")  # equal: fine
     with pytest.raises(
         ValueError,
@@ -345,7 +346,7 @@ def test_zero3_refuses_evaluation_that_would_leave_a_rank_waiting(monkeypatch):
     ):
         check_equal_batches(strategy, [5], "validation")
     del module.weight.ds_id
-    assert not strategy.requires_equal_batches
+    assert not strategy.traits.requires_equal_batches
     check_equal_batches(strategy, [5], "validation")  # nothing partitioned: no collective in the forward pass
 
 

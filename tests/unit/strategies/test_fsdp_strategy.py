@@ -22,7 +22,7 @@ def test_registry_names_and_trainer_resolution():
     assert isinstance(plugin, FSDPPrecision) and plugin.precision == "bf16-mixed"
     assert (
         trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
-        and trainer.strategy.pads_evaluation
+        and trainer.strategy.traits.pads_evaluation
     )
 
 
@@ -145,4 +145,4 @@ def test_model_parallel_shards_data_over_the_data_parallel_ranks_only():
     strategy = ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4
     )
-    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and strategy.pads_evaluation
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and strategy.traits.pads_evaluation

@@ -3,13 +3,14 @@ tensor made there that training later updates in place (FSDP2's gathered paramet
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 from phalanx_testing import Regressor, loaders, quiet_trainer
 
-from phalanx.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
+from phalanx.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy, StrategyTraits
 
 #: Every strategy phalanx registers, and whether it lets evaluation run under inference mode.
 ALLOWS = {
@@ -30,7 +31,7 @@ def test_every_registered_strategy_is_in_the_table() -> None:
 def test_which_strategies_allow_inference_mode(name: str, allows: bool) -> None:
     if name.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
-    assert STRATEGY_REGISTRY.get(name).allows_inference_mode is allows
+    assert STRATEGY_REGISTRY.get(name).traits.allows_inference_mode is allows
 
 
 class KeepsGathered(Regressor):
@@ -71,9 +72,8 @@ class KeepsGathered(Regressor):
 class KeepsGatheredStrategy(SingleDeviceStrategy):
     """A user's strategy whose module keeps such tensors: it says so."""
 
-    @property
-    def allows_inference_mode(self) -> bool:
-        return False
+    def declare_traits(self) -> StrategyTraits:
+        return dataclasses.replace(super().declare_traits(), allows_inference_mode=False)
 
 
 def _evaluate_then_fit(first: str, strategy: Any) -> KeepsGathered:

@@ -24,7 +24,7 @@ def test_sampler_kwargs_build_a_distributed_sampler(name, padded, monkeypatch):
     strategy = phalanx.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy
     sampler = DistributedSampler(TensorDataset(torch.arange(10)), **strategy.distributed_sampler_kwargs)
     assert sampler.num_replicas == 2 and sampler.rank == 0 and len(list(sampler)) == 5
-    assert strategy.pads_evaluation is padded
+    assert strategy.traits.pads_evaluation is padded
 
 
 def test_model_parallel_samples_over_its_data_parallel_ranks():
@@ -34,4 +34,4 @@ def test_model_parallel_samples_over_its_data_parallel_ranks():
         data_parallel_size=2, tensor_parallel_size=2, parallel_devices=[torch.device("cpu")] * 4
     )
     sampler = DistributedSampler(TensorDataset(torch.arange(10)), **strategy.distributed_sampler_kwargs)
-    assert sampler.num_replicas == 2 and strategy.pads_evaluation
+    assert sampler.num_replicas == 2 and strategy.traits.pads_evaluation

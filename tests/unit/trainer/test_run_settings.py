@@ -3,6 +3,7 @@ clear error for strategies written against the old Trainer-taking signatures."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, Tensor
 
 import phalanx
 from phalanx.accelerators import CPUAccelerator
-from phalanx.strategies import RunSettings, SingleDeviceStrategy
+from phalanx.strategies import RunSettings, SingleDeviceStrategy, StrategyTraits
 from phalanx.trainer.loops.data import DataSource
 from phalanx.trainer.run_settings import train_batch_size
 
@@ -25,9 +26,8 @@ class RecordingStrategy(SingleDeviceStrategy):
         self.settings: list[RunSettings] = []
         self._needs_batch_size = needs_batch_size
 
-    @property
-    def needs_train_batch_size(self) -> bool:
-        return self._needs_batch_size
+    def declare_traits(self) -> StrategyTraits:
+        return dataclasses.replace(super().declare_traits(), needs_train_batch_size=self._needs_batch_size)
 
     def setup(self, settings: RunSettings) -> None:
         self.settings.append(settings)
@@ -113,9 +113,8 @@ def test_train_batch_size_comes_from_the_first_training_loader(
 class EqualBatchesStrategy(SingleDeviceStrategy):
     """Pretends to be one of two processes that must run equally many evaluation batches; the other runs 3."""
 
-    @property
-    def requires_equal_batches(self) -> bool:
-        return True
+    def declare_traits(self) -> StrategyTraits:
+        return dataclasses.replace(super().declare_traits(), requires_equal_batches=True)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj, [3.0]]

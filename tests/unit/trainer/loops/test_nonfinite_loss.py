@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 from typing import Any
@@ -13,7 +14,7 @@ from phalanx_testing import Regressor, parameters_of, quiet_trainer, same_parame
 from torch import nn
 from torch.utils.data import DataLoader
 
-from phalanx.strategies import SingleDeviceStrategy
+from phalanx.strategies import SingleDeviceStrategy, StrategyTraits
 
 BATCHES = 8
 
@@ -211,9 +212,8 @@ def test_manual_optimization_refuses_skip_and_checks_the_returned_loss_otherwise
 
 def test_skip_is_refused_where_the_strategy_accumulates_gradients_itself():
     class Accumulating(SingleDeviceStrategy):
-        @property
-        def handles_gradient_accumulation(self) -> bool:
-            return True
+        def declare_traits(self) -> StrategyTraits:
+            return dataclasses.replace(super().declare_traits(), handles_gradient_accumulation=True)
 
     trainer = quiet_trainer(max_epochs=1, nonfinite_loss="skip", strategy=Accumulating(device=torch.device("cpu")))
     with pytest.raises(ValueError, match="cannot skip a batch under Accumulating"):
