@@ -11,7 +11,7 @@ from phalanx_testing import Regressor, loaders, quiet_trainer
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"])
 def test_fit_on_one_gpu(precision):
     if "bf16" in precision and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bfloat16")
