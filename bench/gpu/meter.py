@@ -76,8 +76,9 @@ class Meter:
             "item_calls_per_step": sum(name == "aten::_local_scalar_dense" for name in names) / per_step,
         }
 
-    def figures(self, tokens_per_step: int, parameters: int) -> dict[str, Any]:
-        """ms per step, tokens/s, MFU (6 N tokens / time / peak), peak memory and the profiler's counts."""
+    def figures(self, tokens_per_step: int, parameters: int, devices: int = 1) -> dict[str, Any]:
+        """ms per step, tokens/s (all devices), MFU (6 N tokens / time / (devices x peak)), this device's peak memory
+        and the profiler's counts."""
         if not self.seconds:
             raise RuntimeError(f"the timed window did not close: the run took fewer than {self.total_steps} steps.")
         ms = 1000.0 * self.seconds / self.steps
@@ -87,7 +88,7 @@ class Meter:
         return {
             "ms_per_step": round(ms, 3),
             "tokens_per_s": round(tokens_per_s, 1),
-            "mfu": round(6 * parameters * tokens_per_s / peak, 4) if peak else None,
+            "mfu": round(6 * parameters * tokens_per_s / (peak * devices), 4) if peak else None,
             "peak_memory_gib": round(memory / 2**30, 3) if memory is not None else None,
             **self.counts,
         }

@@ -108,7 +108,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--runs", default="", help="comma-separated run names instead of the full plan, e.g. loop,phalanx"
     )
-    parser.add_argument("--budget", type=float, default=450.0, help="seconds; runs that would start later are skipped")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds; runs that would start later are skipped")
     parser.add_argument("--run-timeout", type=float, default=180.0, help="seconds one run may take")
     parser.add_argument("--out", type=Path, default=HERE / "results.jsonl")
     parser.add_argument("--results-md", type=Path, default=ROOT / "bench" / "RESULTS.md")

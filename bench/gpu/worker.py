@@ -146,7 +146,7 @@ def main(spec: dict) -> None:
         with torch.device("meta"):
             parameters = parameter_count(GPT(shape))
         tokens = shape.batch * shape.context * spec["devices"]
-        result.update(status="ok", parameters=parameters, **meter.figures(tokens, parameters))
+        result.update(status="ok", parameters=parameters, **meter.figures(tokens, parameters, spec["devices"]))
     print("RESULT " + json.dumps(result), flush=True)
 
 
