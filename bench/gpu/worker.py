@@ -121,7 +121,8 @@ def run_framework(spec: dict, shape: Shape, device: torch.device, meter: Meter) 
             if spec["compiled"] and "compile" in str(error):
                 return f"Trainer(compile=True) is not supported by this version: {error}"
             raise
-        trainer.fit(model, batches(shape, device, meter.total_steps))
+        # A distributed sampler deals each of the devices an equal share: every rank gets total_steps batches.
+        trainer.fit(model, batches(shape, device, meter.total_steps * spec["devices"]))
     return None
 
 
