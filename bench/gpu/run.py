@@ -10,6 +10,7 @@ process (``worker.py``). Writes one JSON line per run to ``--out`` and appends a
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import os
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse(argv)
     specs = plan(args, gpu_count(args.device))
     began = time.monotonic()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     results = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out:
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 result = {**spec, "status": "skipped", "reason": f"time guard: {args.budget:.0f} s budget spent"}
             else:
                 result = run_one(spec, min(args.run_timeout, left))
+            result["benchmark_started"] = started  # tells this invocation's lines apart from earlier ones in --out
             print(json.dumps({k: result.get(k) for k in ("name", "status", "ms_per_step", "wall_s")}), flush=True)
             out.write(json.dumps(result) + "\n")
             out.flush()

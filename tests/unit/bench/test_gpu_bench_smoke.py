@@ -18,7 +18,20 @@ finally:
     sys.path.remove(str(ROOT / "bench" / "gpu"))  # bench/gpu/model.py must not shadow other modules
 
 FIGURES = ("ms_per_step", "tokens_per_s", "syncs_per_step", "dtoh_copies_per_step", "item_calls_per_step")
-KEYS = {"name", "kind", "strategy", "devices", "compiled", "defaults", "card", "torch", "status", "parameters", "mfu"}
+KEYS = {
+    "name",
+    "kind",
+    "strategy",
+    "devices",
+    "compiled",
+    "defaults",
+    "card",
+    "torch",
+    "status",
+    "parameters",
+    "mfu",
+    "benchmark_started",
+}
 
 
 def test_the_cpu_smoke_mode_writes_one_json_line_per_run_and_a_dated_table(tmp_path: Path) -> None:
