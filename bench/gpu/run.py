@@ -56,7 +56,12 @@ def run_spec(name: str, args: argparse.Namespace, devices: int = 1) -> dict[str,
 def plan(args: argparse.Namespace, gpus: int) -> list[dict[str, Any]]:
     """The runs in order: the core ones interleaved (A B C D A B C D), strategies, compiled pairs, then world size 2."""
     if args.runs:
-        return [run_spec(name, args, 2 if name.endswith("_ws2") else 1) for name in args.runs.split(",")]
+        names = args.runs.split(",")
+        valid = [*CORE, *COMPILED, *STRATEGIES, *(f"{name}_ws2" for name in STRATEGIES)]
+        unknown = [name for name in names if name not in valid]
+        if unknown:
+            raise SystemExit(f"--runs names unknown runs {unknown}. Valid run names: {', '.join(valid)}.")
+        return [run_spec(name, args, 2 if name.endswith("_ws2") else 1) for name in names]
     core = [name for name in CORE if name != "lightning" or importlib.util.find_spec("lightning") is not None]
     strategies = [s for s in STRATEGIES if not s.startswith("deepspeed") or importlib.util.find_spec("deepspeed")]
     # The compiled pair once before the strategies, so the time guard cuts a repeat rather than the comparison.

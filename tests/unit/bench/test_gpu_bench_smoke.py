@@ -88,6 +88,12 @@ def test_a_run_name_says_what_it_trains_with(name, kind, strategy, compiled, def
     assert (spec["kind"], spec["strategy"], spec["compiled"], spec["defaults"]) == (kind, strategy, compiled, defaults)
 
 
+@pytest.mark.parametrize("runs", ["phalnx", "loop,fsdp_ws3", "loop,,phalanx"])
+def test_an_unknown_run_name_is_refused_with_the_valid_names(runs) -> None:
+    with pytest.raises(SystemExit, match="Valid run names: loop, phalanx"):
+        run.plan(run.parse(["--runs", runs]), gpus=0)
+
+
 def _ok(name: str, ms: float) -> dict:
     return {"name": name, "status": "ok", "ms_per_step": ms, "strategy": "single_device", "devices": 1}
 
