@@ -8,10 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 try:
+    import meter
     import report
     import run
 finally:
@@ -111,3 +113,41 @@ def test_the_report_marks_each_target_met_missed_or_not_measured(tmp_path: Path,
     report.append_table(runs, path)
     line = next(line for line in path.read_text().splitlines() if line.startswith("| phalanx's plain step"))
     assert line.split("|")[-2].strip().startswith(verdict)
+
+
+@pytest.mark.parametrize("reads_per_step", [0, 1, 3])
+def test_the_meter_counts_host_reads_only_in_its_profiled_steps(reads_per_step) -> None:
+    steps = meter.Meter(torch.device("cpu"), warmup=1, steps=2, profile_steps=2)
+    weight = torch.ones(4, requires_grad=True)
+    for index in range(steps.total_steps):
+        steps.step_start(index)
+        loss = (weight * index).sum()
+        loss.backward()
+        for _ in range(reads_per_step):
+            loss.item()
+        steps.step_end(index)
+    figures = steps.figures(tokens_per_step=10, parameters=4)
+    assert figures["item_calls_per_step"] == reads_per_step
+    assert figures["ms_per_step"] > 0 and figures["mfu"] is None and figures["peak_memory_gib"] is None
+
+
+def test_the_meter_refuses_figures_when_the_run_ended_before_its_window() -> None:
+    steps = meter.Meter(torch.device("cpu"), warmup=2, steps=3, profile_steps=1)
+    steps.step_start(0)
+    steps.step_end(0)
+    with pytest.raises(RuntimeError, match="the timed window did not close"):
+        steps.figures(tokens_per_step=10, parameters=4)
+
+
+@pytest.mark.parametrize(
+    ("card", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA A10G", None),
+        ("cpu", None),
+    ],
+)
+def test_the_peak_rate_comes_from_the_card_name(card, peak) -> None:
+    assert meter.peak_flops(card) == peak
