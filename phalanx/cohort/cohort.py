@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from phalanx.cohort.backward_guard import BackwardGuard, slip_reason
 from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
 from phalanx.cohort.data import CohortData
 from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
@@ -225,7 +226,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 configure_model()
         strategy.connect(module)
         strategy.setup(RunSettings(stage="fit", configure_optimizers=make_optimizers))
-        self._module = CohortModule(strategy)
+        reason = slip_reason(strategy)
+        self._module = CohortModule(strategy, BackwardGuard(reason) if reason is not None else None)
 
     def _check_module(self, module: Any, method: str) -> None:
         if isinstance(module, CohortModule):
@@ -297,7 +299,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             raise RuntimeError("Cohort.backward needs a set-up module: call cohort.setup(module, optimizer) first.")
         if not isinstance(loss, Tensor):
             raise TypeError(f"Cohort.backward(loss) takes a tensor, got {type(loss).__name__}.")
-        self._strategy.backward(loss, None, *args, **kwargs)
+        with self._module.backward_context():
+            self._strategy.backward(loss, None, *args, **kwargs)
         self._last_loss = loss.detach()
         record_loss(self, loss)
 
