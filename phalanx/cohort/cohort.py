@@ -35,6 +35,7 @@ from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
 from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
+from phalanx.cohort.setup_checks import check_optimizers_given, check_placement
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
@@ -154,10 +155,14 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._strategy.setup_environment()
 
     # ------------------------------------------------------------------ model and optimizers
-    def setup(self, module: nn.Module, *optimizers: Optimizer) -> Any:
+    def setup(self, module: nn.Module, *optimizers: Optimizer, move_to_device: bool = True) -> Any:
         """Set up ``module`` (a TrainingModule's ``configure_model`` first, as in the Trainer) and its ``optimizers``;
-        returns the wrapped module, then the wrapped optimizers."""
+        returns the wrapped module, then the wrapped optimizers. ``move_to_device=False`` (Fabric's) is accepted where
+        the module already sits on ``device``: the strategy places it."""
         self._check_module(module, "setup")
+        check_optimizers_given(self._strategy, optimizers)
+        self._ensure_environment()  # (the device of this rank is known from here)
+        check_placement(self._strategy, module, move_to_device, "setup")
         originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
@@ -174,7 +179,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         wrapped = [wrap_optimizer(optimizer, self._optimizer_step) for optimizer in self._strategy.optimizers]
         return (self._module, *wrapped) if optimizers else self._module
 
-    def setup_module(self, module: nn.Module) -> CohortModule:
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> CohortModule:
         """Set up ``module`` alone (create or pass its optimizers to ``setup_optimizers`` afterwards)."""
         self._check_module(module, "setup_module")
         if self._strategy.wraps_module_with_optimizers:
@@ -182,6 +187,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 f"{type(self._strategy).__name__} builds one engine from the module and the optimizer together: call"
                 " cohort.setup(module, optimizer) instead of setup_module."
             )
+        self._ensure_environment()
+        check_placement(self._strategy, module, move_to_device, "setup_module")
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
         }
