@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from phalanx.cohort.backward_guard import BackwardGuard, slip_reason
-from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
+from phalanx.cohort.checkpoint import StateFilter, build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
 from phalanx.cohort.data import CohortData
 from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
 from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
@@ -392,15 +392,15 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         return apply_to_tensors(data, lambda tensor: tensor.to(self.device))
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str | PathLike, state: dict[str, Any]) -> None:
+    def save(self, path: str | PathLike, state: dict[str, Any], filter: StateFilter | None = None) -> None:
         """Write ``state`` (modules, optimizers, objects) in the Trainer's checkpoint format, full or sharded as the
-        strategy does."""
+        strategy does; ``filter`` (Fabric's): per state key, ``(name, value) -> bool`` selects state-dict entries."""
         _check_path(path, "save")
         if self._module is None:
             raise RuntimeError("Cohort.save needs a set-up module: call cohort.setup(...) first.")
         report_nonfinite(self, "save")
         agree_on_call(self, "save")
-        checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps)
+        checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps, filter)
         self._strategy.save_checkpoint(checkpoint, path)
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
 
