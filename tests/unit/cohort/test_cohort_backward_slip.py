@@ -45,8 +45,14 @@ def _plugins(name: str) -> Any:
     }[name]
 
 
+def _cohort(precision: str) -> phalanx.Cohort:
+    if precision == "16-mixed":  # on CPU without a GradScaler (phalanx makes one for CUDA only)
+        return phalanx.Cohort(accelerator="cpu", strategy="single_device", precision="16-mixed")
+    return phalanx.Cohort(accelerator="cpu", strategy="single_device", plugins=_plugins(precision))
+
+
 def _weights_after_steps(precision: str, plain_backward: bool, via_training_step: bool = False) -> list[Tensor]:
-    cohort = phalanx.Cohort(accelerator="cpu", strategy="single_device", plugins=_plugins(precision))
+    cohort = _cohort(precision)
     torch.manual_seed(0)
     module = _Net()
     model, optimizer = cohort.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
@@ -67,6 +73,7 @@ def _weights_after_steps(precision: str, plain_backward: bool, via_training_step
     [
         ("32-true", False),
         ("bf16-mixed", False),
+        ("16-mixed", False),
         ("16-mixed with a GradScaler", True),
         ("a plugin with its own backward", True),
     ],
