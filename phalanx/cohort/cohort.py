@@ -306,7 +306,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             raise RuntimeError("Cohort.backward needs a set-up module: call cohort.setup(module, optimizer) first.")
         if not isinstance(loss, Tensor):
             raise TypeError(f"Cohort.backward(loss) takes a tensor, got {type(loss).__name__}.")
-        with self._module.backward_context():
+        with self._module.cohort_backward_context():
             self._strategy.backward(loss, None, *args, **kwargs)
         self._last_loss = loss.detach()
         record_loss(self, loss)

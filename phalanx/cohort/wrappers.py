@@ -48,7 +48,7 @@ class CohortModule(nn.Module):
         guard = self.__dict__["_guard"]
         return output if guard is None else guard.watch(output)
 
-    def backward_context(self) -> AbstractContextManager:
+    def cohort_backward_context(self) -> AbstractContextManager:
         """Where ``cohort.backward`` runs the strategy's backward: the outputs' gradients are expected there."""
         guard = self.__dict__["_guard"]
         return nullcontext() if guard is None else guard.allowed()
