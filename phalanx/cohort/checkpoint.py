@@ -11,7 +11,7 @@ checkpoint, and ``Cohort.load`` reads a Trainer one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from phalanx.strategies.strategy import Strategy
 
 COHORT_ENTRY = "cohort"
+
+#: ``Cohort.save(filter=...)``: per state key, which (name, value) entries of that object's state dict are saved.
+StateFilter = dict[str, Callable[[str, Any], bool]]
 
 
 class _Sorted:
@@ -38,6 +41,7 @@ class _Sorted:
         self.optimizer_keys: dict[str, int] = {}  # key -> index in strategy.optimizers
         self.stateful: dict[str, Any] = {}  # objects with state_dict()/load_state_dict() (LR schedulers, ...)
         self.plain: dict[str, Any] = {}
+        self.keys = list(state)
         for key, value in state.items():
             self._sort(key, value, strategy, method)
 
@@ -90,8 +94,11 @@ def optimizer_index(value: Any, strategy: Strategy) -> int | None:
     )
 
 
-def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[str, Any]:
-    """The checkpoint dict for ``state`` (every rank must call it: states may be gathered)."""
+def build_checkpoint(
+    state: Any, strategy: Strategy, global_step: int, state_filter: StateFilter | None = None
+) -> dict[str, Any]:
+    """The checkpoint dict for ``state`` (every rank must call it: states may be gathered), with the entries
+    ``state_filter`` selects."""
     from phalanx import __version__
     from phalanx.plugins.io.checks import check_loadable, plain_hyperparameters
     from phalanx.utilities.seed import collect_rng_states
@@ -101,6 +108,7 @@ def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[s
         raise ValueError(
             "Cohort.save: the state holds no module; add the module returned by Cohort.setup, e.g. {'model': model}."
         )
+    keep = _checked_filter(state_filter, entries, strategy)
     module = strategy.module
     assert module is not None
     epoch = entries.plain.get("epoch")
@@ -110,7 +118,7 @@ def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[s
         "pytorch_version": str(torch.__version__),
         "epoch": epoch,
         "global_step": global_step,
-        "state_dict": strategy.module_state_dict(),
+        "state_dict": keep(entries.module_key, strategy.module_state_dict()),
         "loops": {"fit_loop": _loop_state(epoch, global_step)},
         "lr_schedulers": [],
         "rng_states": strategy.all_gather_object(collect_rng_states()),
@@ -123,13 +131,60 @@ def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[s
     checkpoint[COHORT_ENTRY] = {
         "module": entries.module_key,
         "optimizers": entries.optimizer_keys,
-        "objects": {**entries.plain, **{key: value.state_dict() for key, value in entries.stateful.items()}},
+        "objects": {
+            **{key: keep(key, value) for key, value in entries.plain.items()},
+            **{key: keep(key, value.state_dict()) for key, value in entries.stateful.items()},
+        },
     }
     on_save = getattr(module, "on_save_checkpoint", None)
     if callable(on_save):
         on_save(checkpoint)
     check_loadable(checkpoint)
     return checkpoint
+
+
+def _checked_filter(state_filter: Any, entries: _Sorted, strategy: Strategy) -> Callable[[str | None, Any], Any]:
+    """Check ``Cohort.save(filter=...)`` against the state; returns what applies it to the state dict of one key."""
+    if state_filter is None:
+        return lambda key, value: value
+    if not isinstance(state_filter, dict):
+        raise TypeError(
+            "Cohort.save(path, state, filter=...) takes a dict of state key -> callable(name, value) -> bool,"
+            f" got {type(state_filter).__name__}."
+        )
+    for key, predicate in state_filter.items():
+        if key not in (entries.module_key, *entries.optimizer_keys, *entries.stateful, *entries.plain):
+            raise ValueError(
+                f"Cohort.save: filter[{key!r}] names no entry of the state; the state holds {entries.keys}."
+            )
+        if not callable(predicate):
+            raise TypeError(
+                f"Cohort.save: filter[{key!r}] must be a callable(name, value) -> bool, got {type(predicate).__name__}."
+            )
+        if key in entries.optimizer_keys:
+            raise ValueError(
+                f"Cohort.save: filter[{key!r}] names an optimizer, whose state is saved whole: "
+                "its entries are indexed by parameter, and loading needs all of them. Filter the module's entries."
+            )
+        if key == entries.module_key and strategy.wraps_module_with_optimizers:
+            # One engine from module and optimizers (DeepSpeed) writes the weights into its own files, not from the
+            # state dict this filter would act on.
+            raise ValueError(
+                f"Cohort.save: filter[{key!r}] cannot select module entries on {type(strategy).__name__}: "
+                "its engine writes the weights itself. Save the module without filter= there."
+            )
+        if key in entries.plain and not isinstance(entries.plain[key], dict):
+            kind = type(entries.plain[key]).__name__
+            raise ValueError(
+                f"Cohort.save: filter[{key!r}] applies to state dicts, but state[{key!r}] is of type {kind}; "
+                "filter modules, dicts and objects with state_dict()."
+            )
+
+    def keep(key: str | None, value: Any) -> Any:
+        predicate = state_filter.get(key) if key is not None else None
+        return value if predicate is None else {name: item for name, item in value.items() if predicate(name, item)}
+
+    return keep
 
 
 def _loop_state(epoch: int, global_step: int) -> dict[str, Any]:

@@ -28,12 +28,14 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from phalanx.cohort.checkpoint import build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
+from phalanx.cohort.backward_guard import BackwardGuard, slip_reason
+from phalanx.cohort.checkpoint import StateFilter, build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
 from phalanx.cohort.data import CohortData
 from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
 from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
 from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
+from phalanx.cohort.setup_checks import check_optimizers_given, check_placement
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
@@ -153,10 +155,14 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._strategy.setup_environment()
 
     # ------------------------------------------------------------------ model and optimizers
-    def setup(self, module: nn.Module, *optimizers: Optimizer) -> Any:
+    def setup(self, module: nn.Module, *optimizers: Optimizer, move_to_device: bool = True) -> Any:
         """Set up ``module`` (a TrainingModule's ``configure_model`` first, as in the Trainer) and its ``optimizers``;
-        returns the wrapped module, then the wrapped optimizers."""
+        returns the wrapped module, then the wrapped optimizers. ``move_to_device=False`` (Fabric's) is accepted where
+        the module already sits on ``device``: the strategy places it."""
         self._check_module(module, "setup")
+        check_optimizers_given(self._strategy, optimizers)
+        self._ensure_environment()  # (the device of this rank is known from here)
+        check_placement(self._strategy, module, move_to_device, "setup")
         originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
@@ -173,7 +179,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         wrapped = [wrap_optimizer(optimizer, self._optimizer_step) for optimizer in self._strategy.optimizers]
         return (self._module, *wrapped) if optimizers else self._module
 
-    def setup_module(self, module: nn.Module) -> CohortModule:
+    def setup_module(self, module: nn.Module, move_to_device: bool = True) -> CohortModule:
         """Set up ``module`` alone (create or pass its optimizers to ``setup_optimizers`` afterwards)."""
         self._check_module(module, "setup_module")
         if self._strategy.traits.wraps_module_with_optimizers:
@@ -181,6 +187,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 f"{type(self._strategy).__name__} builds one engine from the module and the optimizer together: call"
                 " cohort.setup(module, optimizer) instead of setup_module."
             )
+        self._ensure_environment()
+        check_placement(self._strategy, module, move_to_device, "setup_module")
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
         }
@@ -225,7 +233,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 configure_model()
         strategy.connect(module)
         strategy.setup(RunSettings(stage="fit", configure_optimizers=make_optimizers))
-        self._module = CohortModule(strategy)
+        reason = slip_reason(strategy)
+        self._module = CohortModule(strategy, BackwardGuard(reason) if reason is not None else None)
 
     def _check_module(self, module: Any, method: str) -> None:
         if isinstance(module, CohortModule):
@@ -297,7 +306,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             raise RuntimeError("Cohort.backward needs a set-up module: call cohort.setup(module, optimizer) first.")
         if not isinstance(loss, Tensor):
             raise TypeError(f"Cohort.backward(loss) takes a tensor, got {type(loss).__name__}.")
-        self._strategy.backward(loss, None, *args, **kwargs)
+        with self._module.cohort_backward_context():
+            self._strategy.backward(loss, None, *args, **kwargs)
         self._last_loss = loss.detach()
         record_loss(self, loss)
 
@@ -382,15 +392,15 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         return apply_to_tensors(data, lambda tensor: tensor.to(self.device))
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, path: str | PathLike, state: dict[str, Any]) -> None:
+    def save(self, path: str | PathLike, state: dict[str, Any], filter: StateFilter | None = None) -> None:
         """Write ``state`` (modules, optimizers, objects) in the Trainer's checkpoint format, full or sharded as the
-        strategy does."""
+        strategy does; ``filter`` (Fabric's): per state key, ``(name, value) -> bool`` selects state-dict entries."""
         _check_path(path, "save")
         if self._module is None:
             raise RuntimeError("Cohort.save needs a set-up module: call cohort.setup(...) first.")
         report_nonfinite(self, "save")
         agree_on_call(self, "save")
-        checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps)
+        checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps, filter)
         self._strategy.save_checkpoint(checkpoint, path)
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
 

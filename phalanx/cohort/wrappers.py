@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from torch import nn
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:
+    from phalanx.cohort.backward_guard import BackwardGuard
     from phalanx.strategies.strategy import Strategy
 
 #: TrainingModule step methods that must run inside the wrapper's forward (DDP's reducer, FSDP's gathering).
@@ -22,13 +24,15 @@ class CohortModule(nn.Module):
     to the original module, so the names in checkpoints are the plain module's.
     """
 
-    def __init__(self, strategy: Strategy) -> None:
+    def __init__(self, strategy: Strategy, guard: BackwardGuard | None = None) -> None:
         super().__init__()
         assert strategy.model is not None and strategy.module is not None
         # Registered as a submodule so that .parameters(), .train(), .to() reach the wrapped module.
         self._forward_module = strategy.model
         self.__dict__["_original_module"] = strategy.module
         self.__dict__["_strategy"] = strategy
+        # Only where loss.backward() would train differently from cohort.backward(loss); None costs nothing per step.
+        self.__dict__["_guard"] = guard
 
     @property
     def module(self) -> nn.Module:
@@ -40,7 +44,14 @@ class CohortModule(nn.Module):
         precision = strategy.precision_plugin
         args, kwargs = precision.convert_input((args, kwargs))
         with precision.forward_context():
-            return self._forward_module(*args, **kwargs)
+            output = self._forward_module(*args, **kwargs)
+        guard = self.__dict__["_guard"]
+        return output if guard is None else guard.watch(output)
+
+    def cohort_backward_context(self) -> AbstractContextManager:
+        """Where ``cohort.backward`` runs the strategy's backward: the outputs' gradients are expected there."""
+        guard = self.__dict__["_guard"]
+        return nullcontext() if guard is None else guard.allowed()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         return self.module.state_dict(*args, **kwargs)
@@ -55,7 +66,9 @@ class CohortModule(nn.Module):
             pass
         original = self.__dict__["_original_module"]
         if name in _STEP_METHODS and hasattr(original, name):
-            return getattr(self.__dict__["_strategy"], name)
+            step = getattr(self.__dict__["_strategy"], name)
+            guard = self.__dict__["_guard"]
+            return step if guard is None else lambda *args, **kwargs: guard.watch(step(*args, **kwargs))
         return getattr(original, name)
 
 

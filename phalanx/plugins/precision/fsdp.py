@@ -42,6 +42,11 @@ class FSDPPrecision(Precision):
             self._inner = Precision()
 
     @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler of '16-mixed' (None without one)."""
+        return getattr(self._inner, "scaler", None)
+
+    @property
     def param_dtype(self) -> torch.dtype | None:
         """The dtype parameters are gathered in for compute (None: their own)."""
         return {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(self.precision)

@@ -93,6 +93,28 @@ def checked_flag(name: str, value: Any) -> bool:
     return value
 
 
+def checked_gradient_clipping(gradient_clipping: Any, config: dict[str, Any] | None) -> float | None:
+    """``DeepSpeedStrategy(gradient_clipping=...)`` as a float (None: not given), written into the given ``config``,
+    which must not set another value."""
+    if gradient_clipping is None:
+        return None
+    if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) or gradient_clipping < 0:
+        raise ValueError(
+            f"DeepSpeedStrategy(gradient_clipping={gradient_clipping!r}) must be a number >= 0 (the total gradient"
+            " norm to clip to; 0 does not clip) or None."
+        )
+    value = float(gradient_clipping)
+    if config is not None:
+        given = config.get("gradient_clipping")
+        if given is not None and given != value:
+            raise ValueError(
+                f"DeepSpeedStrategy(gradient_clipping={gradient_clipping!r}) conflicts with the config's"
+                f" gradient_clipping={given!r}; set it in one place."
+            )
+        config["gradient_clipping"] = value
+    return value
+
+
 def checked_logging_batch_size(logging_batch_size_per_gpu: Any) -> int | str:
     """``logging_batch_size_per_gpu`` when it is 'auto' or an int >= 1 (ValueError otherwise)."""
     if logging_batch_size_per_gpu != "auto" and (
@@ -112,6 +134,7 @@ def generated_config(
     offload_parameters: bool,
     allow_untested_optimizer: bool,
     activation: dict[str, Any],
+    gradient_clipping: float | None = None,
 ) -> dict[str, Any]:
     """The config the strategy's arguments make: the ZeRO section (``zero``: the ZeRO settings by argument name)."""
     section: dict[str, Any] = {"stage": stage}
@@ -134,7 +157,12 @@ def generated_config(
             "max_in_cpu": zero["max_in_cpu"],
             "pin_memory": zero["pin_memory"],
         }
-    generated = {"zero_optimization": section, "zero_allow_untested_optimizer": allow_untested_optimizer}
+    generated: dict[str, Any] = {
+        "zero_optimization": section,
+        "zero_allow_untested_optimizer": allow_untested_optimizer,
+    }
+    if gradient_clipping is not None:
+        generated["gradient_clipping"] = gradient_clipping
     merge_activation_section(generated, activation)
     return generated
 
@@ -220,6 +248,7 @@ def micro_batch_size(logging_batch_size_per_gpu: int | str, settings: RunSetting
 __all__ = [
     "CONFIG_ENV_VAR",
     "checked_flag",
+    "checked_gradient_clipping",
     "checked_logging_batch_size",
     "complete_config",
     "generated_config",

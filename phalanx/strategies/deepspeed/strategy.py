@@ -57,6 +57,7 @@ from phalanx.strategies.deepspeed._checkpoints import _DeepSpeedCheckpoints
 from phalanx.strategies.deepspeed._config import (
     CONFIG_ENV_VAR,
     checked_flag,
+    checked_gradient_clipping,
     checked_logging_batch_size,
     complete_config,
     generated_config,
@@ -137,6 +138,9 @@ class DeepSpeedStrategy(ParallelStrategy):
             with ``weights_only=True`` (DeepSpeed's record types allowed), keeps every name inside the checkpoint
             directory, and refuses the resumes DeepSpeed would read past that (universal checkpoints, MoE experts).
             Set it only for checkpoints you wrote yourself.
+        gradient_clipping: clip gradients to this total norm inside the engine (the config's ``gradient_clipping``,
+            also with a given ``config``, which must not set another value); None: the config's or the Trainer's
+            ``gradient_clip_val``, else no clipping.
     """
 
     step_collectives = {
@@ -192,6 +196,7 @@ class DeepSpeedStrategy(ParallelStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: str = "popen",
         allow_unsafe_checkpoint_load: bool = False,
+        gradient_clipping: float | None = None,
     ) -> None:
         _import_deepspeed_spec_or_raise()
         super().__init__(
@@ -237,6 +242,7 @@ class DeepSpeedStrategy(ParallelStrategy):
         }  # fmt: skip
         self._zero_allow_untested_optimizer = zero_allow_untested_optimizer
         self._user_config = load_config(config)
+        self._gradient_clipping = checked_gradient_clipping(gradient_clipping, self._user_config)
         self._activation = activation_settings(
             partition_activations=partition_activations,
             cpu_checkpointing=cpu_checkpointing,
@@ -307,6 +313,7 @@ class DeepSpeedStrategy(ParallelStrategy):
             offload_parameters=self.offload_parameters,
             allow_untested_optimizer=self._zero_allow_untested_optimizer,
             activation=self._activation,
+            gradient_clipping=self._gradient_clipping,
         )
 
     def _precision_config(self) -> dict[str, Any]:
