@@ -166,7 +166,7 @@ def _checked_filter(state_filter: Any, entries: _Sorted, strategy: Strategy) -> 
                 f"Cohort.save: filter[{key!r}] names an optimizer, whose state is saved whole: "
                 "its entries are indexed by parameter, and loading needs all of them. Filter the module's entries."
             )
-        if key == entries.module_key and strategy.wraps_module_with_optimizers:
+        if key == entries.module_key and strategy.traits.wraps_module_with_optimizers:
             # One engine from module and optimizers (DeepSpeed) writes the weights into its own files, not from the
             # state dict this filter would act on.
             raise ValueError(

@@ -14,7 +14,7 @@ from phalanx.strategies.strategy import Strategy
 
 def check_optimizers_given(strategy: Strategy, optimizers: tuple[Any, ...]) -> None:
     """Refuse ``cohort.setup(module)`` without optimizers where the strategy builds one engine from both."""
-    if optimizers or not strategy.wraps_module_with_optimizers:
+    if optimizers or not strategy.traits.wraps_module_with_optimizers:
         return
     name = type(strategy).__name__
     raise ValueError(
