@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
+from phalanx.utilities.exceptions import CheckpointError
+
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
 
@@ -22,7 +24,6 @@ def load_module_from_checkpoint(
     # Imported on use: phalanx.trainer imports phalanx.module, so a top-level import here would be circular.
     from phalanx.plugins.io.checks import check_checkpoint, check_weights, check_weights_fit
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
-    from phalanx.utilities.exceptions import CheckpointError
 
     source = str(checkpoint_path)
     checkpoint = TorchCheckpointIO().load_checkpoint(checkpoint_path, map_location=map_location)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx import __version__
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer
 from phalanx.utilities.exceptions import CheckpointError
 
@@ -92,7 +93,6 @@ def optimizer_index(value: Any, strategy: Strategy) -> int | None:
 
 def build_checkpoint(state: Any, strategy: Strategy, global_step: int) -> dict[str, Any]:
     """The checkpoint dict for ``state`` (every rank must call it: states may be gathered)."""
-    from phalanx import __version__
     from phalanx.plugins.io.checks import check_loadable, plain_hyperparameters
     from phalanx.utilities.seed import collect_rng_states
 

@@ -10,6 +10,8 @@ import torch
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.accelerators.mps import MPSAccelerator
 from phalanx.accelerators.registry import ACCELERATOR_REGISTRY
+from phalanx.accelerators.xla import XLAAccelerator
+from phalanx.plugins.environments import detect_cluster_environment
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
@@ -20,6 +22,7 @@ from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
+from phalanx.strategies.xla._common import XLAStrategyMixin
 from phalanx.utilities.messages import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_warn
 
@@ -275,9 +278,6 @@ def refuse_non_xla_strategy(strategy_class: type, accelerator: Accelerator | Non
     The others would put their tensors on XLA devices and fail much later, in torch.distributed's CPU or CUDA backends
     or in a launcher that starts one process per device without torch_xla's runtime.
     """
-    from phalanx.accelerators.xla import XLAAccelerator
-    from phalanx.strategies.xla._common import XLAStrategyMixin
-
     if not isinstance(accelerator, XLAAccelerator) or issubclass(strategy_class, XLAStrategyMixin):
         return
     names = []
@@ -313,8 +313,6 @@ def _configure_parallel(
     given: _Plugins,
 ) -> None:
     # The Trainer's arguments fill what the strategy left unset; the environment must agree with them.
-    from phalanx.plugins.environments import detect_cluster_environment
-
     if strategy.parallel_devices is None:
         strategy.parallel_devices = parallel_devices
     strategy.num_nodes = num_nodes

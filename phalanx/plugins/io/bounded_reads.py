@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Iterator
 
 import torch
 
-from phalanx.utilities.exceptions import CheckpointError
+from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 #: At most this much of a refused file is read to name the globals it references (for the message only).
 MESSAGE_SCAN_BYTES = 1 << 20
@@ -97,7 +97,6 @@ def check_archive(stream: Any, source: str) -> None:
     most ``MESSAGE_SCAN_BYTES`` to name the globals a hostile pickle references.
     """
     from phalanx.plugins.io.torch_io import _UNSAFE_HINT
-    from phalanx.utilities.exceptions import UnsafeCheckpointError
 
     size = _size(stream)
     stream.seek(0)

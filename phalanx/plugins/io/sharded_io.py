@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.plugins.io.collectives import Collectives
-from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, staging_directory
+from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, staging_directory, write_synced
 from phalanx.plugins.io.torch_io import _fsspec_filesystem, is_url, serialize
 from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
@@ -115,7 +115,6 @@ def storage_writer(staging: Any, storage_options: Any | None = None) -> Any:
 
 def write_meta(staging: Any, meta: dict[str, Any], metadata: Any) -> None:
     """Write the plain part of a sharded checkpoint (rank 0), with the id DCP gave the save."""
-    from phalanx.plugins.io.directory import write_synced
     from phalanx.plugins.io.formats import dcp as dc
 
     meta[dc._SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)

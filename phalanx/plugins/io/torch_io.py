@@ -13,7 +13,16 @@ from typing import IO, Any
 
 import torch
 
+from phalanx.plugins.io.bounded_reads import (
+    archive_pickle,
+    check_archive,
+    check_tensors,
+    disallowed_globals_of_pickle,
+    open_checkpoint_file,
+)
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
+from phalanx.plugins.io.directory import refuse_foreign_directory
+from phalanx.plugins.io.write_failures import describe, free_space
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 _UNSAFE_HINT = (
@@ -38,8 +47,6 @@ def _fsspec_filesystem(path: _PathLike, storage_options: Any | None = None) -> t
 
 
 def _write_local_atomically(data: bytes, path: Path) -> None:
-    from phalanx.plugins.io.directory import refuse_foreign_directory
-
     path.parent.mkdir(parents=True, exist_ok=True)
     refuse_foreign_directory(path)  # a clear refusal rather than the rename's "Is a directory"
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
@@ -69,8 +76,6 @@ def _write_local_atomically(data: bytes, path: Path) -> None:
 
 def _write_error(path: _PathLike, error: OSError, folder: Any = None) -> CheckpointWriteError:
     """A failed one-file write (disk full, quota...), naming the file and the cause."""
-    from phalanx.plugins.io.write_failures import describe, free_space
-
     if error.filename is None:
         error = OSError(error.errno, error.strerror or str(error), os.fspath(path))
     return CheckpointWriteError(
@@ -88,8 +93,6 @@ def serialize(checkpoint: dict[str, Any]) -> bytes:
 
 def load_bytes(data: bytes | IO[bytes], source: str, map_location: Any | None = None) -> dict[str, Any]:
     """Deserialise checkpoint bytes with ``weights_only=True``, turning failures into clear errors."""
-    from phalanx.plugins.io.bounded_reads import check_archive, check_tensors
-
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     check_archive(stream, source)  # reads the archive's directory only; refuses what could allocate past the file
     try:
@@ -133,8 +136,6 @@ def _disallowed_globals(stream: Any) -> list[str]:
 
     Only the archive's data.pkl is read (and only when it is of a bounded size): refusing a file never reads it whole.
     """
-    from phalanx.plugins.io.bounded_reads import archive_pickle, disallowed_globals_of_pickle
-
     return disallowed_globals_of_pickle(archive_pickle(stream))
 
 
@@ -223,8 +224,6 @@ class TorchCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: _PathLike, map_location: Any | None = None) -> dict[str, Any]:
         """Read the checkpoint at ``path`` with ``weights_only=True`` (a sharded checkpoint directory is read whole)."""
-        from phalanx.plugins.io.bounded_reads import open_checkpoint_file
-
         if map_location is None:
             map_location = "cpu"
         if is_url(path):

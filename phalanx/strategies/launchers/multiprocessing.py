@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from phalanx.strategies.launchers.launcher import Launcher, WorkerState
+from phalanx.utilities.apply import apply_to_tensors
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -193,6 +194,4 @@ def _from_bytes(data: bytes) -> dict[str, Any]:
 
 
 def _cpu(state: Any) -> Any:
-    from phalanx.utilities.apply import apply_to_tensors
-
     return apply_to_tensors(state, lambda t: t.detach().cpu())
