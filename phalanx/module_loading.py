@@ -21,7 +21,7 @@ def load_module_from_checkpoint(
     overrides: dict[str, Any],
 ) -> TrainingModule:
     """An instance of ``cls`` built from the checkpoint's hyper-parameters (``overrides`` win), with its weights."""
-    # Imported on use: phalanx.trainer imports phalanx.module, so a top-level import here would be circular.
+    # Lazy for import time: `from phalanx import TrainingModule` does not load the checkpoint IO stack.
     from phalanx.plugins.io.checks import check_checkpoint, check_weights, check_weights_fit
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
 

@@ -24,25 +24,8 @@ ELSEWHERE: tuple[str, ...] = ()
 # has loaded anyway (so laziness saves no import time): they dodge a cycle, or nothing. Each is to be moved to the
 # module's top once its cycle is gone, or given its reason; the set only shrinks (a stale entry fails the test).
 PENDING = {
-    ("phalanx/callbacks/model_checkpoint.py", "phalanx.loggers.csv"),
-    ("phalanx/cohort/checkpoint.py", "phalanx.plugins.io.checks"),
-    ("phalanx/cohort/checkpoint.py", "phalanx.strategies.strategy"),
-    ("phalanx/cohort/checkpoint.py", "phalanx.utilities.seed"),
-    ("phalanx/cohort/cohort.py", "phalanx.module"),
-    ("phalanx/cohort/cohort.py", "phalanx.strategies.resolve"),
-    ("phalanx/cohort/cohort.py", "phalanx.utilities.seed"),
-    ("phalanx/cohort/data.py", "phalanx.data.distributed"),
-    ("phalanx/cohort/habits.py", "phalanx.utilities.seed"),
-    ("phalanx/cohort/metrics.py", "phalanx.loggers.logger"),
-    ("phalanx/cohort/raw.py", "phalanx.plugins.io.checks"),
-    ("phalanx/datamodule.py", "phalanx.utilities.apply"),
     ("phalanx/module_clipping.py", "phalanx.module"),
-    ("phalanx/module_loading.py", "phalanx.plugins.io.checks"),
-    ("phalanx/module_loading.py", "phalanx.plugins.io.torch_io"),
-    ("phalanx/plugins/io/bounded_reads.py", "phalanx.plugins.io.torch_io"),
-    ("phalanx/plugins/io/checkpoint_io.py", "phalanx.plugins.io.copying"),
     ("phalanx/plugins/io/checkpoint_io.py", "phalanx.plugins.io.sharded_io"),
-    ("phalanx/plugins/io/copying.py", "phalanx.plugins.io.sharded_io"),
     ("phalanx/plugins/io/formats/xla_fsdp.py", "phalanx.plugins.io.formats.layout"),
     ("phalanx/plugins/io/sharded_io.py", "phalanx.plugins.io.formats"),
     ("phalanx/plugins/io/sharded_io.py", "phalanx.plugins.io.formats.dcp"),
@@ -50,16 +33,6 @@ PENDING = {
     ("phalanx/plugins/io/torch_io.py", "phalanx.plugins.io.formats"),
     ("phalanx/plugins/io/torch_io.py", "phalanx.plugins.io.formats.layout"),
     ("phalanx/plugins/io/torch_io.py", "phalanx.plugins.io.sharded_io"),
-    ("phalanx/strategies/deepspeed/_checkpoints.py", "phalanx.strategies.deepspeed._conversion"),
-    ("phalanx/strategies/deepspeed/_checkpoints.py", "phalanx.strategies.deepspeed._io"),
-    ("phalanx/strategies/deepspeed/_engine.py", "phalanx.module"),
-    ("phalanx/strategies/fsdp/model_parallel.py", "phalanx.module"),
-    ("phalanx/strategies/launchers/multiprocessing.py", "phalanx.utilities.seed"),
-    ("phalanx/strategies/strategy.py", "phalanx.module"),
-    ("phalanx/strategies/strategy.py", "phalanx.plugins.precision.selection"),
-    ("phalanx/testing/worker.py", "phalanx.testing"),
-    ("phalanx/testing/worker.py", "phalanx.testing.collectives"),
-    ("phalanx/trainer/loops/evaluation_loop.py", "phalanx.trainer.loops.prediction_order"),
 }
 
 

@@ -14,6 +14,7 @@ from typing import IO, Any
 import torch
 
 from phalanx.plugins.io.bounded_reads import (
+    _UNSAFE_HINT,
     archive_pickle,
     check_archive,
     check_tensors,
@@ -24,13 +25,6 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
 from phalanx.plugins.io.directory import refuse_foreign_directory
 from phalanx.plugins.io.write_failures import describe, free_space
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
-
-_UNSAFE_HINT = (
-    "phalanx loads checkpoints with torch.load(weights_only=True) only, because unpickling arbitrary objects can run"
-    " any code the file's author chose. A phalanx checkpoint holds only tensors and plain Python values. If you"
-    " wrote this file and trust it, load it yourself with torch.load(path, weights_only=False), keep the tensors and"
-    " plain values, and save that again."
-)
 
 _GLOBAL_REFERENCE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -137,35 +131,6 @@ def _disallowed_globals(stream: Any) -> list[str]:
     Only the archive's data.pkl is read (and only when it is of a bounded size): refusing a file never reads it whole.
     """
     return disallowed_globals_of_pickle(archive_pickle(stream))
-
-
-def referenced_globals(data: bytes) -> list[str]:
-    """The ``module.name`` globals a pickle refers to, found by reading its opcodes (nothing is unpickled)."""
-    import pickletools
-
-    found: list[str] = []
-    memo: dict[Any, Any] = {}
-    pushed: list[Any] = []  # the strings pushed (directly or from the memo), in order: STACK_GLOBAL takes the last two
-    last: Any = None  # what the previous opcode pushed, if it was a string
-    try:
-        for opcode, arg, _ in pickletools.genops(data):
-            name = opcode.name
-            if name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                memo[arg if name != "MEMOIZE" else len(memo)] = last
-                continue
-            last = None
-            if name in ("GLOBAL", "INST"):
-                found.append(str(arg).replace(" ", "."))
-            elif name == "STACK_GLOBAL" and len(pushed) >= 2:
-                found.append(f"{pushed[-2]}.{pushed[-1]}")
-            elif "UNICODE" in name or "STRING" in name or name in ("GET", "BINGET", "LONG_BINGET"):
-                last = arg if "GET" not in name else memo.get(arg)
-                pushed.append(last)
-            elif name == "STOP":
-                break
-    except Exception:  # damaged bytes: what was found before them
-        pass
-    return list(dict.fromkeys(found))
 
 
 def _first_line(error: BaseException) -> str:

@@ -14,6 +14,7 @@ import torch
 
 from phalanx.strategies.launchers.launcher import Launcher, WorkerState
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.seed import seed_everything
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -143,8 +144,6 @@ def _run_rank(
     seed = os.environ.get("PHALANX_GLOBAL_SEED")
     if seed is not None and start_method != "fork":
         # A spawned interpreter starts with fresh generators; give it the seed the main process chose.
-        from phalanx.utilities.seed import seed_everything
-
         seed_everything(int(seed), workers=os.environ.get("PHALANX_SEED_WORKERS") == "1")
     strategy._launched_local_rank = local_rank
     _own_module_tensors(args)

@@ -12,7 +12,6 @@ from phalanx.loggers.logger import _DirectoryLogger
 from phalanx.utilities.messages import reject_class, shown
 
 if TYPE_CHECKING:
-    from phalanx.loggers import Logger
     from phalanx.module import TrainingModule
     from phalanx.trainer.trainer import Trainer
 

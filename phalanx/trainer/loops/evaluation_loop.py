@@ -246,6 +246,7 @@ def run_prediction(
 def _gather_in_dataset_order(strategy: Any, dataloader: Any, outputs: list[Any]) -> list[Any]:
     # Each rank predicted its own shard; every rank receives all of them, put back in dataset order and batched
     # as one process would have batched them.
+    # Lazy for import time: only a distributed predict reorders; `from phalanx import Trainer` skips it.
     from phalanx.trainer.loops.prediction_order import batch_indices, reassemble_predictions
 
     # A strategy's device-side wrapper (XLA's) keeps the DataLoader it wraps as `.dataloader`.
