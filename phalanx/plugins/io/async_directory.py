@@ -14,6 +14,7 @@ from typing import Any, Callable
 from phalanx.plugins.io import sharded_io  # read through the module on use: tests replace its storage_writer
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.torch_io import discard
 from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
 from phalanx.utilities.exceptions import CheckpointWriteError
 
@@ -79,7 +80,7 @@ def finish_in_background(
     failures = _all_ranks_succeeded(error, _cause(error, writes), collectives, group)
     if failures:
         if collectives.is_global_zero:
-            sharded_io.discard(staging)
+            discard(staging)
         raise CheckpointWriteError(
             f"The background save of {path} failed ({'; '.join(failures)}). Nothing was published: the previous"
             f" checkpoint at {path}, if there is one, is unchanged."
@@ -88,7 +89,7 @@ def finish_in_background(
         io.finish_directory_checkpoint(staging, path, collectives=background_collectives(collectives, group))
     except BaseException:
         if collectives.is_global_zero:
-            sharded_io.discard(staging)  # unpublished (or published and renamed away: then it no longer exists)
+            discard(staging)  # unpublished (or published and renamed away: then it no longer exists)
         raise
 
 

@@ -7,6 +7,7 @@ import io
 import os
 import pickle
 import re
+import shutil
 import uuid
 from pathlib import Path
 from typing import IO, Any
@@ -38,6 +39,17 @@ def _fsspec_filesystem(path: _PathLike, storage_options: Any | None = None) -> t
     import fsspec
 
     return fsspec.core.url_to_fs(str(path), **(storage_options or {}))
+
+
+def discard(staging: Any) -> None:
+    """Remove an unfinished staging directory (best effort: it is hidden and never loaded)."""
+    if is_url(staging):
+        with contextlib.suppress(Exception):
+            fs, root = _fsspec_filesystem(staging)
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+    else:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _write_local_atomically(data: bytes, path: Path) -> None:
