@@ -44,7 +44,7 @@ class DataModule:
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Move a batch to ``device``; overrides the module's hook of the same name."""
-        from phalanx.utilities.apply import move_to_device  # this module stays importable without torch
+        from phalanx.utilities.apply import move_to_device  # import time: importable without loading torch
 
         return move_to_device(batch, device)
 

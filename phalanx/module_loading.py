@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
+from phalanx.utilities.exceptions import CheckpointError
+
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
 
@@ -19,10 +21,9 @@ def load_module_from_checkpoint(
     overrides: dict[str, Any],
 ) -> TrainingModule:
     """An instance of ``cls`` built from the checkpoint's hyper-parameters (``overrides`` win), with its weights."""
-    # Imported on use: phalanx.trainer imports phalanx.module, so a top-level import here would be circular.
+    # Lazy for import time: `from phalanx import TrainingModule` does not load the checkpoint IO stack.
     from phalanx.plugins.io.checks import check_checkpoint, check_weights, check_weights_fit
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
-    from phalanx.utilities.exceptions import CheckpointError
 
     source = str(checkpoint_path)
     checkpoint = TorchCheckpointIO().load_checkpoint(checkpoint_path, map_location=map_location)

@@ -22,7 +22,7 @@ try:
 except ImportError:  # Windows: claims are exclusive creates, without a lock
     fcntl = None  # type: ignore[assignment]
 
-from phalanx.plugins.io.directory import replace_with, sync_directory
+from phalanx.plugins.io.directory import COMPLETE_MARKER, replace_with, sync_directory
 
 FILE_EXTENSION = ".ckpt"
 
@@ -104,8 +104,6 @@ def removal_refusal(target: str, *, may_be_pending: bool, own_link: bool = False
     ``own_link``: the callback made ``target`` as a symbolic link (``save_last="link"``); such a link may be removed
     (:func:`remove_link` removes the link only, never what it points to).
     """
-    from phalanx.plugins.io.directory import COMPLETE_MARKER
-
     if is_url(target):
         fs, fs_path = _filesystem(target)
         if not fs.exists(fs_path):

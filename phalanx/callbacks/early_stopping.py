@@ -11,6 +11,7 @@ from torch import Tensor
 
 from phalanx.callbacks.callback import Callback
 from phalanx.utilities.checks import is_int_at_least
+from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import log, rank_zero_info, rank_zero_warn
 
 if TYPE_CHECKING:
@@ -113,8 +114,6 @@ class EarlyStopping(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Checked whole before anything is assigned: a damaged entry leaves the callback as it was.
-        from phalanx.utilities.exceptions import CheckpointError
-
         missing = [key for key in ("wait_count", "stopped_epoch", "best_score", "patience") if key not in state_dict]
         if missing:
             raise CheckpointError(f"the EarlyStopping state lacks {missing}")

@@ -444,6 +444,7 @@ class ModelCheckpoint(CheckpointSaves, CheckpointRanking, Checkpoint):
 
         ``yaml.safe_load`` reads it back as the same dict (``{}`` when nothing was saved; ``.inf`` for infinite scores).
         """
+        # Lazy for import time: `import phalanx.callbacks` loads no logger module.
         from phalanx.loggers.csv import hparams_to_yaml  # the dependency-free YAML writer of hparams.yaml
 
         text = hparams_to_yaml({str(path): score.item() for path, score in self.best_k_models.items()})

@@ -11,17 +11,17 @@ checkpoint, and ``Cohort.load`` reads a Trainer one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx import __version__
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer
+from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.exceptions import CheckpointError
-
-if TYPE_CHECKING:
-    from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.seed import collect_rng_states
 
 COHORT_ENTRY = "cohort"
 
@@ -99,9 +99,8 @@ def build_checkpoint(
 ) -> dict[str, Any]:
     """The checkpoint dict for ``state`` (every rank must call it: states may be gathered), with the entries
     ``state_filter`` selects."""
-    from phalanx import __version__
+    # Lazy for import time: `from phalanx import Cohort` does not load the checkpoint checks.
     from phalanx.plugins.io.checks import check_loadable, plain_hyperparameters
-    from phalanx.utilities.seed import collect_rng_states
 
     entries = _Sorted(state, strategy, "save")
     if entries.module_key is None:
@@ -205,8 +204,8 @@ def restore_checkpoint(
 ) -> dict[str, Any]:
     """Load ``checkpoint`` into the objects of ``state`` (plain values are replaced in ``state``); returns the unread
     objects."""
+    # Lazy for import time: `from phalanx import Cohort` does not load the checkpoint checks.
     from phalanx.plugins.io.checks import check_checkpoint, check_optimizer_states
-    from phalanx.strategies.strategy import Strategy
 
     check_checkpoint(checkpoint, source, fitting=False)
     entries = _Sorted(state, strategy, "load")
@@ -245,6 +244,7 @@ def restore_checkpoint(
 
 def own_rng_states(checkpoint: Any, rank: int, source: str) -> dict[str, Any] | None:
     """This rank's entry of ``checkpoint['rng_states']`` (checked), or None where the writer stored none for it."""
+    # Lazy for import time: `from phalanx import Cohort` does not load the checkpoint checks.
     from phalanx.plugins.io.checks import check_rng_states
 
     if not isinstance(checkpoint, dict) or checkpoint.get("rng_states") is None:

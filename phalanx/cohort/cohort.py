@@ -41,6 +41,7 @@ from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.seed import restore_rng_states
 
 _T = TypeVar("_T")
 
@@ -60,6 +61,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         loggers: Any = None,
         callbacks: Any = None,
     ) -> None:
+        # Lazy for import time: `from phalanx import Cohort` does not load strategy resolution.
         from phalanx.strategies.resolve import resolve_strategy
 
         self._loggers = resolve_loggers(loggers)
@@ -434,8 +436,6 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             step = checkpoint.get("global_step")
             self._optimizer_steps = step if isinstance(step, int) else self._optimizer_steps
         if rng_states is not None:
-            from phalanx.utilities.seed import restore_rng_states
-
             # Last, so that nothing of the loading draws from them: the loop goes on from the state of the save.
             restore_rng_states(rng_states)
         return remaining
@@ -452,6 +452,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
 
 
 def _is_training_module(module: nn.Module) -> bool:
+    # Lazy for import time: `from phalanx import Cohort` does not load the TrainingModule.
     from phalanx.module import TrainingModule
 
     return isinstance(module, TrainingModule)

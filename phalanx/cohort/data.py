@@ -35,6 +35,7 @@ class CohortData:
             raise TypeError(
                 f"Cohort.setup_dataloaders takes iterables of batches (DataLoaders), got {type(dataloader).__name__}."
             )
+        # Lazy for import time: `from phalanx import Cohort` does not load phalanx.data.
         from phalanx.data.distributed import distributed_dataloader
 
         sampler_kwargs = self._strategy.distributed_sampler_kwargs

@@ -11,6 +11,7 @@ from torch import nn
 
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.seed import seed_everything
 
 
 class CohortHabits:
@@ -31,8 +32,6 @@ class CohortHabits:
     @staticmethod
     def seed_everything(seed: int | None = None, workers: bool = False) -> int:
         """``phalanx.seed_everything``: Python's, NumPy's and torch's generators (and the data shuffle's seed)."""
-        from phalanx.utilities.seed import seed_everything
-
         return seed_everything(seed, workers=workers)
 
     @contextmanager

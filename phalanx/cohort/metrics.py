@@ -39,6 +39,7 @@ def cohort_of(module: nn.Module) -> Cohort | None:
 
 def resolve_loggers(loggers: Any) -> list[Logger]:
     """``Cohort(loggers=...)``: None, one phalanx Logger, or a list or tuple of them."""
+    # Lazy for import time: `from phalanx import Cohort` does not load phalanx.loggers.
     from phalanx.loggers.logger import Logger
 
     if loggers is None:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 def load_raw(strategy: Strategy, path: str | PathLike, obj: Any, *, strict: bool = True) -> None:
     """Read ``path`` (``weights_only=True``, the checkpoint reader's bounds) on every rank and load its whole tensors
     into ``obj``, the set-up module: each rank keeps its shard where the strategy shards."""
+    # Lazy for import time: `from phalanx import Cohort` does not load the checkpoint checks.
     from phalanx.plugins.io.checks import check_weights
 
     if not isinstance(path, (str, PathLike)):

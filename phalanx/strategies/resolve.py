@@ -9,6 +9,7 @@ import torch
 
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.accelerators.registry import ACCELERATOR_REGISTRY
+from phalanx.plugins.environments import detect_cluster_environment
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
@@ -314,8 +315,6 @@ def _configure_parallel(
     given: _Plugins,
 ) -> None:
     # The Trainer's arguments fill what the strategy left unset; the environment must agree with them.
-    from phalanx.plugins.environments import detect_cluster_environment
-
     if strategy.parallel_devices is None:
         strategy.parallel_devices = parallel_devices
     strategy.num_nodes = num_nodes

@@ -22,6 +22,7 @@ from phalanx.optimization import LRSchedulerConfig
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.plugins.precision.precision import Precision
+from phalanx.plugins.precision.selection import precision_plugin_for
 from phalanx.strategies.forward_redirection import evaluation_grad_mode, redirect_forward
 from phalanx.strategies.settings import RunSettings, check_run_settings
 from phalanx.strategies.traits import StrategyTraits, legacy_trait_overrides
@@ -107,8 +108,6 @@ class Strategy(ABC):
     @classmethod
     def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> Precision:
         """The precision plugin this strategy needs for the precision name ``precision`` on ``accelerator``."""
-        from phalanx.plugins.precision.selection import precision_plugin_for
-
         return precision_plugin_for(precision, accelerator)
 
     @property
@@ -135,6 +134,7 @@ class Strategy(ABC):
         """Take ownership of the user's module (a TrainingModule learns its strategy, for ``clip_gradients``)."""
         self._module = model  # type: ignore[assignment]
         self._model = model
+        # Lazy for import time: `import phalanx.strategies` (and the Cohort) does not load the TrainingModule.
         from phalanx.module import TrainingModule
 
         if isinstance(model, TrainingModule):

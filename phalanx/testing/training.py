@@ -13,6 +13,7 @@ from phalanx.strategies.strategy import Strategy
 from phalanx.testing.module import BATCH_HOOKS, RUN_HOOKS, ConformanceModule
 from phalanx.testing.probes import MethodRecorder, ProbeCallback, differences, record_plugin_teardowns
 from phalanx.testing.report import NotApplicable
+from phalanx.trainer.trainer import Trainer
 
 STEPS, SAVE_AT = 4, 2  # every fit trains four batches; the first saves a checkpoint after the second
 
@@ -78,8 +79,6 @@ def run_fit(
     **probes: Any,
 ) -> FitRun:
     """Fit the conformance module for four steps on ``make_strategy()``; ``probes`` configure the ProbeCallback."""
-    from phalanx.trainer.trainer import Trainer
-
     strategy = make_strategy()
     if not isinstance(strategy, Strategy):
         raise TypeError(

@@ -86,6 +86,7 @@ def _judge(results: RankResults, check: str, judge: Callable[[], None]) -> None:
 
 
 def _run_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
+    # Lazy for import time: the runner's process imports this module but never loads the Trainer, about a second.
     from phalanx.testing import training
     from phalanx.testing.collectives import COLLECTIVE_CHECKS
 

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from phalanx import __version__
+from phalanx.plugins.io.bounded_reads import is_regular_file, open_checkpoint_file
+from phalanx.plugins.io.checkpoint_files import path_inside
 from phalanx.plugins.io.checks import (
     check_checkpoint,
     check_loadable,
@@ -18,6 +21,8 @@ from phalanx.plugins.io.checks import (
     plain_hyperparameters,
 )
 from phalanx.plugins.io.directory import COMPLETE_MARKER, is_retired_copy
+from phalanx.plugins.io.torch_io import is_url
+from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_print
 from phalanx.utilities.seed import collect_rng_states
@@ -33,8 +38,6 @@ def is_complete_checkpoint(path: Path) -> bool:
     kill between that save's two renames leaves it as the newest complete checkpoint of its name. Anything but a
     directory or a regular file (a FIFO would block the look inside it) is not a checkpoint.
     """
-    from phalanx.plugins.io.bounded_reads import is_regular_file, open_checkpoint_file
-
     if is_retired_copy(path):
         return path.is_dir() and (path / COMPLETE_MARKER).exists()
     if path.name.startswith(".") or path.name.endswith(".tmp"):
@@ -76,9 +79,6 @@ def newest_complete_checkpoint(directories: list[Path], *, name_prefix: str = ""
 
 def _refuse_link_outside(path: Path) -> None:
     """Refuse a ``last`` link that leads outside its folder (phalanx's ``save_last="link"`` names a sibling)."""
-    from phalanx.plugins.io.checkpoint_files import path_inside
-    from phalanx.plugins.io.torch_io import is_url
-
     if not is_url(path) and path.is_symlink():
         path_inside(path, root=path.parent, what=f"the link {path.name}")
 
@@ -92,8 +92,6 @@ class CheckpointConnector:
 
     def dump(self, weights_only: bool = False) -> dict[str, Any]:
         """Return the checkpoint dictionary of the current state (every rank calls this: RNG states are gathered)."""
-        from phalanx import __version__
-
         trainer = self.trainer
         strategy = trainer.strategy
         module = strategy.module
@@ -222,8 +220,6 @@ class CheckpointConnector:
 
     def check_training_state(self, checkpoint: dict[str, Any]) -> None:
         """Check the optimizer and scheduler states against the live optimizers and schedulers, loading nothing."""
-        from phalanx.strategies.strategy import Strategy
-
         strategy = self.trainer.strategy
         if strategy.traits.restores_optimizer:
             return  # the strategy restored them itself while reading the checkpoint

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from torch import Tensor
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.callbacks import EarlyStopping, ModelCheckpoint, ProgressBar
 from phalanx.callbacks.callback import Callback
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
@@ -349,22 +350,16 @@ class Trainer(DeviceProperties):
     @property
     def checkpoint_callbacks(self) -> list[Any]:
         """All ModelCheckpoint callbacks."""
-        from phalanx.callbacks import ModelCheckpoint
-
         return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
 
     @property
     def early_stopping_callback(self) -> Any:
         """The first EarlyStopping callback, or None."""
-        from phalanx.callbacks import EarlyStopping
-
         return next((cb for cb in self.callbacks if isinstance(cb, EarlyStopping)), None)
 
     @property
     def progress_bar_callback(self) -> Any:
         """The progress bar callback, or None."""
-        from phalanx.callbacks import ProgressBar
-
         return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
 
     @property

@@ -11,8 +11,12 @@ from __future__ import annotations
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from phalanx.plugins.io import sharded_io  # read through the module on use: tests replace its storage_writer
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.torch_io import discard
+from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
+from phalanx.utilities.exceptions import CheckpointWriteError
 
 
 def checkpoint_group(collectives: Collectives) -> Any:
@@ -64,10 +68,6 @@ def finish_in_background(
     group: Any,
 ) -> None:
     """Wait for this rank's ``writes``, agree with every rank that all succeeded, then publish through ``io``."""
-    from phalanx.plugins.io.sharded_io import discard
-    from phalanx.plugins.io.write_failures import raise_recorded
-    from phalanx.utilities.exceptions import CheckpointWriteError
-
     error: BaseException | None = None
     try:
         results = [write.result() for write in writes]
@@ -97,8 +97,6 @@ def _cause(error: BaseException | None, writes: list[Future]) -> str:
     """What made this rank's writes fail, in words (the disk filling and its file, rather than torch's own error)."""
     if error is None:
         return ""
-    from phalanx.plugins.io.write_failures import describe, root_cause
-
     recorded = [failure for write in writes for failure in getattr(write, "phalanx_write_errors", [])]
     cause = root_cause(error, recorded)
     return describe(cause) if isinstance(cause, OSError) and cause.errno else f"{type(error).__name__}: {error}"
@@ -116,10 +114,7 @@ def start_sharded_write(
     """Stage ``tensors`` (copied off the training tensors, now) and write them in DCP's background thread."""
     import torch.distributed.checkpoint as dcp
 
-    from phalanx.plugins.io.sharded_io import storage_writer
-    from phalanx.plugins.io.write_failures import watch_writes
-
-    writer = storage_writer(staging, storage_options)
+    writer = sharded_io.storage_writer(staging, storage_options)
     recorded = watch_writes(writer)  # torch's zip writer hides a write's OSError behind its own error
     write = dcp.async_save(
         tensors, storage_writer=writer, process_group=group, no_dist=not distributed, async_stager=stager

@@ -8,6 +8,8 @@ from typing import Any, Callable
 from phalanx.plugins.io.async_directory import checkpoint_group, finish_in_background, start_sharded_write
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
 from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.formats.dcp import split_checkpoint
+from phalanx.plugins.io.sharded_io import write_meta
 from phalanx.plugins.io.staging import StagedAlready, StagingBuffers
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.apply import apply_to_tensors
@@ -85,9 +87,6 @@ class AsyncCheckpointIO(CheckpointIO):
     ) -> None:
         """Stage the shards (DCP's ``async_save`` copies them off the training tensors), write and publish them in
         the background; returns once staged. A wrapped IO that overrides this method saves synchronously, itself."""
-        from phalanx.plugins.io.formats.dcp import split_checkpoint
-        from phalanx.plugins.io.sharded_io import write_meta
-
         self.wait()  # the save in flight finishes first (and its error, if any, is raised here)
         if _overrides_sharded_save(self.checkpoint_io):
             self._warn_synchronous_sharded_save()

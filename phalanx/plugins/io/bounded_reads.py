@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Iterator
 
 import torch
 
-from phalanx.utilities.exceptions import CheckpointError
+from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 #: At most this much of a refused file is read to name the globals it references (for the message only).
 MESSAGE_SCAN_BYTES = 1 << 20
@@ -30,6 +30,13 @@ MESSAGE_SCAN_BYTES = 1 << 20
 #: it keeps, and float16/bfloat16 values widened to float32).
 CONSOLIDATION_FACTOR = 4
 _CONSOLIDATION_SLACK = 1 << 20  # scalars, step counts and other small copies of an empty or tiny checkpoint
+
+_UNSAFE_HINT = (
+    "phalanx loads checkpoints with torch.load(weights_only=True) only, because unpickling arbitrary objects can run"
+    " any code the file's author chose. A phalanx checkpoint holds only tensors and plain Python values. If you"
+    " wrote this file and trust it, load it yourself with torch.load(path, weights_only=False), keep the tensors and"
+    " plain values, and save that again."
+)
 
 _KINDS = [
     (stat.S_ISFIFO, "a named pipe (FIFO)"),
@@ -96,9 +103,6 @@ def check_archive(stream: Any, source: str) -> None:
     Only the archive's directory is read (zip keeps it at the end); a file that is not an archive is scanned for at
     most ``MESSAGE_SCAN_BYTES`` to name the globals a hostile pickle references.
     """
-    from phalanx.plugins.io.torch_io import _UNSAFE_HINT
-    from phalanx.utilities.exceptions import UnsafeCheckpointError
-
     size = _size(stream)
     stream.seek(0)
     starts_as_archive = stream.read(4) == b"PK\x03\x04"  # torch reads an archive only from the file's first byte
@@ -144,10 +148,37 @@ def check_archive(stream: Any, source: str) -> None:
 _QUANTIZED = "torch._utils._rebuild_qtensor"
 
 
+def referenced_globals(data: bytes) -> list[str]:
+    """The ``module.name`` globals a pickle refers to, found by reading its opcodes (nothing is unpickled)."""
+    import pickletools
+
+    found: list[str] = []
+    memo: dict[Any, Any] = {}
+    pushed: list[Any] = []  # the strings pushed (directly or from the memo), in order: STACK_GLOBAL takes the last two
+    last: Any = None  # what the previous opcode pushed, if it was a string
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            name = opcode.name
+            if name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
+                memo[arg if name != "MEMOIZE" else len(memo)] = last
+                continue
+            last = None
+            if name in ("GLOBAL", "INST"):
+                found.append(str(arg).replace(" ", "."))
+            elif name == "STACK_GLOBAL" and len(pushed) >= 2:
+                found.append(f"{pushed[-2]}.{pushed[-1]}")
+            elif "UNICODE" in name or "STRING" in name or name in ("GET", "BINGET", "LONG_BINGET"):
+                last = arg if "GET" not in name else memo.get(arg)
+                pushed.append(last)
+            elif name == "STOP":
+                break
+    except Exception:  # damaged bytes: what was found before them
+        pass
+    return list(dict.fromkeys(found))
+
+
 def _pickle_of(archive: Any, entries: list[zipfile.ZipInfo]) -> list[str]:
     """The globals the archive's data.pkl names, looked for only where its bytes mention a quantized tensor."""
-    from phalanx.plugins.io.torch_io import referenced_globals
-
     entry = next((info for info in entries if info.filename.endswith("data.pkl")), None)
     pickled = archive.read(entry) if entry is not None else b""  # no larger than the file (checked above)
     return referenced_globals(pickled) if b"_rebuild_qtensor" in pickled else []
@@ -162,8 +193,6 @@ def _bounded_read(stream: Any, limit: int) -> bytes:
 
 def disallowed_globals_of_pickle(data: bytes) -> list[str]:
     """The globals the pickle ``data`` names that torch's weights-only reader refuses (for messages only)."""
-    from phalanx.plugins.io.torch_io import referenced_globals
-
     try:
         from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
 

@@ -41,6 +41,7 @@ class CheckpointIO(ABC):
         # The default copies the files at the paths (local, or fsspec URLs through the file system's own copy): right
         # for every IO that writes to the path it is given. An IO that stores checkpoints elsewhere overrides this,
         # or raises NotImplementedError: ModelCheckpoint then writes last.ckpt with a second save.
+        # Lazy for import time: `from phalanx import Trainer` loads no copying code.
         from phalanx.plugins.io.copying import copy_checkpoint_files
 
         copy_checkpoint_files(source, target)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, replace_with, sync_directory
+from phalanx.plugins.io.sharded_io import refuse_foreign_url_directory
 
 
 def copy_checkpoint_files(source: str | os.PathLike, target: str | os.PathLike) -> None:
@@ -75,8 +76,6 @@ def _link_tree(source: Path, staging: Path) -> None:
 
 def _copy_url(source: str, target: str) -> None:
     import fsspec
-
-    from phalanx.plugins.io.sharded_io import refuse_foreign_url_directory
 
     fs, source_path = fsspec.core.url_to_fs(source)
     target_fs, target_path = fsspec.core.url_to_fs(target)

@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.plugins.io.collectives import Collectives
-from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, staging_directory
-from phalanx.plugins.io.torch_io import _fsspec_filesystem, is_url, serialize
+from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, staging_directory, write_synced
+from phalanx.plugins.io.formats import dcp as dc
+from phalanx.plugins.io.formats.dcp import load_into, save_sharded, split_checkpoint
+from phalanx.plugins.io.formats.layout import checkpoint_layout
+from phalanx.plugins.io.torch_io import _fsspec_filesystem, discard, is_url, serialize
 from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
@@ -82,17 +85,6 @@ def refuse_foreign_url_directory(fs: Any, fs_path: str, url: Any) -> None:
         )
 
 
-def discard(staging: Any) -> None:
-    """Remove an unfinished staging directory (best effort: it is hidden and never loaded)."""
-    if is_url(staging):
-        with contextlib.suppress(Exception):
-            fs, root = _fsspec_filesystem(staging)
-            if fs.exists(root):
-                fs.rm(root, recursive=True)
-    else:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
 def finish_directory(staging: Any, path: Any, *, collectives: Collectives) -> None:
     """Wait for every rank's files, publish on rank 0, then let every rank go on once the checkpoint is in place."""
     collectives.barrier("phalanx: directory checkpoint written")
@@ -115,9 +107,6 @@ def storage_writer(staging: Any, storage_options: Any | None = None) -> Any:
 
 def write_meta(staging: Any, meta: dict[str, Any], metadata: Any) -> None:
     """Write the plain part of a sharded checkpoint (rank 0), with the id DCP gave the save."""
-    from phalanx.plugins.io.directory import write_synced
-    from phalanx.plugins.io.formats import dcp as dc
-
     meta[dc._SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
     if is_url(staging):
         fs, root = _fsspec_filesystem(staging)
@@ -131,8 +120,6 @@ def save_sharded_checkpoint(
 ) -> None:
     """Every rank writes its shards of ``checkpoint`` into a staging directory; rank 0 publishes it at ``path``."""
     import torch.distributed.checkpoint as dcp
-
-    from phalanx.plugins.io.formats.dcp import save_sharded, split_checkpoint
 
     if not is_url(path):
         if storage_options is not None:
@@ -176,9 +163,6 @@ def save_sharded_checkpoint(
 def load_sharded_checkpoint(path: Any, *, module_state: dict[str, Any], optimizers: list[Any]) -> dict[str, Any]:
     """Read a sharded directory into the live shards; a URL is first copied to a local temporary directory (every
     check that guards a local read then applies to it)."""
-    from phalanx.plugins.io.formats.dcp import load_into
-    from phalanx.plugins.io.formats.layout import checkpoint_layout
-
     layout = checkpoint_layout(path)
     if layout != "sharded":
         raise CheckpointError(f"{path} is a {layout} checkpoint, not a sharded (DCP) directory.")

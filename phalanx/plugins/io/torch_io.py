@@ -7,21 +7,25 @@ import io
 import os
 import pickle
 import re
+import shutil
 import uuid
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
-from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
-
-_UNSAFE_HINT = (
-    "phalanx loads checkpoints with torch.load(weights_only=True) only, because unpickling arbitrary objects can run"
-    " any code the file's author chose. A phalanx checkpoint holds only tensors and plain Python values. If you"
-    " wrote this file and trust it, load it yourself with torch.load(path, weights_only=False), keep the tensors and"
-    " plain values, and save that again."
+from phalanx.plugins.io.bounded_reads import (
+    _UNSAFE_HINT,
+    archive_pickle,
+    check_archive,
+    check_tensors,
+    disallowed_globals_of_pickle,
+    open_checkpoint_file,
 )
+from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
+from phalanx.plugins.io.directory import refuse_foreign_directory
+from phalanx.plugins.io.write_failures import describe, free_space
+from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 _GLOBAL_REFERENCE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -37,9 +41,18 @@ def _fsspec_filesystem(path: _PathLike, storage_options: Any | None = None) -> t
     return fsspec.core.url_to_fs(str(path), **(storage_options or {}))
 
 
-def _write_local_atomically(data: bytes, path: Path) -> None:
-    from phalanx.plugins.io.directory import refuse_foreign_directory
+def discard(staging: Any) -> None:
+    """Remove an unfinished staging directory (best effort: it is hidden and never loaded)."""
+    if is_url(staging):
+        with contextlib.suppress(Exception):
+            fs, root = _fsspec_filesystem(staging)
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+    else:
+        shutil.rmtree(staging, ignore_errors=True)
 
+
+def _write_local_atomically(data: bytes, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     refuse_foreign_directory(path)  # a clear refusal rather than the rename's "Is a directory"
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
@@ -69,8 +82,6 @@ def _write_local_atomically(data: bytes, path: Path) -> None:
 
 def _write_error(path: _PathLike, error: OSError, folder: Any = None) -> CheckpointWriteError:
     """A failed one-file write (disk full, quota...), naming the file and the cause."""
-    from phalanx.plugins.io.write_failures import describe, free_space
-
     if error.filename is None:
         error = OSError(error.errno, error.strerror or str(error), os.fspath(path))
     return CheckpointWriteError(
@@ -88,8 +99,6 @@ def serialize(checkpoint: dict[str, Any]) -> bytes:
 
 def load_bytes(data: bytes | IO[bytes], source: str, map_location: Any | None = None) -> dict[str, Any]:
     """Deserialise checkpoint bytes with ``weights_only=True``, turning failures into clear errors."""
-    from phalanx.plugins.io.bounded_reads import check_archive, check_tensors
-
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     check_archive(stream, source)  # reads the archive's directory only; refuses what could allocate past the file
     try:
@@ -133,38 +142,7 @@ def _disallowed_globals(stream: Any) -> list[str]:
 
     Only the archive's data.pkl is read (and only when it is of a bounded size): refusing a file never reads it whole.
     """
-    from phalanx.plugins.io.bounded_reads import archive_pickle, disallowed_globals_of_pickle
-
     return disallowed_globals_of_pickle(archive_pickle(stream))
-
-
-def referenced_globals(data: bytes) -> list[str]:
-    """The ``module.name`` globals a pickle refers to, found by reading its opcodes (nothing is unpickled)."""
-    import pickletools
-
-    found: list[str] = []
-    memo: dict[Any, Any] = {}
-    pushed: list[Any] = []  # the strings pushed (directly or from the memo), in order: STACK_GLOBAL takes the last two
-    last: Any = None  # what the previous opcode pushed, if it was a string
-    try:
-        for opcode, arg, _ in pickletools.genops(data):
-            name = opcode.name
-            if name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-                memo[arg if name != "MEMOIZE" else len(memo)] = last
-                continue
-            last = None
-            if name in ("GLOBAL", "INST"):
-                found.append(str(arg).replace(" ", "."))
-            elif name == "STACK_GLOBAL" and len(pushed) >= 2:
-                found.append(f"{pushed[-2]}.{pushed[-1]}")
-            elif "UNICODE" in name or "STRING" in name or name in ("GET", "BINGET", "LONG_BINGET"):
-                last = arg if "GET" not in name else memo.get(arg)
-                pushed.append(last)
-            elif name == "STOP":
-                break
-    except Exception:  # damaged bytes: what was found before them
-        pass
-    return list(dict.fromkeys(found))
 
 
 def _first_line(error: BaseException) -> str:
@@ -223,8 +201,6 @@ class TorchCheckpointIO(CheckpointIO):
 
     def load_checkpoint(self, path: _PathLike, map_location: Any | None = None) -> dict[str, Any]:
         """Read the checkpoint at ``path`` with ``weights_only=True`` (a sharded checkpoint directory is read whole)."""
-        from phalanx.plugins.io.bounded_reads import open_checkpoint_file
-
         if map_location is None:
             map_location = "cpu"
         if is_url(path):

@@ -81,6 +81,7 @@ class _DeepSpeedCheckpoints:
 
     def _load_converted(self, checkpoint: dict[str, Any], meta: dict[str, Any] | None, strict: bool) -> None:
         """Another layout: read it whole, load the weights into the module and the optimizer state into the engine."""
+        # Lazy for import time: only a resume from another layout converts; `from phalanx import Trainer` skips it.
         from phalanx.strategies.deepspeed._conversion import (
             conversion_error,
             deepspeed_layout,
@@ -271,6 +272,7 @@ class _DeepSpeedCheckpoints:
         self.resume_path = checkpoint_path
         if isinstance(checkpoint_path, (str, os.PathLike)) and checkpoint_layout(checkpoint_path) == "deepspeed":
             if is_url(checkpoint_path):  # DeepSpeed's engine reads local files: a local copy, kept while resuming
+                # Lazy for import time: only a resume from a URL copies; `from phalanx import Trainer` skips it.
                 from phalanx.strategies.deepspeed._io import local_copy_for_resume
 
                 checkpoint_path = local_copy_for_resume(checkpoint_path, self._strategy)

@@ -71,6 +71,7 @@ class SchedulerProxy:
 
 def overrides(module: nn.Module, name: str) -> bool:
     """Whether ``module`` is a TrainingModule whose class overrides hook ``name`` (a plain nn.Module has none)."""
+    # Lazy for import time: `import phalanx.strategies` (and the Cohort) does not load the TrainingModule.
     from phalanx.module import TrainingModule
 
     return isinstance(module, TrainingModule) and getattr(type(module), name, None) is not getattr(

@@ -14,8 +14,11 @@ import functools
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from phalanx.plugins.io.async_io import AsyncCheckpointIO
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.directory import write_synced
+from phalanx.plugins.io.sharded_io import copy_tree
 from phalanx.plugins.io.torch_io import _fsspec_filesystem, is_url
 
 
@@ -50,8 +53,6 @@ def _engine_class() -> type:
         def preserves_storage_sharing(self) -> bool:
             # True makes DeepSpeed clone every tensor before handing it over (so that a view does not save its whole
             # flat buffer). AsyncCheckpointIO copies each tensor into its own staging buffer anyway: no clone twice.
-            from phalanx.plugins.io.async_io import AsyncCheckpointIO
-
             return not isinstance(self.io, AsyncCheckpointIO)
 
     return IOCheckpointEngine
@@ -73,8 +74,6 @@ def _write_text(path: str, text: str) -> None:
         fs, root = _fsspec_filesystem(path)
         fs.pipe_file(root, text.encode())
     else:
-        from phalanx.plugins.io.directory import write_synced
-
         write_synced(__import__("pathlib").Path(path), text.encode())
 
 
@@ -122,8 +121,6 @@ def local_copy_for_resume(url: Any, owner: Any) -> str:
     import tempfile
     import weakref
     from pathlib import Path
-
-    from phalanx.plugins.io.sharded_io import copy_tree
 
     scratch = tempfile.mkdtemp(prefix="phalanx-deepspeed-")
     weakref.finalize(owner, shutil.rmtree, scratch, True)

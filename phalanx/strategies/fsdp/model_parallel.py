@@ -122,6 +122,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     # ------------------------------------------------------------------ set-up
     def connect(self, model: Any) -> None:
         """Take the module, which must parallelise itself in ``configure_model``."""
+        # Lazy for import time: `import phalanx.strategies` (and the Cohort) does not load the TrainingModule.
         from phalanx.module import TrainingModule
 
         configure_model = getattr(type(model), "configure_model", None)

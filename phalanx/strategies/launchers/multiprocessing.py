@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 
 from phalanx.strategies.launchers.launcher import Launcher, WorkerState
+from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.seed import seed_everything
 
 START_METHODS = ("spawn", "fork", "forkserver")
 
@@ -142,8 +144,6 @@ def _run_rank(
     seed = os.environ.get("PHALANX_GLOBAL_SEED")
     if seed is not None and start_method != "fork":
         # A spawned interpreter starts with fresh generators; give it the seed the main process chose.
-        from phalanx.utilities.seed import seed_everything
-
         seed_everything(int(seed), workers=os.environ.get("PHALANX_SEED_WORKERS") == "1")
     strategy._launched_local_rank = local_rank
     _own_module_tensors(args)
@@ -193,6 +193,4 @@ def _from_bytes(data: bytes) -> dict[str, Any]:
 
 
 def _cpu(state: Any) -> Any:
-    from phalanx.utilities.apply import apply_to_tensors
-
     return apply_to_tensors(state, lambda t: t.detach().cpu())

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from phalanx.accelerators import xla as xla_accelerator  # read through the module on use: tests replace device_type
 from phalanx.strategies.launchers.launcher import Launcher, WorkerState
 from phalanx.strategies.launchers.multiprocessing import (
     _apply_global_settings,
@@ -30,6 +31,8 @@ from phalanx.strategies.launchers.multiprocessing import (
     _read_results,
     _to_bytes,
 )
+from phalanx.strategies.xla._collectives import PeerReplicaFailed, join_replica_threads, threads_share_process
+from phalanx.utilities.rank_zero import use_thread_rank
 
 XLA_START_METHODS = ("spawn", "fork")
 _COPY_LOCK = threading.Lock()
@@ -55,9 +58,7 @@ class XLALauncher(Launcher):
         self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any
     ) -> Any:
         """Run ``function`` on every device, restore rank 0's ``worker_state`` here, return its result."""
-        from phalanx.accelerators.xla import import_torch_xla
-
-        torch_xla = import_torch_xla()
+        torch_xla = xla_accelerator.import_torch_xla()
         single = self._strategy.num_processes == 1
         if single or torch.distributed.is_torchelastic_launched():
             # torch_xla runs this process's replica right here (one device, or one process per device started by
@@ -94,10 +95,8 @@ class XLALauncher(Launcher):
         return worker_output["result"]
 
     def _environment(self, threads: bool) -> dict[str, str]:
-        from phalanx.accelerators.xla import device_type
-
         variables = dict(getattr(self._strategy, "launch_environment", dict)())
-        if threads and device_type() == "CPU":
+        if threads and xla_accelerator.device_type() == "CPU":
             # Replicas are threads of one process there. Buffer donation can make a thread's graph launch wait, inside
             # the lock that serialises launches (see xla_collectives), for a collective that needs the other thread.
             variables["XLA_ENABLE_PARAM_ALIASING"] = "0"
@@ -129,9 +128,6 @@ def _run_here(
 
 def _run_replica(index: int, payload: tuple, results_path: str, settings: dict[str, Any]) -> None:
     import torch_xla.runtime as xr
-
-    from phalanx.strategies.xla._collectives import PeerReplicaFailed, join_replica_threads, threads_share_process
-    from phalanx.utilities.rank_zero import use_thread_rank
 
     barrier = None
     if threads_share_process():

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.accelerators.xla import import_torch_xla
 from phalanx.plugins.environments.xla import XLAEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
@@ -125,8 +126,6 @@ class XLASPMDStrategy(XLAParallelDevices, XLAStrategyMixin, ParallelStrategy):
     def setup_environment(self) -> None:
         """Switch torch_xla to SPMD and build the mesh over every device (it must cover all of them)."""
         import numpy as np
-
-        from phalanx.accelerators.xla import import_torch_xla
 
         import_torch_xla()
         import torch_xla.distributed.spmd as xs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from phalanx.callbacks import ModelCheckpoint, ProgressBar
 from phalanx.callbacks.callback import Callback
 from phalanx.trainer.logging.results import LoggedResults
 from phalanx.utilities.exceptions import MisconfigurationError
@@ -40,8 +41,6 @@ _WHY = {
 def check_barebones(callbacks: Any, **arguments: Any) -> None:
     """Raise ValueError for an argument, or a callback in ``callbacks``, that turns on what ``barebones=True`` turns
     off."""
-    from phalanx.callbacks import ModelCheckpoint, ProgressBar
-
     for name, value in arguments.items():
         if _is_on(name, value):
             raise ValueError(

@@ -5,19 +5,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
 from phalanx.callbacks.callback import Callback
+from phalanx.loggers import CSVLogger, Logger
+from phalanx.loggers.logger import _DirectoryLogger
 from phalanx.utilities.messages import reject_class, shown
 
 if TYPE_CHECKING:
-    from phalanx.loggers import Logger
     from phalanx.module import TrainingModule
     from phalanx.trainer.trainer import Trainer
 
 
 def build_loggers(logger: Any, *, default_root_dir: str) -> list[Logger]:
     """The loggers ``logger=`` asks for: a CSVLogger under ``default_root_dir`` for True or None, none for False."""
-    from phalanx.loggers import CSVLogger, Logger
-
     if logger is True or logger is None:
         return [CSVLogger(save_dir=default_root_dir, name="logs")]
     if logger is False:
@@ -42,8 +42,6 @@ def agree_on_log_versions(trainer: Trainer) -> None:
     another rank's count makes that rank name ``version_N+1``, a folder that run owns (Lightning broadcasts it too).
     One broadcast per stage on every rank, whatever loggers each has, so that no rank waits for another.
     """
-    from phalanx.loggers.logger import _DirectoryLogger
-
     strategy = trainer.strategy
     mine = [
         logger.version if strategy.is_global_zero and isinstance(logger, _DirectoryLogger) else None
@@ -59,8 +57,6 @@ def build_callbacks(
     callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool
 ) -> list[Callback]:
     """The user's callbacks, checked, plus the default checkpoint, progress bar and summary callbacks left enabled."""
-    from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
-
     items = _callback_list(callbacks)
     if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
         items.append(ModelCheckpoint())
@@ -114,8 +110,6 @@ def merge_module_callbacks(callbacks: list[Callback], module: TrainingModule) ->
 def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
     """``callbacks`` with the ModelCheckpoint callbacks moved to the end, in their order."""
     # Checkpointing runs after every other callback so that it saves the state they produced.
-    from phalanx.callbacks import ModelCheckpoint
-
     return [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)] + [
         cb for cb in callbacks if isinstance(cb, ModelCheckpoint)
     ]

@@ -13,6 +13,7 @@ from phalanx.trainer.logging.results import LoggedResults
 from phalanx.trainer.loops.dataloader_idx import check_dataloader_idx_signatures, index_args
 from phalanx.trainer.loops.fit_data import reload_val_data_if_due
 from phalanx.trainer.state import RunningStage
+from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -247,8 +248,8 @@ def run_prediction(
 def _gather_in_dataset_order(strategy: Any, dataloader: Any, outputs: list[Any]) -> list[Any]:
     # Each rank predicted its own shard; every rank receives all of them, put back in dataset order and batched
     # as one process would have batched them.
+    # Lazy for import time: only a distributed predict reorders; `from phalanx import Trainer` skips it.
     from phalanx.trainer.loops.prediction_order import batch_indices, reassemble_predictions
-    from phalanx.utilities.apply import apply_to_tensors
 
     # A strategy's device-side wrapper (XLA's) keeps the DataLoader it wraps as `.dataloader`.
     indices = batch_indices(getattr(dataloader, "dataloader", dataloader))[: len(outputs)]

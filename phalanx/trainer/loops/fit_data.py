@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
+from phalanx.module import TrainingModule
 from phalanx.trainer.loops.data import DataSource, empty_data_reason, limited_batches, prepare_dataloader
 from phalanx.utilities.rank_zero import rank_zero_warn
 
@@ -74,8 +75,6 @@ def warn_if_epoch_shorter_than_log_interval(trainer: Trainer) -> None:
 
 def prepare_val_data(trainer: Trainer, source: DataSource, first: bool = False) -> None:
     """Build the validation dataloaders of a ``fit`` (none when the module has no ``validation_step``)."""
-    from phalanx.module import TrainingModule
-
     module = trainer.strategy.module
     has_validation_step = type(module).validation_step is not TrainingModule.validation_step
     val = source.get("validate") if has_validation_step and trainer.limit_val_batches != 0 else []

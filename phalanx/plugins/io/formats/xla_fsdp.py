@@ -32,8 +32,7 @@ from phalanx.plugins.io.bounded_reads import (
     open_checkpoint_file,
 )
 from phalanx.plugins.io.checkpoint_files import path_inside
-from phalanx.plugins.io.sharded_io import discard
-from phalanx.plugins.io.torch_io import TorchCheckpointIO, is_url
+from phalanx.plugins.io.torch_io import TorchCheckpointIO, discard, is_url
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
 META_FILE = "phalanx_xla_fsdp.pt"
