@@ -39,6 +39,7 @@ from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.compile import Compiler, check_compile, compiler_for, unwrap_compiled
 
 _T = TypeVar("_T")
 
@@ -57,11 +58,13 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         plugins: Any = None,
         loggers: Any = None,
         callbacks: Any = None,
+        compile: bool | dict[str, Any] | None = None,  # see docs/compile.md
     ) -> None:
         from phalanx.strategies.resolve import resolve_strategy
 
         self._loggers = resolve_loggers(loggers)
         self._callbacks = resolve_callbacks(callbacks)
+        self._compile = check_compile(compile, "Cohort")
 
         self._strategy: Strategy = resolve_strategy(
             accelerator=accelerator,
@@ -156,6 +159,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
     def setup(self, module: nn.Module, *optimizers: Optimizer) -> Any:
         """Set up ``module`` (a TrainingModule's ``configure_model`` first, as in the Trainer) and its ``optimizers``;
         returns the wrapped module, then the wrapped optimizers."""
+        module, compiled_with = unwrap_compiled(module)  # torch.compile(module): its original, compiled in place
         self._check_module(module, "setup")
         originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
         self._parameter_names = {
@@ -169,12 +173,13 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 self._rebind(optimizer, set_up)
             return list(originals), []
 
-        self._setup_strategy(module, make_optimizers if originals else None)
+        self._setup_strategy(module, make_optimizers if originals else None, compiled_with)
         wrapped = [wrap_optimizer(optimizer, self._optimizer_step) for optimizer in self._strategy.optimizers]
         return (self._module, *wrapped) if optimizers else self._module
 
     def setup_module(self, module: nn.Module) -> CohortModule:
         """Set up ``module`` alone (create or pass its optimizers to ``setup_optimizers`` afterwards)."""
+        module, compiled_with = unwrap_compiled(module)
         self._check_module(module, "setup_module")
         if self._strategy.wraps_module_with_optimizers:
             raise RuntimeError(
@@ -184,7 +189,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
         }
-        self._setup_strategy(module, None)
+        self._setup_strategy(module, None, compiled_with)
         assert self._module is not None
         return self._module
 
@@ -212,7 +217,10 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def _setup_strategy(
-        self, module: nn.Module, make_optimizers: Callable[[nn.Module], tuple[list[Optimizer], list[Any]]] | None
+        self,
+        module: nn.Module,
+        make_optimizers: Callable[[nn.Module], tuple[list[Optimizer], list[Any]]] | None,
+        compiled_with: Compiler | None,
     ) -> None:
         self._ensure_environment()
         strategy = self._strategy
@@ -224,7 +232,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             with strategy.tensor_init_context(), strategy.model_sharded_context():
                 configure_model()
         strategy.connect(module)
-        strategy.setup(RunSettings(stage="fit", configure_optimizers=make_optimizers))
+        compiler = compiler_for(self._compile, compiled_with, "Cohort")
+        strategy.setup(RunSettings(stage="fit", configure_optimizers=make_optimizers, compile=compiler))
         self._module = CohortModule(strategy)
 
     def _check_module(self, module: Any, method: str) -> None:
