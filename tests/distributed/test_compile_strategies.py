@@ -1,6 +1,7 @@
 """torch.compile with every parallel strategy at 2 CPU processes, through Trainer.fit: compiled weights equal eager
 ones, checkpoints resume exactly across eager and compiled runs, the steps compile a bounded number of times without
-graph breaks. One job for all strategies (scripts/compile_job.py): aot_eager everywhere, inductor once (DDP)."""
+graph breaks. One job for all strategies (scripts/compile_job.py): aot_eager everywhere, inductor once (DDP); FSDP
+also with activation checkpointing."""
 
 from __future__ import annotations
 
@@ -65,3 +66,11 @@ def test_steps_compile_a_bounded_number_of_times_without_graph_breaks(runs, name
 @pytest.mark.parametrize("run", ["precompiled", "inductor"])
 def test_ddp_runs_a_torch_compiled_model_and_inductor_like_eager(runs, run):
     _assert_close(runs["ddp"]["eager"], runs["ddp"][run])
+
+
+def test_fsdp_compiles_activation_checkpointed_blocks_like_eager(runs):
+    result = runs["fsdp"]
+    _assert_close(result["checkpointed_eager"], result["checkpointed"])
+    _assert_close(result["eager"], result["checkpointed"])  # recomputing activations changes no number
+    assert 1 <= result["checkpointed_frames"] <= 2
+    assert result["checkpointed_graph_breaks"] == 0

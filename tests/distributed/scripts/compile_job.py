@@ -4,7 +4,8 @@ checkpoints resumed across eager and compiled runs, compilations and graph break
 Usage: python compile_job.py OUT STRATEGY... ; every strategy runs in the same 2 ranks (the first Trainer starts the
 second). Per strategy: eager and compiled (aot_eager, counted) for STEPS steps, each saving a checkpoint; the compiled
 run resumes the eager checkpoint and the eager run the compiled one for one more step, against STEPS + 1 eager steps.
-'ddp' also runs ``fit(torch.compile(model))`` and inductor. Rank 0 writes OUT/STRATEGY.pt.
+'ddp' also runs ``fit(torch.compile(model))`` and inductor, 'fsdp' also with activation checkpointing. Rank 0 writes
+OUT/STRATEGY.pt.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from phalanx.strategies import ModelParallelStrategy
+from phalanx.strategies import FSDPStrategy, ModelParallelStrategy
 from phalanx.utilities.dtensor import full_module_state, has_dtensors
 
 WIDTH, STEPS = 16, 3
@@ -73,7 +74,11 @@ def data() -> DataLoader:
 
 
 def strategy_for(name: str) -> Any:
-    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if name == "model_parallel" else name
+    if name == "model_parallel":
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    if name == "fsdp_checkpointed":  # activation checkpointing of each block, then compilation, then sharding
+        return FSDPStrategy(activation_checkpointing_policy={Block})
+    return name
 
 
 def fit(name: str, out: Path, steps: int, model: Any = None, ckpt: Path | None = None, **kwargs: Any) -> Any:
@@ -123,6 +128,12 @@ def run(name: str, out: Path) -> dict[str, Any]:
     result["resumed_frames"] = counter.frame_count
     _, result["eager_from_compiled"] = fit(name, out, STEPS + 1, ckpt=compiled_ckpt)
     _, result["straight"] = fit(name, out, STEPS + 1)
+    if name == "fsdp":
+        _, result["checkpointed_eager"] = fit("fsdp_checkpointed", out, STEPS)
+        counter = counted()
+        trainer, result["checkpointed"] = fit("fsdp_checkpointed", out, STEPS, compile={"backend": counter})
+        result["checkpointed_frames"] = counter.frame_count
+        result["checkpointed_graph_breaks"] = sum(counters["graph_break"].values())
     if name == "ddp":
         torch._dynamo.reset()
         phalanx.seed_everything(0)
