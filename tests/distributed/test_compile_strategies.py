@@ -1,7 +1,7 @@
 """torch.compile with every parallel strategy at 2 CPU processes, through Trainer.fit: compiled weights equal eager
 ones, checkpoints resume exactly across eager and compiled runs, the steps compile a bounded number of times without
 graph breaks. One job for all strategies (scripts/compile_job.py): aot_eager everywhere, inductor once (DDP); FSDP
-also with activation checkpointing."""
+also with activation checkpointing; the spawn launcher in a job of its own (scripts/compile_spawn_job.py)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,17 @@ def test_fsdp_compiles_activation_checkpointed_blocks_like_eager(runs):
     _assert_close(result["eager"], result["checkpointed"])  # recomputing activations changes no number
     assert 1 <= result["checkpointed_frames"] <= 2
     assert result["checkpointed_graph_breaks"] == 0
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compile_spawn")
+    assert_ok(run_script("compile_spawn_job.py", str(out), env=clean_environment(), timeout=300))
+    return torch.load(out / "spawn.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("run", ["compiled", "precompiled"])
+def test_spawned_workers_compile_and_hand_back_eager_weights(spawned, run):
+    assert spawned["eager"]["compiled"] == 0.0
+    assert spawned[run]["compiled"] == 1.0  # logged by the workers' steps
+    _assert_close(spawned["eager"]["weights"], spawned[run]["weights"])
