@@ -41,6 +41,7 @@ from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.compile import Compiler, check_compile, compiler_for, unwrap_compiled
 from phalanx.utilities.seed import restore_rng_states
 
 _T = TypeVar("_T")
@@ -60,12 +61,14 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         plugins: Any = None,
         loggers: Any = None,
         callbacks: Any = None,
+        compile: bool | dict[str, Any] | None = None,  # see docs/compile.md
     ) -> None:
         # Lazy for import time: `from phalanx import Cohort` does not load strategy resolution.
         from phalanx.strategies.resolve import resolve_strategy
 
         self._loggers = resolve_loggers(loggers)
         self._callbacks = resolve_callbacks(callbacks)
+        self._compile = check_compile(compile, "Cohort")
 
         self._strategy: Strategy = resolve_strategy(
             accelerator=accelerator,
@@ -161,6 +164,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         """Set up ``module`` (a TrainingModule's ``configure_model`` first, as in the Trainer) and its ``optimizers``;
         returns the wrapped module, then the wrapped optimizers. ``move_to_device=False`` (Fabric's) is accepted where
         the module already sits on ``device``: the strategy places it."""
+        module, compiled_with = unwrap_compiled(module)  # torch.compile(module): its original, compiled in place
         self._check_module(module, "setup")
         check_optimizers_given(self._strategy, optimizers)
         self._ensure_environment()  # (the device of this rank is known from here)
@@ -177,12 +181,13 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 self._rebind(optimizer, set_up)
             return list(originals), []
 
-        self._setup_strategy(module, make_optimizers if originals else None)
+        self._setup_strategy(module, make_optimizers if originals else None, compiled_with)
         wrapped = [wrap_optimizer(optimizer, self._optimizer_step) for optimizer in self._strategy.optimizers]
         return (self._module, *wrapped) if optimizers else self._module
 
     def setup_module(self, module: nn.Module, move_to_device: bool = True) -> CohortModule:
         """Set up ``module`` alone (create or pass its optimizers to ``setup_optimizers`` afterwards)."""
+        module, compiled_with = unwrap_compiled(module)
         self._check_module(module, "setup_module")
         if self._strategy.traits.wraps_module_with_optimizers:
             raise RuntimeError(
@@ -194,7 +199,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
         }
-        self._setup_strategy(module, None)
+        self._setup_strategy(module, None, compiled_with)
         assert self._module is not None
         return self._module
 
@@ -222,7 +227,10 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         return wrapped[0] if len(wrapped) == 1 else tuple(wrapped)
 
     def _setup_strategy(
-        self, module: nn.Module, make_optimizers: Callable[[nn.Module], tuple[list[Optimizer], list[Any]]] | None
+        self,
+        module: nn.Module,
+        make_optimizers: Callable[[nn.Module], tuple[list[Optimizer], list[Any]]] | None,
+        compiled_with: Compiler | None,
     ) -> None:
         self._ensure_environment()
         strategy = self._strategy
@@ -234,7 +242,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             with strategy.tensor_init_context(), strategy.model_sharded_context():
                 configure_model()
         strategy.connect(module)
-        strategy.setup(RunSettings(stage="fit", configure_optimizers=make_optimizers))
+        compiler = compiler_for(self._compile, compiled_with, "Cohort")
+        strategy.setup(RunSettings(stage="fit", configure_optimizers=make_optimizers, compile=compiler))
         reason = slip_reason(strategy)
         self._module = CohortModule(strategy, BackwardGuard(reason) if reason is not None else None)
 

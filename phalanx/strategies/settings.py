@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.utilities.checks import is_number
+from phalanx.utilities.compile import Compiler
 
 STAGES = ("fit", "validate", "test", "predict")
 
@@ -36,6 +37,8 @@ class RunSettings:
     configure_optimizers: OptimizerFactory | None = None
     #: What runs between the backward pass and the optimizer step (on_before_optimizer_step hooks, clipping).
     before_optimizer_step: BeforeOptimizerStep | None = None
+    #: Compiles the module's repeated blocks (or the whole module) in ``Strategy.compile_module``; None: eager.
+    compile: Compiler | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -62,7 +65,7 @@ class RunSettings:
             or self.train_batch_size < 1
         ):
             raise ValueError(f"RunSettings(train_batch_size={self.train_batch_size!r}) must be a positive int or None.")
-        for name in ("configure_optimizers", "before_optimizer_step"):
+        for name in ("configure_optimizers", "before_optimizer_step", "compile"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"RunSettings({name}={value!r}) must be a callable or None.")

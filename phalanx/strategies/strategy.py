@@ -27,6 +27,7 @@ from phalanx.strategies.forward_redirection import evaluation_grad_mode, redirec
 from phalanx.strategies.settings import RunSettings, check_run_settings
 from phalanx.strategies.traits import StrategyTraits, legacy_trait_overrides
 from phalanx.utilities.apply import move_to_device
+from phalanx.utilities.compile import compile_in_place
 from phalanx.utilities.init import empty_init_context
 
 if TYPE_CHECKING:
@@ -221,16 +222,17 @@ class Strategy(ABC):
         return nullcontext()
 
     # ------------------------------------------------------------------ set-up: one fixed order of named steps
-    # check_setup -> prepare_module -> place_module -> wrap_module_and_optimizers (wrap_module, then setup_optimizers
-    # when fitting) -> setup_precision_plugin -> finish_setup. Strategies override the steps, never setup itself.
+    # check_setup -> prepare_module -> compile_module -> place_module -> wrap_module_and_optimizers (wrap_module, then
+    # setup_optimizers when fitting) -> setup_precision_plugin -> finish_setup. Strategies override steps, not setup.
     def setup(self, settings: RunSettings) -> None:
         """Set the module up for a run in the fixed order of the steps; strategies override the steps, not this."""
         self.check_setup(settings)
         self._start_setup(settings)
         assert self._module is not None
         # A step may swap the module's layers but hands back the same TrainingModule the strategy connected.
-        self._module = self.prepare_module(self._module, settings)  # type: ignore[assignment]
-        self._model = self._module
+        module = self.prepare_module(self._module, settings)
+        self._module = self._model = module  # type: ignore[assignment]
+        self.compile_module(module, settings)
         self.place_module(settings)
         self.wrap_module_and_optimizers(settings)
         self.setup_precision_plugin()
@@ -265,6 +267,11 @@ class Strategy(ABC):
     def prepare_module(self, module: nn.Module, settings: RunSettings) -> nn.Module:
         """Step 1, before placement: convert the module (precision, layer sync, sharding); returns the module to use."""
         return self.precision_plugin.convert_module(module)
+
+    def compile_module(self, module: nn.Module, settings: RunSettings) -> None:
+        """Step 1b, after activation checkpointing and before wrapping: compile in place with ``settings.compile``."""
+        if settings.compile is not None:
+            compile_in_place(module, settings.compile)
 
     def place_module(self, settings: RunSettings) -> None:
         """Step 2: put the module on its device (``model_to_device`` by default)."""

@@ -33,6 +33,7 @@ from phalanx.trainer.logging.barebones import check_barebones
 from phalanx.trainer.logging.loggers_and_callbacks import build_callbacks, build_loggers
 from phalanx.trainer.loops.data import validate_limit
 from phalanx.trainer.preemption import Preemption
+from phalanx.utilities.compile import check_compile
 from phalanx.utilities.enums import GradClipAlgorithmType
 from phalanx.utilities.messages import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_warn
@@ -109,6 +110,8 @@ class TrainerSettings:
     inference_mode: bool
     loggers: list[Any]
     callbacks: list[Callback]
+    #: torch.compile's keyword arguments for the strategy's ``compile_module`` step; None: eager.
+    compile: dict[str, Any] | None
 
     def trainer_attributes(self) -> dict[str, Any]:
         """The Trainer attributes these settings become, by name."""
@@ -155,6 +158,7 @@ def resolve_arguments(given: Mapping[str, Any]) -> TrainerSettings:
         inference_mode=given["inference_mode"],
         loggers=build_loggers(given["logger"] if not fast_dev_batches else False, default_root_dir=default_root_dir),
         callbacks=build_callbacks(given["callbacks"], **enabled),
+        compile=check_compile(given["compile"], "Trainer"),
         **loop,
         **clipping,
     )

@@ -30,6 +30,7 @@ from phalanx.trainer.loops.optimizer import prepare_optimization
 from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.spawn_state import TrainerWorkerState
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerStatus
+from phalanx.utilities.compile import unwrap_compiled
 from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
 
 if TYPE_CHECKING:
@@ -37,9 +38,12 @@ if TYPE_CHECKING:
 
 
 def check_module(model: Any, method: str) -> TrainingModule:
-    """``model``, refused unless it is a TrainingModule."""
+    """``model``, refused unless it is a TrainingModule (or one compiled with torch.compile, then unwrapped)."""
+    model, compiled_with = unwrap_compiled(model)
     if not isinstance(model, TrainingModule):
         raise TypeError(f"Trainer.{method} expects a phalanx.TrainingModule, got {type(model).__name__}.")
+    # Kept beside the module, not in its state: the strategy compiles it in place with the same context.
+    model.__dict__["_compiled_with"] = compiled_with
     return model
 
 

@@ -130,6 +130,7 @@ class Trainer(DeviceProperties):
         nonfinite_loss: str = "warn",
         profiler: None = None,
         model_registry: str | None = None,
+        compile: bool | dict[str, Any] | None = None,  # see docs/compile.md
     ) -> None:
         # Every argument by name, for their resolution in one place (phalanx.trainer.arguments).
         given = dict(locals())

@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.precision.precision import Precision
 from phalanx.plugins.precision.xla import XLAPrecision
+from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.traits import StrategyTraits
 from phalanx.strategies.xla._collectives import cut_graph, launch_turn
 from phalanx.utilities.apply import apply_to_tensors
@@ -87,6 +88,16 @@ class DeviceLoader:
         self.__dict__.update(state)
 
 
+def refuse_compile(strategy: object, settings: RunSettings) -> None:
+    """Refuse ``compile``: torch_xla traces and compiles each step into one XLA graph already (see docs/compile.md)."""
+    if settings.compile is not None:
+        raise ValueError(
+            f"{type(strategy).__name__} does not run torch.compile: torch_xla traces and compiles every step into one"
+            " XLA graph already. Drop compile=... from the Trainer or Cohort, and pass the plain model, not"
+            " torch.compile(model)."
+        )
+
+
 class XLAStrategyMixin:
     """Steps end with a graph cut; dataloaders feed the device; checkpoints are written from CPU copies."""
 
@@ -98,6 +109,11 @@ class XLAStrategyMixin:
     def precision_plugin_for(cls, precision: str, accelerator: Accelerator) -> XLAPrecision:
         """The XLA precision plugin for ``precision`` ('32-true', 'bf16-true', 'bf16-mixed')."""
         return XLAPrecision(precision)
+
+    def check_setup(self, settings: RunSettings) -> None:
+        """Refuse ``compile`` (see :func:`refuse_compile`)."""
+        refuse_compile(self, settings)
+        super().check_setup(settings)  # type: ignore[misc]
 
     def declare_traits(self) -> StrategyTraits:
         """No inference mode: torch_xla cannot run a module under it (its tensors lack version counters); as in

@@ -33,7 +33,7 @@ from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.traits import StrategyTraits
 from phalanx.strategies.xla import _collectives as collectives
-from phalanx.strategies.xla._common import to_cpu
+from phalanx.strategies.xla._common import refuse_compile, to_cpu
 from phalanx.strategies.xla._fsdp_state import ModuleTree, ShardedParameters, undo_activation_checkpointing
 from phalanx.strategies.xla.replicas import XLAStrategy
 from phalanx.utilities.registry import Registry
@@ -137,6 +137,7 @@ class XLAFSDPStrategy(XLAStrategy):
     # ------------------------------------------------------------------ set-up
     def check_setup(self, settings: RunSettings) -> None:
         """Refuse what torch_xla's wrapper cannot run."""
+        refuse_compile(self, settings)
         if self.layer_sync is not None:
             raise ValueError("sync_batchnorm=True (or a LayerSync plugin) is not supported by XLAFSDPStrategy.")
         if self.precision_plugin.precision == "bf16-true":

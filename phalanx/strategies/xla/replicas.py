@@ -25,7 +25,13 @@ from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.strategies.xla import _collectives as collectives
-from phalanx.strategies.xla._common import XLAParallelDevices, XLAStrategyMixin, holds_xla_tensors, to_cpu
+from phalanx.strategies.xla._common import (
+    XLAParallelDevices,
+    XLAStrategyMixin,
+    holds_xla_tensors,
+    refuse_compile,
+    to_cpu,
+)
 from phalanx.strategies.xla.launcher import XLA_START_METHODS, XLALauncher
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.distributed import normalize_reduce_op
@@ -138,6 +144,7 @@ class XLAStrategy(XLAParallelDevices, XLAStrategyMixin, ParallelStrategy):
     # ------------------------------------------------------------------ set-up and steps
     def check_setup(self, settings: RunSettings) -> None:
         """Refuse a layer sync: it needs a torch.distributed process group."""
+        refuse_compile(self, settings)
         if self.layer_sync is not None:
             raise ValueError(
                 "sync_batchnorm=True (or a LayerSync plugin) is not supported by XLAStrategy: torch's SyncBatchNorm"

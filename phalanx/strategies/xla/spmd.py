@@ -23,7 +23,7 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.xla._common import XLAParallelDevices, XLAStrategyMixin
+from phalanx.strategies.xla._common import XLAParallelDevices, XLAStrategyMixin, refuse_compile
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.distributed import normalize_reduce_op
 from phalanx.utilities.rank_zero import set_global_rank
@@ -146,6 +146,7 @@ class XLASPMDStrategy(XLAParallelDevices, XLAStrategyMixin, ParallelStrategy):
     # ------------------------------------------------------------------ set-up
     def check_setup(self, settings: RunSettings) -> None:
         """Refuse a layer sync: the compiler computes statistics over the global batch already."""
+        refuse_compile(self, settings)
         if self.layer_sync is not None:
             raise ValueError(
                 "sync_batchnorm=True is not supported by XLASPMDStrategy: batch statistics are computed over the global"

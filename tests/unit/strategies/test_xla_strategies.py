@@ -330,3 +330,24 @@ def test_spmd_splits_the_first_dimension_the_device_count_divides(
     shape: tuple[int, ...], parts: int, spec: tuple[str | None, ...]
 ) -> None:
     assert partition_spec(torch.Size(shape), parts) == spec
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: SingleDeviceXLAStrategy(device=torch.device("xla", 0), accelerator=XLAAccelerator()),
+        lambda: XLAFSDPStrategy(accelerator=XLAAccelerator(), parallel_devices=[torch.device("xla", 0)]),
+        lambda: XLAStrategy(accelerator=XLAAccelerator(), parallel_devices=[torch.device("xla", 0)]),
+        lambda: XLASPMDStrategy(accelerator=XLAAccelerator(), parallel_devices=[torch.device("xla", 0)]),
+    ],
+    ids=["single_xla", "xla_fsdp", "xla", "xla_spmd"],
+)
+def test_xla_strategies_refuse_torch_compile_at_setup(make: Callable[[], Any]) -> None:
+    from functools import partial
+
+    from phalanx.strategies import RunSettings
+
+    strategy = make()
+    strategy.connect(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"does not run torch.compile: torch_xla traces and compiles every step"):
+        strategy.setup(RunSettings(compile=partial(torch.compile, backend="eager")))
