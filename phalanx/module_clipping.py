@@ -41,13 +41,4 @@ def clip_settings(module: TrainingModule, value: float | int | None, algorithm: 
     return value, str(algorithm)
 
 
-def overrides_gradient_clipping(module: TrainingModule) -> bool:
-    """Whether ``module`` (its class or the instance) replaces ``configure_gradient_clipping``."""
-    from phalanx.module import TrainingModule  # phalanx.module imports this module at its top
-
-    if "configure_gradient_clipping" in module.__dict__:
-        return True  # assigned on the instance
-    return type(module).configure_gradient_clipping is not TrainingModule.configure_gradient_clipping
-
-
-__all__ = ["clip_settings", "overrides_gradient_clipping"]
+__all__ = ["clip_settings"]

@@ -20,7 +20,6 @@ from phalanx.callbacks import EarlyStopping, ModelCheckpoint, ProgressBar
 from phalanx.callbacks.callback import Callback
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
-from phalanx.module_clipping import overrides_gradient_clipping
 from phalanx.strategies.migration import refuse_trainer_parameters
 from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.resolve import resolve_strategy
@@ -29,7 +28,7 @@ from phalanx.trainer import arguments
 from phalanx.trainer.argument_checks import RENAMED_TRAINER_ATTRIBUTES
 from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, apply_process_switches, resolve_arguments
 from phalanx.trainer.checkpoint import CheckpointConnector
-from phalanx.trainer.hooks import HookTable
+from phalanx.trainer.hooks import HookTable, overrides_gradient_clipping
 from phalanx.trainer.logging.barebones import BarebonesResults
 from phalanx.trainer.logging.metrics import LoggedMetrics
 from phalanx.trainer.logging.results import LoggedResults

@@ -22,13 +22,11 @@ REASONS = ("import time", "optional")
 ELSEWHERE: tuple[str, ...] = ()
 # PENDING: lazy imports that still dodge an import cycle, as (file, imported module); each moves to its module's top
 # once its cycle is broken, and the set only shrinks (a stale entry fails the test). The cycles:
-#   module -> module_clipping (clip_settings), whose overrides_gradient_clipping needs TrainingModule;
 #   sharded_io -> torch_io -> checkpoint_io: CheckpointIO's default sharded methods call sharded_io;
 #   formats.layout -> formats -> formats.xla_fsdp: consolidating an xla_fsdp directory detects the layout;
 #   formats -> formats.dcp -> torch_io, formats.layout -> torch_io, sharded_io -> torch_io: TorchCheckpointIO reads a
 #   directory checkpoint whole through the formats that read their files through torch_io.
 PENDING = {
-    ("phalanx/module_clipping.py", "phalanx.module"),
     ("phalanx/plugins/io/checkpoint_io.py", "phalanx.plugins.io.sharded_io"),
     ("phalanx/plugins/io/formats/xla_fsdp.py", "phalanx.plugins.io.formats.layout"),
     ("phalanx/plugins/io/torch_io.py", "phalanx.plugins.io.formats"),
