@@ -51,9 +51,7 @@ KNOWN_HOOKS: dict[type, frozenset[str]] = {
 
 def overrides_gradient_clipping(module: TrainingModule) -> bool:
     """Whether ``module`` (its class or the instance) replaces ``configure_gradient_clipping``."""
-    if "configure_gradient_clipping" in module.__dict__:
-        return True  # assigned on the instance
-    return type(module).configure_gradient_clipping is not TrainingModule.configure_gradient_clipping
+    return _overrides(module, TrainingModule, "configure_gradient_clipping")
 
 
 def _overrides(obj: object, base: type, name: str) -> bool:
