@@ -61,6 +61,11 @@ class _WatchedStream:
         self.close()
 
 
+def watched_stream(stream: Any, path: Any, errors: list[OSError]) -> Any:
+    """``stream``, recording into ``errors`` its first ``OSError`` or short write (named after ``path``)."""
+    return _WatchedStream(stream, path, errors)
+
+
 def watch_writes(writer: Any) -> list[OSError]:
     """Make the DCP storage ``writer`` record its streams' first write error; return the list it goes to."""
     errors: list[OSError] = []
@@ -126,4 +131,4 @@ def free_space(folder: Any) -> str:
         return ""
 
 
-__all__ = ["causes", "describe", "free_space", "raise_recorded", "root_cause", "watch_writes"]
+__all__ = ["causes", "describe", "free_space", "raise_recorded", "root_cause", "watch_writes", "watched_stream"]
