@@ -71,13 +71,14 @@ def _write_local_atomically(write: Callable[[IO[bytes]], None], path: Path) -> N
 def _streamed_save(checkpoint: dict[str, Any], path: _PathLike) -> Callable[[IO[bytes]], None]:
     """A writer that runs ``torch.save`` straight into the stream it is given, keeping the stream's first write error.
 
-    torch's zip writer turns its stream's ``OSError`` into "unexpected pos 704 vs 598" and ignores a short write's
-    count (leaving a hole): the stream is watched so that a failed save names the cause and ``path``.
+    torch's zip writer turns any exception of its stream (``OSError``, an interrupt) into "unexpected pos 704 vs 598"
+    and ignores a short write's count (leaving a hole): the stream is watched so that a failed save raises its cause,
+    named after ``path``.
     """
     from phalanx.plugins.io.write_failures import watched_stream
 
     def write(handle: IO[bytes]) -> None:
-        errors: list[OSError] = []
+        errors: list[BaseException] = []
         try:
             torch.save(checkpoint, watched_stream(handle, path, errors))
         except Exception:

@@ -61,9 +61,25 @@ class _WatchedStream:
         self.close()
 
 
-def watched_stream(stream: Any, path: Any, errors: list[OSError]) -> Any:
-    """``stream``, recording into ``errors`` its first ``OSError`` or short write (named after ``path``)."""
-    return _WatchedStream(stream, path, errors)
+class _FullyWatchedStream(_WatchedStream):
+    """A watched stream that also keeps any other exception of its writes (an interrupt), which torch's zip writer
+    would otherwise turn into its "unexpected pos" ``RuntimeError``."""
+
+    def write(self, data: Any) -> Any:
+        try:
+            return super().write(data)
+        except OSError:
+            raise
+        except BaseException as error:
+            if not self._errors:
+                self._errors.append(error)  # type: ignore[arg-type]  # the list holds any exception here
+            raise
+
+
+def watched_stream(stream: Any, path: Any, errors: list[BaseException]) -> Any:
+    """``stream``, recording into ``errors`` the first exception of its writes: an ``OSError`` or a short write
+    named after ``path``, or any other exception (an interrupt) as it was."""
+    return _FullyWatchedStream(stream, path, errors)  # type: ignore[arg-type]
 
 
 def watch_writes(writer: Any) -> list[OSError]:
