@@ -44,16 +44,16 @@ def _write_local_atomically(write: Callable[[IO[bytes]], None], path: Path) -> N
     path.parent.mkdir(parents=True, exist_ok=True)
     refuse_foreign_directory(path)  # a clear refusal rather than the rename's "Is a directory"
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    created = False
+    created: list[int] = []
+
+    def exclusively(name: str, flags: int) -> int:
+        # A file or link planted under the temporary name is never written through (nor removed on failure).
+        descriptor = os.open(name, flags | os.O_EXCL, 0o666)
+        created.append(descriptor)
+        return descriptor
+
     try:
-        # Created exclusively: a file or link planted under the temporary name is never written through.
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        created = True
-        try:
-            handle = open(descriptor, "wb")
-        except BaseException:
-            os.close(descriptor)
-            raise
+        handle = open(temporary, "wb", opener=exclusively)
         with handle:
             write(handle)
             handle.flush()
