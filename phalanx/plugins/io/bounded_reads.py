@@ -171,6 +171,8 @@ def check_mapped_records(stream: Any, source: str) -> None:
     claims more than its record would then show the bytes of the records after it. Only data.pkl is read, by torch's
     weights-only unpickler with storages that allocate nothing; a pickle it cannot read is left to the load to refuse.
     """
+    entries: dict[str, int] = {}
+    pickle_name: str | None = None
     stream.seek(0)
     try:
         with zipfile.ZipFile(stream) as archive:
