@@ -81,6 +81,26 @@ def open_checkpoint_file(path: str | os.PathLike, source: str | None = None) -> 
         raise
 
 
+def reopenable_path(stream: Any) -> str | None:
+    """A path that opens the very file ``stream`` has open (Linux's ``/proc/self/fd/N``), or None where there is none.
+
+    torch maps a file only by its path, and reads a path faster than a Python stream; this path leads to the file
+    that was opened and checked, even if the checkpoint's name is replaced or made a link meanwhile.
+    """
+    try:
+        descriptor = stream.fileno()
+        opened = os.fstat(descriptor)
+    except (AttributeError, OSError, ValueError):  # not a file (BytesIO, a URL's stream), or closed
+        return None
+    candidate = f"/proc/self/fd/{descriptor}"
+    try:
+        if stat.S_ISREG(opened.st_mode) and os.path.samestat(os.stat(candidate), opened):
+            return candidate
+    except OSError:  # no /proc (macOS, Windows): the stream itself is read
+        pass
+    return None
+
+
 def is_regular_file(path: str | os.PathLike) -> bool:
     """Whether ``path`` (links followed) is a regular file; never opens it."""
     try:
@@ -175,6 +195,57 @@ def referenced_globals(data: bytes) -> list[str]:
     except Exception:  # damaged bytes: what was found before them
         pass
     return list(dict.fromkeys(found))
+
+
+def check_mapped_records(stream: Any, source: str) -> None:
+    """Refuse an archive whose pickle claims a storage of another size than the record that stores it.
+
+    torch checks this itself when it copies a record, not when it maps the file (``mmap=True``): a storage that
+    claims more than its record would then show the bytes of the records after it. Only data.pkl is read, by torch's
+    weights-only unpickler with storages that allocate nothing; a pickle it cannot read is left to the load to refuse.
+    """
+    entries: dict[str, int] = {}
+    pickle_name: str | None = None
+    stream.seek(0)
+    try:
+        with zipfile.ZipFile(stream) as archive:
+            entries = {info.filename: info.file_size for info in archive.infolist()}
+            pickle_name = next((name for name in entries if name.endswith("data.pkl")), None)
+            pickled = archive.read(pickle_name) if pickle_name is not None else b""
+        claims = _claimed_storages(pickled)
+    except Exception:  # the load itself names what is wrong with such a file
+        claims = {}
+    finally:
+        stream.seek(0)
+    prefix = pickle_name[: -len("data.pkl")] if pickle_name else ""
+    for key, claimed in claims.items():
+        stored = entries.get(f"{prefix}data/{key}")
+        if stored != claimed:
+            held = "no record" if stored is None else f"a record of {stored} bytes"
+            raise CheckpointError(
+                f"Refusing to load {source}: its storage {key!r} claims {claimed} bytes but the archive holds {held}"
+                " for it; mapping it would show the bytes of other records as this tensor's."
+            )
+
+
+def _claimed_storages(pickled: bytes) -> dict[str, int]:
+    """The bytes each storage of the pickle claims, by record key, found without reading or allocating any."""
+    from torch import _weights_only_unpickler
+
+    claims: dict[str, int] = {}
+
+    def persistent_load(saved_id: Any) -> Any:
+        _, storage_type, key, _, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = int(numel) * dtype.itemsize
+        claims[str(key)] = max(claims.get(str(key), 0), nbytes)
+        storage = torch.UntypedStorage(nbytes, device="meta")
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
+
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+    unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+    unpickler.load()
+    return claims
 
 
 def _pickle_of(archive: Any, entries: list[zipfile.ZipInfo]) -> list[str]:
@@ -341,6 +412,7 @@ __all__ = [
     "AllocationBudget",
     "allocation_budget",
     "check_archive",
+    "check_mapped_records",
     "check_tensors",
     "counted_cat",
     "counted_clone",
@@ -348,5 +420,6 @@ __all__ = [
     "counted_float",
     "is_regular_file",
     "open_checkpoint_file",
+    "reopenable_path",
     "stored_bytes",
 ]

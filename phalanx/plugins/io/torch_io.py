@@ -10,7 +10,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 import torch
 
@@ -18,13 +18,15 @@ from phalanx.plugins.io.bounded_reads import (
     _UNSAFE_HINT,
     archive_pickle,
     check_archive,
+    check_mapped_records,
     check_tensors,
     disallowed_globals_of_pickle,
     open_checkpoint_file,
+    reopenable_path,
 )
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
-from phalanx.plugins.io.directory import refuse_foreign_directory
-from phalanx.plugins.io.write_failures import describe, free_space
+from phalanx.plugins.io.directory import refuse_foreign_directory, sync_directory
+from phalanx.plugins.io.write_failures import describe, free_space, watched_stream
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
 _GLOBAL_REFERENCE = re.compile(r"GLOBAL ([\w.]+)")
@@ -52,32 +54,55 @@ def discard(staging: Any) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write_local_atomically(data: bytes, path: Path) -> None:
+def _write_local_atomically(write: Callable[[IO[bytes]], None], path: Path) -> None:
+    """Run ``write`` on a new temporary file next to ``path``, flush it to the disk, then rename it onto ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     refuse_foreign_directory(path)  # a clear refusal rather than the rename's "Is a directory"
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    created: list[int] = []
+
+    def exclusively(name: str, flags: int) -> int:
+        # A file or link planted under the temporary name is never written through (nor removed on failure).
+        descriptor = os.open(name, flags | os.O_EXCL, 0o666)
+        created.append(descriptor)
+        return descriptor
+
     try:
-        with open(temporary, "wb") as handle:
-            handle.write(data)
+        handle = open(temporary, "wb", opener=exclusively)
+        with handle:
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException as error:
-        temporary.unlink(missing_ok=True)
+        if created:
+            temporary.unlink(missing_ok=True)
         if isinstance(error, OSError) and error.errno:  # the disk filling, a quota: torch's words name neither
             raise _write_error(path, error, path.parent) from error
         raise
-    # The rename is durable only once the directory entry itself is flushed.
-    try:
-        directory = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(directory)
-    except OSError:
-        pass
-    finally:
-        os.close(directory)
+    sync_directory(path.parent)  # the rename is durable only once the directory entry itself is flushed
+
+
+def _streamed_save(checkpoint: dict[str, Any], path: _PathLike) -> Callable[[IO[bytes]], None]:
+    """A writer that runs ``torch.save`` straight into the stream it is given, keeping the stream's first write error.
+
+    torch's zip writer turns any exception of its stream (``OSError``, an interrupt) into "unexpected pos 704 vs 598"
+    and ignores a short write's count (leaving a hole): the stream is watched so that a failed save raises its cause,
+    named after ``path``.
+    """
+
+    def write(handle: IO[bytes]) -> None:
+        errors: list[BaseException] = []
+        try:
+            torch.save(checkpoint, watched_stream(handle, path, errors))
+        except Exception:
+            if errors:
+                raise errors[0] from None
+            raise
+        if errors:  # a failure torch's writer did not pass on: the file is not whole
+            raise errors[0]
+
+    return write
 
 
 def _write_error(path: _PathLike, error: OSError, folder: Any = None) -> CheckpointWriteError:
@@ -97,12 +122,24 @@ def serialize(checkpoint: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def load_bytes(data: bytes | IO[bytes], source: str, map_location: Any | None = None) -> dict[str, Any]:
-    """Deserialise checkpoint bytes with ``weights_only=True``, turning failures into clear errors."""
+def load_bytes(
+    data: bytes | IO[bytes], source: str, map_location: Any | None = None, *, mmap: bool = False
+) -> dict[str, Any]:
+    """Deserialise a checkpoint with ``weights_only=True``, turning failures into clear errors.
+
+    ``data`` is the checkpoint's bytes or a stream of them; a local file opened by ``open_checkpoint_file`` is read
+    by torch from the file itself (never into one buffer), memory-mapped when ``mmap`` is true. Elsewhere (a URL's
+    stream, bytes) ``mmap`` is ignored and the records are read one by one from the stream.
+    """
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     check_archive(stream, source)  # reads the archive's directory only; refuses what could allocate past the file
+    # The same open file, by a path torch can open again (its fast reader, and the only way it maps a file).
+    target: Any = reopenable_path(stream) or stream
+    mmap = mmap and isinstance(target, str)
+    if mmap:
+        check_mapped_records(stream, source)
     try:
-        checkpoint = torch.load(stream, map_location=map_location, weights_only=True)
+        checkpoint = torch.load(target, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         # Only a reference to a class or function ("GLOBAL pkg.Class") needs arbitrary unpickling; other refusals
         # ("Unsupported operand 0") come from bytes that torch.save did not write, or from a pickle that names its
@@ -170,37 +207,49 @@ def _load_directory(path: _PathLike) -> dict[str, Any]:
         return consolidate(local)
 
 
+def _save_to_url(checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None) -> None:
+    """Stream ``checkpoint`` into a temporary name through the filesystem's ``open``, then move it onto ``path``."""
+    fs, fs_path = _fsspec_filesystem(path, storage_options)
+    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    temporary = f"{fs_path}.{uuid.uuid4().hex}.tmp"
+    try:
+        with fs.open(temporary, "wb") as handle:
+            _streamed_save(checkpoint, path)(handle)
+        fs.mv(temporary, fs_path)
+    except BaseException as error:
+        # The previous checkpoint at fs_path is untouched; do not leave the partial temporary behind either.
+        with contextlib.suppress(Exception):
+            if fs.exists(temporary):
+                fs.rm(temporary)
+        if isinstance(error, OSError) and error.errno:
+            raise _write_error(path, error) from error
+        raise
+
+
 class TorchCheckpointIO(CheckpointIO):
     """Writes with ``torch.save`` to a temporary file and renames it into place; reads with ``weights_only=True``."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None = None) -> None:
         """Serialise ``checkpoint`` and write it atomically to ``path``."""
-        data = serialize(checkpoint)
         if is_url(path):
-            fs, fs_path = _fsspec_filesystem(path, storage_options)
-            parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
-            if parent:
-                fs.makedirs(parent, exist_ok=True)
-            temporary = f"{fs_path}.{uuid.uuid4().hex}.tmp"
-            try:
-                with fs.open(temporary, "wb") as handle:
-                    handle.write(data)
-                fs.mv(temporary, fs_path)
-            except BaseException as error:
-                # The previous checkpoint at fs_path is untouched; do not leave the partial temporary behind either.
-                with contextlib.suppress(Exception):
-                    if fs.exists(temporary):
-                        fs.rm(temporary)
-                if isinstance(error, OSError) and error.errno:
-                    raise _write_error(path, error) from error
-                raise
+            _save_to_url(checkpoint, path, storage_options)
         else:
             if storage_options is not None:
                 raise TypeError(f"storage_options are only used for fsspec URLs, not for the local path {str(path)!r}.")
-            _write_local_atomically(data, Path(path))
+            _write_local_atomically(_streamed_save(checkpoint, path), Path(path))
 
-    def load_checkpoint(self, path: _PathLike, map_location: Any | None = None) -> dict[str, Any]:
-        """Read the checkpoint at ``path`` with ``weights_only=True`` (a sharded checkpoint directory is read whole)."""
+    def load_checkpoint(
+        self, path: _PathLike, map_location: Any | None = None, *, mmap: bool = False
+    ) -> dict[str, Any]:
+        """Read the checkpoint at ``path`` with ``weights_only=True`` (a sharded checkpoint directory is read whole).
+
+        A file is read from the disk record by record, never into one buffer. ``mmap=True`` (a local file) returns
+        tensors backed by the file instead, read from the disk only where they are used: a few tensors of a big
+        checkpoint cost only their own bytes. Such tensors are copy-on-write (changing them never changes the file)
+        and keep the file's blocks in use until they are freed, even if the file is deleted meanwhile.
+        """
         if map_location is None:
             map_location = "cpu"
         if is_url(path):
@@ -210,14 +259,15 @@ class TorchCheckpointIO(CheckpointIO):
             if fs.isdir(fs_path):
                 return _load_directory(path)
             with fs.open(fs_path, "rb") as handle:
-                return load_bytes(handle.read(), str(path), map_location)
+                seekable = getattr(handle, "seekable", lambda: False)()
+                return load_bytes(handle if seekable else handle.read(), str(path), map_location, mmap=mmap)
         local = Path(path)
         if not local.exists():
             raise FileNotFoundError(f"Checkpoint not found: {path}")
         if local.is_dir():
             return _load_directory(local)
         with open_checkpoint_file(local, str(path)) as handle:
-            return load_bytes(handle, str(path), map_location)
+            return load_bytes(handle, str(path), map_location, mmap=mmap)
 
     def remove_checkpoint(self, path: _PathLike) -> None:
         """Delete ``path`` (a file, or a directory for sharded checkpoints)."""

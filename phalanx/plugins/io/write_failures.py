@@ -61,6 +61,27 @@ class _WatchedStream:
         self.close()
 
 
+class _FullyWatchedStream(_WatchedStream):
+    """A watched stream that also keeps any other exception of its writes (an interrupt), which torch's zip writer
+    would otherwise turn into its "unexpected pos" ``RuntimeError``."""
+
+    def write(self, data: Any) -> Any:
+        try:
+            return super().write(data)
+        except OSError:
+            raise
+        except BaseException as error:
+            if not self._errors:
+                self._errors.append(error)  # type: ignore[arg-type]  # the list holds any exception here
+            raise
+
+
+def watched_stream(stream: Any, path: Any, errors: list[BaseException]) -> Any:
+    """``stream``, recording into ``errors`` the first exception of its writes: an ``OSError`` or a short write
+    named after ``path``, or any other exception (an interrupt) as it was."""
+    return _FullyWatchedStream(stream, path, errors)  # type: ignore[arg-type]
+
+
 def watch_writes(writer: Any) -> list[OSError]:
     """Make the DCP storage ``writer`` record its streams' first write error; return the list it goes to."""
     errors: list[OSError] = []
@@ -126,4 +147,4 @@ def free_space(folder: Any) -> str:
         return ""
 
 
-__all__ = ["causes", "describe", "free_space", "raise_recorded", "root_cause", "watch_writes"]
+__all__ = ["causes", "describe", "free_space", "raise_recorded", "root_cause", "watch_writes", "watched_stream"]
