@@ -21,7 +21,7 @@ from phalanx.plugins.io.checks import (
     plain_hyperparameters,
 )
 from phalanx.plugins.io.directory import COMPLETE_MARKER, is_retired_copy
-from phalanx.plugins.io.torch_io import is_url
+from phalanx.plugins.io.serialization import is_url
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_print

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from phalanx.plugins.io import sharded_io  # read through the module on use: tests replace its storage_writer
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.collectives import Collectives
-from phalanx.plugins.io.torch_io import discard
+from phalanx.plugins.io.serialization import discard
 from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
 from phalanx.utilities.exceptions import CheckpointWriteError
 

@@ -6,6 +6,8 @@ import os
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable
 
+from phalanx.plugins.io import sharded_io
+
 if TYPE_CHECKING:
     from phalanx.plugins.io.collectives import Collectives
 
@@ -62,35 +64,25 @@ class CheckpointIO(ABC):
         storage_options: Any | None = None,
     ) -> None:
         """Write ``checkpoint`` as a sharded DCP directory at ``path`` (every rank calls this, with its shards)."""
-        from phalanx.plugins.io.sharded_io import save_sharded_checkpoint
-
-        save_sharded_checkpoint(checkpoint, path, collectives=collectives, storage_options=storage_options)
+        sharded_io.save_sharded_checkpoint(checkpoint, path, collectives=collectives, storage_options=storage_options)
 
     def load_sharded_checkpoint(
         self, path: _PathLike, *, module_state: dict[str, Any], optimizers: list[Any]
     ) -> dict[str, Any]:
         """Read the sharded directory at ``path`` into the live shards ``module_state`` and ``optimizers``."""
-        from phalanx.plugins.io.sharded_io import load_sharded_checkpoint
-
-        return load_sharded_checkpoint(path, module_state=module_state, optimizers=optimizers)
+        return sharded_io.load_sharded_checkpoint(path, module_state=module_state, optimizers=optimizers)
 
     def start_directory_checkpoint(self, path: _PathLike, *, collectives: Collectives) -> str:
         """Return the hidden staging directory (the same on every rank) that a directory checkpoint is written to."""
-        from phalanx.plugins.io.sharded_io import start_directory
-
-        return start_directory(path, collectives=collectives)
+        return sharded_io.start_directory(path, collectives=collectives)
 
     def makedirs(self, path: _PathLike) -> None:
         """Create the directory ``path`` (and its parents) inside a staging directory."""
-        from phalanx.plugins.io.sharded_io import makedirs
-
-        makedirs(path)
+        sharded_io.makedirs(path)
 
     def finish_directory_checkpoint(self, staging: _PathLike, path: _PathLike, *, collectives: Collectives) -> None:
         """Once every rank has written its files into ``staging``, mark it complete and publish it at ``path``."""
-        from phalanx.plugins.io.sharded_io import finish_directory
-
-        finish_directory(staging, path, collectives=collectives)
+        sharded_io.finish_directory(staging, path, collectives=collectives)
 
     def teardown(self) -> None:
         """Finish pending work and release resources."""

@@ -26,11 +26,38 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-from phalanx.utilities.exceptions import CheckpointWriteError
+from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
 #: Written last into a directory checkpoint, once every rank has written its part.
 COMPLETE_MARKER = ".complete"
 _RETIRED = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.retired$")
+
+
+def incomplete(path: str | os.PathLike, layout: str) -> CheckpointError:
+    """The refusal of a ``layout`` checkpoint directory at ``path`` that has no ``.complete`` marker."""
+    return CheckpointError(
+        f"{path} is an incomplete {layout} checkpoint: it has no {COMPLETE_MARKER} marker (written last, once every"
+        " rank finished), so its save did not finish. Resume from an earlier checkpoint."
+    )
+
+
+def require_complete(path: Any, layout: str, files: tuple[str, ...]) -> None:
+    """Refuse ``path`` (local or fsspec URL) unless it is a directory holding ``files`` and the ``.complete`` marker.
+
+    For a reader that knows its layout already; ``formats.layout.checkpoint_layout`` finds the layout of any path.
+    """
+    if "://" in str(path):
+        import fsspec  # optional: only URLs need it
+
+        fs, root = fsspec.core.url_to_fs(str(path))
+        exists = lambda name: fs.exists(f"{root.rstrip('/')}/{name}")  # noqa: E731
+    else:
+        exists = lambda name: os.path.exists(os.path.join(os.fspath(path), name))  # noqa: E731
+    missing = [name for name in files if not exists(name)]
+    if missing:
+        raise CheckpointError(f"{path} is not {layout}'s checkpoint directory: it has no {', '.join(missing)}.")
+    if not exists(COMPLETE_MARKER):
+        raise incomplete(path, layout)
 
 
 def staging_directory(target: Path, *, is_global_zero: bool, broadcast: Callable[[Any], Any]) -> Path:

@@ -22,7 +22,7 @@ from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, sta
 from phalanx.plugins.io.formats import dcp as dc
 from phalanx.plugins.io.formats.dcp import load_into, save_sharded, split_checkpoint
 from phalanx.plugins.io.formats.layout import checkpoint_layout
-from phalanx.plugins.io.torch_io import _fsspec_filesystem, discard, is_url, serialize
+from phalanx.plugins.io.serialization import _fsspec_filesystem, discard, is_url, serialize
 from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 

@@ -2,230 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
-import pickle
-import re
 import shutil
-import uuid
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import Any
 
-import torch
-
-from phalanx.plugins.io.bounded_reads import (
-    _UNSAFE_HINT,
-    archive_pickle,
-    check_archive,
-    check_mapped_records,
-    check_tensors,
-    disallowed_globals_of_pickle,
-    open_checkpoint_file,
-    reopenable_path,
-)
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
-from phalanx.plugins.io.directory import refuse_foreign_directory, sync_directory
-from phalanx.plugins.io.write_failures import describe, free_space, watched_stream
-from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
-
-_GLOBAL_REFERENCE = re.compile(r"GLOBAL ([\w.]+)")
-
-
-def is_url(path: _PathLike) -> bool:
-    """Return whether ``path`` names a remote or fsspec location ('s3://...', 'memory://...')."""
-    return "://" in str(path)
-
-
-def _fsspec_filesystem(path: _PathLike, storage_options: Any | None = None) -> tuple[Any, str]:
-    import fsspec
-
-    return fsspec.core.url_to_fs(str(path), **(storage_options or {}))
-
-
-def discard(staging: Any) -> None:
-    """Remove an unfinished staging directory (best effort: it is hidden and never loaded)."""
-    if is_url(staging):
-        with contextlib.suppress(Exception):
-            fs, root = _fsspec_filesystem(staging)
-            if fs.exists(root):
-                fs.rm(root, recursive=True)
-    else:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _write_local_atomically(write: Callable[[IO[bytes]], None], path: Path) -> None:
-    """Run ``write`` on a new temporary file next to ``path``, flush it to the disk, then rename it onto ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    refuse_foreign_directory(path)  # a clear refusal rather than the rename's "Is a directory"
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    created: list[int] = []
-
-    def exclusively(name: str, flags: int) -> int:
-        # A file or link planted under the temporary name is never written through (nor removed on failure).
-        descriptor = os.open(name, flags | os.O_EXCL, 0o666)
-        created.append(descriptor)
-        return descriptor
-
-    try:
-        handle = open(temporary, "wb", opener=exclusively)
-        with handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        if created:
-            temporary.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.errno:  # the disk filling, a quota: torch's words name neither
-            raise _write_error(path, error, path.parent) from error
-        raise
-    sync_directory(path.parent)  # the rename is durable only once the directory entry itself is flushed
-
-
-def _streamed_save(checkpoint: dict[str, Any], path: _PathLike) -> Callable[[IO[bytes]], None]:
-    """A writer that runs ``torch.save`` straight into the stream it is given, keeping the stream's first write error.
-
-    torch's zip writer turns any exception of its stream (``OSError``, an interrupt) into "unexpected pos 704 vs 598"
-    and ignores a short write's count (leaving a hole): the stream is watched so that a failed save raises its cause,
-    named after ``path``.
-    """
-
-    def write(handle: IO[bytes]) -> None:
-        errors: list[BaseException] = []
-        try:
-            torch.save(checkpoint, watched_stream(handle, path, errors))
-        except Exception:
-            if errors:
-                raise errors[0] from None
-            raise
-        if errors:  # a failure torch's writer did not pass on: the file is not whole
-            raise errors[0]
-
-    return write
-
-
-def _write_error(path: _PathLike, error: OSError, folder: Any = None) -> CheckpointWriteError:
-    """A failed one-file write (disk full, quota...), naming the file and the cause."""
-    if error.filename is None:
-        error = OSError(error.errno, error.strerror or str(error), os.fspath(path))
-    return CheckpointWriteError(
-        f"Could not write the checkpoint {path}: {describe(error)}{free_space(folder) if folder else ''}. Nothing"
-        f" was written under that name: the previous checkpoint at {path}, if there is one, is unchanged."
-    )
-
-
-def serialize(checkpoint: dict[str, Any]) -> bytes:
-    """Return the bytes ``torch.save`` writes for ``checkpoint``."""
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    return buffer.getvalue()
-
-
-def load_bytes(
-    data: bytes | IO[bytes], source: str, map_location: Any | None = None, *, mmap: bool = False
-) -> dict[str, Any]:
-    """Deserialise a checkpoint with ``weights_only=True``, turning failures into clear errors.
-
-    ``data`` is the checkpoint's bytes or a stream of them; a local file opened by ``open_checkpoint_file`` is read
-    by torch from the file itself (never into one buffer), memory-mapped when ``mmap`` is true. Elsewhere (a URL's
-    stream, bytes) ``mmap`` is ignored and the records are read one by one from the stream.
-    """
-    stream = io.BytesIO(data) if isinstance(data, bytes) else data
-    check_archive(stream, source)  # reads the archive's directory only; refuses what could allocate past the file
-    # The same open file, by a path torch can open again (its fast reader, and the only way it maps a file).
-    target: Any = reopenable_path(stream) or stream
-    mmap = mmap and isinstance(target, str)
-    if mmap:
-        check_mapped_records(stream, source)
-    try:
-        checkpoint = torch.load(target, map_location=map_location, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as error:
-        # Only a reference to a class or function ("GLOBAL pkg.Class") needs arbitrary unpickling; other refusals
-        # ("Unsupported operand 0") come from bytes that torch.save did not write, or from a pickle that names its
-        # globals in a way torch's reader does not parse (STACK_GLOBAL): those are looked for in the bytes.
-        offending = _GLOBAL_REFERENCE.search(str(error))
-        # torch names builtins without their module ("GLOBAL eval"): give it back.
-        names = [_qualified(offending.group(1))] if offending is not None else _disallowed_globals(stream)
-        if names:
-            raise UnsafeCheckpointError(
-                f"Refusing to load {source}: it references {', '.join(names)}, which is not a tensor or plain value"
-                f" and loads only with weights_only=False, i.e. by running arbitrary code. {_UNSAFE_HINT}"
-            ) from None
-        raise CheckpointError(
-            f"{source} is not a checkpoint torch can read (corrupted or not written by torch.save):"
-            f" {_first_line(error)}"
-        ) from None
-    except Exception as error:  # torch raises many types for bytes it cannot parse (IndexError, EOFError, ...)
-        raise CheckpointError(
-            f"{source} is not a checkpoint torch can read (truncated or not written by torch.save):"
-            f" {_first_line(error)}"
-        ) from None
-    if not isinstance(checkpoint, dict):
-        raise CheckpointError(f"{source} holds a {type(checkpoint).__name__}, not a checkpoint dictionary.")
-    check_tensors(checkpoint, source)
-    return checkpoint
-
-
-def _qualified(name: str) -> str:
-    import builtins
-
-    # torch drops the "builtins." of the names it reports ("GLOBAL eval", "GLOBAL str.join"): put it back.
-    return f"builtins.{name}" if hasattr(builtins, name.split(".")[0]) else name
-
-
-def _disallowed_globals(stream: Any) -> list[str]:
-    """The globals a refused archive's pickle names that torch's weights-only reader refuses (for messages).
-
-    Only the archive's data.pkl is read (and only when it is of a bounded size): refusing a file never reads it whole.
-    """
-    return disallowed_globals_of_pickle(archive_pickle(stream))
-
-
-def _first_line(error: BaseException) -> str:
-    """The informative line of ``error``'s message, after its type name."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    # torch's weights-only errors bury the cause ("Unsupported operand 0") below a paragraph of general advice.
-    detail = next(
-        (line for line in lines if "Unsupported" in line or "Trying to load" in line), lines[0] if lines else ""
-    )
-    return f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+from phalanx.plugins.io.formats import consolidate
+from phalanx.plugins.io.formats.layout import checkpoint_layout
+from phalanx.plugins.io.serialization import _fsspec_filesystem, is_directory, is_url, load_file, save_file
+from phalanx.plugins.io.sharded_io import local_copy
 
 
 def _load_directory(path: _PathLike) -> dict[str, Any]:
     """A checkpoint directory of any layout in ``formats.FORMATS``, read whole: any strategy can resume from it."""
-    # The formats package imports this module (its readers read files through it): imported on first use, not above.
-    from phalanx.plugins.io.formats import consolidate
-    from phalanx.plugins.io.formats.layout import checkpoint_layout
-
     checkpoint_layout(path)  # refuses a directory whose save did not finish
     if not is_url(path):
         return consolidate(path)
-    from phalanx.plugins.io.sharded_io import local_copy
-
     with local_copy(path) as local:
         return consolidate(local)
-
-
-def _save_to_url(checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None) -> None:
-    """Stream ``checkpoint`` into a temporary name through the filesystem's ``open``, then move it onto ``path``."""
-    fs, fs_path = _fsspec_filesystem(path, storage_options)
-    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
-    if parent:
-        fs.makedirs(parent, exist_ok=True)
-    temporary = f"{fs_path}.{uuid.uuid4().hex}.tmp"
-    try:
-        with fs.open(temporary, "wb") as handle:
-            _streamed_save(checkpoint, path)(handle)
-        fs.mv(temporary, fs_path)
-    except BaseException as error:
-        # The previous checkpoint at fs_path is untouched; do not leave the partial temporary behind either.
-        with contextlib.suppress(Exception):
-            if fs.exists(temporary):
-                fs.rm(temporary)
-        if isinstance(error, OSError) and error.errno:
-            raise _write_error(path, error) from error
-        raise
 
 
 class TorchCheckpointIO(CheckpointIO):
@@ -233,12 +27,7 @@ class TorchCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None = None) -> None:
         """Serialise ``checkpoint`` and write it atomically to ``path``."""
-        if is_url(path):
-            _save_to_url(checkpoint, path, storage_options)
-        else:
-            if storage_options is not None:
-                raise TypeError(f"storage_options are only used for fsspec URLs, not for the local path {str(path)!r}.")
-            _write_local_atomically(_streamed_save(checkpoint, path), Path(path))
+        save_file(checkpoint, path, storage_options)
 
     def load_checkpoint(
         self, path: _PathLike, map_location: Any | None = None, *, mmap: bool = False
@@ -250,24 +39,9 @@ class TorchCheckpointIO(CheckpointIO):
         checkpoint cost only their own bytes. Such tensors are copy-on-write (changing them never changes the file)
         and keep the file's blocks in use until they are freed, even if the file is deleted meanwhile.
         """
-        if map_location is None:
-            map_location = "cpu"
-        if is_url(path):
-            fs, fs_path = _fsspec_filesystem(path)
-            if not fs.exists(fs_path):
-                raise FileNotFoundError(f"Checkpoint not found: {path}")
-            if fs.isdir(fs_path):
-                return _load_directory(path)
-            with fs.open(fs_path, "rb") as handle:
-                seekable = getattr(handle, "seekable", lambda: False)()
-                return load_bytes(handle if seekable else handle.read(), str(path), map_location, mmap=mmap)
-        local = Path(path)
-        if not local.exists():
-            raise FileNotFoundError(f"Checkpoint not found: {path}")
-        if local.is_dir():
-            return _load_directory(local)
-        with open_checkpoint_file(local, str(path)) as handle:
-            return load_bytes(handle, str(path), map_location, mmap=mmap)
+        if is_directory(path):
+            return _load_directory(path)
+        return load_file(path, map_location, mmap=mmap)
 
     def remove_checkpoint(self, path: _PathLike) -> None:
         """Delete ``path`` (a file, or a directory for sharded checkpoints)."""
@@ -278,8 +52,6 @@ class TorchCheckpointIO(CheckpointIO):
             return
         local = Path(path)
         if local.is_dir():
-            import shutil
-
             shutil.rmtree(local)
         else:
             local.unlink(missing_ok=True)

@@ -22,7 +22,7 @@ from phalanx.plugins.io.formats.deepspeed_files import (
     tag_directory,
 )
 from phalanx.plugins.io.formats.layout import checkpoint_layout
-from phalanx.plugins.io.torch_io import is_url
+from phalanx.plugins.io.serialization import is_url
 from phalanx.strategies.deepspeed._engine import partitioned_parameters
 from phalanx.utilities.exceptions import CheckpointError
 

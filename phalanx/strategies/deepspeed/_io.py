@@ -18,8 +18,8 @@ from phalanx.plugins.io.async_io import AsyncCheckpointIO
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.directory import write_synced
+from phalanx.plugins.io.serialization import _fsspec_filesystem, is_url
 from phalanx.plugins.io.sharded_io import copy_tree
-from phalanx.plugins.io.torch_io import _fsspec_filesystem, is_url
 
 
 @functools.cache

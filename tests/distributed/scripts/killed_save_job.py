@@ -66,9 +66,9 @@ def inject(point: str) -> None:
                 return HalfWritten(handle)
             return handle
 
-        import phalanx.plugins.io.torch_io as torch_io
+        import phalanx.plugins.io.serialization as serialization
 
-        torch_io.open = open_or_die  # the module's own name for open: only its writes are affected
+        serialization.open = open_or_die  # the module's own name for open: only its writes are affected
     else:
         replace = os.replace
 

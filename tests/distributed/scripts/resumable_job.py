@@ -73,9 +73,9 @@ class SlowIO(TorchCheckpointIO):
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         if checkpoint["global_step"] == self.step and not (self.out / "attempted").exists():
-            from phalanx.plugins.io import torch_io
+            from phalanx.plugins.io import serialization
 
-            original = torch_io.os.replace
+            original = serialization.os.replace
 
             def slow_replace(source, target):
                 (self.out / "attempted").touch()
@@ -83,11 +83,11 @@ class SlowIO(TorchCheckpointIO):
                 time.sleep(60)
                 original(source, target)
 
-            torch_io.os.replace = slow_replace
+            serialization.os.replace = slow_replace
             try:
                 return super().save_checkpoint(checkpoint, path, storage_options)
             finally:
-                torch_io.os.replace = original
+                serialization.os.replace = original
         return super().save_checkpoint(checkpoint, path, storage_options)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import phalanx.plugins.io.torch_io as torch_io
+import phalanx.plugins.io.serialization as serialization
 from phalanx.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from phalanx.plugins.io.collectives import Collectives
 
@@ -66,7 +66,7 @@ def _fill_the_disk(monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
         with create_stream(self, path, mode) as stream:
             yield _FillingFile(stream, fault) if "w" in mode else stream
 
-    monkeypatch.setattr(torch_io, "open", filling_open, raising=False)
+    monkeypatch.setattr(serialization, "open", filling_open, raising=False)
     monkeypatch.setattr(FileSystem, "create_stream", filling_stream)
     from torch.distributed.checkpoint import _fsspec_filesystem
 

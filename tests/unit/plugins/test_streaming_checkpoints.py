@@ -20,7 +20,7 @@ import fsspec
 import pytest
 import torch
 
-import phalanx.plugins.io.torch_io as torch_io
+import phalanx.plugins.io.serialization as serialization
 from phalanx.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 from phalanx.utilities.exceptions import CheckpointError
 
@@ -78,7 +78,7 @@ def _interrupt_writes(monkeypatch: pytest.MonkeyPatch, error: BaseException) -> 
         handle = real_open(file, mode, *args, **kwargs)
         return _InterruptingFile(handle, error, limit=100_000) if "w" in mode else handle
 
-    monkeypatch.setattr(torch_io, "open", interrupting_open, raising=False)
+    monkeypatch.setattr(serialization, "open", interrupting_open, raising=False)
 
 
 FAILURES: list[tuple[str, Callable[[pytest.MonkeyPatch, dict[str, Any]], type[BaseException]]]] = [
@@ -109,6 +109,7 @@ def test_a_failure_during_a_streamed_write_keeps_the_previous_file_and_leaves_no
 
 _KILLED_CHILD = """
 import os, sys, torch
+import phalanx.plugins.io.serialization as serialization
 import phalanx.plugins.io.torch_io as torch_io
 real_open = open
 class Dying:
@@ -126,7 +127,7 @@ class Dying:
 def dying_open(file, mode="r", *args, **kwargs):
     handle = real_open(file, mode, *args, **kwargs)
     return Dying(handle) if "w" in mode else handle
-torch_io.open = dying_open
+serialization.open = dying_open
 state = {"global_step": 2, "state_dict": {f"w{i}": torch.full((1 << 16,), 2.0) for i in range(4)}}
 torch_io.TorchCheckpointIO().save_checkpoint(state, sys.argv[1])
 """

@@ -34,7 +34,7 @@ from phalanx.plugins.io.bounded_reads import open_checkpoint_file
 from phalanx.plugins.io.checkpoint_files import entry_inside
 from phalanx.plugins.io.directory import publish_directory, staging_directory, write_synced
 from phalanx.plugins.io.formats.dcp_metadata import DCP_METADATA_FILE, read_metadata
-from phalanx.plugins.io.torch_io import load_bytes, serialize
+from phalanx.plugins.io.serialization import load_bytes, serialize
 from phalanx.plugins.io.write_failures import causes as _causes
 from phalanx.plugins.io.write_failures import describe as _describe
 from phalanx.plugins.io.write_failures import free_space, raise_recorded, watch_writes

@@ -43,7 +43,7 @@ from phalanx.plugins.io.bounded_reads import (
 from phalanx.plugins.io.checkpoint_files import OPTIMIZER_OMITTED, entry_inside
 from phalanx.plugins.io.formats.deepspeed_files import Files, load_part, tag_directory
 from phalanx.plugins.io.formats.deepspeed_zero import zero3, zero3_frozen, zero12
-from phalanx.plugins.io.torch_io import load_bytes
+from phalanx.plugins.io.serialization import load_bytes
 from phalanx.utilities.exceptions import CheckpointError
 
 #: The key of a consolidated checkpoint that holds DeepSpeed's engine counters (``global_steps``, ``global_samples``).

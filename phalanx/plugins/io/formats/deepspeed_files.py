@@ -24,7 +24,7 @@ import torch
 
 from phalanx.plugins.io.bounded_reads import check_tensors, is_regular_file, open_checkpoint_file
 from phalanx.plugins.io.checkpoint_files import entry_inside, path_inside, tree_inside
-from phalanx.plugins.io.torch_io import load_bytes
+from phalanx.plugins.io.serialization import load_bytes
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 

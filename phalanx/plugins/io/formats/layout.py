@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from phalanx.plugins.io.directory import COMPLETE_MARKER
+from phalanx.plugins.io.directory import COMPLETE_MARKER, incomplete
 from phalanx.plugins.io.formats import directory_formats
-from phalanx.plugins.io.torch_io import _fsspec_filesystem, is_url
+from phalanx.plugins.io.serialization import _fsspec_filesystem, is_url
 from phalanx.utilities.exceptions import CheckpointError
 
 
@@ -39,10 +39,7 @@ def checkpoint_layout(path: str | os.PathLike, storage_options: dict[str, Any] |
     for entry in layouts:
         if all(name in present for name in entry.files):
             if not exists(join(COMPLETE_MARKER)):
-                raise CheckpointError(
-                    f"{path} is an incomplete {entry.name} checkpoint: it has no {COMPLETE_MARKER} marker (written"
-                    " last, once every rank finished), so its save did not finish. Resume from an earlier checkpoint."
-                )
+                raise incomplete(path, entry.name)
             return entry.name
     found = sorted(present)
     holds = "; ".join(f"{entry.title} one holds {', '.join(entry.files)}" for entry in layouts)

@@ -32,7 +32,8 @@ from phalanx.plugins.io.bounded_reads import (
     open_checkpoint_file,
 )
 from phalanx.plugins.io.checkpoint_files import path_inside
-from phalanx.plugins.io.torch_io import TorchCheckpointIO, discard, is_url
+from phalanx.plugins.io.directory import require_complete
+from phalanx.plugins.io.serialization import discard, is_url, load_file
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
 META_FILE = "phalanx_xla_fsdp.pt"
@@ -211,13 +212,7 @@ def _read_pieces(path: Any, rank: int, layout: dict[str, Any], read: Reader) -> 
 
 def consolidate_xla_fsdp(path: Any, read: Reader | None = None) -> dict[str, Any]:
     """The whole checkpoint (whole tensors under the module's names) of the sharded xla_fsdp checkpoint at ``path``."""
-    # layout.py reads the list in formats/__init__, which imports this module: at the top it would import a package
-    # that is half set up.
-    from phalanx.plugins.io.formats.layout import checkpoint_layout
-
-    layout_found = checkpoint_layout(path)  # refuses a directory whose save did not finish
-    if layout_found != "xla_fsdp":
-        raise CheckpointError(f"{path} is a {layout_found} checkpoint, not xla_fsdp's sharded directory.")
+    require_complete(path, "xla_fsdp", (META_FILE,))  # a directory whose save did not finish is never read
     read = read or _read_local
     meta, layout = read_layout(path, read)
     world_size, parameters = layout["world_size"], layout["parameters"]
@@ -267,7 +262,7 @@ def _whole_optimizer_state(
 
 
 def _read_local(path: str) -> dict[str, Any]:
-    return TorchCheckpointIO().load_checkpoint(path)
+    return load_file(path)
 
 
 def is_xla_fsdp_checkpoint(directory: Any) -> bool:
