@@ -17,6 +17,7 @@ SETTINGS = {
     "barebones",
     "callbacks",
     "check_val_every_n_epoch",
+    "compile",
     "default_root_dir",
     "detect_anomaly",
     "deterministic",
