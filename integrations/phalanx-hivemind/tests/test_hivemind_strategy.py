@@ -223,11 +223,17 @@ def _assert_in_step(swarm: Swarm, name: str, since: float = 0.0, until: float = 
     """
     reference, other = _trajectory(swarm, "a", 0.0, float("inf")), _trajectory(swarm, name, since, until)
     close = lambda x, y: (x - y).abs().max().item() <= PARAM_ATOL  # noqa: E731
-    first = next(
-        (i for i, vector in enumerate(other[: catch_up + 1]) if any(close(p, vector) for p in reference)), None
-    )
+    own_solo = _solo_rounds(swarm, name)
+    solo = _solo_rounds(swarm, "a") + own_solo
+    # A round that the joiner logged as averaged alone may fall inside its catch-up window (seen once in CI): each
+    # such round allows one more step before it must hold A's parameters, as the strays below are allowed.
+    window = catch_up + 1 + own_solo
+    first = next((i for i, vector in enumerate(other[:window]) if any(close(p, vector) for p in reference)), None)
     if first is None:
-        pytest.fail(f"{name} never held A's parameters within its first {catch_up + 1} recorded step(s)")
+        pytest.fail(
+            f"{name} never held A's parameters within its first {window} recorded step(s) ({own_solo} solo round(s)"
+            f" in its log)\n{swarm.tails(['a', name])}"
+        )
     position, matched, strays = 0, 0, []
     for offset, vector in enumerate(other[first:]):
         found = next((k for k in range(position, len(reference)) if close(reference[k], vector)), None)
@@ -236,7 +242,6 @@ def _assert_in_step(swarm: Swarm, name: str, since: float = 0.0, until: float = 
             strays.append(f"step {offset} after joining (nearest of A's: {nearest:.3g})")
         else:
             matched, position = matched + 1, found + 1
-    solo = _solo_rounds(swarm, "a") + _solo_rounds(swarm, name)
     assert len(strays) <= solo, f"{name} left A's parameters without a logged solo round ({solo} logged): {strays}"
     return matched
 
