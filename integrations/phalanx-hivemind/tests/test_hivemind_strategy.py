@@ -175,7 +175,10 @@ def _run_scenario(swarm: Swarm) -> None:
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory: pytest.TempPathFactory):
     # On a loaded machine hivemind's matchmaking can miss its deadline for a while ("could not find a group": each
-    # miss costs averaging_timeout); such a run is started once more from scratch before the scenario fails.
+    # miss costs averaging_timeout, and the peers step on their own gradients meanwhile); such a run is started once
+    # more from scratch, whether the scenario itself failed or finished with rounds that the assertions below would
+    # read as peers out of step (CI saw A and B miss every round between B joining and C joining). A run without
+    # such a miss logs none.
     for attempt in (1, 2):
         swarm = Swarm(tmp_path_factory.mktemp("swarm"))
         try:
@@ -187,6 +190,8 @@ def swarm(tmp_path_factory: pytest.TempPathFactory):
         finally:
             for name in list(swarm.processes):
                 swarm.kill(name)
+        if attempt == 1 and swarm.matchmaking_failed():
+            continue
         break
     yield swarm
 
@@ -223,16 +228,13 @@ def _assert_in_step(swarm: Swarm, name: str, since: float = 0.0, until: float = 
     """
     reference, other = _trajectory(swarm, "a", 0.0, float("inf")), _trajectory(swarm, name, since, until)
     close = lambda x, y: (x - y).abs().max().item() <= PARAM_ATOL  # noqa: E731
-    own_solo = _solo_rounds(swarm, name)
-    solo = _solo_rounds(swarm, "a") + own_solo
-    # A round that the joiner logged as averaged alone may fall inside its catch-up window (seen once in CI): each
-    # such round allows one more step before it must hold A's parameters, as the strays below are allowed.
-    window = catch_up + 1 + own_solo
+    solo = _solo_rounds(swarm, "a") + _solo_rounds(swarm, name)
+    window = catch_up + 1
     first = next((i for i, vector in enumerate(other[:window]) if any(close(p, vector) for p in reference)), None)
     if first is None:
         pytest.fail(
-            f"{name} never held A's parameters within its first {window} recorded step(s) ({own_solo} solo round(s)"
-            f" in its log)\n{swarm.tails(['a', name])}"
+            f"{name} never held A's parameters within its first {window} recorded step(s) ({solo} solo round(s)"
+            f" logged)\n{swarm.tails(['a', name])}"
         )
     position, matched, strays = 0, 0, []
     for offset, vector in enumerate(other[first:]):
