@@ -242,3 +242,33 @@ def test_inductor_matches_eager(tmp_path: Path) -> None:
     compiled = _fit(tmp_path / "inductor", 2, compile=True)
     assert _blocks_compiled(compiled)
     _assert_close(eager, _weights(compiled))
+
+
+@pytest.mark.parametrize("how", ["argument", "compiled_model"])
+def test_compile_with_the_trainers_defaults_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A user's run: validation loader and sanity check, default CSV logger and checkpoint folder, progress bar,
+    inference_mode; compiled either way, it trains like eager and its saved checkpoint has the eager names."""
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    eager = phalanx.Trainer(accelerator="cpu", devices=1, max_epochs=1, default_root_dir=str(tmp_path / "eager"))
+    eager.fit(Net(), _data(), _data())
+    torch.manual_seed(0)
+    model: Any = Net()
+    options = {"backend": "aot_eager"}
+    if how == "compiled_model":
+        model, kwargs = torch.compile(model, **options), {}
+    else:
+        kwargs = {"compile": options}
+    compiled = phalanx.Trainer(accelerator="cpu", devices=1, max_epochs=1, **kwargs)
+    compiled.fit(model, _data(), _data())
+    assert _blocks_compiled(compiled)
+    _assert_close(_weights(compiled), _weights(eager))
+    assert counters["graph_break"] == {}
+    saved = sorted((tmp_path / "logs" / "version_0" / "checkpoints").glob("*.ckpt"))
+    assert saved, "the default ModelCheckpoint wrote nothing"
+    state = torch.load(saved[-1], weights_only=True)["state_dict"]
+    assert not [key for key in state if "_orig_mod" in key]
+    assert (tmp_path / "logs" / "version_0" / "metrics.csv").exists()
+    assert compiled.validate(dataloaders=_data(), verbose=False)[0]["val_loss"] >= 0.0
