@@ -5,7 +5,9 @@ The state is ``--gib`` GiB of float32 (16 tensors), and 4 GiB too with ``--four`
 child process, so that its peak resident memory (``VmHWM``) is its own: "peak above" is that peak minus the resident
 memory just before the operation (for a load: minus the state's size too, which a load must allocate). Saves are
 followed by an fsync of the file on both sides (phalanx's save does it itself). Loads read a file that was just
-written (from the page cache on both sides). Rounds are interleaved; each figure is the best of ``--repeats``.
+written (from the page cache on both sides). Rounds are interleaved, each pair's order swapped every other round, the
+file system synced before each operation and each save's file removed after it; each figure is the best of
+``--repeats``.
 ``--tree DIR`` measures phalanx from another checkout too (an A/B against an older commit).
 Usage: python bench/bench_checkpoint_io.py [--gib 1] [--four] [--repeats 3] [--tree /path/to/old/checkout]
 """
@@ -119,13 +121,27 @@ def measure(gib: float, repeats: int, trees: dict[str, Path]) -> dict[str, list[
         # The file every load reads, written by the phalanx under test (identical bytes to torch.save's).
         run("phalanx save", gib, directory, ROOT)
         os.replace(os.path.join(directory, "phalanx_save.ckpt"), os.path.join(directory, "state.ckpt"))
-        for _ in range(repeats):
-            for op in OPS:
+        for round_ in range(repeats):
+            # Every other round runs the pairs in the opposite order, so that neither side always follows the other's
+            # disk traffic; each save's file is removed after it, and dirty pages are flushed before each operation.
+            for op in OPS if round_ % 2 == 0 else _swapped_pairs(OPS):
                 for name, tree in trees.items():
                     if (op.startswith("torch") or op.startswith("lazy")) and name != "this tree":
                         continue  # torch's figures once; an older phalanx may have no lazy load
+                    os.sync()
                     results.setdefault(f"{op} ({name})", []).append(run(op, gib, directory, tree))
+                    for written in Path(directory).glob("*.ckpt"):
+                        if written.name != "state.ckpt":
+                            written.unlink()
     return results
+
+
+def _swapped_pairs(ops: list[str]) -> list[str]:
+    """``ops`` with each (torch, phalanx) pair in the other order."""
+    swapped = list(ops)
+    for first in range(0, 4, 2):
+        swapped[first], swapped[first + 1] = swapped[first + 1], swapped[first]
+    return swapped
 
 
 def main() -> None:

@@ -121,11 +121,21 @@ def _write_error(path: _PathLike, error: OSError, folder: Any = None) -> Checkpo
     )
 
 
-def serialize(checkpoint: dict[str, Any]) -> bytes:
-    """Return the bytes ``torch.save`` writes for ``checkpoint``."""
-    buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
-    return buffer.getvalue()
+def save_into(checkpoint: dict[str, Any], path: _PathLike) -> None:
+    """Write ``checkpoint`` to the new file ``path`` (local or fsspec URL) as it serialises, and flush it to the disk.
+
+    For a file inside a staging directory, which is published whole: no temporary name, no rename of its own.
+    """
+    write = _streamed_save(checkpoint, path)
+    if is_url(path):
+        fs, fs_path = _fsspec_filesystem(path)
+        with fs.open(fs_path, "wb") as handle:
+            write(handle)
+        return
+    with open(path, "wb") as handle:
+        write(handle)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def load_bytes(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 from phalanx.plugins.io.async_io import AsyncCheckpointIO
@@ -74,7 +75,7 @@ def _write_text(path: str, text: str) -> None:
         fs, root = _fsspec_filesystem(path)
         fs.pipe_file(root, text.encode())
     else:
-        write_synced(__import__("pathlib").Path(path), text.encode())
+        write_synced(Path(path), text.encode())
 
 
 def save_deepspeed_directory(

@@ -168,11 +168,11 @@ def test_a_save_that_runs_out_of_space_names_the_directory_and_keeps_the_previou
     else:
         import phalanx.plugins.io.formats.dcp as module
 
-        def full(path: Path, data: bytes) -> None:
-            path.write_bytes(data[:10])
+        def full(meta: dict, path: Path) -> None:  # the meta file's streamed write fills the disk part-way
+            path.write_bytes(b"PK\x03\x04 part")
             raise _no_space(path)
 
-        monkeypatch.setattr(module, "write_synced", full)
+        monkeypatch.setattr(module, "save_into", full)
     with pytest.raises(
         CheckpointWriteError, match=rf"Could not write the sharded checkpoint {target}: {expected}"
     ) as failed:

@@ -283,3 +283,42 @@ def test_saves_and_loads_never_build_the_whole_file_in_a_bytes_buffer(tmp_path, 
     TorchCheckpointIO().load_checkpoint(path)
     assert not grown
     assert os.path.getsize(path) > STATE_BYTES
+
+
+# ------------------------------------------------------------------ the plain part of a sharded checkpoint
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("where", ["local", "memory URL"])
+def test_a_sharded_checkpoints_plain_part_streams_into_its_meta_file(tmp_path, where, monkeypatch):
+    """The meta file (every value that is not a tensor) is written as it serialises, never assembled as a whole zip
+    archive in a bytes buffer first (the old code did, then wrote the buffer)."""
+    from phalanx.plugins.io.collectives import Collectives
+    from phalanx.plugins.io.sharded_io import save_sharded_checkpoint
+
+    archives: dict[int, int] = {}  # zip archives built in bytes buffers: their sizes
+    real = io.BytesIO
+
+    class WatchedBytesIO(real):  # type: ignore[misc,valid-type]
+        def write(self, data: Any) -> int:
+            if self.tell() == 0 and bytes(memoryview(data)[:4]) == b"PK\x03\x04":
+                archives[id(self)] = 0
+            written = super().write(data)
+            if id(self) in archives:
+                archives[id(self)] = self.tell()
+            return written
+
+    root = str(tmp_path) if where == "local" else f"memory:///phalanx-stream-{uuid.uuid4().hex}"
+    target = f"{root}/sharded"
+    checkpoint = {"global_step": 3, "state_dict": {"w": torch.arange(8.0)}, "notes": b"n" * MiB}
+    try:
+        monkeypatch.setattr(io, "BytesIO", WatchedBytesIO)
+        save_sharded_checkpoint(checkpoint, target, collectives=Collectives())
+        monkeypatch.undo()
+        # The memory filesystem's files are bytes buffers themselves: those are the files, not a copy made before.
+        files = {id(stored) for stored in fsspec.filesystem("memory").store.values()}
+        buffered = [size for key, size in archives.items() if key not in files]
+        assert max(buffered, default=0) < MiB, "the meta file was assembled in memory before it was written"
+        loaded = TorchCheckpointIO().load_checkpoint(target)
+        assert loaded["notes"] == checkpoint["notes"] and loaded["state_dict"]["w"].equal(torch.arange(8.0))
+    finally:
+        if where != "local":
+            fsspec.filesystem("memory").rm(root.split("://", 1)[1], recursive=True)

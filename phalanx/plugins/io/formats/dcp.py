@@ -32,9 +32,9 @@ from torch import Tensor
 
 from phalanx.plugins.io.bounded_reads import open_checkpoint_file
 from phalanx.plugins.io.checkpoint_files import entry_inside
-from phalanx.plugins.io.directory import publish_directory, staging_directory, write_synced
+from phalanx.plugins.io.directory import publish_directory, staging_directory
 from phalanx.plugins.io.formats.dcp_metadata import DCP_METADATA_FILE, read_metadata
-from phalanx.plugins.io.serialization import load_bytes, serialize
+from phalanx.plugins.io.serialization import load_bytes, save_into
 from phalanx.plugins.io.write_failures import causes as _causes
 from phalanx.plugins.io.write_failures import describe as _describe
 from phalanx.plugins.io.write_failures import free_space, raise_recorded, watch_writes
@@ -108,7 +108,7 @@ def save_sharded(
             raise_recorded(recorded)
             if is_global_zero:
                 meta[_SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-                write_synced(staging / META_FILE, serialize(meta))
+                save_into(meta, staging / META_FILE)
         except CheckpointError:
             raise
         except BaseException as error:
