@@ -4,7 +4,8 @@
 A model of ``--mib`` MiB of float32 weights (``Linear(2048, 2048)`` layers, each ``fully_shard``-ed), one torch
 thread per rank (as under torchrun). Both sides write with DCP's file system writer (which fsyncs its files); phalanx
 adds its meta file, the ``.complete`` marker and the atomic publish. Rounds are interleaved, each figure the best of
-``--repeats``, timed on rank 0 between barriers.
+``--repeats``, timed on rank 0 between barriers, with rank 0's peak resident memory (``VmHWM``) above its resident
+memory before each operation (its model already built).
 Usage: python bench/bench_sharded_checkpoint.py [--mib 256] [--repeats 3]
 """
 
@@ -17,6 +18,11 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith(field))
 
 
 def _rank(rank: int, mib: int, repeats: int, directory: str, port: int) -> None:
@@ -49,30 +55,47 @@ def _rank(rank: int, mib: int, repeats: int, directory: str, port: int) -> None:
     root = Path(directory)
     state = module.state_dict()
 
-    def timed(step: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
+    peaks: dict[str, int] = {}
+
+    def timed(name: str, step: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
         dist.barrier()
+        with open("/proc/self/clear_refs", "w") as handle:  # VmHWM starts again from the current resident size
+            handle.write("5")
+        before = _status("VmRSS")
         start = time.perf_counter()
         step(*args, **kwargs)
         dist.barrier()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        peaks[name] = max(peaks.get(name, 0), _status("VmHWM") - before)
+        return seconds
 
     best: dict[str, float] = {}
     for index in range(repeats):
         plain, ours = str(root / f"dcp{index}"), root / f"phalanx{index}.ckpt"
         figures = {
-            "dcp.save": timed(dcp.save, state, checkpoint_id=plain),
+            "dcp.save": timed("dcp.save", dcp.save, state, checkpoint_id=plain),
             "phalanx save": timed(
-                io.save_sharded_checkpoint, {"state_dict": state, "global_step": 1}, ours, collectives=collectives
+                "phalanx save",
+                io.save_sharded_checkpoint,
+                {"state_dict": state, "global_step": 1},
+                ours,
+                collectives=collectives,
             ),
-            "dcp.load": timed(dcp.load, module.state_dict(), checkpoint_id=plain),
-            "phalanx load": timed(io.load_sharded_checkpoint, ours, module_state=module.state_dict(), optimizers=[]),
+            "dcp.load": timed("dcp.load", dcp.load, module.state_dict(), checkpoint_id=plain),
+            "phalanx load": timed(
+                "phalanx load", io.load_sharded_checkpoint, ours, module_state=module.state_dict(), optimizers=[]
+            ),
         }
         for name, seconds in figures.items():
             best[name] = min(best.get(name, seconds), seconds)
     if rank == 0:
         for operation in ("save", "load"):
             torch_s, phalanx_s = best[f"dcp.{operation}"], best[f"phalanx {operation}"]
-            print(f"{operation}: dcp {torch_s:.3f} s | phalanx {phalanx_s:.3f} s | ratio {phalanx_s / torch_s:.2f}")
+            peak = f"{peaks[f'dcp.{operation}'] / 2**20:+.0f} / {peaks[f'phalanx {operation}'] / 2**20:+.0f} MiB"
+            print(
+                f"{operation}: dcp {torch_s:.3f} s | phalanx {phalanx_s:.3f} s | ratio {phalanx_s / torch_s:.2f}"
+                f" | rank 0's peak memory above its state, dcp / phalanx: {peak}"
+            )
     dist.destroy_process_group()
 
 

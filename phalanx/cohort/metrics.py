@@ -40,25 +40,15 @@ def cohort_of(module: nn.Module) -> Cohort | None:
 def resolve_loggers(loggers: Any) -> list[Logger]:
     """``Cohort(loggers=...)``: None, one phalanx Logger, or a list or tuple of them."""
     # Lazy for import time: `from phalanx import Cohort` does not load phalanx.loggers.
-    from phalanx.loggers.logger import Logger
+    from phalanx.loggers.logger import logger_list
 
     if loggers is None:
         return []
-    listed = isinstance(loggers, (list, tuple))
-    items = list(loggers) if listed else [loggers]
-    for index, item in enumerate(items):
-        name = f"loggers[{index}]" if listed else "loggers"
-        if isinstance(item, type) and issubclass(item, Logger):
-            raise TypeError(
-                f"Cohort({name}={item.__qualname__}) is a class; pass an instance, e.g."
-                f" {item.__qualname__}(save_dir=...)."
-            )
-        if not isinstance(item, Logger):
-            raise TypeError(
-                f"Cohort({name}=...) got {type(item).__name__}; pass None, a phalanx Logger (e.g."
-                " phalanx.loggers.CSVLogger(save_dir=...)) or a list of them."
-            )
-    return items
+    return logger_list(
+        loggers,
+        argument="Cohort(loggers",
+        choices="None, a phalanx Logger (e.g. phalanx.loggers.CSVLogger(save_dir=...)) or a list of them",
+    )
 
 
 def check_metrics(metrics: Any, step: Any, caller: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any
 
+from phalanx.utilities.messages import shown
 from phalanx.utilities.rank_zero import rank_zero_only
 
 _VERSION_DIR = re.compile(r"^version_(\d+)$")
@@ -255,3 +256,23 @@ class _DirectoryLogger(Logger):
     def _prefixed(self, key: str) -> str:
         """Apply the logger's prefix to a metric key."""
         return f"{self._prefix}-{key}" if self._prefix else key
+
+
+def logger_list(value: Any, *, argument: str, choices: str) -> list[Logger]:
+    """``value`` (one Logger, or a list or tuple of them) as a list; a class or anything else is refused by name.
+
+    ``argument`` is how the messages name what was passed (``logger`` for the Trainer, ``Cohort(loggers`` ...); the
+    caller handles its own shortcuts (True, False, None) before, and names them in ``choices``.
+    """
+    listed = isinstance(value, (list, tuple))
+    items = list(value) if listed else [value]
+    for index, item in enumerate(items):
+        name = f"{argument}[{index}]" if listed else argument
+        if isinstance(item, type) and issubclass(item, Logger):
+            raise TypeError(
+                f"{name}={item.__qualname__} is a class, not an instance; pass an instance, e.g."
+                f" {item.__qualname__}(save_dir=...)."
+            )
+        if not isinstance(item, Logger):
+            raise TypeError(f"{name}={shown(item)} (of type {type(item).__name__}) is not a Logger; pass {choices}.")
+    return items

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
 from phalanx.callbacks.callback import Callback
 from phalanx.loggers import CSVLogger, Logger
-from phalanx.loggers.logger import _DirectoryLogger
+from phalanx.loggers.logger import _DirectoryLogger, logger_list
 from phalanx.utilities.messages import reject_class, shown
 
 if TYPE_CHECKING:
@@ -22,17 +22,11 @@ def build_loggers(logger: Any, *, default_root_dir: str) -> list[Logger]:
         return [CSVLogger(save_dir=default_root_dir, name="logs")]
     if logger is False:
         return []
-    listed = isinstance(logger, (list, tuple))
-    items = list(logger) if listed else [logger]
-    for index, item in enumerate(items):
-        name = f"logger[{index}]" if listed else "logger"
-        reject_class(name, item, Logger, "")
-        if not isinstance(item, Logger):
-            raise TypeError(
-                f"{name}={shown(item)} (of type {type(item).__name__}) is not valid; pass True, False, a Logger"
-                " instance (e.g. CSVLogger(save_dir=...)) or a list of them."
-            )
-    return items
+    return logger_list(
+        logger,
+        argument="logger",
+        choices="True, False, a Logger instance (e.g. CSVLogger(save_dir=...)) or a list of them",
+    )
 
 
 def agree_on_log_versions(trainer: Trainer) -> None:

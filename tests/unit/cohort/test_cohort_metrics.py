@@ -126,10 +126,10 @@ def test_a_copy_of_a_set_up_module_carries_no_cohort():
 @pytest.mark.parametrize(
     ("loggers", "match"),
     [
-        (True, "got bool; pass None, a phalanx Logger"),
-        ("csv", "got str"),
-        (CSVLogger, r"is a class; pass an instance, e\.g\. CSVLogger\(save_dir=\.\.\.\)"),
-        ([Recorder(), object()], r"loggers\[1\]=\.\.\.\) got object"),
+        (True, r"Cohort\(loggers=True \(of type bool\) is not a Logger; pass None, a phalanx Logger"),
+        ("csv", "of type str"),
+        (CSVLogger, r"is a class, not an instance; pass an instance, e\.g\. CSVLogger\(save_dir=\.\.\.\)"),
+        ([Recorder(), object()], r"loggers\[1\]=.* \(of type object\) is not a Logger"),
     ],
 )
 def test_bad_loggers_are_refused(loggers, match):

@@ -35,7 +35,8 @@ BAD_ARGUMENTS = [
     ("plugins", [TorchCheckpointIO], TypeError, "plugins[0]=TorchCheckpointIO is a class"),
     ("callbacks", EarlyStopping, TypeError, "pass an instance, e.g. EarlyStopping()"),
     ("callbacks", [ModelCheckpoint], TypeError, "callbacks[0]=ModelCheckpoint is a class"),
-    ("logger", CSVLogger, TypeError, "pass an instance, e.g. CSVLogger()"),
+    ("logger", CSVLogger, TypeError, "pass an instance, e.g. CSVLogger(save_dir=...)"),
+    ("logger", "csv", TypeError, "logger='csv' (of type str) is not a Logger; pass True, False, a Logger instance"),
     ("logger", [CSVLogger], TypeError, "logger[0]=CSVLogger is a class"),
     ("preemption", Preemption, TypeError, "pass an instance, e.g. Preemption()"),
     # wrong types and values, with the choices
