@@ -243,7 +243,14 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 configure_model()
         strategy.connect(module)
         compiler = compiler_for(self._compile, compiled_with, "Cohort")
-        strategy.setup(RunSettings(stage="fit", configure_optimizers=make_optimizers, compile=compiler))
+        strategy.setup(
+            RunSettings(
+                stage="fit",
+                configure_optimizers=make_optimizers,
+                compile=compiler,
+                optimizers_given=make_optimizers is not None,
+            )
+        )
         reason = slip_reason(strategy)
         self._module = CohortModule(strategy, BackwardGuard(reason) if reason is not None else None)
 

@@ -39,6 +39,9 @@ class RunSettings:
     before_optimizer_step: BeforeOptimizerStep | None = None
     #: Compiles the module's repeated blocks (or the whole module) in ``Strategy.compile_module``; None: eager.
     compile: Compiler | None = None
+    #: The optimizers are the caller's own objects (the Cohort's ``setup(module, optimizer)``), not made by a hook: a
+    #: strategy whose configuration would build other optimizers refuses, rather than train without the ones given.
+    optimizers_given: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:

@@ -84,6 +84,12 @@ def engine_optimizer(
 ) -> tuple[Any, list[LRSchedulerConfig]]:
     """The optimizer (None: the config names one) and LR scheduler configs to build the training engine with."""
     if "optimizer" in config:
+        if settings.optimizers_given:
+            raise ValueError(
+                "An optimizer was passed, and the DeepSpeed config has an 'optimizer' section too: DeepSpeed would"
+                " train with the config's optimizer and the one passed would never step. Remove the 'optimizer' section"
+                " from the config (its 'scheduler' section may stay), so that the optimizer passed trains the model."
+            )
         if overrides(module, "configure_optimizers"):
             rank_zero_info(
                 "DeepSpeed: the optimizer (and scheduler) of the DeepSpeed config are used; "

@@ -3,6 +3,7 @@ strategy needs both (DeepSpeed)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,14 +13,14 @@ from torch import nn
 import phalanx
 from phalanx.cohort import CohortModule
 from phalanx.strategies import SingleDeviceStrategy
+from phalanx.strategies.traits import StrategyTraits
 
 
 class _OneEngineStrategy(SingleDeviceStrategy):
     """Like DeepSpeed: sets up the module together with its optimizers."""
 
-    @property
-    def wraps_module_with_optimizers(self) -> bool:
-        return True
+    def declare_traits(self) -> StrategyTraits:
+        return replace(super().declare_traits(), wraps_module_with_optimizers=True)
 
 
 class _ElsewhereStrategy(SingleDeviceStrategy):
@@ -82,3 +83,38 @@ def test_move_to_device_takes_true_or_false(value):
     cohort = phalanx.Cohort(accelerator="cpu", strategy="single_device")
     with pytest.raises(TypeError, match=rf"Cohort.setup\(move_to_device={value!r}\) must be True or False"):
         cohort.setup(nn.Linear(2, 1), move_to_device=value)
+
+
+def _deepspeed_with(sections: dict[str, Any]) -> Any:
+    pytest.importorskip("deepspeed")
+    from phalanx.strategies import DeepSpeedStrategy
+
+    config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1, **sections}
+    return DeepSpeedStrategy(config=config, parallel_devices=[torch.device("cpu")])
+
+
+ADAM_SECTION = {"optimizer": {"type": "Adam", "params": {"lr": 0.5, "torch_adam": True}}}
+STEP_SCHEDULER = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_num_steps": 2}}}
+
+
+@pytest.mark.parametrize(
+    ("sections", "refused"),
+    [(ADAM_SECTION, True), ({**ADAM_SECTION, **STEP_SCHEDULER}, True), (STEP_SCHEDULER, False), ({}, False)],
+    ids=["optimizer section", "optimizer and scheduler sections", "scheduler section", "neither"],
+)
+def test_an_optimizer_passed_with_a_deepspeed_config_that_names_one_is_refused_not_dropped(sections, refused):
+    """DeepSpeed would build the config's optimizer and never step the one a Fabric user passed."""
+    cohort = phalanx.Cohort(accelerator="cpu", strategy=_deepspeed_with(sections))
+    cohort.launch()  # one process: a process group of one, in this process
+    module = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    if refused:
+        with pytest.raises(ValueError, match="the DeepSpeed config has an 'optimizer' section too") as error:
+            cohort.setup(module, optimizer)
+        assert "Remove the 'optimizer' section from the config" in str(error.value)
+        return
+    model, wrapped = cohort.setup(module, optimizer)
+    before = module.weight.detach().clone()
+    cohort.backward(model(torch.ones(1, 2)).sum())
+    wrapped.step()
+    assert not torch.equal(module.weight.detach(), before)  # the optimizer passed stepped the weights
