@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     print(f"{args.mib} MiB model, 2 ranks, {os.cpu_count()} CPUs, load average {os.getloadavg()}")
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as directory:
         import torch.multiprocessing as mp
 
         port = 29500 + os.getpid() % 1000
