@@ -5,6 +5,7 @@ one that blocks is killed instead of hanging the suite.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import resource
@@ -56,6 +57,10 @@ def run_bounded(function: Callable[[], Any], *, headroom: int = HEADROOM, second
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
+        # Objects inherited from the parent (process groups, engines, compiled kernels of earlier tests) may hold
+        # state of threads that did not survive the fork: the child's garbage collector must never finalise them (CI
+        # saw a segfault "Garbage-collecting" here after an earlier test had left a DeepSpeed engine behind).
+        gc.freeze()
         os.close(read_end)
         try:
             resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
