@@ -23,3 +23,14 @@ def _restore_torch_globals():
             os.environ[name] = value
     torch.set_default_dtype(dtype)
     torch.use_deterministic_algorithms(deterministic)
+    _refuse_a_leftover_process_group()
+
+
+def _refuse_a_leftover_process_group() -> None:
+    # A process group left initialised makes every later in-process test that starts one fail far from the cause
+    # ("trying to initialize the default process group twice"), and a forked child inherits its threads' state: the
+    # test that left it fails here instead, and the group is destroyed so that the next tests start clean.
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
+        pytest.fail("this test left a torch.distributed process group initialised; destroy it (strategy.teardown())")
