@@ -9,7 +9,7 @@ import re
 from abc import ABC, abstractmethod
 from typing import Any
 
-from phalanx.utilities.messages import shown
+from phalanx.utilities.messages import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_only
 
 _VERSION_DIR = re.compile(r"^version_(\d+)$")
@@ -268,11 +268,7 @@ def logger_list(value: Any, *, argument: str, choices: str) -> list[Logger]:
     items = list(value) if listed else [value]
     for index, item in enumerate(items):
         name = f"{argument}[{index}]" if listed else argument
-        if isinstance(item, type) and issubclass(item, Logger):
-            raise TypeError(
-                f"{name}={item.__qualname__} is a class, not an instance; pass an instance, e.g."
-                f" {item.__qualname__}(save_dir=...)."
-            )
+        reject_class(name, item, Logger, "", arguments="save_dir=...")
         if not isinstance(item, Logger):
             raise TypeError(f"{name}={shown(item)} (of type {type(item).__name__}) is not a Logger; pass {choices}.")
     return items

@@ -8,8 +8,7 @@ from typing import Any, Callable
 from phalanx.plugins.io.async_directory import checkpoint_group, finish_in_background, start_sharded_write
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
 from phalanx.plugins.io.collectives import Collectives
-from phalanx.plugins.io.formats.dcp import split_checkpoint
-from phalanx.plugins.io.sharded_io import write_meta
+from phalanx.plugins.io.formats.dcp import split_checkpoint, write_meta
 from phalanx.plugins.io.staging import StagedAlready, StagingBuffers
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.apply import apply_to_tensors

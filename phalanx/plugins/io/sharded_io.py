@@ -19,10 +19,9 @@ from typing import Any
 
 from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, staging_directory
-from phalanx.plugins.io.formats import dcp as dc
-from phalanx.plugins.io.formats.dcp import load_into, save_sharded, split_checkpoint
+from phalanx.plugins.io.formats.dcp import load_into, save_sharded, split_checkpoint, write_meta
 from phalanx.plugins.io.formats.layout import checkpoint_layout
-from phalanx.plugins.io.serialization import _fsspec_filesystem, discard, is_url, save_into
+from phalanx.plugins.io.serialization import _fsspec_filesystem, discard, is_url
 from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
@@ -103,12 +102,6 @@ def storage_writer(staging: Any, storage_options: Any | None = None) -> Any:
 
         return FsspecWriter(str(staging), **(storage_options or {}))
     return dcp.FileSystemWriter(staging)
-
-
-def write_meta(staging: Any, meta: dict[str, Any], metadata: Any) -> None:
-    """Write the plain part of a sharded checkpoint (rank 0), with the id DCP gave the save."""
-    meta[dc._SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-    save_into(meta, _join(str(staging), dc.META_FILE) if is_url(staging) else Path(staging) / dc.META_FILE)
 
 
 def save_sharded_checkpoint(

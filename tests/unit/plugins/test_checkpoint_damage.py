@@ -169,7 +169,7 @@ def test_a_save_that_runs_out_of_space_names_the_directory_and_keeps_the_previou
         import phalanx.plugins.io.formats.dcp as module
 
         def full(meta: dict, path: Path) -> None:  # the meta file's streamed write fills the disk part-way
-            path.write_bytes(b"PK\x03\x04 part")
+            Path(path).write_bytes(b"PK\x03\x04 part")
             raise _no_space(path)
 
         monkeypatch.setattr(module, "save_into", full)

@@ -81,6 +81,13 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Tensor], dic
 
 
 # ---------------------------------------------------------------------------- writing
+def write_meta(staging: Any, meta: dict[str, Any], metadata: Any) -> None:
+    """Write the plain part of a sharded checkpoint into ``staging`` (local or URL; rank 0), with the id DCP gave the
+    save, streamed into its file."""
+    meta[_SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    save_into(meta, f"{str(staging).rstrip('/')}/{META_FILE}")
+
+
 def save_sharded(
     checkpoint: dict[str, Any],
     path: str | os.PathLike,
@@ -107,8 +114,7 @@ def save_sharded(
             metadata = dcp.save(tensors, storage_writer=writer)
             raise_recorded(recorded)
             if is_global_zero:
-                meta[_SAVE_ID] = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-                save_into(meta, staging / META_FILE)
+                write_meta(staging, meta, metadata)
         except CheckpointError:
             raise
         except BaseException as error:
