@@ -41,7 +41,7 @@ from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
-from phalanx.utilities.compile import Compiler, check_compile, compiler_for, unwrap_compiled
+from phalanx.utilities.compile import Compiler, check_compile, compiler_for, split_unit, unwrap_compiled
 from phalanx.utilities.seed import restore_rng_states
 
 _T = TypeVar("_T")
@@ -248,6 +248,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 stage="fit",
                 configure_optimizers=make_optimizers,
                 compile=compiler,
+                compile_unit=None if self._compile is None else split_unit(self._compile)[1],
                 optimizers_given=make_optimizers is not None,
             )
         )

@@ -27,8 +27,9 @@ from phalanx.strategies.forward_redirection import evaluation_grad_mode, redirec
 from phalanx.strategies.settings import RunSettings, check_run_settings
 from phalanx.strategies.traits import StrategyTraits, legacy_trait_overrides
 from phalanx.utilities.apply import move_to_device
-from phalanx.utilities.compile import compile_in_place
+from phalanx.utilities.compile import CompileUnit, compile_in_place, describe_targets
 from phalanx.utilities.init import empty_init_context
+from phalanx.utilities.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from phalanx.strategies.contract_types import Launcher, PathLike, ProcessGroup, Registry, TrainingModule
@@ -48,6 +49,9 @@ class Strategy(ABC):
     family: ClassVar[str | None] = None
     #: Whether the strategy runs several processes that communicate (refused where ``Accelerator.max_processes`` is 1).
     multi_process: ClassVar[bool] = False
+    #: What ``compile_module`` compiles unless ``compile={"unit": ...}`` says: "model" (the module holding the repeated
+    #: blocks, as users compile it by hand) where nothing needs the block boundaries; docs/compile.md has the figures.
+    default_compile_unit: ClassVar[CompileUnit] = "model"
 
     def __init__(
         self,
@@ -269,9 +273,14 @@ class Strategy(ABC):
         return self.precision_plugin.convert_module(module)
 
     def compile_module(self, module: nn.Module, settings: RunSettings) -> None:
-        """Step 1b, after activation checkpointing and before wrapping: compile in place with ``settings.compile``."""
-        if settings.compile is not None:
-            compile_in_place(module, settings.compile)
+        """Step 1b, after activation checkpointing and before wrapping: compile in place with ``settings.compile``, the
+        unit ``settings.compile_unit`` or else this strategy's ``default_compile_unit``."""
+        if settings.compile is None:
+            return
+        unit = settings.compile_unit or self.default_compile_unit
+        targets = compile_in_place(module, settings.compile, unit)
+        chosen = "compile={'unit': ...}" if settings.compile_unit else f"{type(self).__name__}'s default"
+        rank_zero_info(describe_targets(module, targets, unit, chosen))
 
     def place_module(self, settings: RunSettings) -> None:
         """Step 2: put the module on its device (``model_to_device`` by default)."""

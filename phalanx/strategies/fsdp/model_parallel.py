@@ -36,6 +36,8 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     directories by default (``save_distributed_checkpoint=False`` writes one whole file).
     """
 
+    # Each block: configure_model's fully_shard and tensor-parallel hooks sit at block boundaries (as for FSDPStrategy).
+    default_compile_unit = "blocks"
     step_collectives = {
         "forward": "tensor-parallel and FSDP collectives (forward)",
         "backward": "tensor-parallel and FSDP collectives (backward)",

@@ -75,6 +75,9 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     """Fully sharded data parallelism (ZeRO-3 by default) on torch's FSDP2, on CUDA or on the CPU."""
 
     precision_plugin_type = FSDPPrecision
+    # Each block: fully_shard's all-gather and reduce-scatter hooks sit at block boundaries and run eagerly around the
+    # compiled blocks, as torchtitan does (a whole-model graph would have to trace through them).
+    default_compile_unit = "blocks"
     step_collectives = {
         "forward": "FSDP parameter all-gather (forward)",
         "backward": "FSDP parameter all-gather and gradient reduce-scatter (backward)",

@@ -14,6 +14,7 @@ from phalanx.trainer.loops.dataloader_idx import check_dataloader_idx_signatures
 from phalanx.trainer.loops.fit_data import reload_val_data_if_due
 from phalanx.trainer.state import RunningStage
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.compile import running_eagerly
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -158,7 +159,10 @@ def sanity_check(trainer: Trainer) -> None:
     trainer.state.stage = RunningStage.SANITY_CHECKING
     trainer._run.results = trainer._eval_results
     trainer._hooks.call("on_sanity_check_start")
-    run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
+    # Eagerly: compiled first here, dynamo would compare the training batches' sizes with these and compile training
+    # with dynamic sizes where they differ; a hand-written loop compiles for training first (issue 37).
+    with running_eagerly():
+        run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
     trainer._hooks.call("on_sanity_check_end")
     # The sanity check only proves the validation code runs: its numbers must not reach callbacks or loggers.
     trainer._metrics.reset()
