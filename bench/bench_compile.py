@@ -151,7 +151,9 @@ def verdicts(best: dict[str, float]) -> list[str]:
     for run, eager in (("phalanx_compiled", "phalanx"), ("ddp_compiled", "ddp")):
         if run in best and loops:
             ratio = best[run] / min(loops)
-            lines.append(f"{run} / faster compiled loop: {ratio:.3f} (target <= 1.02: {'met' if ratio <= 1.02 else 'missed'})")
+            lines.append(
+                f"{run} / faster compiled loop: {ratio:.3f} (target <= 1.02: {'met' if ratio <= 1.02 else 'missed'})"
+            )
         if run in best and eager in best:
             ratio = best[run] / best[eager]
             lines.append(f"{run} / {eager}: {ratio:.3f} (target <= 1.00: {'met' if ratio <= 1.0 else 'missed'})")

@@ -62,10 +62,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(CONTEXT, WIDTH)
-        self.h = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.h = nn.ModuleList(Block() for _ in range(layers))
         self.ln_f = nn.LayerNorm(WIDTH)
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
 
@@ -83,11 +83,15 @@ def next_token_loss(gpt: nn.Module, batch: Any) -> torch.Tensor:
 
 
 class GPTModule(phalanx.TrainingModule):
-    """The GPT as an attribute (``self.gpt``), called by the steps: the TrainingModule's own forward never runs."""
+    """The GPT as an attribute (``self.gpt``), called by the steps: the TrainingModule's own forward never runs.
 
-    def __init__(self) -> None:
+    ``layers`` below 12 where the whole GPT is compiled: its graph grows with every block (tracing 12 takes minutes on
+    a loaded 2-core machine), and the count matters only where blocks share one compiled code object.
+    """
+
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
-        self.gpt = GPT()
+        self.gpt = GPT(layers)
 
     def configure_model(self) -> None:
         mesh = self.device_mesh  # model_parallel: shard each block, then the root, over the data-parallel ranks
