@@ -38,8 +38,10 @@ STRATEGIES = [
     pytest.param("deepspeed_stage_2", marks=needs_deepspeed),
     pytest.param("deepspeed_stage_3", marks=needs_deepspeed),
 ]
-#: bfloat16 autocast rounds differently in fused kernels: the updates agree to a few percent, not bitwise.
-RELATIVE_UPDATE_ERROR = 0.05
+#: bfloat16 autocast rounds differently in fused kernels: the updates agree to a few percent, not bitwise (0.3% to
+#: 0.6% on the CPU with inductor). DeepSpeed keeps the weights themselves in bfloat16, rounded again after every step
+#: (about 0.4% of each weight, a large part of a 6-step update): 3.8% on the CPU.
+RELATIVE_UPDATE_ERROR = {"deepspeed_stage_2": 0.15, "deepspeed_stage_3": 0.15}
 
 
 def fit(tmp_path: Path, strategy: str, devices: int, how: str) -> dict:
@@ -58,7 +60,8 @@ def check(result: dict, strategy: str) -> None:
     compiled_update = torch.cat([(compiled[key] - initial[key]).flatten() for key in initial])
     assert eager_update.norm() > 0
     error = (compiled_update - eager_update).norm() / eager_update.norm()
-    assert error < RELATIVE_UPDATE_ERROR, f"compiled and eager updates differ by {error:.3f} (relative)"
+    allowed = RELATIVE_UPDATE_ERROR.get(strategy, 0.05)
+    assert error < allowed, f"compiled and eager updates differ by {error:.3f} (relative; {allowed} allowed)"
 
 
 @pytest.mark.parametrize("how", ["argument", "precompiled"])
