@@ -71,10 +71,8 @@ class RunSettings:
         ):
             raise ValueError(f"RunSettings(train_batch_size={self.train_batch_size!r}) must be a positive int or None.")
         if self.compile_unit is not None and self.compile_unit not in COMPILE_UNITS:
-            raise ValueError(
-                f"RunSettings(compile_unit={self.compile_unit!r}) is not valid; choose one of {list(COMPILE_UNITS)}"
-                " or None."
-            )
+            units = [*COMPILE_UNITS, None]
+            raise ValueError(f"RunSettings(compile_unit={self.compile_unit!r}) is not valid; choose one of {units}.")
         for name in ("configure_optimizers", "before_optimizer_step", "compile"):
             value = getattr(self, name)
             if value is not None and not callable(value):

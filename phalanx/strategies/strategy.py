@@ -273,8 +273,7 @@ class Strategy(ABC):
         return self.precision_plugin.convert_module(module)
 
     def compile_module(self, module: nn.Module, settings: RunSettings) -> None:
-        """Step 1b, after activation checkpointing and before wrapping: compile in place with ``settings.compile``, the
-        unit ``settings.compile_unit`` or else this strategy's ``default_compile_unit``."""
+        """Step 1b, before wrapping: compile ``settings.compile_unit`` (else ``default_compile_unit``) in place."""
         if settings.compile is None:
             return
         unit = settings.compile_unit or self.default_compile_unit
