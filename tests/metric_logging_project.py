@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, TensorDataset
 TRAIN, VAL, TEST, BATCH, EPOCHS = 44, 28, 20, 8, 2
 CLASSES = 3
 
-# What each case logs, per hook: (what, name, options). "f1", "acc", "mean": forward the Metric on the batch, then
-# self.log(name, metric); "collection": forward a MetricCollection, then self.log_dict(collection); "f1_update":
-# update() only (no forward value); "f1_again": log the f1 Metric already updated under another name. In the
-# "*_epoch_end" hooks the Metric is logged as it is, Lightning's documented pattern.
+# What each case logs, per hook: (what, name, options). "f1", "acc", "mean", "sum": forward the Metric on the batch,
+# then self.log(name, metric); "collection": forward a MetricCollection, then self.log_dict(collection); "f1_update":
+# update() only (no forward value; options None: not logged); "f1_again": log the f1 Metric already updated under
+# another name. In the "*_epoch_end" hooks the Metric is logged as it is, Lightning's documented pattern.
 CASES: dict[str, dict[str, list[tuple[str, str, dict[str, Any]]]]] = {
     "train_step": {"train": [("f1", "train_f1", {}), ("acc", "train_acc", {"prog_bar": True})]},
     "train_epoch": {"train": [("f1", "train_f1", {"on_step": False, "on_epoch": True})]},
@@ -46,9 +46,23 @@ CASES: dict[str, dict[str, list[tuple[str, str, dict[str, Any]]]]] = {
     "update_only": {"train": [("f1_update", "train_f1", {"on_step": True, "on_epoch": True})]},
     "val_epoch_end": {"val": [("f1_update", "unlogged", None)], "val_epoch_end": [("f1", "val_f1", {})]},
     "test": {"test": [("f1", "test_f1", {}), ("acc", "test_acc", {"on_step": True, "on_epoch": True})]},
+    # The processes' case: most of the above at once.
+    "distributed": {
+        "train": [
+            ("f1", "train_f1", {"on_step": True, "on_epoch": True}),
+            ("sum", "train_sum", {"on_step": False, "on_epoch": True}),
+        ],
+        "val": [
+            ("f1", "val_f1", {"prog_bar": True}),
+            ("mean", "val_mean", {"sync_dist": True}),
+            ("sum", "val_sum", {}),
+            ("collection", "", {}),
+        ],
+        "test": [("f1", "test_f1", {}), ("acc", "test_acc", {"on_step": True, "on_epoch": True})],
+    },
 }
 #: Cases validated on two dataloaders; the others on one.
-TWO_LOADERS = {"val_two_loaders", "collections"}
+TWO_LOADERS = {"val_two_loaders", "collections", "distributed"}
 STAGES = ("train", "val", "test")
 
 
@@ -78,7 +92,7 @@ def testing_data() -> TensorDataset:
 
 def _bundle(prefix: str) -> nn.ModuleDict:
     # Lazy: the module is built only where torchmetrics is installed (the tests skip otherwise).
-    from torchmetrics import MeanMetric, MetricCollection
+    from torchmetrics import MeanMetric, MetricCollection, SumMetric
     from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
 
     collection = MetricCollection(
@@ -89,6 +103,7 @@ def _bundle(prefix: str) -> nn.ModuleDict:
             "f1": BinaryF1Score(),
             "acc": MulticlassAccuracy(num_classes=CLASSES),
             "mean": MeanMetric(),
+            "sum": SumMetric(),
             "collection": collection,
         }
     )
@@ -98,7 +113,7 @@ def _inputs(what: str, batch: Any) -> tuple[Any, ...]:
     _, _, score, target, logits, classes = batch
     if what in ("acc", "collection"):
         return logits, classes
-    if what == "mean":
+    if what in ("mean", "sum"):
         return (score,)
     return score, target
 
@@ -145,6 +160,17 @@ class MetricLoggingBody:
 
     def on_validation_epoch_end(self) -> None:
         self._log("val_epoch_end")
+
+    def configure_model(self) -> None:
+        # Under model_parallel (2 processes: tensor parallel 2) the layer is split across them; elsewhere a no-op.
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+            return
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+        if not isinstance(self.layer.weight, DTensor):
+            parallelize_module(self.layer, mesh["tensor_parallel"], RowwiseParallel(input_layouts=Replicate()))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.05)
