@@ -4,7 +4,7 @@ and what a run leaves behind: the CSV logger's points and the Trainer's metric d
 Used in-process by tests/unit/trainer/logging/test_metric_objects.py (one device) and as a script by
 tests/distributed/test_metric_objects_processes.py: ``python metric_logging_project.py FRAMEWORK STRATEGY DEVICES CASE
 ROOT`` writes ROOT/summary.json from the process that called fit on global rank 0 (the main process under a spawn
-launcher).
+launcher); ``python metric_logging_project.py cohort ddp 2 cohort ROOT`` runs the Cohort loop of run_cohort instead.
 
 The metrics score predictions that are part of the data, not the model's outputs: every framework and strategy must
 log the same numbers, and each epoch value can be checked against torchmetrics over the whole epoch's data.
@@ -46,6 +46,8 @@ CASES: dict[str, dict[str, list[tuple[str, str, dict[str, Any]]]]] = {
     "update_only": {"train": [("f1_update", "train_f1", {"on_step": True, "on_epoch": True})]},
     "val_epoch_end": {"val": [("f1_update", "unlogged", None)], "val_epoch_end": [("f1", "val_f1", {})]},
     "test": {"test": [("f1", "test_f1", {}), ("acc", "test_acc", {"on_step": True, "on_epoch": True})]},
+    # Under a Cohort (run_cohort): each self.log writes the Metric's compute() so far.
+    "cohort": {"train": [("f1", "train_f1", {}), ("sum", "train_sum", {}), ("collection", "", {})]},
     # The processes' case: most of the above at once.
     "distributed": {
         "train": [
@@ -267,12 +269,37 @@ def run(
         "test": [_floats(results) for results in test],
         "test_callback": _floats(trainer.callback_metrics),
         "global_rank": trainer.global_rank,
-        "points": csv_points(root) if trainer.global_rank == 0 and not strategy.endswith("spawn") else None,
+        "points": csv_points(root) if trainer.global_rank == 0 else None,
     }
+
+
+def run_cohort(root: Path) -> dict:
+    """The "cohort" case's training_step in a Cohort loop on 2 processes (ddp), then the loop's own cohort.log of the
+    Metric and log_dict of the MetricCollection; what global rank 0's CSV logger wrote."""
+    import phalanx
+    from phalanx.loggers import CSVLogger
+
+    cohort = phalanx.Cohort(accelerator="cpu", strategy="ddp", devices=2, loggers=CSVLogger(root, name="csv"))
+    cohort.launch()
+    module = module_class("phalanx")("cohort")
+    model, optimizer = cohort.setup(module, torch.optim.SGD(module.parameters(), lr=0.05))
+    for index, batch in enumerate(cohort.setup_dataloaders(DataLoader(train_data(), batch_size=BATCH))):
+        optimizer.zero_grad()
+        cohort.backward(model.training_step(batch, index))
+        optimizer.step()
+    bundle = module.metrics["train_metrics"][0]
+    cohort.log("epoch_f1", bundle["f1"])
+    cohort.log_dict(bundle["collection"])
+    for logger in cohort.loggers:
+        logger.finalize("success")
+    return {"global_rank": cohort.global_rank, "points": csv_points(root) if cohort.is_global_zero else None}
 
 
 if __name__ == "__main__":
     framework, strategy, devices, case, out = sys.argv[1:]
-    summary = run(framework, case, Path(out), strategy=strategy, devices=int(devices))
+    if framework == "cohort":
+        summary = run_cohort(Path(out))
+    else:
+        summary = run(framework, case, Path(out), strategy=strategy, devices=int(devices))
     if summary["global_rank"] == 0:
         (Path(out) / "summary.json").write_text(json.dumps(summary))
