@@ -255,7 +255,10 @@ def run(
         )
     trainer = trainer_class(**options)
     val = [DataLoader(val_data(index), batch_size=BATCH) for index in range(2 if case in TWO_LOADERS else 1)]
-    trainer.fit(model, DataLoader(train_data(), batch_size=BATCH), val if len(val) > 1 else val[0])
+    # Lightning shuffles the training data under a distributed sampler even when the loader does not; phalanx keeps
+    # the loader's choice: with several processes both shuffle (DistributedSampler, seed 0), on one neither does.
+    train = DataLoader(train_data(), batch_size=BATCH, shuffle=devices > 1)
+    trainer.fit(model, train, val if len(val) > 1 else val[0])
     after_fit = {
         "callback": _floats(trainer.callback_metrics),
         "logged": _floats(trainer.logged_metrics),
