@@ -26,9 +26,10 @@ TRAIN, VAL, TEST, BATCH, EPOCHS = 44, 28, 20, 8, 2
 CLASSES = 3
 
 # What each case logs, per hook: (what, name, options). "f1", "acc", "mean", "sum": forward the Metric on the batch,
-# then self.log(name, metric); "collection": forward a MetricCollection, then self.log_dict(collection); "f1_update":
-# update() only (no forward value; options None: not logged); "f1_again": log the f1 Metric already updated under
-# another name. In the "*_epoch_end" hooks the Metric is logged as it is, Lightning's documented pattern.
+# then self.log(name, metric); "collection": forward a MetricCollection, then self.log_dict(collection); "f1_update"
+# and "sum_update": update() only (no forward value; options None: not logged; under ddp_spawn an update in place is
+# what would land in memory the processes share); "f1_again": log the f1 Metric already updated under another name.
+# In the "*_epoch_end" hooks the Metric is logged as it is, Lightning's documented pattern.
 CASES: dict[str, dict[str, list[tuple[str, str, dict[str, Any]]]]] = {
     "train_step": {"train": [("f1", "train_f1", {}), ("acc", "train_acc", {"prog_bar": True})]},
     "train_epoch": {"train": [("f1", "train_f1", {"on_step": False, "on_epoch": True})]},
@@ -52,12 +53,12 @@ CASES: dict[str, dict[str, list[tuple[str, str, dict[str, Any]]]]] = {
     "distributed": {
         "train": [
             ("f1", "train_f1", {"on_step": True, "on_epoch": True}),
-            ("sum", "train_sum", {"on_step": False, "on_epoch": True}),
+            ("sum_update", "train_sum", {"on_step": False, "on_epoch": True}),
         ],
         "val": [
             ("f1", "val_f1", {"prog_bar": True}),
             ("mean", "val_mean", {"sync_dist": True}),
-            ("sum", "val_sum", {}),
+            ("sum_update", "val_sum", {}),
             ("collection", "", {}),
         ],
         "test": [("f1", "test_f1", {}), ("acc", "test_acc", {"on_step": True, "on_epoch": True})],
@@ -113,6 +114,7 @@ def _bundle(prefix: str) -> nn.ModuleDict:
 
 def _inputs(what: str, batch: Any) -> tuple[Any, ...]:
     _, _, score, target, logits, classes = batch
+    what = what.removesuffix("_update")
     if what in ("acc", "collection"):
         return logits, classes
     if what in ("mean", "sum"):

@@ -42,7 +42,7 @@ SHARDED = {"ddp", "fsdp", "deepspeed_stage_2", "ddp_spawn"}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(framework, strategy) -> rank 0's summary, each run once on first use."""
+    """(framework, strategy) -> rank 0's summary (with "stderr": the job's), each run once on first use."""
     done: dict[tuple[str, str], dict] = {}
 
     def get(framework: str, strategy: str) -> dict:
@@ -62,8 +62,9 @@ def runs(tmp_path_factory):
                 framework if framework == "cohort" else "distributed",
                 str(out),
             ]
-            assert_ok(run(command, env=clean_environment(DS_ACCELERATOR="cpu"), timeout=500, cwd=out))
-            done[(framework, strategy)] = json.loads((out / "summary.json").read_text())
+            job = run(command, env=clean_environment(DS_ACCELERATOR="cpu"), timeout=500, cwd=out)
+            assert_ok(job)
+            done[(framework, strategy)] = {**json.loads((out / "summary.json").read_text()), "stderr": job.stderr}
         return done[(framework, strategy)]
 
     return get
@@ -89,6 +90,11 @@ def test_ddp_logs_metric_objects_as_lightning_does(runs):
     assert {name for name, _, _ in ours["points"]} > {"train_f1_step", "train_f1_epoch", "val_f1/dataloader_idx_1"}
     for key in ("fit", "test", "test_callback", "points"):
         _close(ours[key], theirs[key], key)
+
+
+def test_no_sync_dist_warning_for_a_metric_object(runs):
+    # A Metric logged without sync_dist=True is synchronised by torchmetrics: the warning for plain values is not due.
+    assert "without sync_dist=True" not in runs("phalanx", "ddp")["stderr"]
 
 
 def _references(strategy: str) -> dict[str, float]:
@@ -117,8 +123,14 @@ def _references(strategy: str) -> dict[str, float]:
 def test_epoch_values_are_compute_over_both_processes_data(runs, strategy):
     summary = runs("phalanx", strategy)
     seen = {**summary["fit"]["callback"], **summary["test_callback"]}
+    written: dict[str, list[float]] = {}
+    for name, _, value in summary["points"]:
+        written.setdefault(name, []).append(value)
     for name, expected in _references(strategy).items():
         assert seen[name] == pytest.approx(expected, rel=1e-5), name
+        # Every epoch's value, the first included (under ddp_spawn its Metrics start in the memory the workers share).
+        epochs = 1 if name.startswith("test_") else project.EPOCHS
+        assert written[name] == pytest.approx([expected] * epochs, rel=1e-5), name
     if strategy != "ddp_spawn":  # the main process's copy of the module was never trained
         assert summary["fit"]["updated"] == [], "a logged Metric was not reset at the end of its epoch or stage"
 
