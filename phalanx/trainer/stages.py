@@ -204,6 +204,7 @@ def _train(trainer: Trainer) -> None:
     for optimizer in strategy.optimizers:
         optimizer.zero_grad(set_to_none=True)
     _run_fit_loop(trainer)
+    trainer._train_results.reset()  # a torchmetrics Metric logged in training ends the run reset, as in Lightning
     trainer.state.stage = None
     trainer._hooks.call("on_train_end")
     strategy.on_train_end()

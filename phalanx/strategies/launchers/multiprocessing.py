@@ -14,6 +14,7 @@ import torch
 
 from phalanx.strategies.launchers.launcher import Launcher, WorkerState
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.metric_objects import own_metric_states
 from phalanx.utilities.seed import seed_everything
 
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -166,6 +167,7 @@ def _own_module_tensors(args: tuple) -> None:
             for tensor in [*module.parameters(), *module.buffers()]:
                 if tensor.is_shared():
                     tensor.data = tensor.data.clone()
+        own_metric_states(module)  # torchmetrics states are plain attributes: shared the same way
 
 
 def _to_bytes(payload: dict[str, Any]) -> bytes:

@@ -144,6 +144,7 @@ def run_evaluation(
             trainer._metrics.log_epoch(results)
         hooks.call(f"on_{stage}_end")
         getattr(strategy, f"on_{stage}_end")()
+    results.reset()  # the torchmetrics Metrics logged start the next run empty, as in Lightning
     return epoch_metrics
 
 
