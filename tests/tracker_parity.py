@@ -140,7 +140,11 @@ def tensorboard_hparams(folder: str | os.PathLike) -> tuple[dict[str, Any], list
     accumulator.Reload()
     params: dict[str, Any] = {}
     metrics: list[str] = []
-    for content in accumulator.PluginTagToContent("hparams").values():
+    try:
+        contents = accumulator.PluginTagToContent("hparams").values()
+    except KeyError:  # no HPARAMS entry at all
+        return params, metrics
+    for content in contents:
         data = plugin_data_pb2.HParamsPluginData.FromString(content)
         if data.HasField("session_start_info"):
             for key, value in data.session_start_info.hparams.items():
@@ -239,9 +243,13 @@ def wandb_config(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def assert_same_series(ours: dict[str, list[tuple]], theirs: dict[str, list[tuple]], what: str) -> None:
     """The same names, and for each the same steps and (to float precision) the same values."""
-    assert sorted(ours) == sorted(theirs), f"{what}: metric names differ: phalanx {sorted(ours)}, Lightning {sorted(theirs)}"
+    assert sorted(ours) == sorted(theirs), (
+        f"{what}: metric names differ: phalanx {sorted(ours)}, Lightning {sorted(theirs)}"
+    )
     for name in ours:
         steps = [point[0] for point in ours[name]], [point[0] for point in theirs[name]]
         assert steps[0] == steps[1], f"{what}: {name!r} at steps {steps[0]} (phalanx), {steps[1]} (Lightning)"
         for (step, mine), (_, other) in zip(ours[name], theirs[name]):
-            assert math.isclose(mine, other, rel_tol=1e-5, abs_tol=1e-7), f"{what}: {name!r} at {step}: {mine} != {other}"
+            assert math.isclose(mine, other, rel_tol=1e-5, abs_tol=1e-7), (
+                f"{what}: {name!r} at {step}: {mine} != {other}"
+            )

@@ -173,7 +173,7 @@ class TensorBoardLogger(_DirectoryLogger):
                 f" model.example_input_array) {what}; give a tensor or a tuple of forward()'s positional arguments."
             )
             return
-        self.experiment.add_graph(model, _to_model_device(model, input_array))
+        self.experiment.add_graph(_traceable(model), _to_model_device(model, input_array))
 
     @rank_zero_only
     def save(self) -> None:
@@ -199,6 +199,24 @@ def _tensor_type() -> type:
     import torch  # import time: `import phalanx.loggers` does not load torch
 
     return torch.Tensor
+
+
+def _traceable(model: nn.Module) -> nn.Module:
+    """A module with ``model``'s forward, children, parameters and buffers, and nothing else, named as ``model``.
+
+    Tracing asks a module for every attribute it lists, and a TrainingModule's ``trainer`` (and what reads it) raises
+    outside a stage: this stand-in traces into the same graph without being asked.
+    """
+    import torch  # import time: `import phalanx.loggers` does not load torch
+
+    def forward(self: nn.Module, *args: Any) -> Any:
+        return type(model).forward(model, *args)
+
+    stand_in = type(type(model).__name__, (torch.nn.Module,), {"forward": forward})()
+    stand_in._modules.update(model._modules)
+    stand_in._parameters.update(model._parameters)
+    stand_in._buffers.update(model._buffers)
+    return stand_in
 
 
 def _to_model_device(model: nn.Module, data: Any) -> Any:

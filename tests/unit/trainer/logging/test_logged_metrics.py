@@ -111,7 +111,7 @@ def test_reset_starts_new_dictionaries_and_keeps_pending_step_values():
         ({"lr": 0.1}, True, {"batch_size": 4}, [{"lr": 0.1, "batch_size": 4}]),
         ({"lr": 0.1}, False, {"batch_size": 4}, [{"batch_size": 4}]),
         ({"lr": 0.1}, False, None, []),
-        # As Lightning: a module without hyperparameters still logs its (empty) set, which TensorBoard's hp_metric needs.
+        # As Lightning: a module without hyperparameters logs its (empty) set, which TensorBoard's hp_metric needs.
         ({}, True, None, [{}]),
     ],
 )
