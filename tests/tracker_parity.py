@@ -90,15 +90,18 @@ def fit(
     root: str | os.PathLike,
     *,
     callbacks: Callable[[Any], list[Any]] | None = None,
+    module: Any = None,
     **options: Any,
 ) -> tuple[Any, Any]:
     """Fit the project under framework ``name`` with ``make_loggers(loggers_module)``; returns (trainer, module).
 
-    ``options`` are further Trainer arguments (``strategy``, ``devices``, ``enable_checkpointing``, ...).
+    ``module``: the project module to fit (made from seed 0 when None); ``options`` are further Trainer arguments
+    (``strategy``, ``devices``, ``enable_checkpointing``, ...).
     """
     trainer_class, base, loggers_module = framework(name)
-    torch.manual_seed(0)
-    module = project_class(base)()
+    if module is None:
+        torch.manual_seed(0)
+        module = project_class(base)()
     arguments: dict[str, Any] = dict(
         accelerator="cpu",
         devices=1,

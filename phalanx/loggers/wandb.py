@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 _MISSING_MESSAGE = "WandbLogger needs the optional `wandb` package: pip install 'phalanx[trackers]' (or 'wandb')."
 _STEP = "trainer/global_step"
 # wandb.init's keywords that WandbLogger's own arguments set.
-_OWN = {"name": "name", "project": "project", "dir": "save_dir", "id": "version"}
+_OWN = {"name", "project", "dir", "id", "anonymous"}
 
 
 def _wandb_init_keywords() -> set[str]:
@@ -94,13 +94,11 @@ class WandbLogger(Logger):
     ) -> None:
         accepted = _wandb_init_keywords()
         _check_arguments(offline, log_model, prefix, add_file_policy, version, id)
-        taken = sorted(set(kwargs) & set(_OWN))
         unknown = sorted(set(kwargs) - accepted)
-        if taken or unknown:
-            own = ", ".join(f"{key} -> {value}" for key, value in _OWN.items())
+        if unknown:
             raise TypeError(
-                f"WandbLogger got keyword arguments {taken + unknown} that it cannot pass to wandb.init: its own"
-                f" arguments set {own}; the other keywords must be wandb.init's: {sorted(accepted - set(_OWN))}."
+                f"WandbLogger got unexpected keyword arguments {unknown}: besides its own, it takes the keywords of"
+                f" wandb.init: {sorted(accepted - set(_OWN))}."
             )
         folder = dir if dir is not None else save_dir
         if dir is not None and save_dir not in (None, ".") and os.fspath(dir) != os.fspath(save_dir):
