@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import phalanx
+
 FRAMEWORKS = ("phalanx", "lightning")
 SAMPLES, FEATURES, BATCH_SIZE, EPOCHS = 32, 4, 8, 2
 LIGHTNING_MISSING = "pytorch_lightning is not importable: the Lightning half of the table cannot run"
@@ -41,14 +43,15 @@ def framework(name: str) -> tuple[Any, Any, Any]:
         import pytorch_lightning.loggers as loggers
 
         return pl.Trainer, pl.LightningModule, loggers
-    import phalanx
     import phalanx.loggers as loggers
 
     return phalanx.Trainer, phalanx.TrainingModule, loggers
 
 
 def project_class(base: type) -> type:
-    """The project module on ``base``."""
+    """The project module on ``base`` (for phalanx the module-level ``PhalanxProject``, which spawned workers load)."""
+    if base is phalanx.TrainingModule and "PhalanxProject" in globals():
+        return PhalanxProject
 
     class Project(base):  # type: ignore[misc, valid-type]
         def __init__(self, lr: float = 0.05, hidden: int = 8, note: str = "tiny") -> None:
@@ -74,6 +77,10 @@ def project_class(base: type) -> type:
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
 
     return Project
+
+
+PhalanxProject = project_class(phalanx.TrainingModule)
+PhalanxProject.__qualname__ = PhalanxProject.__name__ = "PhalanxProject"
 
 
 def loaders() -> tuple[DataLoader, DataLoader]:
