@@ -83,12 +83,14 @@ PhalanxProject = project_class(phalanx.TrainingModule)
 PhalanxProject.__qualname__ = PhalanxProject.__name__ = "PhalanxProject"
 
 
-def loaders() -> tuple[DataLoader, DataLoader]:
+def loaders(shuffle: bool = False) -> tuple[DataLoader, DataLoader]:
+    """Training and validation loaders. On several processes both frameworks give a shuffled training loader
+    ``DistributedSampler(shuffle=True, seed=0)``; an unshuffled one only phalanx keeps in order."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLES, FEATURES, generator=generator)
     y = x.sum(dim=1, keepdim=True)
     data = TensorDataset(x, y)
-    return DataLoader(data, batch_size=BATCH_SIZE), DataLoader(data, batch_size=BATCH_SIZE)
+    return DataLoader(data, batch_size=BATCH_SIZE, shuffle=shuffle), DataLoader(data, batch_size=BATCH_SIZE)
 
 
 def fit(
@@ -98,12 +100,13 @@ def fit(
     *,
     callbacks: Callable[[Any], list[Any]] | None = None,
     module: Any = None,
+    shuffle: bool = False,
     **options: Any,
 ) -> tuple[Any, Any]:
     """Fit the project under framework ``name`` with ``make_loggers(loggers_module)``; returns (trainer, module).
 
-    ``module``: the project module to fit (made from seed 0 when None); ``options`` are further Trainer arguments
-    (``strategy``, ``devices``, ``enable_checkpointing``, ...).
+    ``module``: the project module to fit (made from seed 0 when None); ``shuffle``: shuffle the training data;
+    ``options`` are further Trainer arguments (``strategy``, ``devices``, ``enable_checkpointing``, ...).
     """
     trainer_class, base, loggers_module = framework(name)
     if module is None:
@@ -123,7 +126,7 @@ def fit(
     if callbacks is not None:
         arguments["callbacks"] = callbacks(_callbacks_module(name))
     trainer = trainer_class(logger=make_loggers(loggers_module), **arguments)
-    trainer.fit(module, *loaders())
+    trainer.fit(module, *loaders(shuffle))
     return trainer, module
 
 

@@ -101,6 +101,7 @@ def main() -> None:
         devices=2,
         enable_checkpointing=True,
         callbacks=_recorders(framework, out),
+        shuffle=True,  # an unshuffled loader Lightning shuffles on several processes, phalanx does not
     )
     if trainer.global_rank != 0:
         return
