@@ -275,3 +275,31 @@ def test_a_failing_after_save_checkpoint_is_raised_or_reported_never_taken_for_a
     # The writes after it went on: both checkpoints, and last.ckpt links to the newest.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
     assert os.readlink(tmp_path / "last.ckpt") == "epoch=1-step=8.ckpt"
+
+
+class _Rank:
+    """One rank's end of a broadcast: rank 0 records what it sends, the other ranks receive it."""
+
+    def __init__(self, rank: int, channel: list) -> None:
+        self.is_global_zero, self.channel = rank == 0, channel
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self.is_global_zero:
+            self.channel.append(obj)
+            return obj
+        return self.channel[-1]
+
+
+def test_every_rank_adopts_the_run_rank_zero_shares(tmp_path, monkeypatch):
+    from phalanx.loggers import CSVLogger
+    from phalanx.loggers.logger import share_logger_states
+
+    channel: list = []
+    ranks = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(rank_zero_only, "rank", rank)
+        loggers = [CSVLogger(tmp_path), RecordingLogger()]
+        share_logger_states(loggers, _Rank(rank, channel))
+        ranks[rank] = [logger.version for logger in loggers]
+    assert ranks[0] == ranks[1] == [0, "run-1"]
+    assert channel == [[{"version": 0}, {"run": "run-1"}]]  # one broadcast, from rank 0

@@ -245,3 +245,17 @@ def test_importing_the_loggers_imports_no_tracker():
     code = "import sys, phalanx, phalanx.loggers; print(sorted(m for m in ('mlflow', 'wandb') if m in sys.modules))"
     job = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
     assert job.stdout.strip() == "[]"
+
+
+def test_other_ranks_create_nothing_and_name_rank_zeros_run(tmp_path, monkeypatch):
+    from phalanx.utilities.rank_zero import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 1)
+    logger = MLFlowLogger(tracking_uri=f"sqlite:///{tmp_path}/never.db")
+    logger.log_metrics({"x": 1.0}, step=0)
+    logger.log_hyperparams({"a": 1})
+    logger.finalize("success")
+    assert logger.version == "" and logger.experiment.create_run() is None  # a do-nothing stand-in
+    logger.adopt_shared_state({"run_id": "abc", "experiment_id": "7"})
+    assert (logger.version, logger.name) == ("abc", "7")
+    assert list(tmp_path.iterdir()) == []
