@@ -21,6 +21,7 @@ from phalanx.utilities.metric_objects import is_metric, is_metric_collection, lo
 if TYPE_CHECKING:
     from phalanx.cohort.cohort import Cohort
     from phalanx.loggers.logger import Logger
+    from phalanx.strategies.strategy import Strategy
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 
@@ -52,6 +53,31 @@ def resolve_loggers(loggers: Any) -> list[Logger]:
         argument="Cohort(loggers",
         choices="None, a phalanx Logger (e.g. phalanx.loggers.CSVLogger(save_dir=...)) or a list of them",
     )
+
+
+def share_logger_states(loggers: list[Logger], strategy: Strategy) -> None:
+    """Every rank adopts the version or run id of rank 0's loggers (``phalanx.loggers.logger.share_logger_states``)."""
+    # Lazy for import time: `from phalanx import Cohort` does not load phalanx.loggers.
+    from phalanx.loggers.logger import share_logger_states as share
+
+    share(loggers, strategy)
+
+
+class LoggerWorkerState:
+    """The Cohort's ``WorkerState``: what rank 0's loggers end with in a spawned worker (their version or run id),
+    taken over by the loggers of the process that called ``launch``, so that they name the same run afterwards."""
+
+    def __init__(self, loggers: list[Logger]) -> None:
+        self._loggers = loggers
+
+    def collect(self) -> dict[str, Any]:
+        """In the worker of global rank 0: each logger's ``worker_state()``."""
+        return {"loggers": [logger.worker_state() for logger in self._loggers]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """In the launching process: each logger takes over its counterpart's state."""
+        for logger, logger_state in zip(self._loggers, state["loggers"]):
+            logger.load_worker_state(logger_state)
 
 
 def check_metrics(metrics: Any, step: Any, caller: str) -> dict[str, Any]:

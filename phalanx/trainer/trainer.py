@@ -328,9 +328,9 @@ class Trainer(DeviceProperties):
 
     @property
     def log_dir(self) -> str:
-        """The first logger's directory, or ``default_root_dir`` without loggers."""
-        if self.loggers and self.loggers[0].log_dir is not None:
-            return self.loggers[0].log_dir
+        """The first logger's directory (its ``save_dir`` when it has none), or ``default_root_dir``."""
+        if self.loggers:
+            return self.loggers[0].log_dir or self.loggers[0].save_dir or self.default_root_dir
         return self.default_root_dir
 
     @property

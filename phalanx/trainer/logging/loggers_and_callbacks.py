@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
 from phalanx.callbacks.callback import Callback
 from phalanx.loggers import CSVLogger, Logger
-from phalanx.loggers.logger import _DirectoryLogger, logger_list
+from phalanx.loggers.logger import logger_list, share_logger_states
 from phalanx.utilities.messages import reject_class, shown
 
 if TYPE_CHECKING:
@@ -30,21 +30,14 @@ def build_loggers(logger: Any, *, default_root_dir: str) -> list[Logger]:
 
 
 def agree_on_log_versions(trainer: Trainer) -> None:
-    """Give every rank the versions global rank 0's loggers use (rank 0 claims its ``version_N`` folders here).
+    """Give every rank the run global rank 0's loggers write to (rank 0 claims its ``version_N`` folders, or creates
+    its tracker runs, here): ``Logger.shared_state`` on rank 0, ``adopt_shared_state`` on the others.
 
     Each rank would otherwise compute its own, and a run started in the same folder between rank 0's claim and
     another rank's count makes that rank name ``version_N+1``, a folder that run owns (Lightning broadcasts it too).
     One broadcast per stage on every rank, whatever loggers each has, so that no rank waits for another.
     """
-    strategy = trainer.strategy
-    mine = [
-        logger.version if strategy.is_global_zero and isinstance(logger, _DirectoryLogger) else None
-        for logger in trainer.loggers
-    ]
-    versions = strategy.broadcast(mine)
-    for logger, version in zip(trainer.loggers, versions):
-        if version is not None and isinstance(logger, _DirectoryLogger):
-            logger.use_version(version)
+    share_logger_states(trainer.loggers, trainer.strategy)
 
 
 def build_callbacks(
