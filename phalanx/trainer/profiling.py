@@ -76,10 +76,10 @@ def start_profiling(trainer: Trainer, module: TrainingModule) -> None:
     """At a stage's set-up, once the ranks and the log directory are known: set the profiler up and, when it
     records, install the wrappers (before the hook table is built, which takes the strategy's batch move)."""
     profiler, strategy = trainer.profiler, trainer.strategy
+    if not records(profiler):
+        return  # not even trainer.log_dir is read: a run without a profiler is the run it was before profilers
     rank = strategy.global_rank if strategy.world_size > 1 else None
     profiler.setup(stage=str(trainer.state.fn), local_rank=rank, log_dir=trainer.log_dir)
-    if not records(profiler):
-        return
     profiler._attach(module, partial(_stage_steps, trainer))
     strategy_name = type(strategy).__name__
     for method in STRATEGY_ACTIONS:

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from phalanx_distributed import free_port
 from phalanx_testing import Regressor, loaders, quiet_trainer
 
 from phalanx.profilers import PyTorchProfiler
@@ -60,3 +61,24 @@ def test_a_test_stage_counts_its_test_steps(tmp_path):
     names = collections.Counter(e.get("name") for e in json.loads(trace_file.read_text())["traceEvents"])
     assert names["[pl][profile][Strategy]SingleDeviceStrategy.test_step"] == 3  # 4 batches, after the first
     assert (tmp_path / "test-perf.txt").read_text().startswith("TEST Profiler Report")
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """Where a strategy of one process meets itself; the process group it leaves is destroyed afterwards."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_fsdps_unsharding_reduction_and_resharding_are_in_the_trace(tmp_path, one_process):
+    profiler = PyTorchProfiler(filename="perf")
+    trainer = quiet_trainer(strategy="fsdp", devices=1, max_steps=3, default_root_dir=tmp_path, profiler=profiler)
+    trainer.fit(Regressor(), loaders()[0])
+    (trace_file,) = tmp_path.glob("fit-perf.*.pt.trace.json")
+    names = {event.get("name") or "" for event in json.loads(trace_file.read_text())["traceEvents"]}
+    parts = ("FSDP::pre_forward", "FSDP::post_forward", "FSDP::post_backward_reduce", "FSDP::post_backward_reshard")
+    assert [part for part in parts if not any(name.startswith(part) for name in names)] == []
+    assert "[pl][profile][Strategy]FSDPStrategy.backward" in names
