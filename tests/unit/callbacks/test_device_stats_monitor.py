@@ -9,10 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import pytorch_lightning as pl
 import torch
 from phalanx_testing import Regressor, loaders, quiet_trainer
-from pytorch_lightning.callbacks import DeviceStatsMonitor as LightningDeviceStatsMonitor
 
 import phalanx
 from phalanx.callbacks import DeviceStatsMonitor
@@ -34,22 +32,29 @@ def _values(metrics_csv: Path) -> list[float]:
         return [float(v) for row in csv.DictReader(f) for k, v in row.items() if k.startswith("DeviceStats") and v]
 
 
-class LightningModule(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = Regressor().net
+def _lightning_module():
+    pl = pytest.importorskip("pytorch_lightning")  # the oracle, where it is installed
 
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Regressor().net
 
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    return pl, Module()
 
 
 def test_the_trainers_defaults_log_lightnings_names_at_lightnings_steps(tmp_path):
+    pytest.importorskip("psutil")
+    pl, lightning_module = _lightning_module()
     trainer = phalanx.Trainer(
         accelerator="cpu", max_epochs=2, log_every_n_steps=3, default_root_dir=tmp_path / "phalanx",
         callbacks=[DeviceStatsMonitor()],
@@ -57,9 +62,9 @@ def test_the_trainers_defaults_log_lightnings_names_at_lightnings_steps(tmp_path
     trainer.fit(Regressor(), *loaders())
     theirs = pl.Trainer(
         accelerator="cpu", max_epochs=2, log_every_n_steps=3, default_root_dir=tmp_path / "lightning",
-        logger=pl.loggers.CSVLogger(tmp_path / "lightning"), callbacks=[LightningDeviceStatsMonitor()],
+        logger=pl.loggers.CSVLogger(tmp_path / "lightning"), callbacks=[pl.callbacks.DeviceStatsMonitor()],
     )  # fmt: skip
-    theirs.fit(LightningModule(), *loaders())
+    theirs.fit(lightning_module, *loaders())
     ours_csv, theirs_csv = Path(trainer.log_dir) / "metrics.csv", Path(theirs.log_dir) / "metrics.csv"
     expected = _steps_by_name(theirs_csv)
     assert "DeviceStatsMonitor.on_validation_batch_end/cpu_percent" in expected
@@ -95,8 +100,9 @@ def test_a_bad_cpu_stats_is_refused():
 
 
 def test_the_constructor_takes_lightnings_arguments():
+    callbacks = pytest.importorskip("pytorch_lightning.callbacks")
     ours = inspect.signature(DeviceStatsMonitor).parameters
-    assert list(ours) == list(inspect.signature(LightningDeviceStatsMonitor).parameters) == ["cpu_stats"]
+    assert list(ours) == list(inspect.signature(callbacks.DeviceStatsMonitor).parameters) == ["cpu_stats"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

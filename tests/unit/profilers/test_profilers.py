@@ -8,7 +8,6 @@ import pickle
 import pstats
 
 import pytest
-import pytorch_lightning.profilers as lightning_profilers
 import torch
 
 from phalanx.profilers import AdvancedProfiler, PassThroughProfiler, Profiler, PyTorchProfiler, SimpleProfiler
@@ -152,6 +151,7 @@ def test_a_profiler_in_use_pickles_for_a_spawned_worker(tmp_path, make):
     "name", ["Profiler", "PassThroughProfiler", "SimpleProfiler", "AdvancedProfiler", "PyTorchProfiler"]
 )
 def test_constructor_arguments_are_lightnings(name):
+    lightning_profilers = pytest.importorskip("pytorch_lightning.profilers")
     import phalanx.profilers
 
     ours = list(inspect.signature(getattr(phalanx.profilers, name)).parameters)
