@@ -142,15 +142,13 @@ class ThroughputMonitor(Callback):
         if not _measures(trainer):
             return
         self._update(module, "train", batch)
-        # As Lightning: values at the end of an accumulation window (the optimizer step included), on the steps the
-        # Trainer logs at.
+        # As Lightning: values at the end of an accumulation window (the optimizer step included; the fit loop's own
+        # test of a window that goes on), on the steps the Trainer logs at.
         every = trainer.log_every_n_steps
         if trainer.fit_loop._accumulating() or not every:
             return
         if (trainer.fit_loop.batches_stepped + 1) % every == 0 or trainer.should_stop:
-            metrics = self._compute("train")
-            metrics["epoch"] = trainer.current_epoch
-            _log(trainer, metrics, trainer.fit_loop.batches_stepped)
+            _log(trainer, self._compute("train"), trainer.fit_loop.batches_stepped, epoch=trainer.current_epoch)
 
     def on_validation_start(self, trainer: Trainer, module: TrainingModule) -> None:
         if _measures(trainer) and not trainer.sanity_checking:
@@ -254,12 +252,15 @@ def _measures(trainer: Trainer) -> bool:
     return trainer.is_global_zero and bool(trainer.loggers)
 
 
-def _log(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
-    if metrics:
-        # As Lightning, the values are in trainer.logged_metrics too (as tensors, like the others there).
-        trainer.logged_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+def _log(trainer: Trainer, metrics: dict[str, float], step: int, epoch: int | None = None) -> None:
+    if not metrics:
+        return
+    # As Lightning, the values are in trainer.logged_metrics too (as tensors, like the others there); training's go to
+    # the loggers with the epoch.
+    trainer.logged_metrics.update({name: torch.tensor(value) for name, value in metrics.items()})
+    values = metrics if epoch is None else {**metrics, "epoch": epoch}
+    for logger in trainer.loggers:
+        logger.log_metrics(values, step=step)
 
 
 __all__ = ["ThroughputMonitor"]

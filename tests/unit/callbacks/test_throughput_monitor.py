@@ -75,6 +75,7 @@ def test_on_a_controlled_clock_the_rates_are_exact_and_validation_is_left_out(tm
     assert columns["validate/time"] == [(1, 2.0), (2, 4.0), (1, 2.0), (2, 4.0)]
     assert columns["validate/device/batches_per_sec"] == [(2, 0.5), (2, 0.5)]
     assert "train/samples_per_sec" not in columns  # a world of one device: no world rates
+    assert float(trainer.logged_metrics["train/samples"]) == 8 * BATCH
 
 
 def test_the_flops_per_batch_are_the_flop_counters():
