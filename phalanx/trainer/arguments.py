@@ -19,6 +19,7 @@ import torch
 from phalanx.loggers import Logger
 from phalanx.plugins import CheckpointIO, ClusterEnvironment, Precision
 from phalanx.plugins.layer_sync import LayerSync
+from phalanx.profilers import Profiler
 from phalanx.trainer.argument_checks import (
     NONFINITE_LOSS_MODES,
     check_bool,
@@ -33,6 +34,7 @@ from phalanx.trainer.logging.barebones import check_barebones
 from phalanx.trainer.logging.loggers_and_callbacks import build_callbacks, build_loggers
 from phalanx.trainer.loops.data import validate_limit
 from phalanx.trainer.preemption import Preemption
+from phalanx.trainer.profiling import resolve_profiler
 from phalanx.utilities.compile import check_compile
 from phalanx.utilities.enums import GradClipAlgorithmType
 from phalanx.utilities.messages import reject_class, shown
@@ -64,6 +66,7 @@ _BAREBONES_CHECKED = (
     "num_sanity_val_steps",
     "fast_dev_run",
     "detect_anomaly",
+    "profiler",
 )
 # What barebones=True turns off, and the value it sets instead.
 _BAREBONES_OFF = {
@@ -112,6 +115,8 @@ class TrainerSettings:
     callbacks: list[Callback]
     #: torch.compile's keyword arguments for the strategy's ``compile_module`` step; None: eager.
     compile: dict[str, Any] | None
+    #: ``trainer.profiler``: the profiler given, or made from its name; a PassThroughProfiler for None.
+    profiler: Profiler
 
     def trainer_attributes(self) -> dict[str, Any]:
         """The Trainer attributes these settings become, by name."""
@@ -159,13 +164,14 @@ def resolve_arguments(given: Mapping[str, Any]) -> TrainerSettings:
         loggers=build_loggers(given["logger"] if not fast_dev_batches else False, default_root_dir=default_root_dir),
         callbacks=build_callbacks(given["callbacks"], **enabled),
         compile=check_compile(given["compile"], "Trainer"),
+        profiler=resolve_profiler(given["profiler"]),
         **loop,
         **clipping,
     )
 
 
 def _check_flags(given: Mapping[str, Any]) -> None:
-    refuse_not_integrated(profiler=given["profiler"], model_registry=given["model_registry"])
+    refuse_not_integrated(model_registry=given["model_registry"])
     for name in _FLAGS:
         check_bool(name, given[name])
     for name in _OPTIONAL_FLAGS:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from phalanx.callbacks.callback import Callback
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
+from phalanx.trainer.profiling import profiled_hooks, records
 from phalanx.trainer.state import TrainerFn
 from phalanx.utilities.exceptions import MisconfigurationError
 from phalanx.utilities.rank_zero import rank_zero_warn
@@ -92,6 +93,8 @@ class HookTable:
         for name in MODULE_ONLY_HOOKS:
             table[name] = [_with_fx_name(module, name)] if _overrides(module, TrainingModule, name) else []
         self._table = {name: tuple(entries) for name, entries in table.items()}
+        if records(trainer.profiler):  # only then: the unprofiled loops call the hooks themselves
+            self._table = profiled_hooks(self._table, trainer.profiler, module)
         self.move_batch = _batch_mover(trainer.strategy, module, trainer.datamodule, self._warn_once)
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_step_hooks(module)

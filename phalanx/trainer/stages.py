@@ -27,6 +27,7 @@ from phalanx.trainer.loops.evaluation_loop import (
 )
 from phalanx.trainer.loops.fit_data import prepare_fit_data
 from phalanx.trainer.loops.optimizer import prepare_optimization
+from phalanx.trainer.profiling import finish_profiling, start_profiling
 from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.spawn_state import TrainerWorkerState
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerStatus
@@ -93,6 +94,7 @@ def _fail(trainer: Trainer, exception: BaseException) -> None:
     finally:
         for logger in trainer.loggers:
             logger.finalize("interrupted" if interrupted else "failed")
+        finish_profiling(trainer, failed=True)
         trainer.strategy.teardown()
 
 
@@ -114,6 +116,7 @@ def setup_run(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt
     strategy.setup_environment()
     set_global_rank(strategy.global_rank)
     agree_on_log_versions(trainer)
+    start_profiling(trainer, module)
     stage = str(trainer.state.fn)
     if strategy.local_rank == 0:
         if trainer.datamodule is not None:
@@ -169,6 +172,7 @@ def teardown_run(trainer: Trainer, module: TrainingModule) -> None:
     module.teardown(stage)
     for logger in trainer.loggers:
         logger.finalize("success")
+    finish_profiling(trainer)
     trainer.strategy.teardown()
     trainer._run.results = None
 

@@ -110,6 +110,8 @@ class RunState:
       when fit prepares the optimizers.
     - **Checkpoint and logging** (``ckpt_path``, ``results``): the checkpoint the stage started from; the results
       ``self.log`` records into now (None outside a stage).
+    - **Profiling** (``profiled``): the wrappers a recording profiler installed for the stage
+      (:mod:`phalanx.trainer.profiling`), removed when it ends.
     """
 
     # Data
@@ -144,6 +146,8 @@ class RunState:
     # Checkpoint and logging
     ckpt_path: str | None = None  # resolved: 'last', 'best', 'auto' become a path
     results: LoggedResults | None = None
+    # Profiling: the (object, attribute, wrapper) a recording profiler installed for the stage, removed at its end
+    profiled: list[tuple[Any, str, Any]] = field(default_factory=list)
 
 
 _T = TypeVar("_T")

@@ -20,6 +20,7 @@ from phalanx.callbacks import EarlyStopping, ModelCheckpoint, ProgressBar
 from phalanx.callbacks.callback import Callback
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
+from phalanx.profilers import Profiler
 from phalanx.strategies.migration import refuse_trainer_parameters
 from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.resolve import resolve_strategy
@@ -56,7 +57,9 @@ class Trainer(DeviceProperties):
     The arguments mean what they mean in Lightning's Trainer; each is checked here, and a bad value raises a
     TypeError or ValueError naming the argument, the value and the valid choices (``logger=None`` is the default
     logger, as in Lightning; ``overfit_batches`` and ``reload_dataloaders_every_n_epochs``: see
-    :mod:`phalanx.trainer.loops.fit_data`; ``barebones``: see :mod:`phalanx.trainer.logging.barebones`).
+    :mod:`phalanx.trainer.loops.fit_data`; ``barebones``: see :mod:`phalanx.trainer.logging.barebones`;
+    ``profiler``: "simple", "advanced", "pytorch" or a :class:`~phalanx.profilers.Profiler`, see
+    :mod:`phalanx.trainer.profiling`; ``trainer.profiler`` is a PassThroughProfiler when none is given).
     Beyond Lightning:
 
     Args:
@@ -127,7 +130,7 @@ class Trainer(DeviceProperties):
         preemption: Preemption | bool = True,
         detect_anomaly: bool = False,
         nonfinite_loss: str = "warn",
-        profiler: None = None,
+        profiler: Profiler | str | None = None,
         model_registry: str | None = None,
         compile: bool | dict[str, Any] | None = None,  # see docs/compile.md
     ) -> None:

@@ -35,6 +35,7 @@ _WHY = {
     "num_sanity_val_steps": "the sanity check",
     "fast_dev_run": "a development run (not a speed measurement)",
     "detect_anomaly": "anomaly detection",
+    "profiler": "profiling",
 }
 
 

@@ -40,6 +40,7 @@ SETTINGS = {
     "overfit_batches",
     "precision",
     "preemption",
+    "profiler",
     "reload_dataloaders_every_n_epochs",
     "sync_batchnorm",
     "use_distributed_sampler",
