@@ -174,6 +174,12 @@ def _consolidate_output_problem(directory: Any, output: Any, overwrite: bool) ->
         )
     if target.is_dir():
         return f"the output {output} is an existing directory; name a file to write, e.g. {output / 'model.ckpt'}"
+    # Lazy for import time: the checkpoint IO is only loaded by `phalanx checkpoint`.
+    from phalanx.plugins.io.directory import target_refusal
+
+    refusal = target_refusal(target)
+    if refusal is not None:
+        return f"the output {output} is {refusal}, which writing the checkpoint would replace; name a regular file"
     for parent in target.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -199,6 +205,7 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
         return _error(name, f"{directory} is not a directory (a sharded checkpoint is a directory).{hint}")
     # Lazy for import time: only `phalanx consolidate` loads the checkpoint readers (and torch.distributed.checkpoint).
     from phalanx.plugins.io.formats import consolidate, detect_directory, not_a_checkpoint
+    from phalanx.plugins.io.formats.layout import checkpoint_layout
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
     from phalanx.utilities.exceptions import CheckpointError
 
@@ -214,6 +221,7 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
         return _error(name, problem)
 
     try:
+        checkpoint_layout(directory)  # the rule fit follows: a directory without its .complete marker is refused
         checkpoint = consolidate(directory)
     except CheckpointError as err:
         return _error(name, str(err))
@@ -228,6 +236,8 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
         return _error(name, f"{directory} is not a checkpoint phalanx can read ({type(err).__name__}: {_summary(err)})")
     try:
         TorchCheckpointIO().save_checkpoint(checkpoint, output)
+    except CheckpointError as err:  # the disk filling, a quota, a FIFO put there meanwhile: the message names it
+        return _error(name, str(err))
     except OSError as err:
         return _error(name, f"cannot write {output}: {err.strerror or err}")
     tensors = len(checkpoint.get("state_dict", {}))
