@@ -20,7 +20,7 @@ try:
 except ImportError:  # Windows: claims are exclusive creates, without a lock
     fcntl = None  # type: ignore[assignment]
 
-from phalanx.plugins.io.directory import COMPLETE_MARKER, replace_with, sync_directory
+from phalanx.plugins.io.directory import COMPLETE_MARKER, refuse_unsafe_target, replace_with, sync_directory
 from phalanx.plugins.io.temporaries import (
     is_stale,
     owner_of,
@@ -324,6 +324,7 @@ def publish_link(target: str, link: str) -> None:
     checkpoint directory at ``link`` (which a rename cannot replace) is first moved to a *retired* name that resume
     still considers, and removed once the link is in place; anything else phalanx did not write is refused.
     """
+    refuse_unsafe_target(link)  # before the temporary link is made (replace_with checks again)
     folder, name = os.path.split(link)
     temporary = os.path.join(folder, temporary_name(name))
     os.symlink(os.path.basename(target), temporary)

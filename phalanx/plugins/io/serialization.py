@@ -27,7 +27,7 @@ from phalanx.plugins.io.bounded_reads import (
     open_checkpoint_file,
     reopenable_path,
 )
-from phalanx.plugins.io.directory import COMPLETE_MARKER, refuse_unsafe_target, sync_directory
+from phalanx.plugins.io.directory import COMPLETE_MARKER, refuse_unsafe_target, replace_with, sync_directory
 from phalanx.plugins.io.temporaries import remove_stale_temporaries, temporary_name
 from phalanx.plugins.io.write_failures import describe, free_space, watched_stream
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
@@ -79,8 +79,9 @@ def _write_local_atomically(write: Callable[[IO[bytes]], None], path: Path) -> N
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        refuse_unsafe_target(path)  # again: something may have been put there while the bytes were written
-        os.replace(temporary, path)
+        # Checks the target again (something may have been put there meanwhile); a checkpoint directory of the same
+        # name is moved aside first; the folder's stale temporaries are removed afterwards.
+        replace_with(temporary, path)
     except BaseException as error:
         if created:
             temporary.unlink(missing_ok=True)
@@ -88,7 +89,6 @@ def _write_local_atomically(write: Callable[[IO[bytes]], None], path: Path) -> N
             raise _write_error(path, error, path.parent) from error
         raise
     sync_directory(path.parent)  # the rename is durable only once the directory entry itself is flushed
-    remove_stale_temporaries(path.parent)  # what saves killed mid-write left there (of processes that are gone)
 
 
 def _streamed_save(checkpoint: dict[str, Any], path: _PathLike) -> Callable[[IO[bytes]], None]:
