@@ -106,19 +106,7 @@ class CheckpointConnector:
             return None
         trainer = self.trainer
         if ckpt_path == "auto":
-            choice = self.auto_choice()
-            # One line on rank 0, shown without any logging set-up: which file the run goes on from and why, or that
-            # none was found and where the run looked.
-            searched = _listed(self.search_directories())
-            if choice is None:
-                rank_zero_print(f"ckpt_path='auto': no complete checkpoint in {searched}; starting from scratch")
-                return None
-            progress = choice.progress
-            rank_zero_print(
-                f"ckpt_path='auto': resuming from {choice.path} (global step {progress.global_step}, epoch"
-                f" {progress.epoch}): {choice.reason} in {searched}"
-            )
-            return choice.path
+            return self._resolve_auto()
         if ckpt_path in ("best", "last"):
             callback = trainer.checkpoint_callback
             if callback is None:
@@ -150,6 +138,22 @@ class CheckpointConnector:
             raise TypeError(f"ckpt_path must be 'auto', 'last', 'best' or a path, got {type(ckpt_path).__name__}.")
         return str(ckpt_path)
 
+    def _resolve_auto(self) -> str | None:
+        choice = self.auto_choice()
+        # One line on rank 0, shown without any logging set-up: which file the run goes on from and why, or that none
+        # was found and where the run looked.
+        searched = _listed(self.search_directories())
+        skipped = f" ({choice.passed_over})" if choice.passed_over else ""
+        if choice.path is None or choice.progress is None:
+            rank_zero_print(f"ckpt_path='auto': no complete checkpoint in {searched}{skipped}; starting from scratch")
+            return None
+        progress = choice.progress
+        rank_zero_print(
+            f"ckpt_path='auto': resuming from {choice.path} (global step {progress.global_step}, epoch"
+            f" {progress.epoch}): {choice.reason} in {searched}{skipped}"
+        )
+        return choice.path
+
     def search_directories(self) -> list[Path]:
         """Where ``ckpt_path="auto"`` looks: this run's checkpoint folders (every ModelCheckpoint's, the preemption
         folder), then those of the experiment's other ``version_N`` runs (see ``phalanx.trainer.resume``)."""
@@ -170,7 +174,7 @@ class CheckpointConnector:
                     experiment.setdefault(os.path.realpath(sibling), sibling)
         return list(own.values()), list(experiment.values())
 
-    def auto_choice(self) -> Choice | None:
+    def auto_choice(self) -> Choice:
         """The checkpoint ``ckpt_path="auto"`` resumes from: rank 0 decides, every rank gets the answer (or the error
         that stops the resume: a complete checkpoint whose progress cannot be read)."""
         trainer = self.trainer
@@ -189,11 +193,11 @@ class CheckpointConnector:
                 hint = "ckpt_path='auto' reads how far each checkpoint of this run got, and cannot read this one."
                 advice = "Move it away, or pass the checkpoint to resume from as ckpt_path."
                 outcome = (None, type(error)(f"{error} {hint} {advice}"))
-            if outcome[0] is not None and differing_hparams(outcome[0].progress, hparams):
-                names = differing_hparams(outcome[0].progress, hparams)
+            differing = differing_hparams(outcome[0].progress, hparams) if outcome[0] and outcome[0].progress else []
+            if differing:
                 rank_zero_warn(
                     f"ckpt_path='auto' resumes from {outcome[0].path}, saved with other values of the"
-                    f" hyper-parameters {names} than {type(trainer.strategy.module).__name__} has now."
+                    f" hyper-parameters {differing} than {type(trainer.strategy.module).__name__} has now."
                 )
         choice, error = trainer.strategy.broadcast(outcome)
         if error is not None:
@@ -202,8 +206,7 @@ class CheckpointConnector:
 
     def find_newest_complete(self) -> str | None:
         """The path of ``auto_choice`` (every rank gets it), or None when this run has no complete checkpoint."""
-        choice = self.auto_choice()
-        return choice.path if choice is not None else None
+        return self.auto_choice().path
 
     def _last_directory(self, callback: Any) -> Path:
         dirpath = getattr(callback, "dirpath", None)

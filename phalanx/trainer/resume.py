@@ -57,11 +57,13 @@ def is_complete_checkpoint(path: Path) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The checkpoint chosen, what it records, and why it won (a phrase for the line that reports it)."""
+    """The checkpoint chosen (None: none), what it records, why it won, and what was passed over (phrases for the
+    line that reports it)."""
 
-    path: str
-    progress: Progress
+    path: str | None
+    progress: Progress | None
     reason: str
+    passed_over: str = ""
 
 
 def checkpoints_in(folder: Path, name_prefix: str = "") -> list[Path]:
@@ -97,7 +99,7 @@ def choose_checkpoint(
     name_prefix: str = "",
     experiment: frozenset[str] = frozenset(),
     hparams: dict[str, Any] | None = None,
-) -> Choice | None:
+) -> Choice:
     """The complete checkpoint in ``folders`` that records the furthest progress (see the module docstring).
 
     ``experiment``: the folders (real paths) of the experiment's other runs, where a checkpoint whose
@@ -113,8 +115,14 @@ def choose_checkpoint(
                 passed_over.append(str(path))
                 continue
             ranked.append(((progress.key, _mtime(path), str(path)), str(path), progress))
+    skipped = ""
+    if passed_over:
+        skipped = (
+            f"passed over {len(passed_over)} checkpoint(s) of earlier runs saved with other hyper-parameters than the"
+            f" module's, e.g. {passed_over[0]}"
+        )
     if not ranked:
-        return None
+        return Choice(None, None, "", skipped)
     ranked.sort()
     _, path, progress = ranked[-1]
     ties = sum(1 for entry in ranked if entry[2].key == progress.key) - 1
@@ -123,9 +131,7 @@ def choose_checkpoint(
         reason = "the only complete checkpoint found"
     if ties:
         reason += f" (the most recently written of {ties + 1} that record the same progress)"
-    if passed_over:
-        reason += f"; passed over {len(passed_over)} of earlier runs with other hyper-parameters, e.g. {passed_over[0]}"
-    return Choice(path, progress, reason)
+    return Choice(path, progress, reason, skipped)
 
 
 def differing_hparams(progress: Progress, hparams: dict[str, Any] | None) -> list[str]:
@@ -176,8 +182,7 @@ def experiment_folders(folder: Path) -> list[Path]:
 
 def newest_complete_checkpoint(directories: list[Path], *, name_prefix: str = "") -> str | None:
     """The path of ``choose_checkpoint``'s choice in ``directories`` (the furthest in training), or None."""
-    choice = choose_checkpoint(directories, name_prefix=name_prefix)
-    return choice.path if choice is not None else None
+    return choose_checkpoint(directories, name_prefix=name_prefix).path
 
 
 __all__ = [
