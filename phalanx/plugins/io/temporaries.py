@@ -60,8 +60,10 @@ def _start_tick(pid: int) -> int | None:
 _OWN: dict[int, str] = {}
 
 
-def owner() -> str:
-    """This process's owner tag (computed once per process: a forked child gets its own)."""
+def owner(pid: int | None = None) -> str:
+    """The owner tag of process ``pid`` (by default this process's, computed once: a forked child gets its own)."""
+    if pid is not None and pid != os.getpid():
+        return f"{_machine()}-{pid}-{_start_tick(pid) or 0}"
     pid = os.getpid()
     if pid not in _OWN:
         _OWN[pid] = f"{_machine()}-{pid}-{_start_tick(pid) or 0}"
