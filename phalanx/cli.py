@@ -205,7 +205,6 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
         return _error(name, f"{directory} is not a directory (a sharded checkpoint is a directory).{hint}")
     # Lazy for import time: only `phalanx consolidate` loads the checkpoint readers (and torch.distributed.checkpoint).
     from phalanx.plugins.io.formats import consolidate, detect_directory, not_a_checkpoint
-    from phalanx.plugins.io.formats.layout import checkpoint_layout
     from phalanx.plugins.io.torch_io import TorchCheckpointIO
     from phalanx.utilities.exceptions import CheckpointError
 
@@ -221,7 +220,6 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
         return _error(name, problem)
 
     try:
-        checkpoint_layout(directory)  # the rule fit follows: a directory without its .complete marker is refused
         checkpoint = consolidate(directory)
     except CheckpointError as err:
         return _error(name, str(err))

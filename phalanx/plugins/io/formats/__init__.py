@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from phalanx.plugins.io.directory import COMPLETE_MARKER, incomplete
 from phalanx.plugins.io.formats import dcp, deepspeed, xla_fsdp
 from phalanx.plugins.io.formats.dcp_metadata import DCP_METADATA_FILE
 from phalanx.utilities.exceptions import CheckpointError
@@ -108,11 +109,16 @@ def _titles() -> str:
 
 
 def consolidate(path: str | os.PathLike) -> dict[str, Any]:
-    """One ordinary phalanx checkpoint from a local checkpoint directory of any layout in ``FORMATS``."""
+    """One ordinary phalanx checkpoint from a local checkpoint directory of any layout in ``FORMATS``.
+
+    As for ``fit``, a directory without its ``.complete`` marker (a save that did not finish) is refused.
+    """
     directory = Path(path)
     entry = detect_directory(directory)
     if entry is None or entry.load_whole is None:
         raise not_a_checkpoint(directory)
+    if not os.path.lexists(directory / COMPLETE_MARKER):
+        raise incomplete(directory, entry.name)
     return entry.load_whole(directory)
 
 
