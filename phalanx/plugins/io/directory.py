@@ -118,7 +118,7 @@ def is_own_link(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a symbolic link as phalanx makes them (``save_last="link"``): its text is the plain name of
     an entry beside it that is a regular file or a marked checkpoint directory."""
     try:
-        text = os.readlink(path)
+        text = os.readlink(os.fspath(path))
     except (OSError, ValueError):
         return False
     if text in ("", ".", "..") or any(mark in text for mark in ("/", "\\", "\0")):
@@ -152,7 +152,7 @@ def target_refusal(target: str | os.PathLike) -> str | None:
         return None if _marked(target) else f"a directory without phalanx's {COMPLETE_MARKER!r} marker"
     if stat.S_ISLNK(mode):
         try:
-            return f"a symbolic link to {os.readlink(target)} that phalanx did not make"
+            return f"a symbolic link to {os.readlink(os.fspath(target))} that phalanx did not make"
         except OSError:
             return "a symbolic link that phalanx did not make"
     return next((kind for test, kind in _NOT_FILES if test(mode)), "not a regular file")
