@@ -100,20 +100,6 @@ def _marked(directory: str | os.PathLike) -> bool:
         return False
 
 
-def refuse_foreign_directory(target: str | os.PathLike) -> None:
-    """Raise if ``target`` is a directory that is not a checkpoint phalanx wrote (no completion marker).
-
-    Replacing a directory removes it, so a save, copy or link may replace only a checkpoint directory: a checkpoint's
-    tampered callback state naming a folder of the user's must not make phalanx delete it.
-    """
-    if os.path.isdir(target) and not os.path.islink(target) and not _marked(target):
-        raise CheckpointWriteError(
-            f"Refusing to write a checkpoint at {os.fspath(target)}: a directory without phalanx's {COMPLETE_MARKER!r}"
-            " marker is there, so not a checkpoint phalanx wrote, and replacing it would delete it."
-            " Move or remove it yourself, or save under another name."
-        )
-
-
 def is_own_link(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a symbolic link as phalanx makes them (``save_last="link"``): its text is the plain name of
     an entry beside it that is a regular file or a marked checkpoint directory."""

@@ -2,8 +2,9 @@
 
 ``ckpt_path="auto"`` ranks the checkpoints it finds by what they record (``global_step``, then the fit loop's batch
 count, epoch and phase), never by file times, which a copy or a clock can set to anything. A single file's pickle
-(``data.pkl``, bounded in size, after ``check_archive`` looked at the archive's directory) is read by torch's
-weights-only unpickler with storages that hold no bytes: no tensor record is read. A checkpoint directory's state file
+(``data.pkl``, after ``check_archive`` looked at the archive's directory) is read by torch's weights-only unpickler
+with storages that hold no bytes: no tensor record is read (a pickle larger than ``MAX_PICKLE_BYTES`` is not read at
+all: that checkpoint ranks as recording no progress). A checkpoint directory's state file
 (``Format.state_file``: ``phalanx_meta.pt``, ``phalanx_deepspeed_state.pt``, xla_fsdp's meta file) is read the same
 way, once the directory has its ``.complete`` marker.
 """
@@ -14,14 +15,15 @@ import dataclasses
 import io
 import os
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import _weights_only_unpickler  # torch's reader of weights_only=True, used here on data.pkl alone
 
 from phalanx.plugins.io.bounded_reads import (
     _UNSAFE_HINT,
-    archive_pickle,
     check_archive,
     disallowed_globals_of_pickle,
     open_checkpoint_file,
@@ -31,6 +33,10 @@ from phalanx.plugins.io.checks import LOOP_PHASES, check_count, check_dict
 from phalanx.plugins.io.formats import detect_directory, not_a_checkpoint
 from phalanx.plugins.io.formats.layout import checkpoint_layout
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
+
+#: A checkpoint whose pickle (everything but the tensors' bytes) is larger is ranked as recording no progress, rather
+#: than unpickled only to rank it (it still loads, if chosen).
+MAX_PICKLE_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,20 +75,23 @@ def recorded_progress(path: str | os.PathLike) -> Progress:
 
 
 def _read_small_entries(path: Path, source: str) -> Any:
-    """The object pickled in the torch.save archive at ``path``, its tensors empty (on the meta device)."""
+    """The object pickled in the torch.save archive at ``path``, its tensors empty (on the meta device); None when its
+    pickle is larger than ``MAX_PICKLE_BYTES``."""
     with open_checkpoint_file(path, source) as handle:
-        check_archive(handle, source)
-        pickled = archive_pickle(handle)
-    if not pickled:
-        raise CheckpointError(f"{source} has no readable data.pkl of a bounded size: it is not a phalanx checkpoint.")
+        check_archive(handle, source)  # reads the archive's directory only; every entry fits in the file
+        with zipfile.ZipFile(handle) as archive:
+            entry = next((info for info in archive.infolist() if info.filename.endswith("data.pkl")), None)
+            if entry is None:
+                raise CheckpointError(f"{source} has no data.pkl: it is not an archive torch.save wrote.")
+            if entry.file_size > MAX_PICKLE_BYTES:
+                return None  # a state too big to read only for ranking: its progress is unknown
+            pickled = archive.read(entry)
 
     def persistent_load(saved_id: Any) -> Any:
         _, storage_type, _, _, numel = saved_id  # the tensor's record is never read: a storage without bytes
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         storage = torch.UntypedStorage(int(numel) * dtype.itemsize, device="meta")
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
-
-    from torch import _weights_only_unpickler  # torch's reader of weights_only=True, used here on data.pkl alone
 
     unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
     unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
@@ -101,6 +110,8 @@ def _read_small_entries(path: Path, source: str) -> Any:
 
 
 def _progress(state: Any, source: str) -> Progress:
+    if state is None:
+        return Progress(-1, -1, -1, "", None)
     check_dict(source, "", state)
     loops = state.get("loops")
     loop = loops.get("fit_loop") if isinstance(loops, dict) else None
@@ -122,4 +133,4 @@ def _progress(state: Any, source: str) -> Progress:
     )
 
 
-__all__ = ["Progress", "recorded_progress"]
+__all__ = ["MAX_PICKLE_BYTES", "Progress", "recorded_progress"]

@@ -229,6 +229,17 @@ class Chosen(Exception):
     """Carries the chosen path out of the child."""
 
 
+def test_a_checkpoint_too_big_to_rank_counts_as_recording_no_progress(tmp_path, monkeypatch):
+    import phalanx.plugins.io.progress as progress
+
+    monkeypatch.setattr(progress, "MAX_PICKLE_BYTES", 4096)
+    kept = _ckpt(tmp_path / RUN / "epoch=0-step=5.ckpt", 5)
+    _ckpt(
+        tmp_path / RUN / "epoch=0-step=9.ckpt", 9, notes=[f"{i:064d}" for i in range(100)]
+    )  # its pickle: over the bound
+    assert _resolve(tmp_path) == str(kept.resolve())
+
+
 def _archive(path: Path, pickled: bytes) -> None:
     """A torch.save-like archive (stored entries, as torch writes them) holding ``pickled`` as its data.pkl."""
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
