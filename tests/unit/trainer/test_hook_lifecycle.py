@@ -177,23 +177,35 @@ class LogsAtEpochEnd(TwoPart):
         self.log("epoch_score", 1.0)  # the same every epoch: never an improvement
 
 
+class SeesScore(phalanx.Callback):
+    """A callback that is not a monitoring one: its on_train_epoch_end runs before the module's."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        self.seen.append("epoch_score" in trainer.callback_metrics)
+
+
 @pytest.mark.parametrize("monitoring", ["EarlyStopping", "ModelCheckpoint"])
 def test_monitoring_callbacks_see_what_the_module_logs_in_on_train_epoch_end(tmp_path, monitoring):
-    if monitoring == "EarlyStopping":
-        callback: phalanx.Callback = EarlyStopping(monitor="epoch_score", patience=1, check_on_train_epoch_end=True)
-    else:
-        callback = ModelCheckpoint(dirpath=tmp_path, monitor="epoch_score", save_on_train_epoch_end=True)
+    monitors: dict[str, phalanx.Callback] = {
+        "EarlyStopping": EarlyStopping(monitor="epoch_score", patience=1, check_on_train_epoch_end=True),
+        "ModelCheckpoint": ModelCheckpoint(dirpath=tmp_path, monitor="epoch_score", save_on_train_epoch_end=True),
+    }
+    callback, reader = monitors[monitoring], SeesScore()
     trainer = quiet_trainer(
         default_root_dir=tmp_path,
         max_epochs=4,
-        callbacks=[callback],
-        **({"enable_checkpointing": True} if monitoring == "ModelCheckpoint" else {}),
+        callbacks=[callback, reader],  # the monitoring callback first: it still runs after the module
+        enable_checkpointing=monitoring == "ModelCheckpoint",
     )
     trainer.fit(LogsAtEpochEnd(), _loader())
     if monitoring == "EarlyStopping":
         assert trainer.current_epoch == 2  # no improvement after epoch 0: stopped after epoch 1
     else:
         assert float(callback.best_model_score) == 1.0
+    assert reader.seen[0] is False  # as in Lightning, a plain callback runs before the module logs it
 
 
 class CountsStateDict(phalanx.Callback):
