@@ -85,7 +85,9 @@ class CheckpointConnector:
             precision_state = strategy.precision_plugin.state_dict()
             if precision_state:
                 checkpoint["precision_plugin"] = precision_state
-            checkpoint["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()}
+            # One state_dict() call per callback, as in Lightning: a callback may count or log its saves there.
+            states = ((callback.state_key, callback.state_dict()) for callback in trainer.callbacks)
+            checkpoint["callbacks"] = {key: state for key, state in states if state}
             checkpoint["rng_states"] = strategy.all_gather_object(collect_rng_states())
             if datamodule is not None:
                 state = datamodule.state_dict()
@@ -262,11 +264,36 @@ class CheckpointConnector:
                 )
         strategy.load_model_state_dict(checkpoint)
 
+    def restore_callbacks_and_datamodule(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the datamodule's state, then the callbacks': every ``on_load_checkpoint``, then every
+        ``load_state_dict`` (Lightning's order). Before ``on_fit_start``, which may rely on it (a finetuning callback
+        restores its parameter groups there)."""
+        trainer = self.trainer
+        module, datamodule = trainer.strategy.module, trainer.datamodule
+        if datamodule is not None:
+            datamodule.on_load_checkpoint(checkpoint)
+            if "datamodule" in checkpoint:
+                self._apply("['datamodule']", datamodule.load_state_dict, checkpoint["datamodule"])
+        for callback in trainer.callbacks:
+            callback.on_load_checkpoint(trainer, module, checkpoint)
+        callback_states = checkpoint.get("callbacks", {})
+        for callback in trainer.callbacks:
+            if callback.state_key in callback_states:
+                self._apply(
+                    f"['callbacks'][{callback.state_key!r}]",
+                    callback.load_state_dict,
+                    callback_states[callback.state_key],
+                )
+
     def restore_training_state(self, checkpoint: dict[str, Any]) -> None:
-        """Restore optimizers, schedulers, precision, callbacks, datamodule and loop progress (checked by ``load``)."""
+        """Restore precision, optimizers, schedulers and loop progress, after ``on_fit_start`` as in Lightning.
+
+        The optimizer states are checked against the optimizers as ``on_fit_start`` left them (a callback may have
+        added parameter groups there) before anything of them is applied.
+        """
         trainer = self.trainer
         strategy = trainer.strategy
-        module = strategy.module
+        self.check_training_state(checkpoint)
         if "precision_plugin" in checkpoint:
             self._apply(
                 "['precision_plugin']", strategy.precision_plugin.load_state_dict, checkpoint["precision_plugin"]
@@ -280,20 +307,6 @@ class CheckpointConnector:
             # steps "before optimizer.step()" when a resumed run's first action is an epoch-end scheduler step.
             for optimizer in strategy.optimizers:
                 optimizer._opt_called = True  # type: ignore[attr-defined]
-        callback_states = checkpoint.get("callbacks", {})
-        for callback in trainer.callbacks:
-            callback.on_load_checkpoint(trainer, module, checkpoint)
-            if callback.state_key in callback_states:
-                self._apply(
-                    f"['callbacks'][{callback.state_key!r}]",
-                    callback.load_state_dict,
-                    callback_states[callback.state_key],
-                )
-        datamodule = trainer.datamodule
-        if datamodule is not None:
-            datamodule.on_load_checkpoint(checkpoint)
-            if "datamodule" in checkpoint:
-                self._apply("['datamodule']", datamodule.load_state_dict, checkpoint["datamodule"])
         rng_states = checkpoint["rng_states"]
         rank = strategy.global_rank
         own_rng = rng_states[rank] if rank < len(rng_states) else None

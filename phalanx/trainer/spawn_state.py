@@ -60,6 +60,7 @@ class TrainerWorkerState:
             progress["total_batches"],
             progress["phase"],
         )
+        loop._epoch_open = progress["epoch_open"]
         trainer._metrics.callback = state["callback_metrics"]
         trainer._run.preempted = state["preempted"]
         trainer._metrics.logged = state["logged_metrics"]

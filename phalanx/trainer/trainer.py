@@ -37,6 +37,7 @@ from phalanx.trainer.loops.data import DataSource, prepare_dataloader
 from phalanx.trainer.loops.fit_data import prepare_train_data
 from phalanx.trainer.loops.fit_loop import FitLoop
 from phalanx.trainer.loops.nonfinite import check_nonfinite_mode
+from phalanx.trainer.loops.optimizer import AccumulationSetting
 from phalanx.trainer.preemption import PREEMPTED_EXIT_CODE, Preemption
 from phalanx.trainer.stages import (
     check_datamodule,
@@ -255,6 +256,9 @@ class Trainer(DeviceProperties):
         instead = RENAMED_TRAINER_ATTRIBUTES.get(name)
         hint = f"; Lightning's trainer.{name} is {instead} in phalanx" if instead else ""
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}{hint}")
+
+    accumulate_grad_batches = AccumulationSetting()
+    """Batches whose gradients are accumulated before each optimizer step; a callback may change it during fit."""
 
     # ------------------------------------------------------------------ per-run state (declared in RunState)
     should_stop: RunField[bool] = RunField(writable=True)
