@@ -141,8 +141,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             return None
         try:
             result = function(self, *args, **kwargs)
-        except BaseException:
-            self._finalize_loggers("failed")
+        except BaseException as error:
+            self._finalize_loggers("failed", handling=error)
             raise
         self._finalize_loggers("success")  # the function is the whole run: its logs are complete
         return result

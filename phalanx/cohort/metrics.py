@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import Tensor, nn
 
 from phalanx.cohort.guards import report_nonfinite
+from phalanx.utilities.cleanup import method_calls, run_every
 
 if TYPE_CHECKING:
     from phalanx.cohort.cohort import Cohort
@@ -145,6 +146,7 @@ class CohortLogging:
             metrics = {name: self.all_reduce(value, reduce_op=reduce_fx) for name, value in metrics.items()}
         self._write(metrics, None, caller)
 
-    def _finalize_loggers(self, status: str) -> None:
-        for logger in self._loggers:
-            logger.finalize(status)
+    def _finalize_loggers(self, status: str, handling: BaseException | None = None) -> None:
+        # Every logger is finalised, also after one raised; the error that ended the function (``handling``) stays
+        # the one raised, with the loggers' failures as notes (without one, the first failure is raised).
+        run_every(method_calls(self._loggers, "finalize", status), handling=handling)

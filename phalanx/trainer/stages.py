@@ -16,6 +16,7 @@ import torch
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.strategies.migration import refuse_trainer_launcher
+from phalanx.trainer.chosen_checkpoint import chosen_ckpt_path
 from phalanx.trainer.logging.loggers_and_callbacks import agree_on_log_versions, merge_module_callbacks
 from phalanx.trainer.loops.data import DataSource, limited_batches, prepare_dataloader
 from phalanx.trainer.loops.evaluation_loop import (
@@ -30,6 +31,7 @@ from phalanx.trainer.loops.optimizer import prepare_optimization
 from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.spawn_state import TrainerWorkerState
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerStatus
+from phalanx.utilities.cleanup import method_calls, run_every
 from phalanx.utilities.compile import unwrap_compiled
 from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
 
@@ -60,6 +62,7 @@ def start(trainer: Trainer, fn: TrainerFn, run: Callable[..., Any], *args: Any) 
     trainer.state.status = TrainerStatus.RUNNING
     trainer._run.should_stop = False
     trainer._run.stop_now = False
+    trainer._run.loggers_finalized = False
     try:
         launcher = trainer.strategy.launcher
         worker_state = None
@@ -91,8 +94,13 @@ def _fail(trainer: Trainer, exception: BaseException) -> None:
     try:
         trainer.strategy.on_exception(exception)  # may stop other processes, or raise a clearer error
     finally:
-        for logger in trainer.loggers:
-            logger.finalize("interrupted" if interrupted else "failed")
+        # Unless teardown_run finalised them already (then a failure after that does not finalise twice): every logger
+        # is finalised, and a failing one only adds a note, so that the error that stopped the run is the one raised.
+        if not trainer._run.loggers_finalized:
+            run_every(
+                method_calls(trainer.loggers, "finalize", "interrupted" if interrupted else "failed"),
+                handling=exception,
+            )
         trainer.strategy.teardown()
 
 
@@ -167,8 +175,9 @@ def teardown_run(trainer: Trainer, module: TrainingModule) -> None:
     for callback in trainer.callbacks:
         callback.teardown(trainer, module, stage)
     module.teardown(stage)
-    for logger in trainer.loggers:
-        logger.finalize("success")
+    trainer._run.loggers_finalized = True
+    # Every logger is finalised (a failing one does not cost the others their data); then the first failure is raised.
+    run_every(method_calls(trainer.loggers, "finalize", "success"))
     trainer.strategy.teardown()
     trainer._run.results = None
 
@@ -225,6 +234,7 @@ def _run_fit_loop(trainer: Trainer) -> None:
 def module_for_evaluation(trainer: Trainer, model: Any, ckpt_path: Any, method: str) -> tuple[TrainingModule, Any]:
     """The module ``validate``/``test``/``predict`` run (the fitted one when none is given) and the checkpoint to load
     (the best one of the previous fit by default)."""
+    ckpt_path = chosen_ckpt_path(trainer, ckpt_path, method)
     if model is not None:
         return check_module(model, method), ckpt_path
     if trainer.strategy.module is None:
