@@ -158,8 +158,8 @@ def refuse_deletion(name: str) -> None:
     """Raise an AttributeError for ``del trainer.name`` of a setting or a collaborator: the Trainer reads them."""
     if name in ASSIGNABLE or name in READ_ONLY or name in ("state", "fit_loop", "logger"):
         raise AttributeError(
-            f"trainer.{name} cannot be deleted: the Trainer reads it. Assign a valid value instead, or build a new"
-            f" Trainer."
+            f"trainer.{name} cannot be deleted: the Trainer reads it."
+            f" Assign a valid value instead, or build a new Trainer."
         )
 
 
