@@ -3,9 +3,9 @@ the reason when the Trainer used it at construction only.
 
 ``Trainer.__setattr__`` sends every assignment here. A setting in :data:`ASSIGNABLE` is checked (and resolved: None
 becomes the default, as in the constructor) once the Trainer holds it, so the constructor's own first assignments are
-not checked twice; a name in :data:`READ_ONLY` is refused with its reason. Lightning 2.6 lets most of these be
-assigned without any check (``trainer.limit_train_batches = -1`` fails much later, or not at all); its read-only
-``max_epochs``/``max_steps`` are assigned through ``trainer.fit_loop``, which phalanx honours too (see ``FitLoop``).
+not checked twice; a name in :data:`READ_ONLY` is refused with its reason. Lightning 2.6 checks none of these when
+they are assigned; its read-only ``max_epochs``/``max_steps`` are assigned through ``trainer.fit_loop``, which phalanx
+honours too (see ``FitLoop``).
 """
 
 from __future__ import annotations
