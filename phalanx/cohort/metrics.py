@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import Tensor, nn
 
 from phalanx.cohort.guards import report_nonfinite
-from phalanx.utilities.metric_objects import is_metric, is_metric_collection, loggable_items
 from phalanx.utilities.cleanup import method_calls, run_every
+from phalanx.utilities.metric_objects import is_metric, is_metric_collection, loggable_items
 
 if TYPE_CHECKING:
     from phalanx.cohort.cohort import Cohort

@@ -23,6 +23,7 @@ from phalanx.trainer.arguments import (
 from phalanx.trainer.logging.barebones import check_barebones_assignment
 from phalanx.trainer.logging.loggers_and_callbacks import callback_list
 from phalanx.trainer.loops.data import validate_limit
+from phalanx.trainer.profiling import resolve_profiler
 from phalanx.utilities.compile import check_compile
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ ASSIGNABLE: dict[str, Check] = {
     "compile": lambda trainer, value: check_compile(value, "Trainer"),
     "callbacks": lambda trainer, value: callback_list(value),
     "loggers": _loggers,
+    # As in Lightning, a profiler assigned between stages profiles the next ones (each stage sets it up anew).
+    "profiler": lambda trainer, value: resolve_profiler(value),
 }
 
 _STRATEGY = "the strategy was built from it at construction"
@@ -121,7 +124,6 @@ READ_ONLY: dict[str, str] = {
     **{name: _STRATEGY for name in ("strategy", "accelerator", "devices", "num_nodes", "precision", "plugins")},
     "sync_batchnorm": _STRATEGY,
     **{name: _CALLBACK for name in ("enable_checkpointing", "enable_progress_bar", "enable_model_summary")},
-    "profiler": "phalanx has no profiler integration",
     "model_registry": "phalanx has no model registry integration",
 }
 # Names the Trainer never holds as attributes of its own (constructor arguments it resolved into others, and

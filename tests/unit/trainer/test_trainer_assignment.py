@@ -49,6 +49,7 @@ BAD: dict[str, list[Any]] = {
     "detect_anomaly": ["True", 1],
     "nonfinite_loss": ["explode", None],
     "compile": ["yes", {"unknown": 1}, {"backend": 3}],
+    "profiler": ["fast", 3, object()],
 }
 #: Good values per assignable setting (None where the constructor takes it: it resolves to the same default).
 GOOD: dict[str, list[Any]] = {
@@ -176,6 +177,13 @@ OBJECTS: list[tuple[str, Any, Any]] = [
     ("compile", None, None),
     ("callbacks", None, []),
 ]
+
+
+@pytest.mark.parametrize(("value", "kept"), [("simple", "SimpleProfiler"), (None, "PassThroughProfiler")])
+def test_a_profiler_assigned_is_resolved_as_the_constructor_resolves_it(value: Any, kept: str) -> None:
+    trainer = _trainer()
+    trainer.profiler = value
+    assert type(trainer.profiler).__name__ == type(_trainer(profiler=value).profiler).__name__ == kept
 
 
 @pytest.mark.parametrize(("name", "value", "kept"), OBJECTS)
