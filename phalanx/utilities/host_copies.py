@@ -27,7 +27,10 @@ class _HostBuffer:
 
     def __init__(self, device: torch.device, size: int) -> None:
         self.dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
-        self.tensor = torch.empty(size, dtype=self.dtype, pin_memory=device.type == "cuda")
+        # A normal tensor even when first made inside inference mode (a validation's redraw): an inference tensor could
+        # not be copied into at a later redraw outside it.
+        with torch.inference_mode(False):
+            self.tensor = torch.empty(size, dtype=self.dtype, pin_memory=device.type == "cuda")
         self.view = self.tensor.numpy()
         self.names: tuple[str, ...] = ()
         self.integers: tuple[bool, ...] = ()

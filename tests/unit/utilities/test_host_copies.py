@@ -119,3 +119,19 @@ def test_a_pickled_reader_starts_empty_and_reads_correctly():
     copy = pickle.loads(pickle.dumps(copies))
     assert copy.read({"loss": torch.tensor(7.0)}) == {"loss": 7.0}
     assert copies.read({"loss": torch.tensor(3.0)}) == {"loss": 3.0}
+
+
+@pytest.mark.parametrize(
+    "modes",
+    [("inference", "normal"), ("normal", "inference"), ("inference", "inference"), ("no_grad", "normal")],
+    ids=lambda modes: "-then-".join(modes),
+)
+def test_reads_inside_and_outside_inference_mode_follow_each_other(modes):
+    """A validation redraws inside inference mode, training outside it: the buffer made at the first read must take the
+    copies of the next read whichever mode each runs in (an inference tensor refuses in-place copies outside it)."""
+    contexts = {"inference": torch.inference_mode, "normal": torch.enable_grad, "no_grad": torch.no_grad}
+    copies = HostCopies()
+    leaf = torch.tensor(1.5, requires_grad=True)
+    for step, mode in enumerate(modes):
+        with contexts[mode]():
+            assert copies.read({"loss": leaf * (step + 1)}) == {"loss": 1.5 * (step + 1)}
