@@ -18,7 +18,7 @@ _PUBLIC = {
 }
 
 # Subpackages reachable as attributes, as Lightning users write them: ``phalanx.callbacks.ModelCheckpoint(...)``.
-_SUBPACKAGES = ("accelerators", "callbacks", "loggers", "plugins", "strategies", "utilities")
+_SUBPACKAGES = ("accelerators", "callbacks", "loggers", "plugins", "profilers", "strategies", "utilities")
 
 if _typing.TYPE_CHECKING:
     from phalanx.callbacks.callback import Callback

@@ -18,6 +18,7 @@ from phalanx.module_loading import load_module_from_checkpoint
 from phalanx.module_toggling import toggle_requires_grad, untoggle_requires_grad
 from phalanx.utilities.apply import apply_to_tensors, move_to_device
 from phalanx.utilities.hparams import AttributeDict, select_hyperparameters
+from phalanx.utilities.metric_objects import loggable_items
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -355,11 +356,12 @@ class TrainingModule(nn.Module):
         sync_dist: bool = False,
         batch_size: int | None = None,
         add_dataloader_idx: bool = True,
+        metric_attribute: str | None = None,
     ) -> None:
-        """Record a scalar metric for the progress bar, the loggers and ``trainer.callback_metrics``.
+        """Record a scalar or a torchmetrics ``Metric`` for the progress bar, the loggers and ``callback_metrics``.
 
-        In ``training_step`` values are kept per step by default; in validation and test, and in epoch-end hooks,
-        they are averaged over the epoch (weighted by ``batch_size``, inferred from the batch when omitted).
+        In ``training_step`` values are kept per step by default, elsewhere averaged over the epoch (weighted by
+        ``batch_size``, inferred when omitted); a ``Metric`` gives its forward value per step, ``compute()`` per epoch.
         """
         trainer = self._trainer
         if trainer is None or trainer._run.results is None:
@@ -381,12 +383,12 @@ class TrainingModule(nn.Module):
             sync_dist=sync_dist,
             batch_size=batch_size,
             add_dataloader_idx=add_dataloader_idx,
+            metric_attribute=metric_attribute,
         )
 
-    def log_dict(self, dictionary: Mapping[str, Any], **kwargs: Any) -> None:
-        """``self.log`` each item of ``dictionary`` with the same options."""
-        if not isinstance(dictionary, Mapping):
-            raise TypeError(f"log_dict expects a mapping of names to values, got {type(dictionary).__name__}.")
+    def log_dict(self, dictionary: Mapping[str, Any] | Any, **kwargs: Any) -> None:
+        """``self.log`` each item of ``dictionary`` (a mapping, or a torchmetrics ``MetricCollection``) alike."""
+        dictionary = loggable_items(dictionary)
         cohort = _cohort_of(self) if self._trainer is None or self._trainer._run.results is None else None
         if cohort is not None:
             cohort._log_from_module(dictionary, "log_dict", **kwargs)  # one entry, as Cohort.log_dict writes

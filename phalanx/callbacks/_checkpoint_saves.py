@@ -9,6 +9,7 @@ broadcast, so that all ranks take the same path (and the collective calls stay p
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -186,8 +187,7 @@ class CheckpointSaves:
             failure=None if outcome == "copied" else f"could not copy {source} to {filepath}: {outcome}",
             is_link=False,
         )
-        for logger in trainer.loggers or []:
-            logger.after_save_checkpoint(self)
+        self._tell_loggers_when_written(trainer, filepath)
         return True
 
     def _links_last(self, trainer: Trainer) -> bool:
@@ -248,6 +248,31 @@ class CheckpointSaves:
             step()
         else:
             checkpoint_io.after_saves(step, otherwise=otherwise)
+
+    def _tell_loggers_when_written(self, trainer: Trainer, filepath: str) -> None:
+        """Call each logger's ``after_save_checkpoint`` once the checkpoint just saved is complete on disk (never where
+        its write failed): at once with a synchronous CheckpointIO, on the writer's thread after the write with
+        AsyncCheckpointIO, so that a logger uploading it never reads a partial file."""
+        loggers = list(trainer.loggers or [])
+        if not loggers:
+            return
+        issuing_thread = threading.get_ident()
+
+        def tell() -> None:
+            for logger in loggers:
+                try:
+                    logger.after_save_checkpoint(self)  # type: ignore[arg-type]
+                except Exception as error:
+                    if threading.get_ident() == issuing_thread:
+                        raise
+                    # On the writer's thread an error would read as a failed save and stop the steps queued after it
+                    # (last.ckpt's link among them): it is reported instead.
+                    rank_zero_warn(
+                        f"{type(logger).__name__}.after_save_checkpoint failed once {filepath} was written:"
+                        f" {type(error).__name__}: {error}"
+                    )
+
+        self._after_saves(trainer, tell)
 
     def _release_when_written(self, trainer: Trainer, filepath: str) -> None:
         """Give back ``filepath``'s reservation once its checkpoint is written, or its write failed."""
@@ -350,8 +375,7 @@ class CheckpointSaves:
         self._links.discard(filepath)
         if filepath != self.last_model_path:
             self._last_checkpoint_saved, self._last_checkpoint_step = filepath, trainer.global_step
-        for logger in trainer.loggers or []:
-            logger.after_save_checkpoint(self)
+        self._tell_loggers_when_written(trainer, filepath)
 
     def file_exists(self, filepath: str, trainer: Trainer) -> bool:
         """Whether ``filepath`` exists, as seen by rank 0 (so every rank takes the same decision)."""
@@ -368,11 +392,16 @@ class CheckpointSaves:
     def _resolve_dirpath(self, trainer: Trainer) -> str:
         if self.dirpath is not None:
             return self.dirpath
-        base = None
-        if trainer.loggers:
-            base = trainer.log_dir
-        if base is None:
+        logger = trainer.loggers[0] if trainer.loggers else None
+        if logger is None:
             base = trainer.default_root_dir
+        elif logger.log_dir is not None:
+            base = logger.log_dir
+        else:
+            # A tracker that keeps no run folder here (MLflow, W&B): save_dir/name/version, as Lightning names it.
+            version = logger.version
+            folder = version if isinstance(version, str) else f"version_{version}"
+            base = os.path.join(os.fspath(logger.save_dir or trainer.default_root_dir), str(logger.name), folder)
         return self._normalize_dir(os.path.join(os.fspath(base), "checkpoints"))
 
     def _warn_if_dir_not_empty(self, dirpath: str) -> None:

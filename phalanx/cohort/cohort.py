@@ -33,7 +33,7 @@ from phalanx.cohort.checkpoint import StateFilter, build_checkpoint, optimizer_i
 from phalanx.cohort.data import CohortData
 from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
 from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
-from phalanx.cohort.metrics import CohortLogging, attach, resolve_loggers
+from phalanx.cohort.metrics import CohortLogging, LoggerWorkerState, attach, resolve_loggers, share_logger_states
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.setup_checks import check_optimizers_given, check_placement
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
@@ -41,7 +41,14 @@ from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
-from phalanx.utilities.compile import Compiler, check_compile, compiler_for, split_unit, unwrap_compiled
+from phalanx.utilities.compile import (
+    Compiler,
+    check_compile,
+    compiler_for,
+    refuse_compiled_in_place,
+    split_unit,
+    unwrap_compiled,
+)
 from phalanx.utilities.seed import restore_rng_states
 
 _T = TypeVar("_T")
@@ -132,7 +139,9 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._launched = True
         if launcher is None:
             return self._run_launched(function, *args, **kwargs)
-        return launcher.launch(self._run_launched, function, *args, **kwargs)
+        # Rank 0's logger versions and run ids come back from spawned workers, for the loggers of this process.
+        state = LoggerWorkerState(self._loggers) if self._loggers else None
+        return launcher.launch(self._run_launched, function, *args, worker_state=state, **kwargs)
 
     def _run_launched(self, function: Callable[..., _T] | None, *args: Any, **kwargs: Any) -> _T | None:
         self._launched = True
@@ -141,8 +150,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             return None
         try:
             result = function(self, *args, **kwargs)
-        except BaseException:
-            self._finalize_loggers("failed")
+        except BaseException as error:
+            self._finalize_loggers("failed", handling=error)
             raise
         self._finalize_loggers("success")  # the function is the whole run: its logs are complete
         return result
@@ -158,6 +167,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             )
         self._environment_ready = True
         self._strategy.setup_environment()
+        if self._loggers:  # every rank names rank 0's logger version or tracker run
+            share_logger_states(self._loggers, self._strategy)
 
     # ------------------------------------------------------------------ model and optimizers
     def setup(self, module: nn.Module, *optimizers: Optimizer, move_to_device: bool = True) -> Any:
@@ -242,6 +253,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             with strategy.tensor_init_context(), strategy.model_sharded_context():
                 configure_model()
         strategy.connect(module)
+        refuse_compiled_in_place(module, self._compile, "Cohort")
         compiler = compiler_for(self._compile, compiled_with, "Cohort")
         strategy.setup(
             RunSettings(

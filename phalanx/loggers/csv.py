@@ -11,7 +11,8 @@ import os
 import re
 from typing import Any
 
-from phalanx.loggers.logger import _DirectoryLogger, _to_dict, _to_scalar
+from phalanx.loggers.logger import _DirectoryLogger
+from phalanx.loggers.utilities import convert_params, to_scalar
 from phalanx.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 HPARAMS_FILE = "hparams.yaml"
@@ -86,7 +87,7 @@ def _yaml_inline(value: Any) -> str:
 
 def hparams_to_yaml(params: dict[str, Any] | argparse.Namespace) -> str:
     """Return hyperparameters as YAML text (plain values as-is, other objects as quoted reprs)."""
-    params = _to_dict(params)
+    params = convert_params(params)
     if not params:
         return "{}\n"
     return "\n".join(_yaml_lines(params, 0)) + "\n"
@@ -141,7 +142,7 @@ class CSVLogger(_DirectoryLogger):
         row: dict[str, Any] = {"step": self._calls if step is None else int(step)}
         for key, value in metrics.items():
             name = self._prefixed(str(key))
-            row[name] = _to_scalar(name, value)
+            row[name] = to_scalar(name, value)
             if name not in self._keys:
                 self._keys.append(name)
         self._rows.append(row)
@@ -151,7 +152,7 @@ class CSVLogger(_DirectoryLogger):
 
     def log_hyperparams(self, params: dict[str, Any] | argparse.Namespace) -> None:
         """Merge ``params`` into :attr:`hparams` and write them all to ``hparams.yaml``."""
-        self.hparams.update(_to_dict(params))
+        self.hparams.update(convert_params(params))
         self._write_hparams()
 
     @rank_zero_only

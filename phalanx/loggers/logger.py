@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import numbers
 import os
 import re
 from abc import ABC, abstractmethod
-from typing import Any
+from functools import wraps
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from phalanx.utilities.messages import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_only
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from phalanx.callbacks.model_checkpoint import ModelCheckpoint
+
+_T = TypeVar("_T")
 
 _VERSION_DIR = re.compile(r"^version_(\d+)$")
 # Created in the version folder of an fsspec URL to claim it (see ``_claim_url_version``).
@@ -60,8 +67,18 @@ class Logger(ABC):
         """Close the run; ``status`` is "success", "failed" or "interrupted". Saves by default."""
         self.save()
 
-    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
-        """Hook called after the checkpoint callback saved a checkpoint; a no-op by default."""
+    def log_graph(self, model: nn.Module, input_array: Any = None) -> None:
+        """Record the model's graph (at the start of fit, unless forward runs collectives); a no-op by default."""
+
+    def after_save_checkpoint(self, checkpoint_callback: ModelCheckpoint) -> None:
+        """Called on every rank once a checkpoint of ``checkpoint_callback`` is complete on disk; a no-op by default."""
+
+    def shared_state(self) -> dict[str, Any]:
+        """On global rank 0 at the start of each stage: what the other ranks adopt to name the same run (picklable)."""
+        return {}
+
+    def adopt_shared_state(self, state: dict[str, Any]) -> None:
+        """On the other ranks: take over rank 0's ``shared_state()`` (its version or run id); a no-op by default."""
 
     def worker_state(self) -> dict[str, Any]:
         """What global rank 0's copy hands back to the main process after a spawned or forked stage (nothing here)."""
@@ -69,6 +86,42 @@ class Logger(ABC):
 
     def load_worker_state(self, state: dict[str, Any]) -> None:
         """In the main process: take over ``worker_state()`` of rank 0's copy, so later stages log to the same run."""
+
+
+class DummyExperiment:
+    """What ``experiment`` returns on ranks other than 0: every attribute is a method that does nothing."""
+
+    def nop(self, *args: Any, **kwargs: Any) -> None:
+        """Do nothing."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return self.nop
+
+    def __getitem__(self, index: Any) -> DummyExperiment:
+        return self
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+def rank_zero_experiment(fn: Callable[[Any], _T]) -> Callable[[Any], _T | DummyExperiment]:
+    """Decorate a logger's ``experiment`` getter: global rank 0 gets the real object, every other rank a
+    :class:`DummyExperiment` (so the tracker's run is created and written by rank 0 only).
+
+    Use it under ``@property``, as in Lightning::
+
+        @property
+        @rank_zero_experiment
+        def experiment(self) -> MyClient: ...
+    """
+
+    @wraps(fn)
+    def experiment(self: Any) -> _T | DummyExperiment:
+        if rank_zero_only.rank != 0:
+            return DummyExperiment()
+        return fn(self)
+
+    return experiment
 
 
 def _is_url(path: str) -> bool:
@@ -144,35 +197,6 @@ def _claim_url_version(root_dir: str) -> int:
             version += 1
 
 
-def _to_scalar(key: str, value: Any) -> int | float:
-    """Turn a metric value (number, numpy scalar, one-element tensor) into a Python number."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, numbers.Number) and not isinstance(value, complex):
-        return value  # type: ignore[return-value]
-    item = getattr(value, "item", None)
-    if callable(item):
-        numel = getattr(value, "numel", None)
-        size = numel() if callable(numel) else getattr(value, "size", 1)
-        if size != 1:
-            raise ValueError(f"Metric {key!r} must be a scalar, got a value with {size} elements.")
-        result = item()
-        if isinstance(result, bool):
-            return int(result)
-        if isinstance(result, (int, float)):
-            return result
-    raise TypeError(f"Metric {key!r} must be a number or a 0-dim tensor, got {type(value).__name__}.")
-
-
-def _to_dict(params: dict[str, Any] | argparse.Namespace) -> dict[str, Any]:
-    """Return hyperparameters as a plain dict (Namespaces, nested ones included, become dicts)."""
-    if isinstance(params, argparse.Namespace):
-        params = vars(params)
-    if not isinstance(params, dict):
-        raise TypeError(f"Hyperparameters must be a dict or argparse.Namespace, got {type(params).__name__}.")
-    return {key: _to_dict(value) if isinstance(value, argparse.Namespace) else value for key, value in params.items()}
-
-
 class _DirectoryLogger(Logger):
     """A logger that writes under ``save_dir/name/version_N`` (shared by CSV and TensorBoard loggers).
 
@@ -243,6 +267,15 @@ class _DirectoryLogger(Logger):
         folder = version if isinstance(version, str) else f"version_{version}"
         return os.path.join(self.root_dir, folder)
 
+    def shared_state(self) -> dict[str, Any]:
+        """Rank 0's version (claimed here if it was not yet): the folder every rank names."""
+        return {"version": self.version}
+
+    def adopt_shared_state(self, state: dict[str, Any]) -> None:
+        """Use rank 0's version."""
+        if state.get("version") is not None:
+            self.use_version(state["version"])
+
     def worker_state(self) -> dict[str, Any]:
         """The version rank 0 claimed (None if it never needed one) and the hyperparameters it logged."""
         return {"version": self._version, "hparams": dict(self.hparams)}
@@ -258,6 +291,27 @@ class _DirectoryLogger(Logger):
         return f"{self._prefix}-{key}" if self._prefix else key
 
 
+class _Broadcaster(Protocol):
+    is_global_zero: bool
+
+    def broadcast(self, obj: _T, src: int = 0) -> _T: ...
+
+
+def share_logger_states(loggers: list[Logger], strategy: _Broadcaster) -> None:
+    """Rank 0's ``shared_state()`` of each logger, adopted by the same logger on every other rank (one broadcast).
+
+    Called by every rank of a run when a stage starts (the Trainer) or the processes are set up (the Cohort), so
+    that all ranks name one version or tracker run; every rank broadcasts, whatever loggers it has.
+    """
+    zero = strategy.is_global_zero
+    states = strategy.broadcast([logger.shared_state() if zero else None for logger in loggers])
+    if zero:
+        return
+    for logger, state in zip(loggers, states):
+        if state is not None:
+            logger.adopt_shared_state(state)
+
+
 def logger_list(value: Any, *, argument: str, choices: str) -> list[Logger]:
     """``value`` (one Logger, or a list or tuple of them) as a list; a class or anything else is refused by name.
 
@@ -271,4 +325,29 @@ def logger_list(value: Any, *, argument: str, choices: str) -> list[Logger]:
         reject_class(name, item, Logger, "", arguments="save_dir=...")
         if not isinstance(item, Logger):
             raise TypeError(f"{name}={shown(item)} (of type {type(item).__name__}) is not a Logger; pass {choices}.")
+        _refuse_duplicate(items, index, argument)
     return items
+
+
+def _refuse_duplicate(items: list[Logger], index: int, argument: str) -> None:
+    """Refuse ``items[index]`` when an earlier item is the same logger, or writes the same files: each row would be
+    written twice."""
+    item = items[index]
+    for earlier, other in enumerate(items[:index]):
+        if other is item:
+            raise ValueError(
+                f"{argument}[{earlier}] and {argument}[{index}] are the same {type(item).__name__}: it would write"
+                f" every row twice. Pass each logger once."
+            )
+        if type(other) is type(item) and isinstance(item, _DirectoryLogger) and _same_folder(other, item):
+            raise ValueError(
+                f"{argument}[{earlier}] and {argument}[{index}] are two {type(item).__name__}s writing to the same"
+                f" folder (save_dir={item.save_dir!r}, name={item.name!r}, version={item._version!r}): every row"
+                f" would be written twice. Pass one of them, or give them different names or versions."
+            )
+
+
+def _same_folder(a: _DirectoryLogger, b: _DirectoryLogger) -> bool:
+    # Only versions given explicitly are compared: reading an automatic one would claim its folder.
+    same_version = a._version is not None and a._version == b._version
+    return same_version and os.path.abspath(a.root_dir) == os.path.abspath(b.root_dir)

@@ -138,15 +138,13 @@ def _check_directory_possible(path: Path, given: str) -> None:
 # Lightning Trainer arguments phalanx takes but has no integration for: accepted as None (their default), otherwise
 # refused at construction with what to do instead.
 _NOT_INTEGRATED = {
-    "profiler": "phalanx has no profiler integration; wrap trainer.fit(...) in torch.profiler.profile(...) or start"
-    " one in a Callback",
     "model_registry": "phalanx has no model registry integration; upload the checkpoint files ModelCheckpoint writes"
     " yourself",
 }
 
 
 def refuse_not_integrated(**arguments: Any) -> None:
-    """Raise for a Lightning argument phalanx accepts only as None (``profiler``, ``model_registry``)."""
+    """Raise for a Lightning argument phalanx accepts only as None (``model_registry``)."""
     for name, value in arguments.items():
         if value is not None:
             raise ValueError(

@@ -20,6 +20,7 @@ from phalanx.callbacks import EarlyStopping, ModelCheckpoint, ProgressBar
 from phalanx.callbacks.callback import Callback
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
+from phalanx.profilers import Profiler
 from phalanx.strategies.migration import refuse_trainer_parameters
 from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.resolve import resolve_strategy
@@ -27,7 +28,9 @@ from phalanx.strategies.strategy import Strategy
 from phalanx.trainer import arguments
 from phalanx.trainer.argument_checks import RENAMED_TRAINER_ATTRIBUTES
 from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, apply_process_switches, resolve_arguments
+from phalanx.trainer.assignment import checked_assignment, refuse_deletion
 from phalanx.trainer.checkpoint import CheckpointConnector
+from phalanx.trainer.chosen_checkpoint import ChosenCheckpoint, chosen_ckpt_path
 from phalanx.trainer.hooks import HookTable, overrides_gradient_clipping
 from phalanx.trainer.logging.barebones import BarebonesResults
 from phalanx.trainer.logging.metrics import LoggedMetrics
@@ -36,6 +39,7 @@ from phalanx.trainer.loops.data import DataSource, prepare_dataloader
 from phalanx.trainer.loops.fit_data import prepare_train_data
 from phalanx.trainer.loops.fit_loop import FitLoop
 from phalanx.trainer.loops.nonfinite import check_nonfinite_mode
+from phalanx.trainer.loops.optimizer import AccumulationSetting
 from phalanx.trainer.preemption import PREEMPTED_EXIT_CODE, Preemption
 from phalanx.trainer.stages import (
     check_datamodule,
@@ -56,7 +60,9 @@ class Trainer(DeviceProperties):
     The arguments mean what they mean in Lightning's Trainer; each is checked here, and a bad value raises a
     TypeError or ValueError naming the argument, the value and the valid choices (``logger=None`` is the default
     logger, as in Lightning; ``overfit_batches`` and ``reload_dataloaders_every_n_epochs``: see
-    :mod:`phalanx.trainer.loops.fit_data`; ``barebones``: see :mod:`phalanx.trainer.logging.barebones`).
+    :mod:`phalanx.trainer.loops.fit_data`; ``barebones``: see :mod:`phalanx.trainer.logging.barebones`;
+    ``profiler``: "simple", "advanced", "pytorch" or a :class:`~phalanx.profilers.Profiler`, see
+    :mod:`phalanx.trainer.profiling`; ``trainer.profiler`` is a PassThroughProfiler when none is given).
     Beyond Lightning:
 
     Args:
@@ -127,7 +133,7 @@ class Trainer(DeviceProperties):
         preemption: Preemption | bool = True,
         detect_anomaly: bool = False,
         nonfinite_loss: str = "warn",
-        profiler: None = None,
+        profiler: Profiler | str | None = None,
         model_registry: str | None = None,
         compile: bool | dict[str, Any] | None = None,  # see docs/compile.md
     ) -> None:
@@ -171,6 +177,7 @@ class Trainer(DeviceProperties):
         check_datamodule(datamodule)
         check_nonfinite_mode(self, module.automatic_optimization)
         source = DataSource(module, datamodule, train=train_dataloaders, validate=val_dataloaders)
+        ckpt_path = chosen_ckpt_path(self, ckpt_path, "fit")
         self._run.preempted = False
         self._run.train_dataloader = None  # built anew for this fit (estimated_stepping_batches may build it early)
         start(self, TrainerFn.FITTING, run_fit, module, source, ckpt_path)
@@ -247,19 +254,30 @@ class Trainer(DeviceProperties):
             self.strategy.checkpoint_io.teardown()  # waits for a background write and raises its error
         self.strategy.barrier("Trainer.save_checkpoint")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A setting assigned after construction is checked as the constructor checks it, or refused if read-only.
+        super().__setattr__(*checked_assignment(self, name, value))
+
+    def __delattr__(self, name: str) -> None:
+        refuse_deletion(name)
+        super().__delattr__(name)
+
     def __getattr__(self, name: str) -> Any:
         # Reached only when normal lookup fails: name the phalanx spelling of a Lightning attribute.
         instead = RENAMED_TRAINER_ATTRIBUTES.get(name)
         hint = f"; Lightning's trainer.{name} is {instead} in phalanx" if instead else ""
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}{hint}")
 
+    accumulate_grad_batches = AccumulationSetting()
+    """Batches whose gradients are accumulated before each optimizer step; a callback may change it during fit."""
+
     # ------------------------------------------------------------------ per-run state (declared in RunState)
     should_stop: RunField[bool] = RunField(writable=True)
     """Set to True (by a callback, say) to stop fit after the current batch, once min_epochs/min_steps allow."""
     preempted: RunField[bool] = RunField()
     """Whether the last fit stopped on a preemption signal (after saving a checkpoint)."""
-    ckpt_path: RunField[str | None] = RunField(writable=True)
-    """The checkpoint the current (or last) run started from, resolved ('last', 'best', 'auto' become a path)."""
+    ckpt_path: RunField[str | None] = ChosenCheckpoint()
+    """The checkpoint the current (or last) run started from, resolved; assigning one chooses it for the next stages."""
     datamodule: RunField[DataModule | None] = RunField(writable=True)
     """The DataModule of the current (or last) run, or None."""
     num_training_batches: RunField[int | float] = RunField()
@@ -328,9 +346,9 @@ class Trainer(DeviceProperties):
 
     @property
     def log_dir(self) -> str:
-        """The first logger's directory, or ``default_root_dir`` without loggers."""
-        if self.loggers and self.loggers[0].log_dir is not None:
-            return self.loggers[0].log_dir
+        """The first logger's directory (its ``save_dir`` when it has none), or ``default_root_dir``."""
+        if self.loggers:
+            return self.loggers[0].log_dir or self.loggers[0].save_dir or self.default_root_dir
         return self.default_root_dir
 
     @property

@@ -3,6 +3,7 @@ module compiled in place (the model, or each repeated block), so that its state 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -165,10 +166,12 @@ def compile_in_place(module: nn.Module, compiler: Compiler, unit: CompileUnit = 
     targets = compile_targets(module, unit)
     for target in targets:
         if target is module:
-            module.forward = compiler(module.forward)
+            # The class's forward, not one compiled at an earlier stage (fit, then test), which this would wrap again.
+            module.forward = compiler(type(module).forward.__get__(module))
         else:
             # The attribute nn.Module.compile sets; set here so that the context of a user's torch.compile applies too.
             target._compiled_call_impl = compiler(target._call_impl)  # type: ignore[assignment]
+            _COMPILED_HERE[target] = target._compiled_call_impl
     return targets
 
 
@@ -193,6 +196,26 @@ def running_eagerly() -> Iterator[None]:
         yield
 
 
+# What compile_in_place compiled, and with what: a later stage may compile it again; a user's module.compile() not.
+_COMPILED_HERE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def refuse_compiled_in_place(module: nn.Module, options: Mapping[str, Any] | None, owner: str) -> None:
+    """Refuse ``compile=`` options for a module the user compiled in place (``module.compile(...)``, on it or on one
+    of its submodules): compiling the run would silently replace that compilation's backend and options."""
+    if options is None:
+        return
+    for name, submodule in module.named_modules():
+        compiled = getattr(submodule, "_compiled_call_impl", None)
+        if compiled is not None and _COMPILED_HERE.get(submodule) is not compiled:
+            what = "The model" if not name else f"The model's submodule {name!r}"
+            raise ValueError(
+                f"{what} was compiled in place with .compile(...) and {owner} has compile=... too, which would replace"
+                f" that compilation (its backend and options). Pass {owner}(compile=...) with a model not compiled,"
+                f" or the compiled model without compile=."
+            )
+
+
 __all__ = [
     "COMPILE_OPTIONS",
     "COMPILE_UNITS",
@@ -205,6 +228,7 @@ __all__ = [
     "compiler_for",
     "describe_targets",
     "model_unit",
+    "refuse_compiled_in_place",
     "repeated_blocks",
     "running_eagerly",
     "split_unit",

@@ -18,10 +18,12 @@ ROOT = Path(phalanx.__file__).parent
 #: package -> the phalanx packages it must never import at run time ("*": every other phalanx package)
 FORBIDDEN = {
     "utilities": ("*",),
-    "accelerators": ("strategies", "trainer", "cohort", "callbacks"),
-    "plugins": ("strategies", "trainer", "cohort", "callbacks"),
-    "strategies": ("trainer", "cohort", "callbacks"),
+    "accelerators": ("strategies", "trainer", "cohort", "callbacks", "profilers"),
+    "plugins": ("strategies", "trainer", "cohort", "callbacks", "profilers"),
+    "strategies": ("trainer", "cohort", "callbacks", "profilers"),
     "cohort": ("trainer",),
+    # Profilers sit beside the callbacks: the Trainer drives them, and they know nothing of what they time.
+    "profilers": ("accelerators", "plugins", "strategies", "trainer", "cohort", "callbacks"),
 }
 
 # The TrainingModule is split over top-level files that import each other; they are one node of the graph.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 PUBLIC = ["Callback", "Cohort", "DataModule", "Trainer", "TrainingModule", "seed_everything"]
-SUBPACKAGES = ["accelerators", "callbacks", "loggers", "plugins", "strategies", "utilities"]
+SUBPACKAGES = ["accelerators", "callbacks", "loggers", "plugins", "profilers", "strategies", "utilities"]
 HELPERS = ["Any", "TYPE_CHECKING", "annotations", "importlib", "typing"]
 
 

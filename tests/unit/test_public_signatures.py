@@ -15,6 +15,7 @@ _PACKAGES = (
     "phalanx",
     "phalanx.callbacks",
     "phalanx.loggers",
+    "phalanx.profilers",
     "phalanx.strategies",
     "phalanx.plugins",
     "phalanx.accelerators",

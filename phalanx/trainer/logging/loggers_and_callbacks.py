@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
 from phalanx.callbacks.callback import Callback
 from phalanx.loggers import CSVLogger, Logger
-from phalanx.loggers.logger import _DirectoryLogger, logger_list
+from phalanx.loggers.logger import logger_list, share_logger_states
 from phalanx.utilities.messages import reject_class, shown
 
 if TYPE_CHECKING:
@@ -30,28 +30,21 @@ def build_loggers(logger: Any, *, default_root_dir: str) -> list[Logger]:
 
 
 def agree_on_log_versions(trainer: Trainer) -> None:
-    """Give every rank the versions global rank 0's loggers use (rank 0 claims its ``version_N`` folders here).
+    """Give every rank the run global rank 0's loggers write to (rank 0 claims its ``version_N`` folders, or creates
+    its tracker runs, here): ``Logger.shared_state`` on rank 0, ``adopt_shared_state`` on the others.
 
     Each rank would otherwise compute its own, and a run started in the same folder between rank 0's claim and
     another rank's count makes that rank name ``version_N+1``, a folder that run owns (Lightning broadcasts it too).
     One broadcast per stage on every rank, whatever loggers each has, so that no rank waits for another.
     """
-    strategy = trainer.strategy
-    mine = [
-        logger.version if strategy.is_global_zero and isinstance(logger, _DirectoryLogger) else None
-        for logger in trainer.loggers
-    ]
-    versions = strategy.broadcast(mine)
-    for logger, version in zip(trainer.loggers, versions):
-        if version is not None and isinstance(logger, _DirectoryLogger):
-            logger.use_version(version)
+    share_logger_states(trainer.loggers, trainer.strategy)
 
 
 def build_callbacks(
     callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool
 ) -> list[Callback]:
     """The user's callbacks, checked, plus the default checkpoint, progress bar and summary callbacks left enabled."""
-    items = _callback_list(callbacks)
+    items = callback_list(callbacks)
     if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
         items.append(ModelCheckpoint())
     elif not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in items):
@@ -65,7 +58,8 @@ def build_callbacks(
     return checkpoints_last(items)
 
 
-def _callback_list(callbacks: Any) -> list[Callback]:
+def callback_list(callbacks: Any) -> list[Callback]:
+    """``callbacks=`` (None, one Callback, or a list or tuple of them) as a list; anything else is refused by name."""
     reject_class("callbacks", callbacks, Callback, "")
     if callbacks is None:
         items: list[Callback] = []
@@ -109,4 +103,11 @@ def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
     ]
 
 
-__all__ = ["agree_on_log_versions", "build_callbacks", "build_loggers", "checkpoints_last", "merge_module_callbacks"]
+__all__ = [
+    "agree_on_log_versions",
+    "build_callbacks",
+    "build_loggers",
+    "callback_list",
+    "checkpoints_last",
+    "merge_module_callbacks",
+]

@@ -85,16 +85,32 @@ class LoggedMetrics:
         self._send(logged, step=step)
 
     def log_hyperparameters(self, module: TrainingModule) -> None:
-        """Send the hyperparameters of ``module`` and of the Trainer's datamodule to the loggers."""
+        """At the start of fit, as Lightning: each logger gets the hyperparameters of ``module`` and of the Trainer's
+        datamodule (unless both were saved with ``logger=False``), then ``log_graph(module)``, then ``save()``."""
         trainer = self._trainer
         if not trainer.loggers:
             return
-        params = dict(module.hparams) if getattr(module, "_log_hyperparams", True) else {}
-        if trainer.datamodule is not None:
-            params.update(trainer.datamodule.hparams)
-        if params:
-            for logger in trainer.loggers:
+        datamodule = trainer.datamodule
+        from_module = getattr(module, "_log_hyperparams", True)
+        from_datamodule = datamodule is not None and getattr(datamodule, "_log_hyperparams", True)
+        params = None
+        if from_module or from_datamodule:
+            params = {
+                **(dict(module.hparams) if from_module else {}),
+                **(datamodule.hparams if from_datamodule else {}),
+            }
+        # A graph is traced by a forward pass on rank 0 alone: where forward passes run collectives (sharded models on
+        # several processes), that would wait forever for the other ranks, so no graph is traced there.
+        strategy = trainer.strategy
+        traced = strategy.world_size == 1 or not (
+            strategy.traits.pads_evaluation or strategy.traits.requires_equal_batches
+        )
+        for logger in trainer.loggers:
+            if params is not None:
                 logger.log_hyperparams(params)
+            if traced:
+                logger.log_graph(module)
+            logger.save()
 
     def _send(self, metrics: dict[str, Tensor], step: int | None = None, with_epoch: bool = True) -> None:
         trainer = self._trainer

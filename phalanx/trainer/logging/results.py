@@ -1,4 +1,9 @@
-"""What ``self.log`` records: per-step values and per-epoch aggregates, kept as tensors until someone reads them."""
+"""What ``self.log`` records: per-step values and per-epoch aggregates, kept as tensors until someone reads them.
+
+A torchmetrics ``Metric`` is logged as Lightning logs it: its forward value (the batch's) as the step value, its
+``compute()`` over the epoch (synchronised across processes by torchmetrics itself) as the epoch value, and it is
+reset when its results are.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from phalanx.utilities.metric_objects import check_metric_attribute, is_metric, is_metric_collection
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -51,6 +57,8 @@ class _LoggedMetric:
         "step_value",
         "total",
         "count",
+        "metric",
+        "computed",
     )
 
     def __init__(
@@ -67,6 +75,8 @@ class _LoggedMetric:
         self.step_value: Tensor | None = None
         self.total: Tensor | None = None
         self.count = 0.0
+        self.metric: Any = None  # the torchmetrics Metric logged under this name, if it is one
+        self.computed: Tensor | None = None  # its compute() of this epoch, until it is logged again
 
     def accumulate(self, value: Tensor, batch_size: int) -> None:
         if self.total is None:
@@ -82,6 +92,11 @@ class _LoggedMetric:
         self.count += batch_size
 
     def epoch_value(self, strategy: Strategy) -> Tensor | None:
+        if self.metric is not None:
+            if self.computed is None:
+                # Every rank gets here for every metric in the same order, as torchmetrics' gathering needs.
+                self.computed = _scalar(self.name, self.metric.compute(), "compute() value")
+            return self.computed
         if self.total is None:
             return None
         total = self.total
@@ -150,15 +165,23 @@ class LoggedResults:
         sync_dist: bool,
         batch_size: int | None,
         add_dataloader_idx: bool,
+        metric_attribute: str | None = None,
     ) -> None:
         """Record ``value`` under ``name`` (see ``TrainingModule.log``)."""
         if self.multiple_dataloaders and add_dataloader_idx:
             name = f"{name}/dataloader_idx_{self.dataloader_idx}"
+        is_object = not isinstance(value, Tensor) and is_metric(value)
         metric = self._metrics.get((fx_name, name))
         if metric is None:
+            # A Metric synchronises itself (torchmetrics gathers its states in compute()): sync_dist is not applied to
+            # it, as in Lightning, and it counts as synchronised.
+            sync_dist = sync_dist or is_object
             metric = self._new_metric(fx_name, name, prog_bar, logger, on_step, on_epoch, reduce_fx, sync_dist)
             if self.multiple_dataloaders and add_dataloader_idx:
                 metric.dataloader_idx = self.dataloader_idx
+        if is_object or metric.metric is not None:
+            self._follow(metric, fx_name, value, metric_attribute)
+            return
         value = self._as_tensor(name, value)
         if metric.on_step:
             metric.step_value = self._strategy.reduce(value, reduce_op=reduce_fx) if sync_dist else value
@@ -205,6 +228,24 @@ class LoggedResults:
         self._metrics[(fx_name, name)] = metric
         return metric
 
+    def _follow(self, metric: _LoggedMetric, fx_name: str | None, value: Any, metric_attribute: str | None) -> None:
+        """Log the torchmetrics Metric ``value`` under ``metric``'s name: its forward value now, compute() later."""
+        plain_before = metric.metric is None and (metric.total is not None or metric.step_value is not None)
+        if plain_before or not is_metric(value):
+            raise TypeError(
+                f"self.log({metric.name!r}, ...) in {fx_name} got a torchmetrics Metric and plain values for one name."
+                " Log either a Metric or numbers and tensors under a name."
+            )
+        if value is not metric.metric:
+            if metric_attribute is None:
+                check_metric_attribute(self._strategy.module, value, metric.name.partition("/dataloader_idx_")[0])
+            metric.metric = value
+        metric.computed = None  # an update since the last compute() changes it
+        if metric.on_step:
+            forward = value._forward_cache  # None when only update() ran: no step value, as in Lightning
+            metric.step_value = None if forward is None else _scalar(metric.name, forward, "forward value")
+            self.step_updated = self.step_updated or forward is not None
+
     def _as_tensor(self, name: str, value: Any) -> Tensor:
         if isinstance(value, Tensor):
             if value.numel() != 1:
@@ -217,7 +258,15 @@ class LoggedResults:
             return value.reshape(())
         if isinstance(value, numbers.Number) and not isinstance(value, complex):
             return torch.tensor(float(value))
-        raise TypeError(f"self.log({name!r}, ...) got {type(value).__name__}; log a number or a one-element tensor.")
+        if is_metric_collection(value):
+            raise TypeError(
+                f"self.log({name!r}, ...) got a torchmetrics MetricCollection; log it with self.log_dict(collection),"
+                " which logs each of its metrics under its own name."
+            )
+        kind = type(value).__name__
+        raise TypeError(
+            f"self.log({name!r}, ...) got {kind}; log a number, a one-element tensor or a torchmetrics Metric."
+        )
 
     def _names(self, metric: _LoggedMetric, kind: str) -> str:
         if metric.on_step and metric.on_epoch:
@@ -265,6 +314,21 @@ class LoggedResults:
         return callback, logged, bar
 
     def reset(self) -> None:
-        """Forget everything (a new epoch or run begins)."""
+        """Forget everything (an epoch or stage ended, or a new one begins), and reset the torchmetrics Metrics
+        logged, as Lightning does at the same points."""
+        for metric in self._metrics.values():
+            if metric.metric is not None:
+                metric.metric.reset()
         self._metrics.clear()
         self.step_updated = False
+
+
+def _scalar(name: str, value: Any, what: str) -> Tensor:
+    """A logged Metric's forward or compute() value, detached; refused unless it is a one-element tensor."""
+    if not isinstance(value, Tensor) or value.numel() != 1:
+        shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(
+            f"self.log({name!r}, <Metric>): its {what} is {shown}, but a logged Metric must give one number."
+            " Log a Metric that reduces to one value (e.g. average='macro'), or log the parts of compute() yourself."
+        )
+    return value.detach().reshape(())

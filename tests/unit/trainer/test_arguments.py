@@ -13,6 +13,7 @@ import torch
 import phalanx
 from phalanx.callbacks import EarlyStopping, ModelCheckpoint, ModelSummary, TQDMProgressBar
 from phalanx.loggers import CSVLogger
+from phalanx.profilers import PassThroughProfiler
 from phalanx.trainer import Preemption
 from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, TrainerSettings, apply_process_switches, resolve_arguments
 from phalanx.utilities.enums import GradClipAlgorithmType
@@ -123,6 +124,8 @@ def test_each_setting_is_the_trainer_attribute_of_its_name(tmp_path):
             assert [type(item) for item in getattr(trainer, name)] == [type(item) for item in value], name
         elif name == "preemption":
             assert type(trainer.preemption) is type(value) is Preemption
+        elif name == "profiler":  # made anew: a PassThroughProfiler for None
+            assert type(trainer.profiler) is type(value) is PassThroughProfiler
         else:
             assert getattr(trainer, name) == value, name
 

@@ -29,20 +29,30 @@ class _Logger:
     def __init__(self) -> None:
         self.metrics: list[tuple[dict[str, float], int]] = []
         self.hparams: list[dict[str, Any]] = []
+        self.calls: list[str] = []
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.metrics.append((metrics, step))
 
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         self.hparams.append(params)
+        self.calls.append("log_hyperparams")
+
+    def log_graph(self, model: Any) -> None:
+        self.calls.append("log_graph")
+
+    def save(self) -> None:
+        self.calls.append("save")
 
 
-def _trainer(loggers: int = 1, datamodule: Any = None) -> SimpleNamespace:
+def _trainer(loggers: int = 1, datamodule: Any = None, world_size: int = 1, sharded: bool = False) -> SimpleNamespace:
+    traits = SimpleNamespace(pads_evaluation=sharded, requires_equal_batches=False)
     return SimpleNamespace(
         loggers=[_Logger() for _ in range(loggers)],
         current_epoch=2,
         fit_loop=SimpleNamespace(batches_stepped=7),
         datamodule=datamodule,
+        strategy=SimpleNamespace(world_size=world_size, traits=traits),
     )
 
 
@@ -95,20 +105,34 @@ def test_reset_starts_new_dictionaries_and_keeps_pending_step_values():
 
 
 @pytest.mark.parametrize(
-    ("log_hyperparams", "datamodule_hparams", "expected"),
+    ("module_hparams", "log_hyperparams", "datamodule_hparams", "expected"),
     [
-        (True, None, [{"lr": 0.1}]),
-        (True, {"batch_size": 4}, [{"lr": 0.1, "batch_size": 4}]),
-        (False, {"batch_size": 4}, [{"batch_size": 4}]),
-        (False, None, []),
+        ({"lr": 0.1}, True, None, [{"lr": 0.1}]),
+        ({"lr": 0.1}, True, {"batch_size": 4}, [{"lr": 0.1, "batch_size": 4}]),
+        ({"lr": 0.1}, False, {"batch_size": 4}, [{"batch_size": 4}]),
+        ({"lr": 0.1}, False, None, []),
+        # As Lightning: a module without hyperparameters logs its (empty) set, which TensorBoard's hp_metric needs.
+        ({}, True, None, [{}]),
     ],
 )
-def test_hyperparameters_of_the_module_and_datamodule_reach_the_loggers(log_hyperparams, datamodule_hparams, expected):
+def test_hyperparameters_of_the_module_and_datamodule_reach_the_loggers(
+    module_hparams, log_hyperparams, datamodule_hparams, expected
+):
     datamodule = SimpleNamespace(hparams=datamodule_hparams) if datamodule_hparams is not None else None
     trainer = _trainer(datamodule=datamodule)
-    module = SimpleNamespace(hparams={"lr": 0.1}, _log_hyperparams=log_hyperparams)
+    module = SimpleNamespace(hparams=module_hparams, _log_hyperparams=log_hyperparams)
     LoggedMetrics(trainer).log_hyperparameters(module)
     assert trainer.loggers[0].hparams == expected
+    assert trainer.loggers[0].calls == ["log_hyperparams"] * len(expected) + ["log_graph", "save"]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "sharded", "graph"), [(1, False, True), (2, False, True), (1, True, True), (2, True, False)]
+)
+def test_the_graph_is_not_traced_where_forward_passes_run_collectives_on_several_processes(world_size, sharded, graph):
+    trainer = _trainer(world_size=world_size, sharded=sharded)
+    LoggedMetrics(trainer).log_hyperparameters(SimpleNamespace(hparams={}, _log_hyperparams=True))
+    assert ("log_graph" in trainer.loggers[0].calls) == graph
 
 
 def test_without_loggers_nothing_is_sent_and_nothing_fails():
