@@ -129,6 +129,34 @@ def test_compiling_in_place_keeps_the_state_dict_and_the_outputs(
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize(("case", "make", "model", "blocks"), MODELS, ids=[row[0] for row in MODELS])
+@pytest.mark.parametrize("unit", ["model", "blocks"])
+def test_compiling_again_at_a_later_stage_never_compiles_a_compiled_callable(
+    case: str, make: Any, model: str, blocks: list[str], unit: str
+) -> None:
+    """fit, then test: each stage compiles the unit in place again; it must start from the module's own call."""
+    given: list[Any] = []
+    made: list[Any] = []
+
+    def compiler(function: Any) -> Any:
+        given.append(function)
+
+        def compiled(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs)
+
+        made.append(compiled)
+        return compiled
+
+    module = make()
+    x = torch.randn(3, 4)
+    eager = module(x)
+    for _ in range(2):
+        compile_in_place(module, compiler, unit)  # type: ignore[arg-type]
+    assert len(given) == 2 * len(compile_targets(module, unit))
+    assert not any(function in made for function in given)
+    torch.testing.assert_close(module(x), eager)
+
+
 @pytest.mark.parametrize(
     ("value", "options", "unit"),
     [
