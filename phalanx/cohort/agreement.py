@@ -59,6 +59,7 @@ class Agreement:
         self.rank = rank
         self.world_size = world_size
         self.calls = 0  # calls started by this process
+        self.gone: dict[int, int] = {}  # ranks known to have exited -> their calls: no later call can complete
 
     def agree(self, method: str, arguments: dict[str, str], timeout: float, wait_source: str) -> None:
         """Return once every rank is at call ``calls + 1`` with ``method`` and the same ``arguments``; raise a
@@ -66,6 +67,8 @@ class Agreement:
         """
         self.calls += 1
         call = self.calls
+        if self.gone:  # (a process group that lost a rank never completes a collective again)
+            raise RuntimeError(_exit_message(method, self.gone))
         store = self._store_of()
         entry = json.dumps({"call": call, "method": method, "arguments": arguments}, sort_keys=True)
         try:
@@ -85,8 +88,10 @@ class Agreement:
                 " has probably exited."
             ) from error
         found = json.loads(verdict)
+        if found["kind"] == "exited":
+            self.gone[found["rank"]] = found["calls"]
         if found["kind"] != "ok":
-            raise RuntimeError(_explain(found, method, self.rank, call))
+            raise RuntimeError(_explain(found, method, self.rank))
 
     def _judge(self, store: Any, call: int) -> str:
         entries = [json.loads(raw) for raw in store.multi_get([_entry_key(call, r) for r in range(self.world_size)])]
@@ -101,11 +106,11 @@ class Agreement:
             if not _is_timeout(error):
                 raise
             missing = self._missing(store, call)
-            exited = self._exited(store, missing)
+            self.gone.update(self._exited(store, missing))
             gave_up = json.dumps({"kind": "gave_up", "rank": self.rank, "method": method, "missing": missing})
             verdict = store.compare_set(_verdict_key(call), "", gave_up)
             if verdict == gave_up.encode():
-                raise _GaveUp(_timed_out(method, self.rank, missing, exited, timeout, wait_source)) from None
+                raise _GaveUp(_timed_out(method, self.rank, missing, self.gone, timeout, wait_source)) from None
             return verdict  # decided while this rank gave up
         return store.get(_verdict_key(call))
 
@@ -175,15 +180,19 @@ def _mismatch(entries: list[dict[str, Any]]) -> str:
     return f"Cohort.{method} was called with different arguments on the ranks ({' | '.join(parts)}).{advice}"
 
 
+def _exit_message(method: str, gone: dict[int, int]) -> str:
+    ranks = ", ".join(f"rank {rank} (after {calls} collective Cohort call(s))" for rank, calls in sorted(gone.items()))
+    return (
+        f"Cohort.{method} cannot complete: {ranks} exited (its process ended) without reaching it. Every rank must call"
+        " the same collective methods in the same order; a rank that ends early leaves the others waiting."
+    )
+
+
 def _timed_out(
-    method: str, rank: int, missing: list[int], exited: dict[int, int], timeout: float, wait_source: str
+    method: str, rank: int, missing: list[int], gone: dict[int, int], timeout: float, wait_source: str
 ) -> str:
-    if exited:
-        gone = ", ".join(f"rank {r} (after {calls} collective Cohort call(s))" for r, calls in exited.items())
-        return (
-            f"Cohort.{method} cannot complete: {gone} exited (its process ended) without reaching it. Every rank must"
-            " call the same collective methods in the same order; a rank that ends early leaves the others waiting."
-        )
+    if any(r in gone for r in missing):
+        return _exit_message(method, {r: gone[r] for r in missing if r in gone})
     return (
         f"Cohort.{method} must be called on every rank, but {_ranks(missing)} did not reach it within {timeout:g} s"
         f" (rank {rank} waited). A guard such as `if cohort.is_global_zero:` around a collective method deadlocks:"
@@ -191,17 +200,12 @@ def _timed_out(
     )
 
 
-def _explain(verdict: dict[str, Any], method: str, rank: int, call: int) -> str:
+def _explain(verdict: dict[str, Any], method: str, rank: int) -> str:
     kind = verdict["kind"]
     if kind == "mismatch":
         return verdict["text"]
     if kind == "exited":
-        return (
-            f"Cohort.{method} cannot complete: rank {verdict['rank']} exited (its process ended) after"
-            f" {verdict['calls']} collective Cohort call(s), without reaching this one (call {call} on rank {rank})."
-            " Every rank must call the same collective methods in the same order; a rank that ends early leaves the"
-            " others waiting."
-        )
+        return _exit_message(method, {verdict["rank"]: verdict["calls"]})
     return (
         f"Cohort.{method} cannot complete on rank {rank}: rank {verdict['rank']} stopped waiting for this call (at"
         f" Cohort.{verdict['method']}), because {_ranks(verdict['missing'])} had not reached it in time."
