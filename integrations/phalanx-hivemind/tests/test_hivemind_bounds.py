@@ -136,9 +136,10 @@ def test_a_joiner_whose_peers_left_ends_with_a_clear_error(tmp_path: Path, boots
     finally:
         strategy.teardown()
     elapsed = time.monotonic() - started
-    # The swarm's step (from the dead peer's progress, still in the DHT) and a bound: the timeout plus start-up costs.
+    # The swarm's step (from the dead peer's progress, still in the DHT) and a bound: reading the swarm's progress and
+    # the download (each within the timeout) plus start-up costs.
     assert reached >= 3
-    assert elapsed < 5.0 + 30.0, f"the failed download took {elapsed:.1f}s"
+    assert elapsed < 2 * 5.0 + 30.0, f"the failed download took {elapsed:.1f}s"
 
 
 def test_a_users_own_loop_trains_with_cohort(tmp_path: Path) -> None:
