@@ -44,14 +44,7 @@ from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
-from phalanx.utilities.compile import (
-    Compiler,
-    check_compile,
-    compiler_for,
-    refuse_compiled_in_place,
-    split_unit,
-    unwrap_compiled,
-)
+from phalanx.utilities.compile import check_compile, compiler_for, refuse_compiled_in_place, split_unit, unwrap_compiled
 from phalanx.utilities.seed import restore_rng_states
 
 _T = TypeVar("_T")
@@ -247,7 +240,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self,
         module: nn.Module,
         make_optimizers: Callable[[nn.Module], tuple[list[Optimizer], list[Any]]] | None,
-        compiled_with: Compiler | None,
+        compiled_with: Callable[..., Any] | None,  # a utilities.compile.Compiler
     ) -> None:
         self._ensure_environment()
         strategy = self._strategy
