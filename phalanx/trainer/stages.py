@@ -8,7 +8,6 @@ their loop and finish with :func:`teardown_run`.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -27,6 +26,7 @@ from phalanx.trainer.loops.evaluation_loop import (
 )
 from phalanx.trainer.loops.fit_data import prepare_fit_data
 from phalanx.trainer.loops.optimizer import prepare_optimization
+from phalanx.trainer.loops.prediction_writing import writers
 from phalanx.trainer.profiling import finish_profiling, start_profiling
 from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.spawn_state import TrainerWorkerState
@@ -203,8 +203,6 @@ def _train(trainer: Trainer) -> None:
     strategy = trainer.strategy
     strategy.on_train_start()
     trainer._hooks.call("on_train_start")
-    max_time = trainer._max_time
-    trainer._run.deadline = time.monotonic() + max_time if max_time is not None else None
     for optimizer in strategy.optimizers:
         optimizer.zero_grad(set_to_none=True)
     _run_fit_loop(trainer)
@@ -303,7 +301,8 @@ def _evaluation_data(
     """
     if limit == 0:
         return [], []
-    dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in source.get(key)]
+    record = key == "predict" and bool(writers(trainer))  # the prediction writers receive each batch's indices
+    dataloaders = [prepare_dataloader(trainer, loader, training=False, record=record) for loader in source.get(key)]
     if not dataloaders:
         hook = "val" if key == "validate" else key
         raise ValueError(

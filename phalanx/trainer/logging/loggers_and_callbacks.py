@@ -3,13 +3,15 @@ callbacks a module adds in ``configure_callbacks``."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
+from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, Timer, TQDMProgressBar
 from phalanx.callbacks.callback import Callback
 from phalanx.loggers import CSVLogger, Logger
 from phalanx.loggers.logger import logger_list, share_logger_states
 from phalanx.utilities.messages import reject_class, shown
+from phalanx.utilities.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
@@ -41,10 +43,21 @@ def agree_on_log_versions(trainer: Trainer) -> None:
 
 
 def build_callbacks(
-    callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool
+    callbacks: Any,
+    *,
+    enable_progress_bar: bool,
+    enable_checkpointing: bool,
+    enable_model_summary: bool,
+    max_time: float | None = None,
 ) -> list[Callback]:
-    """The user's callbacks, checked, plus the default checkpoint, progress bar and summary callbacks left enabled."""
+    """The user's callbacks, checked, plus the default checkpoint, progress bar and summary callbacks left enabled,
+    and the Timer that carries out ``max_time`` (seconds) unless the user's callbacks hold one, as in Lightning."""
     items = _callback_list(callbacks)
+    if max_time is not None:
+        if any(isinstance(cb, Timer) for cb in items):
+            rank_zero_info("Ignoring Trainer(max_time=...): the callbacks already hold a Timer, whose duration counts.")
+        else:
+            items.append(Timer(duration=timedelta(seconds=max_time), interval="step"))
     if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
         items.append(ModelCheckpoint())
     elif not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in items):

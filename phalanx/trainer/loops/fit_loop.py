@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -90,7 +89,7 @@ class FitLoop:
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
-        """Train until max_epochs, max_steps, max_time or a stop request."""
+        """Train until max_epochs, max_steps or a stop request (a Timer's for max_time, EarlyStopping's, ...)."""
         trainer = self.trainer
         hooks = trainer._hooks
         self._before_backward_hooks = hooks["on_before_backward"]
@@ -133,13 +132,17 @@ class FitLoop:
             self._release_grads = module.on_validation_model_zero_grad
 
     def reached_limit(self) -> bool:
-        """Whether max_epochs or max_steps is reached before training starts (a fit after an earlier one, or resumed
-        from a checkpoint at its end): say so, as such a fit trains nothing."""
+        """Whether max_epochs or max_steps is reached, or a stop requested, before training starts (a fit after an
+        earlier one, or resumed from a checkpoint at its end): say so, as such a fit trains nothing."""
         trainer = self.trainer
         if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
             limit = f"max_steps={trainer.max_steps} is reached (global_step={self.global_step})"
         elif trainer.max_epochs not in (None, -1) and self.current_epoch >= trainer.max_epochs:
             limit = f"max_epochs={trainer.max_epochs} is reached (current_epoch={self.current_epoch})"
+        elif trainer.should_stop and self.current_epoch >= trainer.min_epochs and self.global_step >= trainer.min_steps:
+            # Set in on_fit_start, e.g. by a Timer whose time a resumed run had already spent: as in Lightning.
+            rank_zero_info("Trainer.fit trains nothing: trainer.should_stop was set before training started.")
+            return True
         else:
             return False
         rank_zero_info(f"Trainer.fit trains nothing: {limit}; raise it to train further.")
@@ -169,7 +172,7 @@ class FitLoop:
         self._call_epoch_hook("on_train_epoch_start")
         iterator, skip = self._epoch_iterator(dataloader, restored)
         # A checkpoint saved in on_train_batch_end resumes with that batch's validation and stop checks.
-        stop = self._after_batch(trainer._run.deadline) if skip and self.phase == _BATCH_END else False
+        stop = self._after_batch() if skip and self.phase == _BATCH_END else False
         exhausted, skipped_by_hook = (False, False) if stop else self._run_batches(iterator)
         self._end_epoch(exhausted, skipped_by_hook)
 
@@ -212,7 +215,6 @@ class FitLoop:
         num_batches = self.num_batches
         run_batch = self._automatic_batch if strategy.module.automatic_optimization else self._manual_batch
         move_batch = hooks.move_batch
-        deadline = trainer._run.deadline
         loggers = trainer.loggers
         log_every = trainer.log_every_n_steps  # 0: barebones, no step logging
         stop = False
@@ -242,7 +244,7 @@ class FitLoop:
                 if loggers:
                     metrics.log_step()
                 self.nonfinite.report()
-            stop = self._after_batch(deadline)
+            stop = self._after_batch()
         return False, False
 
     def _end_epoch(self, exhausted: bool, skipped_by_hook: bool) -> None:
@@ -259,8 +261,8 @@ class FitLoop:
         else:
             stopped_inside_epoch = not exhausted and self.batches_done < self.num_batches
         if stopped_inside_epoch:
-            # Stopped inside the epoch (max_steps, max_time, a stop request): callbacks see the epoch end, but the
-            # progress stays mid-epoch so that a resumed run continues at the next batch.
+            # Stopped inside the epoch (max_steps, a stop request, max_time's Timer): callbacks see the epoch end, but
+            # the progress stays mid-epoch so that a resumed run continues at the next batch.
             self._count_stepped()
             trainer._metrics.publish_epoch(trainer._train_results)
             self._call_epoch_hook("on_train_epoch_end")
@@ -323,7 +325,7 @@ class FitLoop:
         self.phase = _IN_BATCHES
         self._epoch_start_rng = None
 
-    def _after_batch(self, deadline: float | None) -> bool:
+    def _after_batch(self) -> bool:
         """The validation check and stop check that follow each batch; True when training must stop."""
         trainer = self.trainer
         due = val_check_due(trainer, self, is_last=self.batches_done >= self.num_batches)
@@ -341,18 +343,16 @@ class FitLoop:
         if trainer.preemption is not None and save_if_preempted(trainer, self.total_batches):
             trainer._run.stop_now = True
             return True
-        if self._stop_requested(deadline):
+        if self._stop_requested():
             trainer._run.stop_now = True
             return True
         return False
 
-    def _stop_requested(self, deadline: float | None) -> bool:
+    def _stop_requested(self) -> bool:
         trainer = self.trainer
         if trainer._run.stop_now:  # nonfinite_loss='stop'
             return True
         if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
-            return True
-        if deadline is not None and time.monotonic() >= deadline:
             return True
         return self._stop_allowed()
 
