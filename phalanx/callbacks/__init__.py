@@ -13,6 +13,8 @@ from phalanx.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from phalanx.callbacks.prediction_writer import BasePredictionWriter
 from phalanx.callbacks.progress import ProgressBar, TQDMProgressBar
 from phalanx.callbacks.pruning import ModelPruning
+from phalanx.callbacks.rich_model_summary import RichModelSummary
+from phalanx.callbacks.rich_progress import RichProgressBar, RichProgressBarTheme
 from phalanx.callbacks.throughput_monitor import ThroughputMonitor
 from phalanx.callbacks.timer import Timer
 from phalanx.utilities.lightning_names import NotOffered, missing_name_error
@@ -22,15 +24,14 @@ _FINETUNING = (
     " optimizer with optimizer.add_param_group"
 )
 #: Lightning's callbacks that phalanx does not have, with what to use instead: ``from phalanx.callbacks import
-#: SpikeDetection`` raises an ImportError saying so. The planned ones (``planned=True``) are listed as "not offered yet".
+#: SpikeDetection`` raises an ImportError saying so. The planned ones (``planned=True``) are listed as "not offered
+#: yet".
 NOT_OFFERED = {
     "BackboneFinetuning": NotOffered(_FINETUNING, planned=True),
     "BaseFinetuning": NotOffered(_FINETUNING, planned=True),
     "BatchSizeFinder": NotOffered("the DataLoader's batch_size, chosen by hand", planned=True),
     "GradientAccumulationScheduler": NotOffered("Trainer(accumulate_grad_batches=N), fixed for the fit", planned=True),
     "LearningRateFinder": NotOffered("short fits (Trainer(max_steps=...)) at a few learning rates", planned=True),
-    "RichModelSummary": NotOffered("ModelSummary, the default model summary", planned=True),
-    "RichProgressBar": NotOffered("TQDMProgressBar, the default progress bar", planned=True),
     "StochasticWeightAveraging": NotOffered(
         "torch.optim.swa_utils.AveragedModel and SWALR, updated in a Callback's on_train_epoch_end", planned=True
     ),
@@ -63,6 +64,9 @@ __all__ = [
     "ModelSummary",
     "OnExceptionCheckpoint",
     "ProgressBar",
+    "RichModelSummary",
+    "RichProgressBar",
+    "RichProgressBarTheme",
     "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",

@@ -15,7 +15,7 @@ GUIDE = (Path(__file__).parents[2] / "docs" / "migrating-from-lightning.md").rea
 # The callbacks planned in issue 38, listed as "not offered yet" until then.
 PLANNED = {
     "StochasticWeightAveraging", "GradientAccumulationScheduler", "BaseFinetuning", "BackboneFinetuning",
-    "RichProgressBar", "RichModelSummary", "LearningRateFinder", "BatchSizeFinder",
+    "LearningRateFinder", "BatchSizeFinder",
 }  # fmt: skip
 
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, Timer, TQDMProgressBar
+from phalanx.callbacks import (
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    RichModelSummary,
+    RichProgressBar,
+    Timer,
+    TQDMProgressBar,
+)
 from phalanx.callbacks.callback import Callback
 from phalanx.loggers import CSVLogger, Logger
 from phalanx.loggers.logger import logger_list, share_logger_states
@@ -67,7 +75,9 @@ def build_callbacks(
     elif not enable_progress_bar and any(isinstance(cb, ProgressBar) for cb in items):
         raise ValueError("enable_progress_bar=False, but a progress bar callback was passed; remove one of them.")
     if enable_model_summary and not any(isinstance(cb, ModelSummary) for cb in items):
-        items.append(ModelSummary())
+        # As in Lightning: with a RichProgressBar, the summary is drawn with rich too.
+        rich = any(isinstance(cb, RichProgressBar) for cb in items)
+        items.append(RichModelSummary() if rich else ModelSummary())
     return checkpoints_last(items)
 
 
