@@ -249,6 +249,30 @@ def _error(command: str, message: str) -> int:
     return 2
 
 
+# ---------------------------------------------------------------------------- the CLI class for scripts
+# Lightning's `from lightning.pytorch.cli import LightningCLI` becomes `from phalanx.cli import LightningCLI`: these
+# names come from phalanx.command_line, loaded on first use (it imports torch and jsonargparse).
+_COMMAND_LINE_NAMES = (
+    "LightningArgumentParser",
+    "LightningCLI",
+    "LRSchedulerCallable",
+    "OptimizerCallable",
+    "PhalanxArgumentParser",
+    "PhalanxCLI",
+    "ReduceLROnPlateau",
+    "SaveConfigCallback",
+    "instantiate_class",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COMMAND_LINE_NAMES:
+        import importlib  # lazy for import time: `phalanx --help` must not load torch
+
+        return getattr(importlib.import_module("phalanx.command_line"), name)
+    raise AttributeError(f"module 'phalanx.cli' has no attribute {name!r}")
+
+
 # ---------------------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="phalanx command line tools")
