@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from phalanx.callbacks import (
+    Checkpoint,
     ModelCheckpoint,
     ModelSummary,
     ProgressBar,
@@ -66,10 +67,12 @@ def build_callbacks(
             rank_zero_info("Ignoring Trainer(max_time=...): the callbacks already hold a Timer, whose duration counts.")
         else:
             items.append(Timer(duration=timedelta(seconds=max_time), interval="step"))
-    if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
+    # Any Checkpoint counts (OnExceptionCheckpoint too), as in Lightning.
+    if enable_checkpointing and not any(isinstance(cb, Checkpoint) for cb in items):
         items.append(ModelCheckpoint())
-    elif not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in items):
-        raise ValueError("enable_checkpointing=False, but a ModelCheckpoint callback was passed; remove one of them.")
+    elif not enable_checkpointing and any(isinstance(cb, Checkpoint) for cb in items):
+        names = sorted({type(cb).__name__ for cb in items if isinstance(cb, Checkpoint)})
+        raise ValueError(f"enable_checkpointing=False, but {', '.join(names)} was passed; remove one of them.")
     if enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in items):
         items.append(TQDMProgressBar())
     elif not enable_progress_bar and any(isinstance(cb, ProgressBar) for cb in items):
@@ -118,10 +121,11 @@ def merge_module_callbacks(callbacks: list[Callback], module: TrainingModule) ->
 
 
 def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
-    """``callbacks`` with the ModelCheckpoint callbacks moved to the end, in their order."""
+    """``callbacks`` with the Checkpoint callbacks (ModelCheckpoint, OnExceptionCheckpoint) moved to the end, in their
+    order."""
     # Checkpointing runs after every other callback so that it saves the state they produced.
-    return [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)] + [
-        cb for cb in callbacks if isinstance(cb, ModelCheckpoint)
+    return [cb for cb in callbacks if not isinstance(cb, Checkpoint)] + [
+        cb for cb in callbacks if isinstance(cb, Checkpoint)
     ]
 
 
