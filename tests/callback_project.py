@@ -159,10 +159,9 @@ def case_callbacks(framework: str, case: str, root: Path, recorder: Recorder) ->
         saving = callbacks.ModelCheckpoint(
             dirpath=root / "ckpt", every_n_train_steps=2, save_top_k=-1, filename="{step}"
         )
-        return [
-            callbacks.Timer(duration="00:00:00:13" if interval == "epoch" else {"seconds": 17}, interval=interval),
-            saving,
-        ]
+        # 2 processes share the 40 samples: 5 steps an epoch, 15 in all; "timer_short" stops inside the second epoch.
+        duration = {"timer": {"seconds": 17}, "timer_short": {"seconds": 7}, "timer_epoch": "00:00:00:13"}[case]
+        return [callbacks.Timer(duration=duration, interval=interval), saving]
     if case == "lambda":
         return [callbacks.LambdaCallback(**{name: recorder.hook(name) for name in COUNTED_HOOKS})]
     if case == "exception":
@@ -180,6 +179,12 @@ def case_callbacks(framework: str, case: str, root: Path, recorder: Recorder) ->
         )  # fmt: skip
         return [pruning, saving]
     raise ValueError(f"unknown case {case!r}")
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    # A DTensor (fsdp) is gathered whole: every rank calls this, in the same order.
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
 
 
 def run(
@@ -212,7 +217,7 @@ def run(
         global_step=trainer.global_step,
         epoch=trainer.current_epoch,
         losses=model.losses,
-        weights={name: value.tolist() for name, value in model.state_dict().items()},
+        weights={name: _whole(value).tolist() for name, value in model.state_dict().items()},
         hooks=recorder.counts,
         files=sorted(str(path.relative_to(root)) for path in root.rglob("*") if path.is_file()),
     )

@@ -10,8 +10,12 @@ changes only its import. Needs jsonargparse (``pip install 'phalanx[cli]'``). Se
 """
 
 from phalanx.command_line.parser import (
+    ArgsType,
     LightningArgumentParser,
     LRSchedulerCallable,
+    LRSchedulerType,
+    LRSchedulerTypeTuple,
+    LRSchedulerTypeUnion,
     OptimizerCallable,
     PhalanxArgumentParser,
     ReduceLROnPlateau,
@@ -21,7 +25,11 @@ from phalanx.command_line.parser import (
 from phalanx.command_line.phalanx_cli import LightningCLI, PhalanxCLI
 
 __all__ = [
+    "ArgsType",
     "LRSchedulerCallable",
+    "LRSchedulerType",
+    "LRSchedulerTypeTuple",
+    "LRSchedulerTypeUnion",
     "LightningArgumentParser",
     "LightningCLI",
     "OptimizerCallable",

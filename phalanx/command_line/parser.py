@@ -38,6 +38,7 @@ class ReduceLROnPlateau(torch.optim.lr_scheduler.ReduceLROnPlateau):
 
 LRSchedulerTypeTuple = (LRScheduler, ReduceLROnPlateau)
 LRSchedulerTypeUnion = Union[LRScheduler, ReduceLROnPlateau]
+LRSchedulerType = Union[type[LRScheduler], type[ReduceLROnPlateau]]
 ArgsType = Optional[Union[list[str], dict[str, Any], Namespace]]
 OptimizerCallable = Callable[[Iterable], Optimizer]
 LRSchedulerCallable = Callable[[Optimizer], LRSchedulerTypeUnion]
@@ -225,6 +226,7 @@ __all__ = [
     "ArgsType",
     "ClassGroup",
     "LRSchedulerCallable",
+    "LRSchedulerType",
     "LRSchedulerTypeTuple",
     "LRSchedulerTypeUnion",
     "LightningArgumentParser",
