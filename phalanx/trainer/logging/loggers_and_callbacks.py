@@ -61,7 +61,7 @@ def build_callbacks(
 ) -> list[Callback]:
     """The user's callbacks, checked, plus the default checkpoint, progress bar and summary callbacks left enabled,
     and the Timer that carries out ``max_time`` (seconds) unless the user's callbacks hold one, as in Lightning."""
-    items = _callback_list(callbacks)
+    items = callback_list(callbacks)
     if max_time is not None:
         if any(isinstance(cb, Timer) for cb in items):
             rank_zero_info("Ignoring Trainer(max_time=...): the callbacks already hold a Timer, whose duration counts.")
@@ -84,7 +84,8 @@ def build_callbacks(
     return checkpoints_last(items)
 
 
-def _callback_list(callbacks: Any) -> list[Callback]:
+def callback_list(callbacks: Any) -> list[Callback]:
+    """``callbacks=`` (None, one Callback, or a list or tuple of them) as a list; anything else is refused by name."""
     reject_class("callbacks", callbacks, Callback, "")
     if callbacks is None:
         items: list[Callback] = []
@@ -129,4 +130,11 @@ def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
     ]
 
 
-__all__ = ["agree_on_log_versions", "build_callbacks", "build_loggers", "checkpoints_last", "merge_module_callbacks"]
+__all__ = [
+    "agree_on_log_versions",
+    "build_callbacks",
+    "build_loggers",
+    "callback_list",
+    "checkpoints_last",
+    "merge_module_callbacks",
+]

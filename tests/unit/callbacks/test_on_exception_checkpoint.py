@@ -1,6 +1,6 @@
 """OnExceptionCheckpoint: a failing fit leaves the checkpoint Lightning's leaves (same step, same weights), loadable
-with ``weights_only=True`` and resumable; a successful stage removes it, except the one it resumed from; a failed save never
-hides the original error; several processes are refused at set-up."""
+with ``weights_only=True`` and resumable; a successful stage removes it, except the one it resumed from; a failed save
+never hides the original error; several processes are refused at set-up."""
 
 from __future__ import annotations
 
