@@ -2,8 +2,8 @@
 Lightning 2.6 and phalanx, and what each run leaves behind (steps, losses, weights, the callback's files and calls).
 
 Used in-process by the tests under tests/unit/callbacks/ (one device) and as a script by
-tests/distributed/test_callbacks_processes.py: ``python callback_project.py FRAMEWORK STRATEGY DEVICES CASE ROOT
-[CKPT]`` writes ROOT/summary_RANK.json from every process.
+tests/distributed/test_callbacks_processes.py: ``python callback_project.py FRAMEWORK STRATEGY DEVICES ROOT CASE[=CKPT]
+...`` runs the cases in turn and writes ROOT/CASE/summary_RANK.json from every process.
 
 The Timer reads a fake clock on which one training step takes one second (the steps of the process that reads it),
 so that where a time limit stops training does not depend on the machine's speed.
@@ -224,9 +224,18 @@ def run(
     return summary
 
 
+def main(argv: list[str]) -> None:
+    """``FRAMEWORK STRATEGY DEVICES ROOT CASE[=CKPT] ...``: the cases one after the other in the same processes (one
+    launch for all), each in ROOT/CASE with its summary_RANK.json; a case that fails on purpose goes last, as its
+    error ends the job."""
+    framework, strategy, devices, out, *cases = argv
+    for item in cases:
+        case, _, ckpt_path = item.partition("=")
+        root = Path(out) / case
+        root.mkdir(parents=True, exist_ok=True)
+        result = run(framework, case, root, strategy=strategy, devices=int(devices), ckpt_path=ckpt_path or None)
+        (root / f"summary_{result['global_rank']}.json").write_text(json.dumps(result))
+
+
 if __name__ == "__main__":
-    framework, strategy, devices, case, out, *rest = sys.argv[1:]
-    result = run(
-        framework, case, Path(out), strategy=strategy, devices=int(devices), ckpt_path=rest[0] if rest else None
-    )
-    (Path(out) / f"summary_{result['global_rank']}.json").write_text(json.dumps(result))
+    main(sys.argv[1:])
