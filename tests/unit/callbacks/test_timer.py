@@ -71,13 +71,22 @@ def test_a_resumed_run_counts_the_time_its_checkpoint_had_spent(tmp_path, fake_c
     _same_run(resumed, {**whole, "losses": whole["losses"][6:]})
 
 
-def test_a_resumed_run_whose_time_is_spent_trains_nothing(tmp_path, fake_clock):
-    project.run("phalanx", "timer", tmp_path / "whole")
+@pytest.mark.parametrize("framework", ["lightning", "phalanx"])
+def test_a_resumed_run_whose_time_is_spent_trains_nothing(
+    tmp_path, fake_clock, lightning_clock, monkeypatch, framework
+):
+    """As Lightning, such a fit skips the training stage: no batch, and no on_train_start or epoch hooks either."""
+    project.run(framework, "timer", tmp_path / "whole")
     state = torch.load(tmp_path / "whole" / "ckpt" / "step=16.ckpt", weights_only=True)
     state["callbacks"]["Timer"]["time_elapsed"]["train"] = 30.0  # more than the 17 s the Timer allows
     torch.save(state, tmp_path / "spent.ckpt")
-    resumed = project.run("phalanx", "timer", tmp_path / "resumed", ckpt_path=str(tmp_path / "spent.ckpt"))
+    recorder, case_callbacks = project.Recorder(), project.case_callbacks
+    hooks = ("on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_epoch_end", "on_train_end")
+    counting = project.framework_parts(framework)[2].LambdaCallback(**{name: recorder.hook(name) for name in hooks})
+    monkeypatch.setattr(project, "case_callbacks", lambda *args: [*case_callbacks(*args), counting])
+    resumed = project.run(framework, "timer", tmp_path / "resumed", ckpt_path=str(tmp_path / "spent.ckpt"))
     assert resumed["global_step"] == 16 and resumed["losses"] == []
+    assert recorder.counts == {"on_fit_start": 1}
 
 
 def test_max_time_is_a_timer_that_survives_a_resume(tmp_path, fake_clock):
