@@ -5,6 +5,7 @@ from typing import Any
 from phalanx.callbacks.callback import Callback
 from phalanx.callbacks.device_stats_monitor import DeviceStatsMonitor
 from phalanx.callbacks.early_stopping import EarlyStopping
+from phalanx.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_checkpoint import Checkpoint, ModelCheckpoint
 from phalanx.callbacks.model_summary import ModelSummary
@@ -25,7 +26,6 @@ NOT_OFFERED = {
         "a Callback that writes the outputs in on_predict_batch_end, or what trainer.predict returns", planned=True
     ),
     "BatchSizeFinder": NotOffered("the DataLoader's batch_size, chosen by hand", planned=True),
-    "GradientAccumulationScheduler": NotOffered("Trainer(accumulate_grad_batches=N), fixed for the fit", planned=True),
     "LambdaCallback": NotOffered("a subclass of phalanx.Callback that defines the hooks", planned=True),
     "LearningRateFinder": NotOffered("short fits (Trainer(max_steps=...)) at a few learning rates", planned=True),
     "ModelPruning": NotOffered("torch.nn.utils.prune in a Callback's on_train_epoch_end", planned=True),
@@ -57,6 +57,7 @@ __all__ = [
     "Checkpoint",
     "DeviceStatsMonitor",
     "EarlyStopping",
+    "GradientAccumulationScheduler",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelSummary",
