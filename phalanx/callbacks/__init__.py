@@ -10,6 +10,7 @@ from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_checkpoint import Checkpoint, ModelCheckpoint
 from phalanx.callbacks.model_summary import ModelSummary
 from phalanx.callbacks.progress import ProgressBar, TQDMProgressBar
+from phalanx.callbacks.stochastic_weight_avg import StochasticWeightAveraging
 from phalanx.callbacks.throughput_monitor import ThroughputMonitor
 from phalanx.utilities.lightning_names import NotOffered, missing_name_error
 
@@ -32,9 +33,6 @@ NOT_OFFERED = {
     "OnExceptionCheckpoint": NotOffered("ModelCheckpoint(save_on_exception=True)", planned=True),
     "RichModelSummary": NotOffered("ModelSummary, the default model summary", planned=True),
     "RichProgressBar": NotOffered("TQDMProgressBar, the default progress bar", planned=True),
-    "StochasticWeightAveraging": NotOffered(
-        "torch.optim.swa_utils.AveragedModel and SWALR, updated in a Callback's on_train_epoch_end", planned=True
-    ),
     "Timer": NotOffered("Trainer(max_time=...) to stop after a duration", planned=True),
     "EMAWeightAveraging": NotOffered(
         "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)), updated in a"
@@ -62,6 +60,7 @@ __all__ = [
     "ModelCheckpoint",
     "ModelSummary",
     "ProgressBar",
+    "StochasticWeightAveraging",
     "TQDMProgressBar",
     "ThroughputMonitor",
 ]
