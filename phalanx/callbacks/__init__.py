@@ -5,6 +5,7 @@ from typing import Any
 from phalanx.callbacks.callback import Callback
 from phalanx.callbacks.device_stats_monitor import DeviceStatsMonitor
 from phalanx.callbacks.early_stopping import EarlyStopping
+from phalanx.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from phalanx.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_checkpoint import Checkpoint, ModelCheckpoint
@@ -14,15 +15,9 @@ from phalanx.callbacks.stochastic_weight_avg import StochasticWeightAveraging
 from phalanx.callbacks.throughput_monitor import ThroughputMonitor
 from phalanx.utilities.lightning_names import NotOffered, missing_name_error
 
-_FINETUNING = (
-    "a Callback that sets requires_grad on the backbone's parameters in on_train_epoch_start and adds them to the"
-    " optimizer with optimizer.add_param_group"
-)
 #: Lightning's callbacks that phalanx does not have, with what to use instead: ``from phalanx.callbacks import
 #: Timer`` raises an ImportError saying so. The planned ones (``planned=True``) are listed as "not offered yet".
 NOT_OFFERED = {
-    "BackboneFinetuning": NotOffered(_FINETUNING, planned=True),
-    "BaseFinetuning": NotOffered(_FINETUNING, planned=True),
     "BasePredictionWriter": NotOffered(
         "a Callback that writes the outputs in on_predict_batch_end, or what trainer.predict returns", planned=True
     ),
@@ -51,6 +46,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "Callback",
     "Checkpoint",
     "DeviceStatsMonitor",

@@ -14,7 +14,6 @@ PACKAGES = ("callbacks", "loggers", "profilers")
 GUIDE = (Path(__file__).parents[2] / "docs" / "migrating-from-lightning.md").read_text()
 # The callbacks planned in issue 38, listed as "not offered yet" until then.
 PLANNED = {
-    "BaseFinetuning", "BackboneFinetuning",
     "ModelPruning", "Timer", "LambdaCallback", "OnExceptionCheckpoint", "RichProgressBar", "RichModelSummary",
     "BasePredictionWriter", "LearningRateFinder", "BatchSizeFinder",
 }  # fmt: skip
