@@ -41,7 +41,8 @@ class BaseFinetuning(Callback):
     frozen: a resumed run rebuilds the groups in ``on_fit_start``, before the Trainer loads the optimizer state that
     holds them, and freezes exactly what was frozen when the checkpoint was saved (Lightning leaves the parameters
     frozen by ``freeze_before_training`` frozen after a resume, unfrozen ones included). Refused with a strategy whose
-    optimizer lives inside an engine (DeepSpeed), which takes no new parameter group.
+    optimizer lives inside an engine (DeepSpeed), which takes no new parameter group, and on more than one process,
+    where DistributedDataParallel would not average the gradients of what is unfrozen after it wrapped the module.
     """
 
     def __init__(self) -> None:
@@ -69,6 +70,14 @@ class BaseFinetuning(Callback):
             raise NotImplementedError(
                 f"{type(self).__name__} adds parameter groups to the optimizer, which {type(strategy).__name__} keeps"
                 " inside its engine; choose another strategy or remove the callback."
+            )
+        if stage == "fit" and trainer.world_size > 1:
+            # DistributedDataParallel registers its gradient hooks for the parameters that require grad when it wraps
+            # the module: the gradients of those unfrozen later are never averaged, and each process trains its own.
+            raise NotImplementedError(
+                f"{type(self).__name__} unfreezes parameters during fit, whose gradients {type(strategy).__name__} on"
+                f" {trainer.world_size} processes would not average across them (Lightning's processes silently"
+                " diverge there); train on one device, or unfreeze before fit and set the learning rates instead."
             )
 
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
