@@ -15,6 +15,7 @@ from phalanx.trainer.loops.fit_data import prepare_val_data, reload_val_data_if_
 from phalanx.trainer.state import RunningStage
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.rank_zero import rank_zero_warn
+from phalanx.utilities.seed import isolate_rng
 
 if TYPE_CHECKING:
     from phalanx.strategies.strategy import Strategy
@@ -159,14 +160,17 @@ def sanity_check(trainer: Trainer, source: DataSource) -> bool:
     if steps == 0 or trainer.fit_loop.resuming_inside_epoch or not validation_defined(trainer, source):
         trainer._run.num_sanity_val_batches = []
         return False
-    trainer.state.stage = RunningStage.SANITY_CHECKING
-    trainer._run.results = trainer._eval_results
-    trainer._hooks.call("on_sanity_check_start")
-    prepare_val_data(trainer, source, first=True)
-    limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._run.val_limits]
-    trainer._run.num_sanity_val_batches = limits
-    run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
-    trainer._hooks.call("on_sanity_check_end")
+    # As in Lightning, the check draws nothing from the global generators that training would see: a run shuffles and
+    # initialises as it would without the check (each loader's iterator draws its base seed from torch's generator).
+    with isolate_rng():
+        trainer.state.stage = RunningStage.SANITY_CHECKING
+        trainer._run.results = trainer._eval_results
+        trainer._hooks.call("on_sanity_check_start")
+        prepare_val_data(trainer, source, first=True)
+        limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._run.val_limits]
+        trainer._run.num_sanity_val_batches = limits
+        run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
+        trainer._hooks.call("on_sanity_check_end")
     # The sanity check only proves the validation code runs: its numbers must not reach callbacks or loggers.
     trainer._metrics.reset()
     trainer._eval_results.reset()
