@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -108,7 +107,7 @@ class FitLoop:
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
-        """Train until max_epochs, max_steps, max_time or a stop request."""
+        """Train until max_epochs, max_steps or a stop request (a Timer's for max_time, EarlyStopping's, ...)."""
         trainer = self.trainer
         hooks = trainer._hooks
         self._before_backward_hooks = hooks["on_before_backward"]
@@ -180,7 +179,7 @@ class FitLoop:
             self._call_epoch_hook("on_train_epoch_start")
         iterator, skip = self._epoch_iterator(dataloader, restored)
         # A checkpoint saved in on_train_batch_end resumes with that batch's validation and stop checks.
-        stop = self._after_batch(trainer._run.deadline) if skip and self.phase == _BATCH_END else False
+        stop = self._after_batch() if skip and self.phase == _BATCH_END else False
         exhausted, skipped_by_hook = (False, False) if stop else self._run_batches(iterator)
         self._end_epoch(exhausted, skipped_by_hook)
 
@@ -223,7 +222,6 @@ class FitLoop:
         num_batches = self.num_batches
         run_batch = self._automatic_batch if strategy.module.automatic_optimization else self._manual_batch
         move_batch = hooks.move_batch
-        deadline = trainer._run.deadline
         loggers = trainer.loggers
         log_every = trainer.log_every_n_steps  # 0: barebones, no step logging
         stop = False
@@ -253,7 +251,7 @@ class FitLoop:
                 if loggers:
                     metrics.log_step()
                 self.nonfinite.report()
-            stop = self._after_batch(deadline)
+            stop = self._after_batch()
         return False, False
 
     def _end_epoch(self, exhausted: bool, skipped_by_hook: bool) -> None:
@@ -270,8 +268,8 @@ class FitLoop:
         else:
             stopped_inside_epoch = not exhausted and self.batches_done < self.num_batches
         if stopped_inside_epoch:
-            # Stopped inside the epoch (max_steps, max_time, a stop request): callbacks see the epoch end, but the
-            # progress stays mid-epoch so that a resumed run continues at the next batch.
+            # Stopped inside the epoch (max_steps, a stop request, max_time's Timer): callbacks see the epoch end, but
+            # the progress stays mid-epoch so that a resumed run continues at the next batch.
             self._count_stepped()
             trainer._metrics.publish_epoch(trainer._train_results)
             self._call_epoch_hook("on_train_epoch_end")
@@ -322,7 +320,7 @@ class FitLoop:
         self.phase = _IN_BATCHES
         self._epoch_start_rng, self._forward_only = None, False
 
-    def _after_batch(self, deadline: float | None) -> bool:
+    def _after_batch(self) -> bool:
         """The validation check and stop check that follow each batch; True when training must stop."""
         trainer = self.trainer
         due = val_check_due(trainer, self, is_last=self.batches_done >= self.num_batches)
@@ -338,18 +336,16 @@ class FitLoop:
         if self.batches_done < self.num_batches:
             self._count_stepped()  # the epoch's last batch is counted after the epoch's validation
         preempted = trainer.preemption is not None and save_if_preempted(trainer, self.total_batches)
-        if preempted or self._stop_requested(deadline):
+        if preempted or self._stop_requested():
             trainer._run.stop_now = True
             return True
         return False
 
-    def _stop_requested(self, deadline: float | None) -> bool:
+    def _stop_requested(self) -> bool:
         trainer = self.trainer
         if trainer._run.stop_now:  # nonfinite_loss='stop'
             return True
         if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
-            return True
-        if deadline is not None and time.monotonic() >= deadline:
             return True
         return self._stop_allowed()
 
