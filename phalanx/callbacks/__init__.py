@@ -5,6 +5,8 @@ from typing import Any
 from phalanx.callbacks.callback import Callback
 from phalanx.callbacks.device_stats_monitor import DeviceStatsMonitor
 from phalanx.callbacks.early_stopping import EarlyStopping
+from phalanx.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
+from phalanx.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
 from phalanx.callbacks.lambda_function import LambdaCallback
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_checkpoint import Checkpoint, ModelCheckpoint
@@ -15,26 +17,17 @@ from phalanx.callbacks.progress import ProgressBar, TQDMProgressBar
 from phalanx.callbacks.pruning import ModelPruning
 from phalanx.callbacks.rich_model_summary import RichModelSummary
 from phalanx.callbacks.rich_progress import RichProgressBar, RichProgressBarTheme
+from phalanx.callbacks.stochastic_weight_avg import StochasticWeightAveraging
 from phalanx.callbacks.throughput_monitor import ThroughputMonitor
 from phalanx.callbacks.timer import Timer
 from phalanx.utilities.lightning_names import NotOffered, missing_name_error
 
-_FINETUNING = (
-    "a Callback that sets requires_grad on the backbone's parameters in on_train_epoch_start and adds them to the"
-    " optimizer with optimizer.add_param_group"
-)
 #: Lightning's callbacks that phalanx does not have, with what to use instead: ``from phalanx.callbacks import
 #: SpikeDetection`` raises an ImportError saying so. The planned ones (``planned=True``) are listed as "not offered
 #: yet".
 NOT_OFFERED = {
-    "BackboneFinetuning": NotOffered(_FINETUNING, planned=True),
-    "BaseFinetuning": NotOffered(_FINETUNING, planned=True),
     "BatchSizeFinder": NotOffered("the DataLoader's batch_size, chosen by hand", planned=True),
-    "GradientAccumulationScheduler": NotOffered("Trainer(accumulate_grad_batches=N), fixed for the fit", planned=True),
     "LearningRateFinder": NotOffered("short fits (Trainer(max_steps=...)) at a few learning rates", planned=True),
-    "StochasticWeightAveraging": NotOffered(
-        "torch.optim.swa_utils.AveragedModel and SWALR, updated in a Callback's on_train_epoch_end", planned=True
-    ),
     "EMAWeightAveraging": NotOffered(
         "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)), updated in a"
         " Callback's on_train_batch_end"
@@ -52,11 +45,14 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "BasePredictionWriter",
     "Callback",
     "Checkpoint",
     "DeviceStatsMonitor",
     "EarlyStopping",
+    "GradientAccumulationScheduler",
     "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",
@@ -67,6 +63,7 @@ __all__ = [
     "RichModelSummary",
     "RichProgressBar",
     "RichProgressBarTheme",
+    "StochasticWeightAveraging",
     "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",

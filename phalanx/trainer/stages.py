@@ -27,7 +27,7 @@ from phalanx.trainer.loops.evaluation_loop import (
     split_by_dataloader,
 )
 from phalanx.trainer.loops.fit_data import check_train_data_defined, prepare_fit_data
-from phalanx.trainer.loops.optimizer import prepare_optimization
+from phalanx.trainer.loops.optimizer import follow_scheduler_changes, prepare_optimization
 from phalanx.trainer.loops.prediction_writing import writers
 from phalanx.trainer.profiling import finish_profiling, start_profiling
 from phalanx.trainer.run_settings import run_settings
@@ -220,6 +220,7 @@ def run_fit(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_p
     # After on_fit_start, as in Lightning: optimizer states fit the parameter groups a callback restored there.
     if checkpoint is not None:
         trainer._checkpoint_connector.restore_training_state(checkpoint)
+    follow_scheduler_changes(trainer)  # on_fit_start may have swapped a scheduler (a resumed SWA does)
     # Otherwise the progress of an earlier fit on this Trainer stays (current_epoch, global_step): as in Lightning,
     # a second fit continues from it, and does not train at all once max_epochs or max_steps is reached.
     val_data_built = sanity_check(trainer, source)
