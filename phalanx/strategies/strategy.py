@@ -147,6 +147,15 @@ class Strategy(ABC):
         """The settings of the last ``setup`` (None before it)."""
         return self._run_settings
 
+    @property
+    def device_mesh(self) -> Any:
+        """The DeviceMesh the module is parallelised over (axes named by ``MeshAxis``), or None without one."""
+        return self.__dict__.get("_device_mesh")
+
+    @device_mesh.setter
+    def device_mesh(self, mesh: Any) -> None:
+        self._device_mesh = mesh
+
     # ------------------------------------------------------------------ abstract contract
     @property
     @abstractmethod
