@@ -36,6 +36,7 @@ from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_n
 from phalanx.cohort.metrics import CohortLogging, LoggerWorkerState, attach, resolve_loggers, share_logger_states
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.setup_checks import check_optimizers_given, check_placement
+from phalanx.cohort.step import forward_backward
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
@@ -332,6 +333,11 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             self._strategy.backward(loss, None, *args, **kwargs)
         self._last_loss = loss.detach()
         record_loss(self, loss)
+
+    def forward_backward(self, batch: Any, batch_idx: int = 0) -> Tensor | None:
+        """A TrainingModule's ``training_step`` on ``batch`` and its backward pass as the strategy's one step (see
+        :func:`~phalanx.cohort.step.forward_backward`); the detached loss, or None if the step returned None."""
+        return forward_backward(self, batch, batch_idx)
 
     def clip_gradients(
         self,

@@ -366,6 +366,19 @@ class Strategy(ABC):
         with self.naming_collectives("forward"), evaluation_grad_mode(self):
             return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
+    def forward_backward(
+        self, batch: Any, batch_idx: int, between: Callable[[Any], Tensor | None], optimizer: Optimizer | None
+    ) -> tuple[Tensor | None, Any]:
+        """Turn a batch into a loss and gradients: training_step, the driver's between(output), then backward."""
+        # One named step that turns a batch into a loss and gradients: a strategy that runs both halves in one call (a
+        # pipeline schedule) overrides it; ``between`` is the driver's work in the middle (loss division, non-finite
+        # checks, on_before_backward), handed in as RunSettings.before_optimizer_step hands in the optimizer's hooks.
+        output = self.training_step(batch, batch_idx)
+        loss = between(output)
+        if loss is not None:
+            self.backward(loss, optimizer)
+        return loss, output
+
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Called before backward."""
 
