@@ -20,6 +20,7 @@ One Cohort sets up one module (put several in one ``nn.Module``, e.g. an ``nn.Mo
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from os import PathLike
 from typing import Any, Callable, Iterator, TypeVar
@@ -28,21 +29,23 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from phalanx.cohort.agreement import agree_on_call, describe_module, notice_exit
 from phalanx.cohort.backward_guard import BackwardGuard, slip_reason
 from phalanx.cohort.checkpoint import StateFilter, build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
 from phalanx.cohort.data import CohortData
-from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
+from phalanx.cohort.guards import record_loss, report_nonfinite
 from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
 from phalanx.cohort.metrics import CohortLogging, LoggerWorkerState, attach, resolve_loggers, share_logger_states
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.setup_checks import check_optimizers_given, check_placement
 from phalanx.cohort.step import forward_backward
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
+from phalanx.plugins.io.checkpoint_identity import checkpoint_identity
 from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
-from phalanx.utilities.compile import Compiler, check_compile, compiler_for, unwrap_compiled
+from phalanx.utilities.compile import Compiler, check_compile, compiler_for, refuse_compiled_in_place, unwrap_compiled
 from phalanx.utilities.seed import restore_rng_states
 
 _T = TypeVar("_T")
@@ -144,8 +147,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             return None
         try:
             result = function(self, *args, **kwargs)
-        except BaseException:
-            self._finalize_loggers("failed")
+        except BaseException as error:
+            self._finalize_loggers("failed", handling=error)
             raise
         self._finalize_loggers("success")  # the function is the whole run: its logs are complete
         return result
@@ -161,6 +164,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             )
         self._environment_ready = True
         self._strategy.setup_environment()
+        notice_exit()  # the other ranks learn at once when this process ends, instead of waiting for it
         if self._loggers:  # every rank names rank 0's logger version or tracker run
             share_logger_states(self._loggers, self._strategy)
 
@@ -174,6 +178,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         check_optimizers_given(self._strategy, optimizers)
         self._ensure_environment()  # (the device of this rank is known from here)
         check_placement(self._strategy, module, move_to_device, "setup")
+        agree_on_call(self, "setup", lambda: describe_module(module))
         originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
@@ -201,6 +206,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             )
         self._ensure_environment()
         check_placement(self._strategy, module, move_to_device, "setup_module")
+        agree_on_call(self, "setup_module", lambda: describe_module(module))
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
         }
@@ -247,6 +253,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             with strategy.tensor_init_context(), strategy.model_sharded_context():
                 configure_model()
         strategy.connect(module)
+        refuse_compiled_in_place(module, self._compile, "Cohort")
         compiler = compiler_for(self._compile, compiled_with, "Cohort")
         strategy.setup(
             RunSettings(
@@ -404,7 +411,11 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
     def broadcast(self, obj: _T, src: int = 0) -> _T:
         """Send a picklable object from process ``src`` to every process and return it."""
         self._ensure_environment()
-        agree_on_call(self, "broadcast")
+        agree_on_call(self, "broadcast", {"src": repr(src)})
+        if self.world_size > 1 and (
+            isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size
+        ):
+            raise ValueError(f"Cohort.broadcast(src={src!r}): src must be a rank, an int in [0, {self.world_size}).")
         return self._strategy.broadcast(obj, src=src)
 
     def barrier(self, name: str | None = None) -> None:
@@ -427,7 +438,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         if self._module is None:
             raise RuntimeError("Cohort.save needs a set-up module: call cohort.setup(...) first.")
         report_nonfinite(self, "save")
-        agree_on_call(self, "save")
+        agree_on_call(self, "save", {"path": os.fspath(path)})
         checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps, filter)
         self._strategy.save_checkpoint(checkpoint, path)
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
@@ -449,7 +460,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             raise RuntimeError(
                 "Cohort.load needs a set-up module (the weights load into it): call cohort.setup(...) first."
             )
-        agree_on_call(self, "load")
+        # Every rank reads the same checkpoint, or none does: ranks that load different weights train apart silently.
+        agree_on_call(self, "load", lambda: {"path": os.fspath(path), "checkpoint": checkpoint_identity(path)})
         checkpoint = self._strategy.load_checkpoint(path)
         refuse_plain_state_dict(checkpoint, str(path))
         # Checked before anything is restored; None when the writer stored none for this rank (the RNG is untouched).
@@ -471,6 +483,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         ``init_module(empty_init=True)``) into the set-up module; every rank calls it and keeps its shard."""
         if self._module is None:
             raise RuntimeError("Cohort.load_raw needs a set-up module: call cohort.setup(...) first.")
+        if isinstance(path, (str, PathLike)):  # (load_raw says what else is wrong)
+            agree_on_call(self, "load_raw", lambda: {"path": os.fspath(path), "checkpoint": checkpoint_identity(path)})
         load_raw(self._strategy, path, obj, strict=strict)
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@ their loop and finish with :func:`teardown_run`.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.strategies.migration import refuse_trainer_launcher
+from phalanx.trainer.chosen_checkpoint import chosen_ckpt_path
 from phalanx.trainer.logging.loggers_and_callbacks import agree_on_log_versions, merge_module_callbacks
 from phalanx.trainer.loops.data import DataSource, limited_batches, prepare_dataloader
 from phalanx.trainer.loops.evaluation_loop import (
@@ -31,6 +33,7 @@ from phalanx.trainer.profiling import finish_profiling, start_profiling
 from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.spawn_state import TrainerWorkerState
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerStatus
+from phalanx.utilities.cleanup import method_calls, run_every
 from phalanx.utilities.compile import unwrap_compiled
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
@@ -62,6 +65,7 @@ def start(trainer: Trainer, fn: TrainerFn, run: Callable[..., Any], *args: Any) 
     trainer.state.status = TrainerStatus.RUNNING
     trainer._run.should_stop = False
     trainer._run.stop_now = False
+    trainer._run.loggers_finalized = False
     try:
         launcher = trainer.strategy.launcher
         worker_state = None
@@ -88,15 +92,23 @@ def _fail(trainer: Trainer, exception: BaseException) -> None:
     trainer.state.status = TrainerStatus.INTERRUPTED if interrupted else TrainerStatus.FAILED
     trainer.state.stage = None
     module = trainer.strategy.module
-    for callback in trainer.callbacks:
-        callback.on_exception(trainer, module, exception)  # type: ignore[arg-type]
+    # A callback's on_exception that raises adds a note to the run's error and costs no clean-up step.
+    run_every(
+        [
+            (f"{type(callback).__name__}.on_exception", partial(callback.on_exception, trainer, module, exception))
+            for callback in trainer.callbacks
+        ],
+        handling=exception,
+    )
     try:
         trainer.strategy.on_exception(exception)  # may stop other processes, or raise a clearer error
     finally:
-        for logger in trainer.loggers:
-            logger.finalize("interrupted" if interrupted else "failed")
-        finish_profiling(trainer, failed=True)
-        trainer.strategy.teardown()
+        # Unless teardown_run finalised them already (then a failure after that does not finalise twice): every logger
+        # is finalised, and a failing one only adds a note, so that the error that stopped the run is the one raised.
+        status = "interrupted" if interrupted else "failed"
+        steps = [] if trainer._run.loggers_finalized else method_calls(trainer.loggers, "finalize", status)
+        steps += [("the profiler's teardown", lambda: finish_profiling(trainer, failed=True))]
+        run_every([*steps, ("strategy.teardown()", trainer.strategy.teardown)], handling=exception)
 
 
 def _run_detecting_anomalies(run: Callable[..., Any], *args: Any) -> Any:
@@ -185,10 +197,15 @@ def teardown_run(trainer: Trainer, module: TrainingModule) -> None:
     for callback in trainer.callbacks:
         callback.teardown(trainer, module, stage)
     module.teardown(stage)
-    for logger in trainer.loggers:
-        logger.finalize("success")
-    finish_profiling(trainer)
-    trainer.strategy.teardown()
+    trainer._run.loggers_finalized = True
+    # Every logger is finalised (a failing one does not cost the others their data), the profiler reports and the
+    # strategy tears down whatever failed before; then the first failure is raised.
+    steps = method_calls(trainer.loggers, "finalize", "success")
+    steps += [
+        ("the profiler's report", lambda: finish_profiling(trainer)),
+        ("strategy.teardown()", trainer.strategy.teardown),
+    ]
+    run_every(steps)
     trainer._run.results = None
 
 
@@ -261,6 +278,7 @@ def _run_fit_loop(trainer: Trainer) -> None:
 def module_for_evaluation(trainer: Trainer, model: Any, ckpt_path: Any, method: str) -> tuple[TrainingModule, Any]:
     """The module ``validate``/``test``/``predict`` run (the fitted one when none is given) and the checkpoint to load
     (the best one of the previous fit by default)."""
+    ckpt_path = chosen_ckpt_path(trainer, ckpt_path, method)
     if model is not None:
         return check_module(model, method), ckpt_path
     if trainer.strategy.module is None:

@@ -8,7 +8,6 @@ published through :mod:`phalanx.trainer.logging.metrics`.
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 from typing import Any, Sequence
@@ -28,13 +27,15 @@ from phalanx.strategies.strategy import Strategy
 from phalanx.trainer import arguments
 from phalanx.trainer.argument_checks import RENAMED_TRAINER_ATTRIBUTES
 from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, apply_process_switches, resolve_arguments
+from phalanx.trainer.assignment import checked_assignment, refuse_deletion
 from phalanx.trainer.checkpoint import CheckpointConnector
+from phalanx.trainer.chosen_checkpoint import ChosenCheckpoint, chosen_ckpt_path
 from phalanx.trainer.hooks import HookTable, overrides_gradient_clipping
 from phalanx.trainer.logging.barebones import BarebonesResults
 from phalanx.trainer.logging.metrics import LoggedMetrics
 from phalanx.trainer.logging.results import LoggedResults
 from phalanx.trainer.loops.data import DataSource, prepare_dataloader
-from phalanx.trainer.loops.fit_data import prepare_train_data
+from phalanx.trainer.loops.fit_data import estimated_stepping_batches
 from phalanx.trainer.loops.fit_loop import FitLoop
 from phalanx.trainer.loops.nonfinite import check_nonfinite_mode
 from phalanx.trainer.loops.optimizer import AccumulationSetting
@@ -175,6 +176,7 @@ class Trainer(DeviceProperties):
         check_datamodule(datamodule)
         check_nonfinite_mode(self, module.automatic_optimization)
         source = DataSource(module, datamodule, train=train_dataloaders, validate=val_dataloaders)
+        ckpt_path = chosen_ckpt_path(self, ckpt_path, "fit")
         self._run.preempted = False
         self._run.train_dataloader = None  # built anew for this fit (estimated_stepping_batches may build it early)
         start(self, TrainerFn.FITTING, run_fit, module, source, ckpt_path)
@@ -251,6 +253,14 @@ class Trainer(DeviceProperties):
             self.strategy.checkpoint_io.teardown()  # waits for a background write and raises its error
         self.strategy.barrier("Trainer.save_checkpoint")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A setting assigned after construction is checked as the constructor checks it, or refused if read-only.
+        super().__setattr__(*checked_assignment(self, name, value))
+
+    def __delattr__(self, name: str) -> None:
+        refuse_deletion(name)
+        super().__delattr__(name)
+
     def __getattr__(self, name: str) -> Any:
         # Reached only when normal lookup fails: name the phalanx spelling of a Lightning attribute.
         instead = RENAMED_TRAINER_ATTRIBUTES.get(name)
@@ -265,8 +275,8 @@ class Trainer(DeviceProperties):
     """Set to True (by a callback, say) to stop fit after the current batch, once min_epochs/min_steps allow."""
     preempted: RunField[bool] = RunField()
     """Whether the last fit stopped on a preemption signal (after saving a checkpoint)."""
-    ckpt_path: RunField[str | None] = RunField(writable=True)
-    """The checkpoint the current (or last) run started from, resolved ('last', 'best', 'auto' become a path)."""
+    ckpt_path: RunField[str | None] = ChosenCheckpoint()
+    """The checkpoint the current (or last) run started from, resolved; assigning one chooses it for the next stages."""
     datamodule: RunField[DataModule | None] = RunField(writable=True)
     """The DataModule of the current (or last) run, or None."""
     num_training_batches: RunField[int | float] = RunField()
@@ -403,16 +413,7 @@ class Trainer(DeviceProperties):
     def estimated_stepping_batches(self) -> int | float:
         """Optimizer steps the fit is expected to take, per process (for schedulers such as OneCycleLR); read in
         ``configure_optimizers`` it builds the training dataloader first, as Lightning does."""
-        if self.max_epochs == -1:
-            return self.max_steps if self.max_steps != -1 else math.inf
-        run = self._run
-        if run.train_dataloader is None and self.state.fn == TrainerFn.FITTING and run.data_source is not None:
-            prepare_train_data(self, run.data_source)
-        per_epoch = self.num_training_batches
-        if math.isinf(per_epoch) or self.max_epochs == -1:
-            return self.max_steps if self.max_steps != -1 else math.inf
-        steps = math.ceil(per_epoch / self.accumulate_grad_batches) * self.max_epochs
-        return min(steps, self.max_steps) if self.max_steps != -1 else steps
+        return estimated_stepping_batches(self)
 
     # ------------------------------------------------------------------ called by the module, plugins and strategies
     def _prepare_dataloader(self, dataloader: Any, training: bool) -> Any:

@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from phalanx.module import TrainingModule
 from phalanx.trainer.loops.data import DataSource, empty_data_reason, limited_batches, prepare_dataloader
+from phalanx.trainer.state import TrainerFn
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -236,8 +237,24 @@ def overfit_loader(loader: Any, stage: str, overfit_batches: int | float) -> Any
     return with_sampler(loader, ordered)
 
 
+def estimated_stepping_batches(trainer: Trainer) -> int | float:
+    """Optimizer steps the fit is expected to take per process (``Trainer.estimated_stepping_batches``); read before the
+    fit's data is ready (in ``configure_optimizers``), it builds the training dataloader first, as Lightning does."""
+    if trainer.max_epochs == -1:
+        return trainer.max_steps if trainer.max_steps != -1 else math.inf
+    run = trainer._run
+    if run.train_dataloader is None and trainer.state.fn == TrainerFn.FITTING and run.data_source is not None:
+        prepare_train_data(trainer, run.data_source)
+    per_epoch = trainer.num_training_batches
+    if math.isinf(per_epoch) or trainer.max_epochs == -1:
+        return trainer.max_steps if trainer.max_steps != -1 else math.inf
+    steps = math.ceil(per_epoch / trainer.accumulate_grad_batches) * trainer.max_epochs
+    return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
+
+
 __all__ = [
     "epoch_end_validation_due",
+    "estimated_stepping_batches",
     "overfit_loader",
     "prepare_fit_data",
     "prepare_train_data",

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor
 
+from phalanx.trainer.assignment import TrainerSetting
 from phalanx.trainer.loops.data import empty_data_reason, iterate_from
 from phalanx.trainer.loops.evaluation_loop import run_validation_during_fit
 from phalanx.trainer.loops.fit_data import epoch_end_validation_due, reload_train_data_if_due, val_check_due
@@ -32,6 +33,9 @@ _ENDED = "ended"  # on_train_epoch_end is running or ran: the next epoch starts 
 
 class FitLoop:
     """Runs training epochs; keeps the progress counters that checkpoints save."""
+
+    # Lightning's place for these (trainer.fit_loop.max_epochs = N): they are the Trainer's, checked when assigned.
+    max_epochs, min_epochs, max_steps, min_steps = (TrainerSetting() for _ in range(4))
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -142,9 +146,7 @@ class FitLoop:
 
     def _done(self) -> bool:
         trainer = self.trainer
-        if trainer._run.stop_now:
-            return True
-        if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
+        if trainer._run.stop_now or (trainer.max_steps != -1 and self.global_step >= trainer.max_steps):
             return True
         if trainer.max_epochs is not None and trainer.max_epochs != -1 and self.current_epoch >= trainer.max_epochs:
             return True
@@ -335,10 +337,8 @@ class FitLoop:
             )
         if self.batches_done < self.num_batches:
             self._count_stepped()  # the epoch's last batch is counted after the epoch's validation
-        if trainer.preemption is not None and save_if_preempted(trainer, self.total_batches):
-            trainer._run.stop_now = True
-            return True
-        if self._stop_requested(deadline):
+        preempted = trainer.preemption is not None and save_if_preempted(trainer, self.total_batches)
+        if preempted or self._stop_requested(deadline):
             trainer._run.stop_now = True
             return True
         return False
