@@ -341,10 +341,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._last_loss = loss.detach()
         record_loss(self, loss)
 
-    def forward_backward(self, batch: Any, batch_idx: int = 0) -> Tensor | None:
-        """A TrainingModule's ``training_step`` on ``batch`` and its backward pass as the strategy's one step (see
-        :func:`~phalanx.cohort.step.forward_backward`); the detached loss, or None if the step returned None."""
-        return forward_backward(self, batch, batch_idx)
+    forward_backward = forward_backward  # training_step and backward as the strategy's one step (cohort/step.py)
 
     def clip_gradients(
         self,
