@@ -86,6 +86,21 @@ def warn_if_epoch_shorter_than_log_interval(trainer: Trainer) -> None:
     )
 
 
+def epoch_cannot_train(trainer: Trainer, skipped_by_hook: bool) -> bool:
+    """An epoch ended before its first batch: warn and return True when no later epoch can train either."""
+    if skipped_by_hook:
+        if trainer.max_epochs != -1:
+            return False  # on_train_batch_start may train in a later epoch, and max_epochs ends the run anyway
+        reason = "on_train_batch_start returned -1 before its first batch, and max_epochs=-1 sets no epoch limit"
+    else:
+        reason = empty_data_reason(trainer._run.train_dataloader, trainer.limit_train_batches)
+    rank_zero_warn(
+        f"Epoch {trainer.current_epoch} trained no batch ({reason}): fit stops at global step {trainer.global_step},"
+        " as no later epoch would train either."
+    )
+    return True
+
+
 def validation_defined(trainer: Trainer, source: DataSource) -> bool:
     """Whether the fit can validate (Lightning's ``enable_validation``): validation data is given, the module has a
     ``validation_step`` and ``limit_val_batches`` is not 0."""
@@ -253,6 +268,7 @@ def estimated_stepping_batches(trainer: Trainer) -> int | float:
 
 
 __all__ = [
+    "epoch_cannot_train",
     "epoch_end_validation_due",
     "estimated_stepping_batches",
     "overfit_loader",
