@@ -38,6 +38,7 @@ from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_n
 from phalanx.cohort.metrics import CohortLogging, LoggerWorkerState, attach, resolve_loggers, share_logger_states
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.setup_checks import check_optimizers_given, check_placement
+from phalanx.cohort.step import forward_backward
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.plugins.io.checkpoint_identity import checkpoint_identity
 from phalanx.strategies.properties import DeviceProperties
@@ -340,6 +341,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             self._strategy.backward(loss, None, *args, **kwargs)
         self._last_loss = loss.detach()
         record_loss(self, loss)
+
+    forward_backward = forward_backward  # training_step and backward as the strategy's one step (cohort/step.py)
 
     def clip_gradients(
         self,

@@ -151,6 +151,15 @@ class Strategy(ABC):
         """The settings of the last ``setup`` (None before it)."""
         return self._run_settings
 
+    @property
+    def device_mesh(self) -> Any:
+        """The DeviceMesh the module is parallelised over (axes named by ``MeshAxis``), or None without one."""
+        return self.__dict__.get("_device_mesh")
+
+    @device_mesh.setter
+    def device_mesh(self, mesh: Any) -> None:
+        self._device_mesh = mesh
+
     # ------------------------------------------------------------------ abstract contract
     @property
     @abstractmethod
@@ -364,6 +373,19 @@ class Strategy(ABC):
         """Run the module's ``predict_step`` under the precision's context."""
         with self.naming_collectives("forward"), evaluation_grad_mode(self):
             return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    def forward_backward(
+        self, batch: Any, batch_idx: int, between: Callable[[Any], Tensor | None], optimizer: Optimizer | None
+    ) -> tuple[Tensor | None, Any]:
+        """Turn a batch into a loss and gradients: training_step, the driver's between(output), then backward."""
+        # One named step that turns a batch into a loss and gradients: a strategy that runs both halves in one call (a
+        # pipeline schedule) overrides it; ``between`` is the driver's work in the middle (loss division, non-finite
+        # checks, on_before_backward), handed in as RunSettings.before_optimizer_step hands in the optimizer's hooks.
+        output = self.training_step(batch, batch_idx)
+        loss = between(output)
+        if loss is not None:
+            self.backward(loss, optimizer)
+        return loss, output
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Called before backward."""
