@@ -118,3 +118,24 @@ def test_the_worker_init_function_has_lightnings_name_and_defaults_to_this_proce
         ours.worker_init_fn(0, rank)
         draws.append(torch.rand(2).tolist())
     assert draws[0] == draws[1] != draws[2]  # rank=None is this process's rank (1), not 0
+
+
+@pytest.mark.parametrize("workers", [True, False])
+def test_cohort_loaders_get_the_worker_init_function_as_fabrics_do(workers):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from phalanx import Cohort
+
+    def set_up(driver: Any) -> Any:
+        driver.seed_everything(1, workers=workers, verbose=False)
+        loader = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2, num_workers=1)
+        return driver.setup_dataloaders(loader).worker_init_fn
+
+    mine = set_up(Cohort(accelerator="cpu", devices=1))
+    assert (mine is not None) is workers
+    if workers:
+        assert (mine.func, mine.keywords) == (ours.worker_init_fn, {"rank": 0})
+    fabric = pytest.importorskip("lightning_fabric", reason="Lightning Fabric (the oracle) is not installed")
+    assert (set_up(fabric.Fabric(accelerator="cpu", devices=1)) is not None) is workers
+    untouched = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2, num_workers=1, worker_init_fn=print)
+    assert Cohort(accelerator="cpu", devices=1).setup_dataloaders(untouched).worker_init_fn is print
