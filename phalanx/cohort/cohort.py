@@ -34,6 +34,7 @@ from phalanx.cohort.data import CohortData
 from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
 from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
 from phalanx.cohort.metrics import CohortLogging, LoggerWorkerState, attach, resolve_loggers, share_logger_states
+from phalanx.cohort.plain_checkpoint import load_before_setup, save_before_setup
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.setup_checks import check_optimizers_given, check_placement
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
@@ -416,12 +417,15 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | PathLike, state: dict[str, Any], filter: StateFilter | None = None) -> None:
         """Write ``state`` (modules, optimizers, objects) in the Trainer's checkpoint format, full or sharded as the
-        strategy does; ``filter`` (Fabric's): per state key, ``(name, value) -> bool`` selects state-dict entries."""
+        strategy does; ``filter`` (Fabric's): per state key, ``(name, value) -> bool`` selects state-dict entries.
+        Before ``setup``, the plain module and optimizers are saved (rank zero writes)."""
         _check_path(path, "save")
-        if self._module is None:
-            raise RuntimeError("Cohort.save needs a set-up module: call cohort.setup(...) first.")
+        self._ensure_environment()
         report_nonfinite(self, "save")
         agree_on_call(self, "save")
+        if self._module is None:
+            save_before_setup(self._strategy, path, state, self._optimizer_steps, filter)
+            return
         checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps, filter)
         self._strategy.save_checkpoint(checkpoint, path)
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
@@ -435,15 +439,15 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         restore_rng: bool = True,
     ) -> dict[str, Any]:
         """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``) and, with
-        ``restore_rng``, this process's generator states; returns unread objects (all of them without a state)."""
+        ``restore_rng``, this process's generator states; returns unread objects (all of them without a state).
+        Before ``setup``, a checkpoint file loads into the plain module and optimizers."""
         _check_path(path, "load")
         if not isinstance(restore_rng, bool):
             raise TypeError(f"Cohort.load(restore_rng={restore_rng!r}) must be True or False.")
-        if self._module is None:
-            raise RuntimeError(
-                "Cohort.load needs a set-up module (the weights load into it): call cohort.setup(...) first."
-            )
+        self._ensure_environment()
         agree_on_call(self, "load")
+        if self._module is None:
+            return load_before_setup(self, path, {} if state is None else state, strict=strict, restore_rng=restore_rng)
         checkpoint = self._strategy.load_checkpoint(path)
         refuse_plain_state_dict(checkpoint, str(path))
         # Checked before anything is restored; None when the writer stored none for this rank (the RNG is untouched).
