@@ -43,6 +43,7 @@ from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.compile import Compiler, check_compile, compiler_for, unwrap_compiled
+from phalanx.utilities.run_variables import settings_from_run
 from phalanx.utilities.seed import restore_rng_states
 
 _T = TypeVar("_T")
@@ -71,14 +72,11 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._callbacks = resolve_callbacks(callbacks)
         self._compile = check_compile(compile, "Cohort")
 
-        self._strategy: Strategy = resolve_strategy(
-            accelerator=accelerator,
-            strategy=strategy,
-            devices=devices,
-            num_nodes=num_nodes,
-            precision=precision,
-            plugins=plugins,
+        # Under `phalanx run`, what its --accelerator, --strategy, --devices, --num-nodes and --precision say.
+        settings = settings_from_run(
+            dict(accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision)
         )
+        self._strategy: Strategy = resolve_strategy(**settings, plugins=plugins)
         self._launched = False
         self._environment_ready = False
         self._module: CohortModule | None = None
