@@ -58,6 +58,7 @@ class StrategyCase:
     sharded: bool = False  # its parameters are DTensor shards once set up (the resume matrix checks they really are)
     needs: str | None = None  # an optional package the suites skip without
     variant_of: str | None = None  # a row that promises nothing: the row whose strategy it varies
+    launches: bool = False  # starts its own processes (spawn, fork): suites launch it from a function, the kit cannot
 
 
 def _kit(make: Callable[[], Any], processes: int, skipped: set[str], id: str) -> KitRun:
@@ -80,9 +81,9 @@ CASES = (
             _kit(partial(build, "DDPStrategy"), 2, set(), "ddp-2"),
         ),
     ),
-    StrategyCase("ddp_spawn", "DDPStrategy", frozenset({"defaults", "cohort"})),
-    StrategyCase("ddp_fork", "DDPStrategy", frozenset({"defaults", "cohort"})),
-    StrategyCase("ddp_notebook", "DDPStrategy", variant_of="ddp_fork"),
+    StrategyCase("ddp_spawn", "DDPStrategy", frozenset({"defaults", "cohort"}), launches=True),
+    StrategyCase("ddp_fork", "DDPStrategy", frozenset({"defaults", "cohort"}), launches=True),
+    StrategyCase("ddp_notebook", "DDPStrategy", variant_of="ddp_fork", launches=True),
     *(
         StrategyCase(f"{base}_find_unused_parameters_{flag}", "DDPStrategy", variant_of=base)
         for base in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")

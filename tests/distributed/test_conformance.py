@@ -169,7 +169,8 @@ def test_a_rank_stuck_in_a_collective_is_stopped_at_the_timeout_and_reported(tmp
     assert report["broadcast"].passed  # ran before the barrier: its result was kept
     assert [result.name for result in report.failures] == ["barrier"]
     assert (
-        "did not finish: stopped while running 'barrier': the run reached its 15 s timeout" in report["barrier"].message
+        "did not finish: stopped while running 'trainer/barrier': the run reached its 15 s timeout"
+        in report["barrier"].message
     )
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("phalanx-conformance")]
     assert sorted(path.name for path in next(tmp_path.iterdir()).iterdir() if path.suffix == ".json") == [
