@@ -67,8 +67,7 @@ def save_before_setup(
     entries = PlainEntries(state, "save")
     if entries.module_key is None:
         raise ValueError(
-            "Cohort.save: the state holds no module; add the module, e.g. {'model': model} (before setup, the plain"
-            " module)."
+            "Cohort.save: the state holds no module; add the plain module before setup, e.g. {'model': model}."
         )
     keep = checked_filter(state_filter, entries, engine=None)  # before setup no engine exists yet
     module = state[entries.module_key]

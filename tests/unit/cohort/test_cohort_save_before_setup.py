@@ -115,7 +115,7 @@ def _save(tmp_path: Path, state: dict[str, Any]) -> None:
     ("state", "error", "text"),
     [
         ({"a": nn.Linear(1, 1), "b": nn.Linear(1, 1)}, ValueError, "are both modules; one Cohort runs one module"),
-        ({"epoch": 1}, ValueError, "the state holds no module; add the module"),
+        ({"epoch": 1}, ValueError, "the state holds no module; add the plain module"),
         ([nn.Linear(1, 1)], TypeError, "state must be a dict with str keys"),
     ],
     ids=["two-modules", "no-module", "not-a-dict"],
