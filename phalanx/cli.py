@@ -309,7 +309,8 @@ def _run_problem(args: argparse.Namespace) -> str | None:
     from pathlib import Path
 
     # Lazy for import time: only `phalanx run` loads strategy resolution (and torch).
-    from phalanx.strategies.resolve import normalize_precision, resolve_accelerator
+    from phalanx.strategies.registry import STRATEGY_REGISTRY
+    from phalanx.strategies.resolve import NOT_OFFERED_STRATEGIES, normalize_precision, resolve_accelerator
 
     if not Path(args.script).is_file():
         return f"the script {args.script} does not exist (expected the path of a Python file)"
@@ -320,6 +321,11 @@ def _run_problem(args: argparse.Namespace) -> str | None:
             f"--strategy {args.strategy} starts processes itself, but phalanx run starts them; use its plain form"
             " (e.g. ddp for ddp_spawn) or run the script with python"
         )
+    strategy = (args.strategy or "auto").lower()
+    if strategy in NOT_OFFERED_STRATEGIES and strategy not in STRATEGY_REGISTRY:
+        return f"--strategy {args.strategy} (Lightning Fabric's) is not offered; use {NOT_OFFERED_STRATEGIES[strategy]}"
+    if strategy != "auto" and strategy not in STRATEGY_REGISTRY:
+        return f"unknown --strategy {args.strategy}; choose 'auto' or one of {STRATEGY_REGISTRY.available()}"
     try:
         if args.precision is not None:
             normalize_precision(args.precision)

@@ -86,11 +86,13 @@ def test_flags_left_out_leave_the_scripts_settings_alone(script, launches):
         (["--strategy", "ddp_spawn"], "--strategy ddp_spawn starts processes itself, but phalanx run starts them"),
         (["--strategy", "ddp_notebook"], "--strategy ddp_notebook starts processes itself"),
         (["--num-nodes", "2", "--node-rank", "2"], "--node-rank 2 is not below --num-nodes 2"),
+        (["--strategy", "ddpp"], "unknown --strategy ddpp; choose 'auto' or one of ['ddp', "),
+        (["--strategy", "dp"], "--strategy dp (Lightning Fabric's) is not offered; use strategy='ddp'"),
         (["--precision", "17-true"], "precision='17-true' is not supported"),
         (["--accelerator", "abacus"], "Unknown accelerator 'abacus'"),
         (["--accelerator", "cpu", "--devices", "0,1"], "devices=[0, 1] is not valid for the cpu accelerator"),
     ],
-    ids=["spawn", "notebook", "node-rank", "precision", "accelerator", "devices"],
+    ids=["spawn", "notebook", "node-rank", "unknown-strategy", "dp", "precision", "accelerator", "devices"],
 )
 def test_what_cannot_launch_is_refused_before_any_process_starts(script, launches, capsys, flags, text):
     assert phalanx_cli.main(["run", *flags, str(script)]) == 2
