@@ -8,8 +8,9 @@ one epoch (no epoch end, validation or checkpoint inside it); with the default `
 
 Rows: the hand-written loop (plain, under DistributedDataParallel, under ``fully_shard``) and phalanx with each
 strategy, with the defaults off (no logger, bar, checkpointing, summary, nothing logged) and on (defaults, with
-``self.log("loss", loss)`` and with ``prog_bar=True``). The progress bar redraws at most every 0.1 s: a redraw with
-``prog_bar`` metrics reads them (one sync per redraw), so those syncs depend on the step time, not on the step.
+``self.log("loss", loss)`` and with ``prog_bar=True``). In the ``prog_bar`` rows the bar redraws at every step (its
+0.1 s throttle is set to 0), the worst case: a redraw shows values copied to the host without waiting for the device,
+so it adds no sync.
 Usage: python bench/bench_step_work.py [--steps 50] [--only NAME ...]
 """
 
@@ -49,6 +50,10 @@ def run_one(name: str, steps: int) -> dict:
         counts = count_loop(window, wrap=rest)
     else:
         defaults, _, log_mode = rest.partition(":")
+        if log_mode == "prog_bar":
+            from phalanx.callbacks import progress
+
+            progress.REFRESH_INTERVAL = 0.0  # every step redraws the bar, whatever the step time
         counts = count_fit(kind, window, defaults=defaults == "on", log_mode=log_mode, default_root_dir=os.getcwd())
     return {"name": name, "python_calls": counts.python_calls, "aten_ops": counts.aten_ops, "syncs": counts.syncs,
             "sync_calls": counts.sync_calls}  # fmt: skip

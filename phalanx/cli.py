@@ -174,6 +174,12 @@ def _consolidate_output_problem(directory: Any, output: Any, overwrite: bool) ->
         )
     if target.is_dir():
         return f"the output {output} is an existing directory; name a file to write, e.g. {output / 'model.ckpt'}"
+    # Lazy for import time: the checkpoint IO is only loaded by `phalanx checkpoint`.
+    from phalanx.plugins.io.directory import target_refusal
+
+    refusal = target_refusal(target)
+    if refusal is not None:
+        return f"the output {output} is {refusal}, which writing the checkpoint would replace; name a regular file"
     for parent in target.parents:
         if parent.exists():
             if not parent.is_dir():
@@ -228,6 +234,8 @@ def _run_consolidate_command(args: argparse.Namespace) -> int:
         return _error(name, f"{directory} is not a checkpoint phalanx can read ({type(err).__name__}: {_summary(err)})")
     try:
         TorchCheckpointIO().save_checkpoint(checkpoint, output)
+    except CheckpointError as err:  # the disk filling, a quota, a FIFO put there meanwhile: the message names it
+        return _error(name, str(err))
     except OSError as err:
         return _error(name, f"cannot write {output}: {err.strerror or err}")
     tensors = len(checkpoint.get("state_dict", {}))

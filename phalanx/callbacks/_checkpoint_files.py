@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import stat
 import threading
-import uuid
 from typing import Any
 
 try:
@@ -22,7 +20,14 @@ try:
 except ImportError:  # Windows: claims are exclusive creates, without a lock
     fcntl = None  # type: ignore[assignment]
 
-from phalanx.plugins.io.directory import COMPLETE_MARKER, replace_with, sync_directory
+from phalanx.plugins.io.directory import COMPLETE_MARKER, refuse_unsafe_target, replace_with, sync_directory
+from phalanx.plugins.io.temporaries import (
+    is_stale,
+    owner_of,
+    remove_stale_temporaries,
+    temporary_name,
+    temporary_target,
+)
 
 FILE_EXTENSION = ".ckpt"
 
@@ -136,7 +141,6 @@ def removal_refusal(target: str, *, may_be_pending: bool, own_link: bool = False
 #: A name is claimed by a hidden marker beside it (``.NAME.claim``): the name itself appears only once its checkpoint
 #: is whole (a write goes to a hidden temporary and is renamed), so a killed save never leaves it empty.
 CLAIM_SUFFIX = ".claim"
-_TEMPORARY = re.compile(r"^\.(?P<name>.+)\.[0-9a-f]{32}\.tmp$")
 
 
 class Claim:
@@ -237,9 +241,8 @@ def remove_leftovers(path: str) -> None:
     except OSError:
         return
     for entry in entries:
-        match = _TEMPORARY.match(entry)
-        if match is None or match.group("name") != name:
-            continue
+        if temporary_target(entry) != name or (owner_of(entry) is not None and not is_stale(entry)):
+            continue  # not a temporary of this name, or one of a process that still runs (its write in flight)
         leftover = os.path.join(folder, entry)
         if os.path.isdir(leftover) and not os.path.islink(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -249,7 +252,9 @@ def remove_leftovers(path: str) -> None:
 
 
 def reclaim_abandoned(folder: str) -> None:
-    """Remove every claim in ``folder`` whose holder is gone (a killed run), with the temporaries of its save."""
+    """Remove every claim in ``folder`` whose holder is gone (a killed run), with the temporaries of its save, and
+    every temporary whose process is gone (see ``phalanx.plugins.io.temporaries``)."""
+    remove_stale_temporaries(folder)
     if is_url(folder) or fcntl is None:
         return
     try:
@@ -302,7 +307,7 @@ def is_link(path: str) -> bool:
 
 def can_link(folder: str) -> bool:
     """Whether symbolic links can be made in ``folder`` (tried with a hidden link, removed at once)."""
-    probe = os.path.join(folder, f".link-probe.{uuid.uuid4().hex}.tmp")
+    probe = os.path.join(folder, temporary_name("link-probe"))
     try:
         os.symlink("absent", probe)
     except (OSError, NotImplementedError):
@@ -319,8 +324,9 @@ def publish_link(target: str, link: str) -> None:
     checkpoint directory at ``link`` (which a rename cannot replace) is first moved to a *retired* name that resume
     still considers, and removed once the link is in place; anything else phalanx did not write is refused.
     """
+    refuse_unsafe_target(link)  # before the temporary link is made (replace_with checks again)
     folder, name = os.path.split(link)
-    temporary = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.tmp")
+    temporary = os.path.join(folder, temporary_name(name))
     os.symlink(os.path.basename(target), temporary)
     try:
         replace_with(temporary, link)

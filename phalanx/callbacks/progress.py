@@ -7,19 +7,18 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
 from tqdm import tqdm as _tqdm
 
 from phalanx.callbacks.callback import Callback
 from phalanx.utilities.checks import is_int_at_least
+from phalanx.utilities.host_copies import HostCopies
 
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
     from phalanx.trainer.trainer import Trainer
 
-# Reading a metric's value waits for the device to finish its queued work, so the bar's text is rebuilt at most
-# this often (in seconds), however fast the batches are.
+# The bar's text is rebuilt at most this often (in seconds), however fast the batches are: a redraw costs the host
+# tqdm's formatting and a copy of the metrics to host memory (never a wait for the device: see get_metrics).
 REFRESH_INTERVAL = 0.1
 
 
@@ -49,30 +48,6 @@ def _sum_batches(counts: Any) -> float | int | None:
     return sum(counts)
 
 
-def _to_display_values(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Convert 0-dim tensors to Python numbers with one device synchronisation per device (not one per metric)."""
-    result: dict[str, Any] = {}
-    on_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
-    for key, value in metrics.items():
-        if isinstance(value, Tensor) and value.numel() == 1:
-            if value.device.type == "cpu":
-                result[key] = value.item()
-            else:
-                result[key] = None  # keeps the key order; filled in below
-                on_device.setdefault(value.device, []).append((key, value))
-        elif isinstance(value, Tensor):
-            result[key] = str(value.tolist())
-        else:
-            result[key] = value
-    for device, items in on_device.items():
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        values = torch.stack([value.detach().reshape(()).to(dtype) for _, value in items]).cpu().tolist()
-        for (key, tensor), number in zip(items, values):
-            is_integer = not (tensor.is_floating_point() or tensor.is_complex())
-            result[key] = int(number) if is_integer else number
-    return result
-
-
 class ProgressBar(Callback):
     """Base class of progress bars: knows the batch totals and turns the progress-bar metrics into numbers.
 
@@ -89,6 +64,7 @@ class ProgressBar(Callback):
     def __init__(self) -> None:
         self._trainer: Trainer | None = None
         self._enabled = True
+        self._host_copies = HostCopies()
 
     @property
     def trainer(self) -> Trainer:
@@ -144,13 +120,31 @@ class ProgressBar(Callback):
         print(*args, sep=sep, **kwargs)
 
     def get_metrics(self, trainer: Trainer, module: TrainingModule | None) -> dict[str, int | float | str]:
-        """The values to show: ``v_num`` (the logger's version) and ``trainer.progress_bar_metrics`` as numbers."""
+        """The values to show: ``v_num`` (the logger's version) and ``trainer.progress_bar_metrics`` as numbers.
+
+        The numbers are those that reached host memory by a copy started at this or an earlier call, never a read that
+        waits for the device: on a GPU a value may be shown one redraw late (and a metric's first value one redraw
+        after it was logged) so that the training step never stalls for the bar.
+        """
         shown: dict[str, Any] = {}
         version = _logger_version(trainer)
         if version is not None:
             shown["v_num"] = version
-        shown.update(_to_display_values(dict(trainer.progress_bar_metrics)))
+        copies = self.__dict__.get("_host_copies")
+        if copies is None:  # a subclass that did not call ProgressBar.__init__
+            copies = self.__dict__["_host_copies"] = HostCopies()
+        wait = self.__dict__.get("_final_display", False)
+        shown.update(copies.read(dict(trainer.progress_bar_metrics), wait=wait))
         return shown
+
+    def _final_metrics(self, trainer: Trainer, module: TrainingModule | None) -> dict[str, int | float | str]:
+        """:meth:`get_metrics` (a subclass's too) with the newest values, waited for: at an epoch's or a validation's
+        end, where the loggers read them anyway, never per step."""
+        self.__dict__["_final_display"] = True
+        try:
+            return self.get_metrics(trainer, module)
+        finally:
+            self.__dict__["_final_display"] = False
 
 
 def _logger_version(trainer: Any) -> int | str | None:
@@ -176,8 +170,8 @@ class TQDMProgressBar(ProgressBar):
         leave: Keep each finished epoch's training bar on screen (a new bar per epoch) instead of reusing one bar.
         process_position: Offset of the bars, for running several trainings side by side.
 
-    The metrics shown after the bar are read at most every ``REFRESH_INTERVAL`` seconds: reading them waits for the
-    device, so doing it for every batch would slow training down.
+    The metrics shown after the bar are rebuilt at most every ``REFRESH_INTERVAL`` seconds, from values copied to the
+    host without waiting for the device (see :meth:`ProgressBar.get_metrics`).
     """
 
     BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
@@ -356,7 +350,7 @@ class TQDMProgressBar(ProgressBar):
         if bar is None:
             return
         if not bar.disable:
-            bar.set_postfix(self.get_metrics(trainer, module), refresh=False)
+            bar.set_postfix(self._final_metrics(trainer, module), refresh=False)
             bar.refresh()
             self._last_refresh["train"] = _clock()
         if self._leave:
@@ -399,7 +393,7 @@ class TQDMProgressBar(ProgressBar):
             and _stage_name(trainer) == "fit"
             and not trainer.sanity_checking
         ):
-            train_bar.set_postfix(self.get_metrics(trainer, module), refresh=False)
+            train_bar.set_postfix(self._final_metrics(trainer, module), refresh=False)
             train_bar.refresh()
             self._last_refresh["train"] = _clock()
 

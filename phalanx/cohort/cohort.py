@@ -42,7 +42,7 @@ from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
-from phalanx.utilities.compile import Compiler, check_compile, compiler_for, unwrap_compiled
+from phalanx.utilities.compile import Compiler, check_compile, compiler_for, refuse_compiled_in_place, unwrap_compiled
 from phalanx.utilities.run_variables import settings_from_run
 from phalanx.utilities.seed import restore_rng_states
 
@@ -142,8 +142,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             return None
         try:
             result = function(self, *args, **kwargs)
-        except BaseException:
-            self._finalize_loggers("failed")
+        except BaseException as error:
+            self._finalize_loggers("failed", handling=error)
             raise
         self._finalize_loggers("success")  # the function is the whole run: its logs are complete
         return result
@@ -245,6 +245,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             with strategy.tensor_init_context(), strategy.model_sharded_context():
                 configure_model()
         strategy.connect(module)
+        refuse_compiled_in_place(module, self._compile, "Cohort")
         compiler = compiler_for(self._compile, compiled_with, "Cohort")
         strategy.setup(
             RunSettings(

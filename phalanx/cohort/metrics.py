@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import Tensor, nn
 
 from phalanx.cohort.guards import report_nonfinite
+from phalanx.utilities.cleanup import method_calls, run_every
 from phalanx.utilities.metric_objects import is_metric, is_metric_collection, loggable_items
 
 if TYPE_CHECKING:
@@ -208,6 +209,7 @@ class CohortLogging:
             }
         self._write(metrics, None, caller)
 
-    def _finalize_loggers(self, status: str) -> None:
-        for logger in self._loggers:
-            logger.finalize(status)
+    def _finalize_loggers(self, status: str, handling: BaseException | None = None) -> None:
+        # Every logger is finalised, also after one raised; the error that ended the function (``handling``) stays
+        # the one raised, with the loggers' failures as notes (without one, the first failure is raised).
+        run_every(method_calls(self._loggers, "finalize", status), handling=handling)

@@ -325,4 +325,29 @@ def logger_list(value: Any, *, argument: str, choices: str) -> list[Logger]:
         reject_class(name, item, Logger, "", arguments="save_dir=...")
         if not isinstance(item, Logger):
             raise TypeError(f"{name}={shown(item)} (of type {type(item).__name__}) is not a Logger; pass {choices}.")
+        _refuse_duplicate(items, index, argument)
     return items
+
+
+def _refuse_duplicate(items: list[Logger], index: int, argument: str) -> None:
+    """Refuse ``items[index]`` when an earlier item is the same logger, or writes the same files: each row would be
+    written twice."""
+    item = items[index]
+    for earlier, other in enumerate(items[:index]):
+        if other is item:
+            raise ValueError(
+                f"{argument}[{earlier}] and {argument}[{index}] are the same {type(item).__name__}: it would write"
+                f" every row twice. Pass each logger once."
+            )
+        if type(other) is type(item) and isinstance(item, _DirectoryLogger) and _same_folder(other, item):
+            raise ValueError(
+                f"{argument}[{earlier}] and {argument}[{index}] are two {type(item).__name__}s writing to the same"
+                f" folder (save_dir={item.save_dir!r}, name={item.name!r}, version={item._version!r}): every row"
+                f" would be written twice. Pass one of them, or give them different names or versions."
+            )
+
+
+def _same_folder(a: _DirectoryLogger, b: _DirectoryLogger) -> bool:
+    # Only versions given explicitly are compared: reading an automatic one would claim its folder.
+    same_version = a._version is not None and a._version == b._version
+    return same_version and os.path.abspath(a.root_dir) == os.path.abspath(b.root_dir)

@@ -21,6 +21,7 @@ from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
+from phalanx.strategies.traits import check_traits
 from phalanx.utilities.messages import reject_class, shown
 from phalanx.utilities.rank_zero import rank_zero_warn
 
@@ -187,6 +188,7 @@ def resolve_strategy(
             devices_of_built = built.parallel_devices or built.accelerator.get_parallel_devices(devices)
             _configure_parallel(built, devices_of_built, num_nodes, sync_batchnorm, given)
         refuse_in_interactive_session(built, built)
+        check_traits(built)  # here, once: the loops read them later, where a bad one would only be misread
         return built
     if isinstance(strategy, type):  # listing the names loads every installed plugin: only for an error
         reject_class("strategy", strategy, Strategy, f"a registered name: {['auto', *STRATEGY_REGISTRY.available()]}")
@@ -200,6 +202,7 @@ def resolve_strategy(
         strategy, accelerator_instance, devices, num_nodes, precision_name, sync_batchnorm=sync_batchnorm, given=given
     )
     refuse_in_interactive_session(built, strategy)
+    check_traits(built)
     return built
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, fields
+from typing import Any
 
-__all__ = ["TRAIT_NAMES", "StrategyTraits", "legacy_trait_overrides"]
+from phalanx.utilities.messages import shown
+
+__all__ = ["TRAIT_NAMES", "StrategyTraits", "check_traits", "legacy_trait_overrides"]
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,44 @@ def legacy_trait_overrides(cls: type, base: type) -> tuple[str, ...]:
                 stacklevel=4,  # this function, Strategy.__init_subclass__, ABCMeta.__new__, then the class statement
             )
     return tuple(name for name in TRAIT_NAMES if getattr(cls, name) is not getattr(base, name))
+
+
+def _defined_in(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose body defines ``name``."""
+    return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+def check_traits(strategy: Any) -> None:
+    """Refuse traits the loops could misread, once, when a driver takes ``strategy``; each error names the strategy.
+
+    ``declare_traits()`` must return a StrategyTraits whose flags are True or False (a string such as "no" would count
+    as True); a deprecated per-flag property must return True or False too, and must not contradict a
+    ``declare_traits()`` written beside or below it (which of the two would count is then anybody's guess).
+    """
+    cls = type(strategy)
+    declared = strategy.declare_traits()
+    if not isinstance(declared, StrategyTraits):
+        raise TypeError(
+            f"{cls.__name__}.declare_traits() returned {shown(declared)} (of type {type(declared).__name__}); it must"
+            f" return a StrategyTraits, e.g. dataclasses.replace(super().declare_traits(), pads_evaluation=True)."
+        )
+    for name in TRAIT_NAMES:
+        value = getattr(declared, name)
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{cls.__name__}.declare_traits() declares {name}={shown(value)}; a trait is True or False (a string"
+                f" or a number would count as True or False by accident)."
+            )
+    for name in strategy._legacy_traits:
+        value = getattr(strategy, name)
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"{cls.__name__}.{name} (a deprecated trait property) returned {shown(value)}; a trait is True or"
+                f" False. Declare it in declare_traits() instead."
+            )
+        if value != getattr(declared, name) and issubclass(_defined_in(cls, "declare_traits"), _defined_in(cls, name)):
+            raise ValueError(
+                f"{cls.__name__} declares {name}={getattr(declared, name)} in declare_traits(), but its deprecated"
+                f" property {name} returns {value}. Remove the property and declare the value in declare_traits():"
+                f" the property is ignored after this release."
+            )

@@ -139,14 +139,14 @@ def resolve_arguments(given: Mapping[str, Any]) -> TrainerSettings:
     fast_dev_batches = _fast_dev_batches(given["fast_dev_run"])
     counts = _resolve_counts(given, barebones=barebones)
     limits = _resolve_limits(given)
-    loop = {**counts, **limits, "val_check_interval": _resolve_val_check_interval(given["val_check_interval"])}
+    loop = {**counts, **limits, "val_check_interval": resolve_val_check_interval(given["val_check_interval"])}
     clipping = _resolve_clipping(given["gradient_clip_val"], given["gradient_clip_algorithm"])
     if fast_dev_batches:
         loop.update(_fast_dev_run_overrides(fast_dev_batches))
     overfit_batches = validate_limit("overfit_batches", given["overfit_batches"])
     if overfit_batches:  # wins over limit_*_batches and fast_dev_run for training and validation, as in Lightning
         loop["limit_train_batches"] = loop["limit_val_batches"] = overfit_batches
-    preemption = _resolve_preemption(given["preemption"])
+    preemption = resolve_preemption(given["preemption"])
     enabled = {name: True if given[name] is None else given[name] for name in _ENABLE_FLAGS}
     return TrainerSettings(
         barebones=barebones,
@@ -203,14 +203,7 @@ def _resolve_counts(given: Mapping[str, Any], *, barebones: bool) -> dict[str, A
     check_int("max_epochs", max_epochs, -1, allow_none=True)
     check_int("min_epochs", min_epochs, 0, allow_none=True)
     check_int("min_steps", min_steps, 0, allow_none=True)
-    if min_steps is not None and max_steps != -1 and min_steps > max_steps:
-        raise ValueError(
-            f"min_steps={min_steps} is more than max_steps={max_steps}; lower min_steps or raise max_steps."
-        )
-    if min_epochs is not None and max_epochs is not None and max_epochs != -1 and min_epochs > max_epochs:
-        raise ValueError(
-            f"min_epochs={min_epochs} is more than max_epochs={max_epochs}; lower min_epochs or raise max_epochs."
-        )
+    check_bounds(max_steps=max_steps, min_steps=min_steps, max_epochs=max_epochs, min_epochs=min_epochs)
     check_int("accumulate_grad_batches", given["accumulate_grad_batches"], 1)
     check_int("check_val_every_n_epoch", given["check_val_every_n_epoch"], 1, allow_none=True)
     check_int("num_sanity_val_steps", given["num_sanity_val_steps"], -1, allow_none=True)
@@ -234,13 +227,26 @@ def _resolve_counts(given: Mapping[str, Any], *, barebones: bool) -> dict[str, A
     }
 
 
+def check_bounds(*, max_steps: int, min_steps: int | None, max_epochs: int | None, min_epochs: int | None) -> None:
+    """Refuse a minimum above its maximum (-1 or None: no maximum; None: no minimum)."""
+    if min_steps is not None and max_steps != -1 and min_steps > max_steps:
+        raise ValueError(
+            f"min_steps={min_steps} is more than max_steps={max_steps}; lower min_steps or raise max_steps."
+        )
+    if min_epochs is not None and max_epochs is not None and max_epochs != -1 and min_epochs > max_epochs:
+        raise ValueError(
+            f"min_epochs={min_epochs} is more than max_epochs={max_epochs}; lower min_epochs or raise max_epochs."
+        )
+
+
 def _resolve_limits(given: Mapping[str, Any]) -> dict[str, int | float]:
     """``limit_{train,val,test,predict}_batches``, checked (None: all batches)."""
     names = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")
     return {name: validate_limit(name, 1.0 if given[name] is None else given[name]) for name in names}
 
 
-def _resolve_val_check_interval(value: Any) -> int | float:
+def resolve_val_check_interval(value: Any) -> int | float:
+    """``val_check_interval``, checked (None: once per epoch)."""
     if value is None:
         return 1.0
     if (
@@ -259,12 +265,19 @@ def _resolve_val_check_interval(value: Any) -> int | float:
 def _resolve_clipping(gradient_clip_val: Any, gradient_clip_algorithm: Any) -> dict[str, Any]:
     if gradient_clip_val is not None:
         check_number("gradient_clip_val", gradient_clip_val, 0)
+    return {
+        "gradient_clip_val": gradient_clip_val,
+        "gradient_clip_algorithm": resolve_clip_algorithm(gradient_clip_algorithm),
+    }
+
+
+def resolve_clip_algorithm(gradient_clip_algorithm: Any) -> GradClipAlgorithmType | None:
+    """``gradient_clip_algorithm``, checked, as the enum ('norm', 'value' or such a member; None stays None)."""
     if isinstance(gradient_clip_algorithm, GradClipAlgorithmType):
         gradient_clip_algorithm = gradient_clip_algorithm.value
     check_choice("gradient_clip_algorithm", gradient_clip_algorithm, (None, "norm", "value"))
     # None stays None, as in Lightning: configure_gradient_clipping and clip_gradients tell "unset" from "norm".
-    algorithm = None if gradient_clip_algorithm is None else GradClipAlgorithmType(gradient_clip_algorithm)
-    return {"gradient_clip_val": gradient_clip_val, "gradient_clip_algorithm": algorithm}
+    return None if gradient_clip_algorithm is None else GradClipAlgorithmType(gradient_clip_algorithm)
 
 
 def _fast_dev_run_overrides(batches: int) -> dict[str, Any]:
@@ -283,7 +296,8 @@ def _fast_dev_run_overrides(batches: int) -> dict[str, Any]:
     }
 
 
-def _resolve_preemption(preemption: Any) -> Preemption | None:
+def resolve_preemption(preemption: Any) -> Preemption | None:
+    """``preemption``, checked: True becomes the default Preemption, False (or None) none."""
     reject_class("preemption", preemption, Preemption, "True or False")
     if preemption is True:
         return Preemption()
@@ -312,4 +326,13 @@ def apply_process_switches(*, deterministic: bool | str | None, benchmark: bool 
         torch.backends.cudnn.benchmark = benchmark
 
 
-__all__ = ["STRATEGY_ARGUMENTS", "TrainerSettings", "apply_process_switches", "resolve_arguments"]
+__all__ = [
+    "STRATEGY_ARGUMENTS",
+    "TrainerSettings",
+    "apply_process_switches",
+    "check_bounds",
+    "resolve_arguments",
+    "resolve_clip_algorithm",
+    "resolve_preemption",
+    "resolve_val_check_interval",
+]

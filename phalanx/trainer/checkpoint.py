@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import zipfile
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from phalanx import __version__
-from phalanx.plugins.io.bounded_reads import is_regular_file, open_checkpoint_file
 from phalanx.plugins.io.checkpoint_files import path_inside
 from phalanx.plugins.io.checks import (
     check_checkpoint,
@@ -20,67 +19,35 @@ from phalanx.plugins.io.checks import (
     check_weights_fit,
     plain_hyperparameters,
 )
-from phalanx.plugins.io.directory import COMPLETE_MARKER, is_retired_copy
+from phalanx.plugins.io.directory import COMPLETE_MARKER
 from phalanx.plugins.io.serialization import is_url
 from phalanx.strategies.strategy import Strategy
+from phalanx.trainer.resume import (
+    Choice,
+    choose_checkpoint,
+    differing_hparams,
+    experiment_folders,
+    is_complete_checkpoint,
+    module_hparams,
+    newest_complete_checkpoint,
+)
 from phalanx.utilities.exceptions import CheckpointError
-from phalanx.utilities.rank_zero import rank_zero_print
+from phalanx.utilities.rank_zero import rank_zero_print, rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
 
 
-def is_complete_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a finished checkpoint: a whole torch file, or a directory with its completion marker.
-
-    A previous checkpoint moved aside by a save that replaces it (see ``phalanx.plugins.io.directory``) counts: a
-    kill between that save's two renames leaves it as the newest complete checkpoint of its name. Anything but a
-    directory or a regular file (a FIFO would block the look inside it) is not a checkpoint.
-    """
-    if is_retired_copy(path):
-        return path.is_dir() and (path / COMPLETE_MARKER).exists()
-    if path.name.startswith(".") or path.name.endswith(".tmp"):
-        return False  # an atomic write still in progress (or abandoned by a killed process)
-    if path.is_dir():
-        return (path / COMPLETE_MARKER).exists()
-    if not is_regular_file(path):
-        return False
-    try:
-        # torch.save writes a zip archive whose directory sits at the end: a truncated file has none.
-        with open_checkpoint_file(path) as handle, zipfile.ZipFile(handle) as archive:
-            return bool(archive.namelist())
-    except (OSError, zipfile.BadZipFile, CheckpointError):
-        return False
-
-
-def newest_complete_checkpoint(directories: list[Path], *, name_prefix: str = "", recursive: bool = True) -> str | None:
-    """The complete ``{name_prefix}*.ckpt`` (file or directory) modified last under ``directories``.
-
-    A symbolic link found there counts only if it leads to a checkpoint inside the directory searched (as the link
-    ``save_last="link"`` makes does): a link planted to a checkpoint elsewhere is never chosen.
-    """
-    candidates: dict[Path, float] = {}
-    for directory in directories:
-        if directory.is_dir():
-            root = directory.resolve()
-            find = directory.rglob if recursive else directory.glob
-            retired = [
-                path for path in find("*.retired") if is_retired_copy(path) and path.name[1:].startswith(name_prefix)
-            ]
-            for path in [*find(f"{name_prefix}*.ckpt"), *retired]:
-                resolved = path.resolve()
-                if resolved.is_relative_to(root) and is_complete_checkpoint(path):
-                    candidates[resolved] = path.stat().st_mtime
-    if not candidates:
-        return None
-    return str(max(candidates, key=lambda p: (candidates[p], str(p))))
-
-
 def _refuse_link_outside(path: Path) -> None:
     """Refuse a ``last`` link that leads outside its folder (phalanx's ``save_last="link"`` names a sibling)."""
     if not is_url(path) and path.is_symlink():
         path_inside(path, root=path.parent, what=f"the link {path.name}")
+
+
+def _listed(folders: list[Path]) -> str:
+    shown = ", ".join(str(folder) for folder in folders[:3])
+    return shown + (f" and {len(folders) - 3} more folder(s)" if len(folders) > 3 else "")
 
 
 class CheckpointConnector:
@@ -118,7 +85,9 @@ class CheckpointConnector:
             precision_state = strategy.precision_plugin.state_dict()
             if precision_state:
                 checkpoint["precision_plugin"] = precision_state
-            checkpoint["callbacks"] = {cb.state_key: cb.state_dict() for cb in trainer.callbacks if cb.state_dict()}
+            # One state_dict() call per callback, as in Lightning: a callback may count or log its saves there.
+            states = ((callback.state_key, callback.state_dict()) for callback in trainer.callbacks)
+            checkpoint["callbacks"] = {key: state for key, state in states if state}
             checkpoint["rng_states"] = strategy.all_gather_object(collect_rng_states())
             if datamodule is not None:
                 state = datamodule.state_dict()
@@ -139,14 +108,7 @@ class CheckpointConnector:
             return None
         trainer = self.trainer
         if ckpt_path == "auto":
-            found = self.find_newest_complete()
-            # One line on rank 0, shown without any logging set-up: which file the run goes on from, or that none was.
-            if found is not None:
-                rank_zero_print(f"ckpt_path='auto': resuming from {found}")
-            else:
-                searched = ", ".join(str(directory) for directory in self.search_directories())
-                rank_zero_print(f"ckpt_path='auto': no complete checkpoint under {searched}; starting from scratch")
-            return found
+            return self._resolve_auto()
         if ckpt_path in ("best", "last"):
             callback = trainer.checkpoint_callback
             if callback is None:
@@ -178,16 +140,75 @@ class CheckpointConnector:
             raise TypeError(f"ckpt_path must be 'auto', 'last', 'best' or a path, got {type(ckpt_path).__name__}.")
         return str(ckpt_path)
 
+    def _resolve_auto(self) -> str | None:
+        choice = self.auto_choice()
+        # One line on rank 0, shown without any logging set-up: which file the run goes on from and why, or that none
+        # was found and where the run looked.
+        searched = _listed(self.search_directories())
+        skipped = f" ({choice.passed_over})" if choice.passed_over else ""
+        if choice.path is None or choice.progress is None:
+            rank_zero_print(f"ckpt_path='auto': no complete checkpoint in {searched}{skipped}; starting from scratch")
+            return None
+        progress = choice.progress
+        rank_zero_print(
+            f"ckpt_path='auto': resuming from {choice.path} (global step {progress.global_step}, epoch"
+            f" {progress.epoch}): {choice.reason} in {searched}{skipped}"
+        )
+        return choice.path
+
     def search_directories(self) -> list[Path]:
-        """Where this run's checkpoints can be: every ModelCheckpoint's directory and ``default_root_dir``."""
-        directories = [Path(cb.dirpath) for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
-        return directories + [Path(self.trainer.default_root_dir)]
+        """Where ``ckpt_path="auto"`` looks: this run's checkpoint folders (every ModelCheckpoint's, the preemption
+        folder), then those of the experiment's other ``version_N`` runs (see ``phalanx.trainer.resume``)."""
+        own, experiment = self._folders()
+        return own + experiment
+
+    def _folders(self) -> tuple[list[Path], list[Path]]:
+        trainer = self.trainer
+        named = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        own: dict[str, Path] = {}
+        for folder in [*named, trainer.checkpoint_dir]:
+            if not is_url(folder):
+                own.setdefault(os.path.realpath(folder), Path(folder))
+        experiment: dict[str, Path] = {}
+        for folder in own.values():
+            for sibling in experiment_folders(Path(os.path.realpath(folder))):
+                if os.path.realpath(sibling) not in own:
+                    experiment.setdefault(os.path.realpath(sibling), sibling)
+        return list(own.values()), list(experiment.values())
+
+    def auto_choice(self) -> Choice:
+        """The checkpoint ``ckpt_path="auto"`` resumes from: rank 0 decides, every rank gets the answer (or the error
+        that stops the resume: a complete checkpoint whose progress cannot be read)."""
+        trainer = self.trainer
+        outcome: tuple[Choice | None, Exception | None] = (None, None)
+        if trainer.is_global_zero:
+            own, experiment = self._folders()
+            hparams = module_hparams(trainer.strategy.module)
+            try:
+                choice = choose_checkpoint(
+                    own + experiment,
+                    experiment=frozenset(os.path.realpath(folder) for folder in experiment),
+                    hparams=hparams,
+                )
+                outcome = (choice, None)
+            except CheckpointError as error:
+                hint = "ckpt_path='auto' reads how far each checkpoint of this run got, and cannot read this one."
+                advice = "Move it away, or pass the checkpoint to resume from as ckpt_path."
+                outcome = (None, type(error)(f"{error} {hint} {advice}"))
+            differing = differing_hparams(outcome[0].progress, hparams) if outcome[0] and outcome[0].progress else []
+            if differing:
+                rank_zero_warn(
+                    f"ckpt_path='auto' resumes from {outcome[0].path}, saved with other values of the"
+                    f" hyper-parameters {differing} than {type(trainer.strategy.module).__name__} has now."
+                )
+        choice, error = trainer.strategy.broadcast(outcome)
+        if error is not None:
+            raise error
+        return choice
 
     def find_newest_complete(self) -> str | None:
-        """The most recently written complete checkpoint of this run (rank 0 decides, every rank gets the answer)."""
-        trainer = self.trainer
-        newest = newest_complete_checkpoint(self.search_directories()) if trainer.is_global_zero else None
-        return trainer.strategy.broadcast(newest)
+        """The path of ``auto_choice`` (every rank gets it), or None when this run has no complete checkpoint."""
+        return self.auto_choice().path
 
     def _last_directory(self, callback: Any) -> Path:
         dirpath = getattr(callback, "dirpath", None)
@@ -196,7 +217,7 @@ class CheckpointConnector:
     def _find_last(self, callback: Any) -> str:
         # Only complete ones: an empty file (a name an earlier phalanx reserved) or one cut short is passed over.
         directory = self._last_directory(callback)
-        return newest_complete_checkpoint([directory], name_prefix="last", recursive=False) or ""
+        return newest_complete_checkpoint([directory], name_prefix="last") or ""
 
     def load(self, path: str, *, fitting: bool = False) -> dict[str, Any]:
         """Read a checkpoint through the strategy and check its entries (with ``fitting``, the training state too)."""
@@ -243,11 +264,36 @@ class CheckpointConnector:
                 )
         strategy.load_model_state_dict(checkpoint)
 
+    def restore_callbacks_and_datamodule(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the datamodule's state, then the callbacks': every ``on_load_checkpoint``, then every
+        ``load_state_dict`` (Lightning's order). Before ``on_fit_start``, which may rely on it (a finetuning callback
+        restores its parameter groups there)."""
+        trainer = self.trainer
+        module, datamodule = trainer.strategy.module, trainer.datamodule
+        if datamodule is not None:
+            datamodule.on_load_checkpoint(checkpoint)
+            if "datamodule" in checkpoint:
+                self._apply("['datamodule']", datamodule.load_state_dict, checkpoint["datamodule"])
+        for callback in trainer.callbacks:
+            callback.on_load_checkpoint(trainer, module, checkpoint)
+        callback_states = checkpoint.get("callbacks", {})
+        for callback in trainer.callbacks:
+            if callback.state_key in callback_states:
+                self._apply(
+                    f"['callbacks'][{callback.state_key!r}]",
+                    callback.load_state_dict,
+                    callback_states[callback.state_key],
+                )
+
     def restore_training_state(self, checkpoint: dict[str, Any]) -> None:
-        """Restore optimizers, schedulers, precision, callbacks, datamodule and loop progress (checked by ``load``)."""
+        """Restore precision, optimizers, schedulers and loop progress, after ``on_fit_start`` as in Lightning.
+
+        The optimizer states are checked against the optimizers as ``on_fit_start`` left them (a callback may have
+        added parameter groups there) before anything of them is applied.
+        """
         trainer = self.trainer
         strategy = trainer.strategy
-        module = strategy.module
+        self.check_training_state(checkpoint)
         if "precision_plugin" in checkpoint:
             self._apply(
                 "['precision_plugin']", strategy.precision_plugin.load_state_dict, checkpoint["precision_plugin"]
@@ -261,20 +307,6 @@ class CheckpointConnector:
             # steps "before optimizer.step()" when a resumed run's first action is an epoch-end scheduler step.
             for optimizer in strategy.optimizers:
                 optimizer._opt_called = True  # type: ignore[attr-defined]
-        callback_states = checkpoint.get("callbacks", {})
-        for callback in trainer.callbacks:
-            callback.on_load_checkpoint(trainer, module, checkpoint)
-            if callback.state_key in callback_states:
-                self._apply(
-                    f"['callbacks'][{callback.state_key!r}]",
-                    callback.load_state_dict,
-                    callback_states[callback.state_key],
-                )
-        datamodule = trainer.datamodule
-        if datamodule is not None:
-            datamodule.on_load_checkpoint(checkpoint)
-            if "datamodule" in checkpoint:
-                self._apply("['datamodule']", datamodule.load_state_dict, checkpoint["datamodule"])
         rng_states = checkpoint["rng_states"]
         rank = strategy.global_rank
         own_rng = rng_states[rank] if rank < len(rng_states) else None
@@ -288,3 +320,7 @@ class CheckpointConnector:
             raise CheckpointError(
                 f"{self._source}: checkpoint{entry} could not be restored ({type(error).__name__}: {error})."
             ) from error
+
+
+# COMPLETE_MARKER and the two helpers are named here as well: code and tests that check checkpoints import them here.
+__all__ = ["COMPLETE_MARKER", "CheckpointConnector", "is_complete_checkpoint", "newest_complete_checkpoint"]

@@ -8,6 +8,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 from phalanx.callbacks.callback import Callback
+from phalanx.callbacks.early_stopping import EarlyStopping
+from phalanx.callbacks.model_checkpoint import Checkpoint
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.trainer.profiling import profiled_hooks, records
@@ -66,11 +68,17 @@ def _not_built(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("HookTable.build() must run before the loops move batches.")
 
 
+# Callbacks that act on a monitored metric: in on_train_epoch_end they run after the module, as in Lightning.
+MONITORING_CALLBACKS = (EarlyStopping, Checkpoint)
+
+
 class HookTable:
     """For each hook name, the tuple of bound callables to run, built once per run.
 
-    The module's hook runs before the callbacks' so that metrics it logs in an epoch-end hook are visible to
-    monitoring callbacks (ModelCheckpoint, EarlyStopping), which are ordered last.
+    As in Lightning, the callbacks' hook runs before the module's, so that what a callback sets up for the module (a
+    finetuning schedule, a curriculum) is there when the module's hook runs. One exception, Lightning's too: in
+    ``on_train_epoch_end`` the monitoring callbacks (``EarlyStopping``, checkpoint callbacks) run after the module, so
+    that they see the metrics it logs there.
     """
 
     def __init__(self) -> None:
@@ -83,13 +91,13 @@ class HookTable:
         """Collect the overridden hooks of ``module`` and ``callbacks``; warn about ``on_*`` methods never called."""
         table: dict[str, list[Callable[..., Any]]] = {}
         for name in SHARED_HOOKS + CALLBACK_ONLY_HOOKS:
-            entries: list[Callable[..., Any]] = []
+            overriding = [callback for callback in callbacks if _overrides(callback, Callback, name)]
+            split = name == "on_train_epoch_end"
+            last = [cb for cb in overriding if split and isinstance(cb, MONITORING_CALLBACKS)]
+            entries = [partial(getattr(cb, name), trainer, module) for cb in overriding if cb not in last]
             if name in SHARED_HOOKS and _overrides(module, TrainingModule, name):
                 entries.append(_with_fx_name(module, name))
-            for callback in callbacks:
-                if _overrides(callback, Callback, name):
-                    entries.append(partial(getattr(callback, name), trainer, module))
-            table[name] = entries
+            table[name] = entries + [partial(getattr(cb, name), trainer, module) for cb in last]
         for name in MODULE_ONLY_HOOKS:
             table[name] = [_with_fx_name(module, name)] if _overrides(module, TrainingModule, name) else []
         self._table = {name: tuple(entries) for name, entries in table.items()}

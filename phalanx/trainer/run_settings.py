@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.optimization import init_optimizers_and_schedulers
 from phalanx.strategies.settings import RunSettings
 from phalanx.trainer.state import TrainerFn
-from phalanx.utilities.compile import compiler_for
+from phalanx.utilities.compile import compiler_for, refuse_compiled_in_place
 
 if TYPE_CHECKING:
     from phalanx.trainer.loops.data import DataSource
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 def run_settings(trainer: Trainer, source: DataSource) -> RunSettings:
     """The settings of the run ``trainer`` is starting (its function, accumulation, clipping, optimizers, hooks)."""
     fitting = trainer.state.fn == TrainerFn.FITTING
+    refuse_compiled_in_place(source.module, trainer.compile, "Trainer")
     return RunSettings(
         stage=str(trainer.state.fn),
         accumulate_grad_batches=trainer.accumulate_grad_batches,

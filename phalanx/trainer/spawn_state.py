@@ -32,8 +32,12 @@ class TrainerWorkerState:
             "fit_loop": trainer.fit_loop.state_dict(),
             "callback_metrics": dict(trainer.callback_metrics),
             "logged_metrics": dict(trainer.logged_metrics),
-            "callbacks": [callback.state_dict() for callback in trainer.callbacks],
-            "checkpoint_folders": [getattr(callback, "dirpath", None) for callback in trainer.callbacks],
+            # By state key, not by position: configure_callbacks() added or replaced callbacks in this worker only.
+            "callbacks": [
+                (callback.state_key, callback.state_dict(), getattr(callback, "dirpath", None))
+                for callback in trainer.callbacks
+            ],
+            "best_model_path": getattr(trainer.checkpoint_callback, "best_model_path", None),
             "loggers": [logger.worker_state() for logger in trainer.loggers],
             "ckpt_path": trainer.ckpt_path,
             "status": str(trainer.state.status),
@@ -60,19 +64,36 @@ class TrainerWorkerState:
             progress["total_batches"],
             progress["phase"],
         )
+        loop._epoch_open = progress["epoch_open"]
         trainer._metrics.callback = state["callback_metrics"]
         trainer._run.preempted = state["preempted"]
         trainer._metrics.logged = state["logged_metrics"]
         trainer._run.ckpt_path = state["ckpt_path"]
         for logger, logger_state in zip(trainer.loggers, state["loggers"]):
             logger.load_worker_state(logger_state)
-        for callback, folder, callback_state in zip(trainer.callbacks, state["checkpoint_folders"], state["callbacks"]):
-            if folder is not None and getattr(callback, "dirpath", folder) is None:
-                # The folder rank 0 resolved (from its logger's version): with it set here, the state below loads as
-                # it is (instead of waiting for a set-up in this process) and later stages write to the same folder.
-                callback.dirpath = folder
-            if callback_state:
-                callback.load_state_dict(callback_state)
+        _restore_callbacks(trainer, state["callbacks"], state["best_model_path"])
+
+
+def _restore_callbacks(trainer: Trainer, states: list[tuple[str, dict[str, Any], Any]], best_model_path: Any) -> None:
+    """Give each of the main process's callbacks the state of the worker's callback with its state key (in order,
+    for callbacks sharing one); a callback the worker did not have (configure_callbacks replaced it there) keeps its
+    own, except that the checkpoint callback takes the best model path of the worker's, as Lightning's does."""
+    by_key: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+    for key, callback_state, folder in states:
+        by_key.setdefault(key, []).append((callback_state, folder))
+    for callback in trainer.callbacks:
+        found = by_key.get(callback.state_key)
+        if not found:
+            if callback is trainer.checkpoint_callback and best_model_path:
+                callback.best_model_path = best_model_path  # type: ignore[attr-defined]
+            continue
+        callback_state, folder = found.pop(0)
+        if folder is not None and getattr(callback, "dirpath", folder) is None:
+            # The folder rank 0 resolved (from its logger's version): with it set here, the state below loads as it
+            # is (instead of waiting for a set-up in this process) and later stages write to the same folder.
+            callback.dirpath = folder  # type: ignore[attr-defined]
+        if callback_state:
+            callback.load_state_dict(callback_state)
 
 
 __all__ = ["TrainerWorkerState"]

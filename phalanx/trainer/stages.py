@@ -9,6 +9,7 @@ their loop and finish with :func:`teardown_run`.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
 from phalanx.strategies.migration import refuse_trainer_launcher
+from phalanx.trainer.chosen_checkpoint import chosen_ckpt_path
 from phalanx.trainer.logging.loggers_and_callbacks import agree_on_log_versions, merge_module_callbacks
 from phalanx.trainer.loops.data import DataSource, limited_batches, prepare_dataloader
 from phalanx.trainer.loops.evaluation_loop import (
@@ -25,13 +27,15 @@ from phalanx.trainer.loops.evaluation_loop import (
     sanity_check,
     split_by_dataloader,
 )
-from phalanx.trainer.loops.fit_data import prepare_fit_data
+from phalanx.trainer.loops.fit_data import check_train_data_defined, prepare_fit_data
 from phalanx.trainer.loops.optimizer import prepare_optimization
 from phalanx.trainer.profiling import finish_profiling, start_profiling
 from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.spawn_state import TrainerWorkerState
 from phalanx.trainer.state import RunningStage, TrainerFn, TrainerStatus
+from phalanx.utilities.cleanup import method_calls, run_every
 from phalanx.utilities.compile import unwrap_compiled
+from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.rank_zero import rank_zero_info, set_global_rank
 
 if TYPE_CHECKING:
@@ -61,6 +65,7 @@ def start(trainer: Trainer, fn: TrainerFn, run: Callable[..., Any], *args: Any) 
     trainer.state.status = TrainerStatus.RUNNING
     trainer._run.should_stop = False
     trainer._run.stop_now = False
+    trainer._run.loggers_finalized = False
     try:
         launcher = trainer.strategy.launcher
         worker_state = None
@@ -87,15 +92,23 @@ def _fail(trainer: Trainer, exception: BaseException) -> None:
     trainer.state.status = TrainerStatus.INTERRUPTED if interrupted else TrainerStatus.FAILED
     trainer.state.stage = None
     module = trainer.strategy.module
-    for callback in trainer.callbacks:
-        callback.on_exception(trainer, module, exception)  # type: ignore[arg-type]
+    # A callback's on_exception that raises adds a note to the run's error and costs no clean-up step.
+    run_every(
+        [
+            (f"{type(callback).__name__}.on_exception", partial(callback.on_exception, trainer, module, exception))
+            for callback in trainer.callbacks
+        ],
+        handling=exception,
+    )
     try:
         trainer.strategy.on_exception(exception)  # may stop other processes, or raise a clearer error
     finally:
-        for logger in trainer.loggers:
-            logger.finalize("interrupted" if interrupted else "failed")
-        finish_profiling(trainer, failed=True)
-        trainer.strategy.teardown()
+        # Unless teardown_run finalised them already (then a failure after that does not finalise twice): every logger
+        # is finalised, and a failing one only adds a note, so that the error that stopped the run is the one raised.
+        status = "interrupted" if interrupted else "failed"
+        steps = [] if trainer._run.loggers_finalized else method_calls(trainer.loggers, "finalize", status)
+        steps += [("the profiler's teardown", lambda: finish_profiling(trainer, failed=True))]
+        run_every([*steps, ("strategy.teardown()", trainer.strategy.teardown)], handling=exception)
 
 
 def _run_detecting_anomalies(run: Callable[..., Any], *args: Any) -> Any:
@@ -113,6 +126,8 @@ def setup_run(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt
     module.trainer = trainer
     if trainer.datamodule is not None:
         trainer.datamodule.trainer = trainer
+    # Before prepare_data, as in Lightning: the module's callbacks see every hook of the stage.
+    trainer.callbacks = merge_module_callbacks(trainer.callbacks, module)
     strategy.setup_environment()
     set_global_rank(strategy.global_rank)
     agree_on_log_versions(trainer)
@@ -123,7 +138,6 @@ def setup_run(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt
             trainer.datamodule.prepare_data()
         module.prepare_data()
     strategy.barrier("prepare_data")
-    trainer.callbacks = merge_module_callbacks(trainer.callbacks, module)
     trainer._hooks.build(trainer, module, trainer.callbacks)
     if trainer.datamodule is not None:
         trainer.datamodule.setup(stage)
@@ -145,7 +159,7 @@ def _setup_strategy_and_checkpoint(trainer: Trainer, source: DataSource, ckpt_pa
         checkpoint = connector.load(path, fitting=fitting)
         if fitting:
             # Applied once the optimizers exist and their states are checked too: a damaged checkpoint is refused
-            # before it changes anything of the model, the optimizers or the loops.
+            # before it changes anything of the model, the callbacks, the optimizers or the loops.
             connector.check_model_state(checkpoint)
         else:
             connector.restore_model(checkpoint)
@@ -154,12 +168,25 @@ def _setup_strategy_and_checkpoint(trainer: Trainer, source: DataSource, ckpt_pa
         # Read once the model is sharded (and its optimizers exist), so that each rank reads only its shards.
         checkpoint = connector.load(path, fitting=fitting)
         if fitting:
-            connector.check_training_state(checkpoint)
+            _check_training_state_early(trainer, checkpoint)
         connector.restore_model(checkpoint)
     elif checkpoint is not None and fitting:
-        connector.check_training_state(checkpoint)
+        _check_training_state_early(trainer, checkpoint)
         connector.restore_model(checkpoint, hook_called=True)
+    if checkpoint is not None and fitting:
+        connector.restore_callbacks_and_datamodule(checkpoint)  # before on_fit_start, as in Lightning
     return checkpoint
+
+
+def _check_training_state_early(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    """Refuse optimizer and scheduler states that do not fit before anything is restored, unless an ``on_fit_start``
+    hook may still change the optimizers (a finetuning callback restores its parameter groups there): such states are
+    checked again after it, before they are loaded (``restore_training_state``)."""
+    try:
+        trainer._checkpoint_connector.check_training_state(checkpoint)
+    except CheckpointError:
+        if not trainer._hooks["on_fit_start"]:
+            raise
 
 
 def teardown_run(trainer: Trainer, module: TrainingModule) -> None:
@@ -170,33 +197,54 @@ def teardown_run(trainer: Trainer, module: TrainingModule) -> None:
     for callback in trainer.callbacks:
         callback.teardown(trainer, module, stage)
     module.teardown(stage)
-    for logger in trainer.loggers:
-        logger.finalize("success")
-    finish_profiling(trainer)
-    trainer.strategy.teardown()
+    trainer._run.loggers_finalized = True
+    # Every logger is finalised (a failing one does not cost the others their data), the profiler reports and the
+    # strategy tears down whatever failed before; then the first failure is raised.
+    steps = method_calls(trainer.loggers, "finalize", "success")
+    steps += [
+        ("the profiler's report", lambda: finish_profiling(trainer)),
+        ("strategy.teardown()", trainer.strategy.teardown),
+    ]
+    run_every(steps)
     trainer._run.results = None
 
 
 def run_fit(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_path: Any) -> None:
     """The fit stage: set up, resume, sanity check, train, tear down."""
+    check_train_data_defined(source)
     checkpoint = setup_run(trainer, module, source, ckpt_path)
     prepare_optimization(trainer, module)
+    trainer._metrics.reset()
+    trainer._hooks.call("on_fit_start")
+    trainer._metrics.log_hyperparameters(module)
+    # After on_fit_start, as in Lightning: optimizer states fit the parameter groups a callback restored there.
     if checkpoint is not None:
         trainer._checkpoint_connector.restore_training_state(checkpoint)
     # Otherwise the progress of an earlier fit on this Trainer stays (current_epoch, global_step): as in Lightning,
     # a second fit continues from it, and does not train at all once max_epochs or max_steps is reached.
-    prepare_fit_data(trainer, source)
-    trainer._metrics.log_hyperparameters(module)
-    trainer._metrics.reset()
-    trainer._hooks.call("on_fit_start")
-    sanity_check(trainer)
+    val_data_built = sanity_check(trainer, source)
+    prepare_fit_data(trainer, source, val_data_built)  # the training data after the sanity check, as in Lightning
     trainer._run.results = trainer._train_results
     # A fit that starts with max_epochs or max_steps reached trains nothing; Lightning then skips the training stage,
     # its on_train_start and on_train_end hooks included.
-    if not trainer.fit_loop.reached_limit():
+    if not _reached_limit(trainer):
         _train(trainer)
     trainer._hooks.call("on_fit_end")
     teardown_run(trainer, module)
+
+
+def _reached_limit(trainer: Trainer) -> bool:
+    """Whether max_epochs or max_steps is reached before training starts (a fit after an earlier one, or resumed from
+    a checkpoint at its end): say so, as such a fit trains nothing."""
+    loop = trainer.fit_loop
+    if trainer.max_steps != -1 and loop.global_step >= trainer.max_steps:
+        limit = f"max_steps={trainer.max_steps} is reached (global_step={loop.global_step})"
+    elif trainer.max_epochs not in (None, -1) and loop.current_epoch >= trainer.max_epochs:
+        limit = f"max_epochs={trainer.max_epochs} is reached (current_epoch={loop.current_epoch})"
+    else:
+        return False
+    rank_zero_info(f"Trainer.fit trains nothing: {limit}; raise it to train further.")
+    return True
 
 
 def _train(trainer: Trainer) -> None:
@@ -230,6 +278,7 @@ def _run_fit_loop(trainer: Trainer) -> None:
 def module_for_evaluation(trainer: Trainer, model: Any, ckpt_path: Any, method: str) -> tuple[TrainingModule, Any]:
     """The module ``validate``/``test``/``predict`` run (the fitted one when none is given) and the checkpoint to load
     (the best one of the previous fit by default)."""
+    ckpt_path = chosen_ckpt_path(trainer, ckpt_path, method)
     if model is not None:
         return check_module(model, method), ckpt_path
     if trainer.strategy.module is None:

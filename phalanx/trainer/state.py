@@ -108,8 +108,10 @@ class RunState:
       when a stage starts, ``preempted`` when a fit starts, ``deadline`` when training starts.
     - **Optimization** (``manual_optimizers``, ``optimizer``, ``loss_divisor`` and the schedulers by interval): set
       when fit prepares the optimizers.
-    - **Checkpoint and logging** (``ckpt_path``, ``results``): the checkpoint the stage started from; the results
-      ``self.log`` records into now (None outside a stage).
+    - **Checkpoint and logging** (``ckpt_path``, ``chosen_ckpt_path``, ``results``, ``loggers_finalized``): the
+      checkpoint the stage started from, and the one ``trainer.ckpt_path = ...`` chose for the next stages; the
+      results ``self.log`` records into now (None outside a stage); whether this stage's teardown finalised the
+      loggers (cleared when a stage starts).
     - **Profiling** (``profiled``): the wrappers a recording profiler installed for the stage
       (:mod:`phalanx.trainer.profiling`), removed when it ends.
     """
@@ -145,7 +147,9 @@ class RunState:
     epoch_scheduler_configs: list[Any] = field(default_factory=list)
     # Checkpoint and logging
     ckpt_path: str | None = None  # resolved: 'last', 'best', 'auto' become a path
+    chosen_ckpt_path: str | None = None  # assigned as trainer.ckpt_path: loaded by the stages not given one
     results: LoggedResults | None = None
+    loggers_finalized: bool = False
     # Profiling: the (object, attribute, wrapper) a recording profiler installed for the stage, removed at its end
     profiled: list[tuple[Any, str, Any]] = field(default_factory=list)
 
@@ -182,3 +186,8 @@ class RunField(Generic[_T]):
         if not self.writable:
             raise AttributeError(f"trainer.{self.name} is set by the Trainer's stages and cannot be assigned.")
         setattr(trainer._run, self.name, value)  # type: ignore[attr-defined]
+
+    def __delete__(self, trainer: object) -> None:
+        # Without this, Python's message would be a bare "__delete__".
+        instead = "assign it instead" if self.writable else "it is set by the Trainer's stages"
+        raise AttributeError(f"trainer.{self.name} cannot be deleted: the Trainer reads it; {instead}.")

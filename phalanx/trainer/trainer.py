@@ -28,7 +28,9 @@ from phalanx.strategies.strategy import Strategy
 from phalanx.trainer import arguments
 from phalanx.trainer.argument_checks import RENAMED_TRAINER_ATTRIBUTES
 from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, apply_process_switches, resolve_arguments
+from phalanx.trainer.assignment import checked_assignment, refuse_deletion
 from phalanx.trainer.checkpoint import CheckpointConnector
+from phalanx.trainer.chosen_checkpoint import ChosenCheckpoint, chosen_ckpt_path
 from phalanx.trainer.hooks import HookTable, overrides_gradient_clipping
 from phalanx.trainer.logging.barebones import BarebonesResults
 from phalanx.trainer.logging.metrics import LoggedMetrics
@@ -37,6 +39,7 @@ from phalanx.trainer.loops.data import DataSource, prepare_dataloader
 from phalanx.trainer.loops.fit_data import prepare_train_data
 from phalanx.trainer.loops.fit_loop import FitLoop
 from phalanx.trainer.loops.nonfinite import check_nonfinite_mode
+from phalanx.trainer.loops.optimizer import AccumulationSetting
 from phalanx.trainer.preemption import PREEMPTED_EXIT_CODE, Preemption
 from phalanx.trainer.stages import (
     check_datamodule,
@@ -174,6 +177,7 @@ class Trainer(DeviceProperties):
         check_datamodule(datamodule)
         check_nonfinite_mode(self, module.automatic_optimization)
         source = DataSource(module, datamodule, train=train_dataloaders, validate=val_dataloaders)
+        ckpt_path = chosen_ckpt_path(self, ckpt_path, "fit")
         self._run.preempted = False
         self._run.train_dataloader = None  # built anew for this fit (estimated_stepping_batches may build it early)
         start(self, TrainerFn.FITTING, run_fit, module, source, ckpt_path)
@@ -250,19 +254,30 @@ class Trainer(DeviceProperties):
             self.strategy.checkpoint_io.teardown()  # waits for a background write and raises its error
         self.strategy.barrier("Trainer.save_checkpoint")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A setting assigned after construction is checked as the constructor checks it, or refused if read-only.
+        super().__setattr__(*checked_assignment(self, name, value))
+
+    def __delattr__(self, name: str) -> None:
+        refuse_deletion(name)
+        super().__delattr__(name)
+
     def __getattr__(self, name: str) -> Any:
         # Reached only when normal lookup fails: name the phalanx spelling of a Lightning attribute.
         instead = RENAMED_TRAINER_ATTRIBUTES.get(name)
         hint = f"; Lightning's trainer.{name} is {instead} in phalanx" if instead else ""
         raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}{hint}")
 
+    accumulate_grad_batches = AccumulationSetting()
+    """Batches whose gradients are accumulated before each optimizer step; a callback may change it during fit."""
+
     # ------------------------------------------------------------------ per-run state (declared in RunState)
     should_stop: RunField[bool] = RunField(writable=True)
     """Set to True (by a callback, say) to stop fit after the current batch, once min_epochs/min_steps allow."""
     preempted: RunField[bool] = RunField()
     """Whether the last fit stopped on a preemption signal (after saving a checkpoint)."""
-    ckpt_path: RunField[str | None] = RunField(writable=True)
-    """The checkpoint the current (or last) run started from, resolved ('last', 'best', 'auto' become a path)."""
+    ckpt_path: RunField[str | None] = ChosenCheckpoint()
+    """The checkpoint the current (or last) run started from, resolved; assigning one chooses it for the next stages."""
     datamodule: RunField[DataModule | None] = RunField(writable=True)
     """The DataModule of the current (or last) run, or None."""
     num_training_batches: RunField[int | float] = RunField()

@@ -3,6 +3,7 @@ module compiled in place (each repeated block, or the whole module), so that its
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from functools import partial
 from typing import Any, Callable
@@ -113,7 +114,28 @@ def compile_in_place(module: nn.Module, compiler: Compiler) -> list[nn.Module]:
     for target in targets:
         # The attribute nn.Module.compile sets; set here so that the context of a user's torch.compile applies too.
         target._compiled_call_impl = compiler(target._call_impl)  # type: ignore[assignment]
+        _COMPILED_HERE[target] = target._compiled_call_impl
     return targets
+
+
+# What compile_in_place compiled, and with what: a later stage may compile it again; a user's module.compile() not.
+_COMPILED_HERE: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def refuse_compiled_in_place(module: nn.Module, options: Mapping[str, Any] | None, owner: str) -> None:
+    """Refuse ``compile=`` options for a module the user compiled in place (``module.compile(...)``, on it or on one
+    of its submodules): compiling the run would silently replace that compilation's backend and options."""
+    if options is None:
+        return
+    for name, submodule in module.named_modules():
+        compiled = getattr(submodule, "_compiled_call_impl", None)
+        if compiled is not None and _COMPILED_HERE.get(submodule) is not compiled:
+            what = "The model" if not name else f"The model's submodule {name!r}"
+            raise ValueError(
+                f"{what} was compiled in place with .compile(...) and {owner} has compile=... too, which would replace"
+                f" that compilation (its backend and options). Pass {owner}(compile=...) with a model not compiled,"
+                f" or the compiled model without compile=."
+            )
 
 
 __all__ = [
@@ -122,6 +144,7 @@ __all__ = [
     "check_compile",
     "compile_in_place",
     "compiler_for",
+    "refuse_compiled_in_place",
     "repeated_blocks",
     "unwrap_compiled",
 ]

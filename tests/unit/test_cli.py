@@ -3,6 +3,7 @@ traceback, and nothing is written (the input checkpoint stays byte for byte as i
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import subprocess
@@ -221,3 +222,79 @@ def test_the_installed_entry_point_reports_a_mistake_without_traceback(tmp_path)
     assert result.returncode == 2
     assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("phalanx checkpoint consolidate: error:")
+
+
+# ---------------------------------------------------------------------------- the rules fit follows (issue 33, item 18)
+def _unmarked(path: Path) -> Path:
+    sharded_checkpoint(path)
+    (path / ".complete").unlink()  # as a save killed before its last step leaves it
+    return path
+
+
+@pytest.mark.parametrize("reader", ["phalanx checkpoint consolidate", "Trainer.fit(ckpt_path=...)"])
+def test_a_directory_without_its_complete_marker_is_refused_by_consolidate_as_by_fit(tmp_path, capsys, reader):
+    from phalanx_testing import Regressor, loaders, quiet_trainer
+
+    from phalanx.utilities.exceptions import CheckpointError
+
+    checkpoint = _unmarked(tmp_path / "sharded.ckpt")
+    before = fingerprint(checkpoint)
+    if reader == "Trainer.fit(ckpt_path=...)":
+        with pytest.raises(CheckpointError) as refused:
+            quiet_trainer(max_steps=1).fit(Regressor(), loaders()[0], ckpt_path=str(checkpoint))
+        message = str(refused.value)
+    else:
+        code, message = run(["checkpoint", "consolidate", str(checkpoint), str(tmp_path / "out.ckpt")], capsys)
+        assert code == 2 and message.count("error:") == 1 and "Traceback" not in message
+        assert not (tmp_path / "out.ckpt").exists()
+    assert "is an incomplete sharded checkpoint: it has no .complete marker" in " ".join(message.split())
+    assert fingerprint(checkpoint) == before
+
+
+class _FillingDisk:
+    """A file on a disk with room for ``room`` bytes: the write that passes it lands in part, then fails."""
+
+    def __init__(self, handle: Any, room: int, error: int) -> None:
+        self._handle, self._room, self._error = handle, room, error
+
+    def write(self, data: Any) -> int:
+        data = bytes(data)
+        if len(data) > self._room:
+            self._handle.write(data[: self._room])
+            self._room = 0
+            raise OSError(self._error, os.strerror(self._error))
+        self._room -= len(data)
+        return self._handle.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+    def __enter__(self) -> _FillingDisk:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._handle.close()
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EDQUOT, errno.EIO], ids=["disk full", "quota", "I/O error"])
+def test_a_failed_write_of_the_output_is_one_error_line_and_keeps_the_previous_output(
+    tmp_path, capsys, monkeypatch, error
+):
+    import phalanx.plugins.io.serialization as serialization
+
+    checkpoint = sharded_checkpoint(tmp_path / "sharded.ckpt")
+    output = tmp_path / "out.ckpt"
+    torch.save({"global_step": 1}, output)  # an earlier consolidation, replaced only by a whole new one
+    previous = output.read_bytes()
+    real_open = open
+
+    def filling_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(file, mode, *args, **kwargs)
+        return _FillingDisk(handle, 300, error) if "w" in mode else handle
+
+    monkeypatch.setattr(serialization, "open", filling_open, raising=False)
+    code, err = run(["checkpoint", "consolidate", "--overwrite", str(checkpoint), str(output)], capsys)
+    assert code == 2 and err.count("error:") == 1 and "Traceback" not in err, err
+    assert os.strerror(error) in err and str(output) in err
+    assert output.read_bytes() == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.ckpt", "sharded.ckpt"]  # no temporary left

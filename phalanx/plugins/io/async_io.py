@@ -8,7 +8,9 @@ from typing import Any, Callable
 from phalanx.plugins.io.async_directory import checkpoint_group, finish_in_background, start_sharded_write
 from phalanx.plugins.io.checkpoint_io import CheckpointIO, _PathLike
 from phalanx.plugins.io.collectives import Collectives
+from phalanx.plugins.io.directory import refuse_unsafe_target
 from phalanx.plugins.io.formats.dcp import split_checkpoint, write_meta
+from phalanx.plugins.io.serialization import is_url
 from phalanx.plugins.io.staging import StagedAlready, StagingBuffers
 from phalanx.plugins.io.torch_io import TorchCheckpointIO
 from phalanx.utilities.apply import apply_to_tensors
@@ -58,6 +60,8 @@ class AsyncCheckpointIO(CheckpointIO):
             snapshot = self._staging.stage(checkpoint, ("file", _name(path)))
         else:
             self.wait()  # the save in flight may still be writing from the staging buffers
+            if isinstance(self.checkpoint_io, TorchCheckpointIO) and not is_url(path):
+                refuse_unsafe_target(path)  # here, not at the next save: the background write would refuse it later
             snapshot = self._staging.stage(checkpoint, ("one file",))
         future = self._submit(self.checkpoint_io.save_checkpoint, snapshot, path, storage_options)
         if self._directory_open:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from phalanx.utilities.exceptions import UnsafeCheckpointError
+from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 #: A checkpoint entry (a sentence) saying why a checkpoint written during training holds no ``optimizer_states``, so
 #: that resuming from it names the real cause.
@@ -47,13 +47,35 @@ def path_inside(path: str | os.PathLike, *, root: Path, what: str) -> Path:
     return resolved
 
 
+#: How deep the folders of a checkpoint directory may nest (DeepSpeed's tag folder holds files one level down);
+#: anything deeper is refused rather than walked (1,500 nested folders exhaust a recursive walk).
+MAX_DEPTH = 32
+
+
 def tree_inside(directory: Path, *, root: Path, what: str) -> None:
-    """Refuse if anything under ``directory`` (a symbolic link, at any depth) leads outside ``root``."""
-    for current, directories, files in os.walk(directory, followlinks=False):
-        for name in directories + files:
-            entry = Path(current) / name
+    """Refuse if anything under ``directory`` (a symbolic link, at any depth) leads outside ``root``.
+
+    Walked without recursion; folders nested more than ``MAX_DEPTH`` deep are refused with ``CheckpointError``.
+    """
+    pending: list[tuple[Path, int]] = [(Path(directory), 0)]
+    while pending:
+        current, depth = pending.pop()
+        try:
+            with os.scandir(current) as listing:
+                entries = list(listing)
+        except OSError as error:
+            raise CheckpointError(f"{what}: {current} cannot be listed ({error.strerror or error}).") from None
+        for entry in entries:
+            path = Path(entry.path)
             if entry.is_symlink():
-                path_inside(entry, root=root, what=f"{what} entry {entry.relative_to(directory)}")
+                path_inside(path, root=root, what=f"{what} entry {path.relative_to(directory)}")
+            elif entry.is_dir(follow_symlinks=False):
+                if depth + 1 > MAX_DEPTH:
+                    raise CheckpointError(
+                        f"Refusing to read the checkpoint {root}: {what} nests folders more than {MAX_DEPTH} deep"
+                        f" ({path.relative_to(directory).parts[0]}/...); a checkpoint directory is never that deep."
+                    )
+                pending.append((path, depth + 1))
 
 
-__all__ = ["entry_inside", "path_inside", "tree_inside"]
+__all__ = ["MAX_DEPTH", "entry_inside", "path_inside", "tree_inside"]

@@ -151,8 +151,9 @@ def _check_loops(checkpoint: dict[str, Any], source: str) -> None:
         check_count(source, f"{entry}[{key!r}]", loop[key])
     for key in ("total_batches", "batches_stepped"):
         check_count(source, f"{entry}[{key!r}]", loop.get(key), required=False)
-    if not isinstance(loop.get("step_pending", False), bool):
-        fail(source, f"{entry}['step_pending']", f"holds {_kind(loop['step_pending'])}; expected True or False")
+    for key in ("step_pending", "epoch_open"):
+        if not isinstance(loop.get(key, False), bool):
+            fail(source, f"{entry}[{key!r}]", f"holds {_kind(loop[key])}; expected True or False")
     phase = loop.get("phase", LOOP_PHASES[0])
     if not isinstance(phase, str) or phase not in LOOP_PHASES:
         fail(source, f"{entry}['phase']", f"holds {_kind(phase)}; expected one of {list(LOOP_PHASES)}")

@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
-from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, replace_with, sync_directory
-from phalanx.plugins.io.sharded_io import refuse_foreign_url_directory
+from phalanx.plugins.io.directory import (
+    COMPLETE_MARKER,
+    publish_directory,
+    refuse_unsafe_target,
+    replace_with,
+    sync_directory,
+)
+from phalanx.plugins.io.serialization import refuse_unsafe_url_target
+from phalanx.plugins.io.temporaries import temporary_name
 
 
 def copy_checkpoint_files(source: str | os.PathLike, target: str | os.PathLike) -> None:
@@ -31,8 +37,9 @@ def copy_checkpoint_files(source: str | os.PathLike, target: str | os.PathLike) 
         raise FileNotFoundError(f"Cannot copy the checkpoint {source}: it does not exist.")
     if os.path.realpath(source) == os.path.realpath(target):
         return  # already the same entry
+    refuse_unsafe_target(target)  # before copying anything (publishing checks again)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")
+    staging = target.with_name(temporary_name(target.name))
     try:
         if source.is_dir():
             _link_tree(source, staging)
@@ -57,21 +64,30 @@ def _copy_file_synced(source: Path, target: Path) -> None:
 
 
 def _link_tree(source: Path, staging: Path) -> None:
-    """Rebuild ``source`` under ``staging``: hard links where possible, else synced copies; links are not followed."""
-    for current, directories, files in os.walk(source, followlinks=False):
-        relative = Path(current).relative_to(source)
-        (staging / relative).mkdir(parents=True, exist_ok=True)
-        for name in files + [d for d in directories if (Path(current) / d).is_symlink()]:
-            entry, copy = Path(current) / name, staging / relative / name
+    """Rebuild ``source`` under ``staging``: hard links where possible, else synced copies; links are not followed.
+
+    Walked without recursion, so that however deep its folders nest, copying fails only as the file system does.
+    """
+    staging.mkdir()
+    pending = [Path(".")]
+    while pending:
+        relative = pending.pop()
+        with os.scandir(source / relative) as listing:
+            entries = list(listing)
+        for entry in entries:
+            name, copy = entry.name, staging / relative / entry.name
             if relative == Path(".") and name == COMPLETE_MARKER:
                 continue  # written afresh by publish_directory once the copy is whole (never through a shared link)
             if entry.is_symlink():
-                os.symlink(os.readlink(entry), copy)  # as written (checked on load like any checkpoint entry)
-                continue
-            try:
-                os.link(entry, copy)
-            except OSError:  # another device, or a file system without hard links
-                _copy_file_synced(entry, copy)
+                os.symlink(os.readlink(entry.path), copy)  # as written (checked on load like any checkpoint entry)
+            elif entry.is_dir(follow_symlinks=False):
+                copy.mkdir()
+                pending.append(relative / name)
+            else:
+                try:
+                    os.link(entry.path, copy)
+                except OSError:  # another device, or a file system without hard links
+                    _copy_file_synced(Path(entry.path), copy)
 
 
 def _copy_url(source: str, target: str) -> None:
@@ -83,8 +99,9 @@ def _copy_url(source: str, target: str) -> None:
         raise ValueError(f"Cannot copy the checkpoint {source} to {target}: they are on different file systems.")
     if not fs.exists(source_path):
         raise FileNotFoundError(f"Cannot copy the checkpoint {source}: it does not exist.")
-    refuse_foreign_url_directory(target_fs, target_path, target)
-    temporary = f"{target_path}.{uuid.uuid4().hex}.tmp"
+    refuse_unsafe_url_target(target_fs, target_path, target)
+    parent, _, name = target_path.rpartition("/")
+    temporary = f"{parent}/{temporary_name(name)}" if parent else temporary_name(name)
     directory = fs.isdir(source_path)
     try:
         fs.copy(source_path, temporary, recursive=directory)

@@ -11,6 +11,11 @@ checkpoint of that name can be found by ``ckpt_path="auto"``:
   checkpoint until the new one is in place; then the staging directory is renamed to ``NAME``.
 
 A hidden staging directory, or a directory without its marker, is never chosen by ``ckpt_path="auto"``.
+
+A save puts its checkpoint only where nothing is, or in place of a regular file, a checkpoint directory phalanx wrote
+(one with the marker) or a link phalanx made (``save_last="link"``'s, naming a checkpoint beside it):
+``refuse_unsafe_target`` refuses anything else (a FIFO, a device such as /dev/null, a socket, another link, a
+folder of the user's) before anything is written, since the rename that publishes a checkpoint would replace it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from phalanx.plugins.io.temporaries import remove_stale_temporaries, temporary_name
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
 #: Written last into a directory checkpoint, once every rank has written its part.
@@ -61,9 +67,22 @@ def require_complete(path: Any, layout: str, files: tuple[str, ...]) -> None:
 
 
 def staging_directory(target: Path, *, is_global_zero: bool, broadcast: Callable[[Any], Any]) -> Path:
-    """The hidden directory next to ``target`` that every rank writes into (rank 0 names it, all ranks agree)."""
-    name = str(target.with_name(f".{target.name}.{uuid.uuid4().hex}.tmp")) if is_global_zero else None
-    return Path(broadcast(name))
+    """The hidden directory next to ``target`` that every rank writes into (rank 0 names it, all ranks agree).
+
+    Rank 0 first checks that a checkpoint may be put at ``target`` (``refuse_unsafe_target``); every rank raises its
+    refusal, before anything is written.
+    """
+    named: tuple[str | None, str | None] = (None, None)
+    if is_global_zero:
+        try:
+            refuse_unsafe_target(target)
+            named = (str(target.with_name(temporary_name(target.name))), None)
+        except CheckpointWriteError as error:
+            named = (None, str(error))
+    name, refusal = broadcast(named)
+    if refusal is not None:
+        raise CheckpointWriteError(refusal)
+    return Path(name)
 
 
 def write_synced(path: Path, data: bytes) -> None:
@@ -74,29 +93,77 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def refuse_foreign_directory(target: str | os.PathLike) -> None:
-    """Raise if ``target`` is a directory that is not a checkpoint phalanx wrote (no completion marker).
-
-    Replacing a directory removes it, so a save, copy or link may replace only a checkpoint directory: a checkpoint's
-    tampered callback state naming a folder of the user's must not make phalanx delete it.
-    """
-    if not os.path.isdir(target) or os.path.islink(target):
-        return
+def _marked(directory: str | os.PathLike) -> bool:
     try:
-        marked = stat.S_ISREG(os.lstat(os.path.join(target, COMPLETE_MARKER)).st_mode)
+        return stat.S_ISREG(os.lstat(os.path.join(directory, COMPLETE_MARKER)).st_mode)
     except OSError:
-        marked = False
-    if not marked:
+        return False
+
+
+def is_own_link(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a symbolic link as phalanx makes them (``save_last="link"``): its text is the plain name of
+    an entry beside it that is a regular file or a marked checkpoint directory."""
+    try:
+        text = os.readlink(os.fspath(path))
+    except (OSError, ValueError):
+        return False
+    if text in ("", ".", "..") or any(mark in text for mark in ("/", "\\", "\0")):
+        return False
+    sibling = os.path.join(os.path.dirname(os.fspath(path)), text)
+    try:
+        mode = os.lstat(sibling).st_mode
+    except OSError:
+        return False
+    return stat.S_ISREG(mode) or (stat.S_ISDIR(mode) and _marked(sibling))
+
+
+_NOT_FILES = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def target_refusal(target: str | os.PathLike) -> str | None:
+    """What is at ``target`` that a save must not replace, in words; None when nothing is there, or a regular file, a
+    checkpoint directory phalanx wrote or a link phalanx made (links are not followed)."""
+    try:
+        mode = os.lstat(target).st_mode
+    except (OSError, ValueError):
+        return None  # nothing there (or a path the write itself will refuse, naming the cause)
+    if stat.S_ISREG(mode) or (stat.S_ISLNK(mode) and is_own_link(target)):
+        return None
+    if stat.S_ISDIR(mode):
+        return None if _marked(target) else f"a directory without phalanx's {COMPLETE_MARKER!r} marker"
+    if stat.S_ISLNK(mode):
+        try:
+            return f"a symbolic link to {os.readlink(os.fspath(target))} that phalanx did not make"
+        except OSError:
+            return "a symbolic link that phalanx did not make"
+    return next((kind for test, kind in _NOT_FILES if test(mode)), "not a regular file")
+
+
+def refuse_unsafe_target(target: str | os.PathLike) -> None:
+    """Raise ``CheckpointWriteError`` unless a save may put a checkpoint at the local path ``target``.
+
+    The rename that publishes a checkpoint replaces whatever is at its name: a FIFO, a device (/dev/null, run as
+    root), a socket, a link to anything or a folder of the user's would be replaced (or deleted). Call this before
+    anything is written, and again just before the rename.
+    """
+    reason = target_refusal(target)
+    if reason is not None:
         raise CheckpointWriteError(
-            f"Refusing to write a checkpoint at {os.fspath(target)}: a directory without phalanx's {COMPLETE_MARKER!r}"
-            " marker is there, so not a checkpoint phalanx wrote, and replacing it would delete it."
-            " Move or remove it yourself, or save under another name."
+            f"Refusing to write a checkpoint at {os.fspath(target)}: {reason} is there, which the save would replace."
+            " A save replaces only a regular file, a checkpoint directory phalanx wrote (with its .complete marker)"
+            " or a link phalanx made (save_last='link'). Move or remove it yourself, or save under another name."
         )
 
 
 def publish_directory(staging: Path, target: Path) -> None:
-    """Mark the finished ``staging`` directory complete and put it at ``target`` (on rank 0, after every rank wrote)."""
-    refuse_foreign_directory(target)
+    """Mark the finished ``staging`` directory complete and put it at ``target`` (on rank 0, after every rank wrote);
+    then remove the temporaries that killed saves left in its folder (``temporaries``)."""
+    refuse_unsafe_target(target)
     write_synced(staging / COMPLETE_MARKER, b"")
     sync_directory(staging)
     if target.is_dir() and not target.is_symlink() and exchange_paths(staging, target):
@@ -115,20 +182,23 @@ def publish_directory(staging: Path, target: Path) -> None:
             _remove(retired)
     for stale in retired_copies(target.parent, name=target.name):
         _remove(stale)  # left by a save killed between its two renames; the new checkpoint supersedes it
+    remove_stale_temporaries(target.parent)
 
 
 def replace_with(new: str | os.PathLike, target: str | os.PathLike) -> None:
     """Rename the file or link ``new`` over ``target``; a directory at ``target`` (which a rename cannot replace) is
-    first moved to a *retired* name, which resume still considers, and removed once ``new`` is in place."""
+    first moved to a *retired* name, which resume still considers, and removed once ``new`` is in place. Only what a
+    save may replace is (``refuse_unsafe_target``); the folder's stale temporaries are removed afterwards."""
+    refuse_unsafe_target(target)
+    folder, name = os.path.split(os.fspath(target))
     if os.path.isdir(target) and not os.path.islink(target):
-        refuse_foreign_directory(target)
-        folder, name = os.path.split(os.fspath(target))
         retired = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.retired")
         os.replace(target, retired)
         os.replace(new, target)
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(new, target)
+    remove_stale_temporaries(folder or os.curdir)
 
 
 def retired_copies(directory: Path, *, name: str | None = None) -> list[Path]:

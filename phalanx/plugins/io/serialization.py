@@ -12,7 +12,6 @@ import os
 import pickle
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable
 
@@ -28,7 +27,8 @@ from phalanx.plugins.io.bounded_reads import (
     open_checkpoint_file,
     reopenable_path,
 )
-from phalanx.plugins.io.directory import refuse_foreign_directory, sync_directory
+from phalanx.plugins.io.directory import COMPLETE_MARKER, refuse_unsafe_target, replace_with, sync_directory
+from phalanx.plugins.io.temporaries import remove_stale_temporaries, temporary_name
 from phalanx.plugins.io.write_failures import describe, free_space, watched_stream
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError, UnsafeCheckpointError
 
@@ -62,9 +62,9 @@ def discard(staging: Any) -> None:
 
 def _write_local_atomically(write: Callable[[IO[bytes]], None], path: Path) -> None:
     """Run ``write`` on a new temporary file next to ``path``, flush it to the disk, then rename it onto ``path``."""
+    refuse_unsafe_target(path)  # a FIFO, a device, a link or a folder there would be replaced by the rename
     path.parent.mkdir(parents=True, exist_ok=True)
-    refuse_foreign_directory(path)  # a clear refusal rather than the rename's "Is a directory"
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    temporary = path.with_name(temporary_name(path.name))
     created: list[int] = []
 
     def exclusively(name: str, flags: int) -> int:
@@ -79,7 +79,9 @@ def _write_local_atomically(write: Callable[[IO[bytes]], None], path: Path) -> N
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(temporary, path)
+        # Checks the target again (something may have been put there meanwhile); a checkpoint directory of the same
+        # name is moved aside first; the folder's stale temporaries are removed afterwards.
+        replace_with(temporary, path)
     except BaseException as error:
         if created:
             temporary.unlink(missing_ok=True)
@@ -211,10 +213,11 @@ def _first_line(error: BaseException) -> str:
 def _save_to_url(checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None) -> None:
     """Stream ``checkpoint`` into a temporary name through the filesystem's ``open``, then move it onto ``path``."""
     fs, fs_path = _fsspec_filesystem(path, storage_options)
-    parent = fs_path.rsplit("/", 1)[0] if "/" in fs_path else ""
+    refuse_unsafe_url_target(fs, fs_path, path)
+    parent, _, name = fs_path.rpartition("/")
     if parent:
         fs.makedirs(parent, exist_ok=True)
-    temporary = f"{fs_path}.{uuid.uuid4().hex}.tmp"
+    temporary = f"{parent}/{temporary_name(name)}" if parent else temporary_name(name)
     try:
         with fs.open(temporary, "wb") as handle:
             _streamed_save(checkpoint, path)(handle)
@@ -227,6 +230,32 @@ def _save_to_url(checkpoint: dict[str, Any], path: _PathLike, storage_options: A
         if isinstance(error, OSError) and error.errno:
             raise _write_error(path, error) from error
         raise
+    remove_stale_temporaries(parent, fs=fs)
+
+
+def refuse_unsafe_url_target(fs: Any, fs_path: str, url: Any) -> None:
+    """``refuse_unsafe_target`` for an fsspec location: a local file system's path is checked as a local path; on
+    others, only a file or a directory with phalanx's completion marker may be replaced."""
+    if getattr(fs, "local_file", False):
+        refuse_unsafe_target(fs_path)
+        return
+    try:
+        info = fs.info(fs_path)
+    except (FileNotFoundError, OSError):
+        return
+    kind = info.get("type")
+    if kind == "directory" and not fs.isfile(f"{fs_path.rstrip('/')}/{COMPLETE_MARKER}"):
+        raise CheckpointWriteError(
+            f"Refusing to write a checkpoint at {url}: a directory without phalanx's {COMPLETE_MARKER!r} marker is"
+            " there, so not a checkpoint phalanx wrote, and replacing it would delete it."
+            " Move or remove it yourself, or save under another name."
+        )
+    if kind not in ("file", "directory") or info.get("islink"):
+        raise CheckpointWriteError(
+            f"Refusing to write a checkpoint at {url}: an entry of type {kind!r} is there, which the save would"
+            " replace. A save replaces only a file or a checkpoint directory phalanx wrote."
+            " Move or remove it yourself, or save under another name."
+        )
 
 
 def save_file(checkpoint: dict[str, Any], path: _PathLike, storage_options: Any | None = None) -> None:

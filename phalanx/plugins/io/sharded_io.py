@@ -21,7 +21,8 @@ from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.directory import COMPLETE_MARKER, publish_directory, staging_directory
 from phalanx.plugins.io.formats.dcp import load_into, save_sharded, split_checkpoint, write_meta
 from phalanx.plugins.io.formats.layout import checkpoint_layout
-from phalanx.plugins.io.serialization import _fsspec_filesystem, discard, is_url
+from phalanx.plugins.io.serialization import _fsspec_filesystem, discard, is_url, refuse_unsafe_url_target
+from phalanx.plugins.io.temporaries import remove_stale_temporaries, temporary_name
 from phalanx.plugins.io.write_failures import describe, raise_recorded, root_cause, watch_writes
 from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 
@@ -29,6 +30,14 @@ from phalanx.utilities.exceptions import CheckpointError, CheckpointWriteError
 def _sibling(url: str, prefix: str, suffix: str) -> str:
     parent, _, name = str(url).rstrip("/").rpartition("/")
     return f"{parent}/{prefix}{name}.{uuid.uuid4().hex}{suffix}"
+
+
+def _staging_url(url: str) -> str:
+    """A hidden staging name beside ``url``; ``CheckpointWriteError`` where no checkpoint may be saved at ``url``."""
+    fs, target = _fsspec_filesystem(url)
+    refuse_unsafe_url_target(fs, target, url)
+    parent, _, name = str(url).rstrip("/").rpartition("/")
+    return f"{parent}/{temporary_name(name)}"
 
 
 def _join(url: Any, name: str) -> str:
@@ -43,8 +52,16 @@ def start_directory(path: Any, *, collectives: Collectives) -> str:
         return str(
             staging_directory(target, is_global_zero=collectives.is_global_zero, broadcast=collectives.broadcast)
         )
-    name = _sibling(str(path), ".", ".tmp") if collectives.is_global_zero else None
-    return collectives.broadcast(name)
+    named: tuple[str | None, str | None] = (None, None)
+    if collectives.is_global_zero:
+        try:
+            named = (_staging_url(str(path)), None)
+        except CheckpointWriteError as error:
+            named = (None, str(error))
+    name, refusal = collectives.broadcast(named)
+    if refusal is not None:
+        raise CheckpointWriteError(refusal)  # on every rank, before anything is written
+    return name
 
 
 def makedirs(path: Any) -> None:
@@ -63,7 +80,7 @@ def publish(staging: Any, path: Any) -> None:
         return
     fs, target = _fsspec_filesystem(path)
     _, staged = _fsspec_filesystem(staging)
-    refuse_foreign_url_directory(fs, target, path)
+    refuse_unsafe_url_target(fs, target, path)
     fs.pipe_file(_join(staged, COMPLETE_MARKER), b"")
     retired = None
     if fs.exists(target):
@@ -72,16 +89,7 @@ def publish(staging: Any, path: Any) -> None:
     fs.mv(staged, target, recursive=True)
     if retired is not None:
         fs.rm(retired, recursive=True)
-
-
-def refuse_foreign_url_directory(fs: Any, fs_path: str, url: Any) -> None:
-    """Raise if ``fs_path`` is a directory without phalanx's completion marker (replacing it would delete it)."""
-    if fs.isdir(fs_path) and not fs.isfile(_join(fs_path, COMPLETE_MARKER)):
-        raise CheckpointWriteError(
-            f"Refusing to write a checkpoint at {url}: a directory without phalanx's {COMPLETE_MARKER!r} marker is"
-            " there, so not a checkpoint phalanx wrote, and replacing it would delete it."
-            " Move or remove it yourself, or save under another name."
-        )
+    remove_stale_temporaries(target.rstrip("/").rpartition("/")[0], fs=fs)
 
 
 def finish_directory(staging: Any, path: Any, *, collectives: Collectives) -> None:

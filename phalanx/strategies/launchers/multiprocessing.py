@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import pickle
 import shutil
 import signal
 import tempfile
@@ -50,8 +51,8 @@ class MultiProcessingLauncher(Launcher):
     def launch(
         self, function: Callable[..., Any], *args: Any, worker_state: WorkerState | None = None, **kwargs: Any
     ) -> Any:
-        """Run ``function`` in ``num_processes`` new processes, restore rank 0's ``worker_state`` here, return its
-        result."""
+        """Run ``function`` in ``num_processes`` new processes, restore the ``worker_state`` of this node's first
+        (rank 0 on a single machine) here, return its result."""
         # A spawned worker re-imports the main script while `_inheriting` is set: an unguarded fit() lands here.
         bootstrapping = getattr(multiprocessing.current_process(), "_inheriting", False)
         if (bootstrapping or multiprocessing.parent_process() is not None) and self._start_method != "fork":
@@ -76,7 +77,7 @@ class MultiProcessingLauncher(Launcher):
         private = tempfile.mkdtemp(prefix="phalanx-results-")
         results_path = os.path.join(private, "results.pt")
         try:
-            torch.multiprocessing.start_processes(
+            _start_processes(
                 _run_rank,
                 # One pickle for all of them: in a worker, the strategy is the one `function` and `worker_state` use.
                 args=(
@@ -91,7 +92,6 @@ class MultiProcessingLauncher(Launcher):
                 ),
                 nprocs=self._strategy.num_processes,
                 start_method=self._start_method,
-                join=True,
             )
             worker_output = _read_results(results_path)
         finally:
@@ -149,10 +149,50 @@ def _run_rank(
     strategy._launched_local_rank = local_rank
     _own_module_tensors(args)
     result = function(*args, **kwargs)
-    if strategy.global_rank == 0:
+    # The first worker of each node hands back to the main process of its node (each node runs one): global rank 0
+    # alone would leave the other nodes' main processes without results.
+    if local_rank == 0:
         payload = {"result": _cpu(result), "state": _cpu(worker_state.collect()) if worker_state is not None else None}
-        with open(results_path, "wb") as results:
-            results.write(_to_bytes(payload))
+        _write_results(results_path, _to_bytes(payload), strategy.global_rank)
+
+
+def _start_processes(function: Callable[..., Any], args: tuple, nprocs: int, start_method: str) -> None:
+    """torch.multiprocessing.start_processes, with a clear error where torch's own hand-back of a worker's error
+    failed: it keeps each worker's traceback in a file of the temporary directory, empty or cut short when that write
+    failed (a full TMPDIR), which it then reports as ``EOFError: Ran out of input``."""
+    try:
+        torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, start_method=start_method, join=True)
+    except (EOFError, pickle.UnpicklingError) as error:  # raised there only by unpickling that file
+        directory = tempfile.gettempdir()
+        raise RuntimeError(
+            f"A worker process failed, and its error could not be handed back: torch.multiprocessing found the file it"
+            f" keeps the worker's traceback in, in the temporary directory {directory}, empty or cut short"
+            f" ({type(error).__name__}: {error}). {_room_in(directory)} The worker printed its own traceback on its"
+            f" standard error, above."
+        ) from error
+
+
+def _room_in(directory: str) -> str:
+    """What a message says of the room left on the file system of ``directory`` (TMPDIR)."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return f"Check that {directory} can be written (TMPDIR chooses it)."
+    full = "it is full" if free < 1 << 20 else "check its space and quota"
+    return (
+        f"Its file system has {free} bytes free ({full}): free space there, or point TMPDIR at a file system with room."
+    )
+
+
+def _write_results(path: str, data: bytes, rank: int) -> None:
+    try:
+        with open(path, "wb") as results:
+            results.write(data)
+    except OSError as error:
+        raise RuntimeError(
+            f"Rank {rank} could not hand its results back to the main process: writing {len(data)} bytes to {path}"
+            f" failed ({error}). {_room_in(os.path.dirname(path))}"
+        ) from error
 
 
 def _own_module_tensors(args: tuple) -> None:
@@ -178,14 +218,28 @@ def _to_bytes(payload: dict[str, Any]) -> bytes:
 
 
 def _read_results(path: str) -> dict[str, Any]:
-    """What rank 0 wrote into the private directory (see ``launch``), refusing a file this user does not own."""
-    with open(path, "rb") as results:
+    """What this node's first worker wrote into the private directory (see ``launch``), refusing a file this user
+    does not own, and saying which file is missing or cut short, and why it may be."""
+    try:
+        results = open(path, "rb")
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"The workers ended without error, but the results the first worker of this node writes are not at {path}."
+        ) from None
+    with results:
         info = os.fstat(results.fileno())
         if hasattr(os, "getuid") and info.st_uid != os.getuid():
             raise RuntimeError(
                 f"{path} belongs to user id {info.st_uid}, not to this process's user: refusing to unpickle it."
             )
-        return _from_bytes(results.read())
+        data = results.read()
+    try:
+        return _from_bytes(data)
+    except (EOFError, RuntimeError, pickle.UnpicklingError) as error:
+        raise RuntimeError(
+            f"The results the first worker of this node wrote to {path} are cut short ({len(data)} bytes) and cannot"
+            f" be read ({type(error).__name__}: {error}). {_room_in(os.path.dirname(path))}"
+        ) from error
 
 
 def _from_bytes(data: bytes) -> dict[str, Any]:

@@ -64,6 +64,23 @@ def check_barebones(callbacks: Any, **arguments: Any) -> None:
     )
 
 
+def check_barebones_assignment(name: str, value: Any) -> None:
+    """Raise ValueError when ``trainer.name = value`` on a barebones Trainer turns on what barebones mode turns off
+    (the checks of :func:`check_barebones`, for a setting assigned after construction)."""
+    argument = "logger" if name == "loggers" else name
+    turned_on = bool(value) if name == "loggers" else name in _WHY and _is_on(name, value)
+    if turned_on:
+        raise ValueError(
+            f"trainer.{name} = {shown(value)} on a Trainer(barebones=True): barebones mode turns off {_WHY[argument]},"
+            f" which costs time beside training. Build the Trainer with barebones=False to use it."
+        )
+    if name == "callbacks" and any(isinstance(callback, (ModelCheckpoint, ProgressBar)) for callback in value):
+        raise ValueError(
+            "trainer.callbacks = [...] holds a checkpoint or progress bar callback, but Trainer(barebones=True) turns"
+            " off checkpointing and the progress bar. Remove it, or build the Trainer with barebones=False."
+        )
+
+
 class BarebonesResults(LoggedResults):
     """What ``self.log`` records under ``barebones=True``: nothing; every call raises."""
 
@@ -76,4 +93,4 @@ class BarebonesResults(LoggedResults):
         )
 
 
-__all__ = ["BarebonesResults", "check_barebones"]
+__all__ = ["BarebonesResults", "check_barebones", "check_barebones_assignment"]

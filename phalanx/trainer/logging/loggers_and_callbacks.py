@@ -44,7 +44,7 @@ def build_callbacks(
     callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool
 ) -> list[Callback]:
     """The user's callbacks, checked, plus the default checkpoint, progress bar and summary callbacks left enabled."""
-    items = _callback_list(callbacks)
+    items = callback_list(callbacks)
     if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
         items.append(ModelCheckpoint())
     elif not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in items):
@@ -58,7 +58,8 @@ def build_callbacks(
     return checkpoints_last(items)
 
 
-def _callback_list(callbacks: Any) -> list[Callback]:
+def callback_list(callbacks: Any) -> list[Callback]:
+    """``callbacks=`` (None, one Callback, or a list or tuple of them) as a list; anything else is refused by name."""
     reject_class("callbacks", callbacks, Callback, "")
     if callbacks is None:
         items: list[Callback] = []
@@ -102,4 +103,11 @@ def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
     ]
 
 
-__all__ = ["agree_on_log_versions", "build_callbacks", "build_loggers", "checkpoints_last", "merge_module_callbacks"]
+__all__ = [
+    "agree_on_log_versions",
+    "build_callbacks",
+    "build_loggers",
+    "callback_list",
+    "checkpoints_last",
+    "merge_module_callbacks",
+]

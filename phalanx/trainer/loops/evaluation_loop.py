@@ -11,13 +11,14 @@ from torch import nn
 
 from phalanx.trainer.logging.results import LoggedResults
 from phalanx.trainer.loops.dataloader_idx import check_dataloader_idx_signatures, index_args
-from phalanx.trainer.loops.fit_data import reload_val_data_if_due
+from phalanx.trainer.loops.fit_data import prepare_val_data, reload_val_data_if_due, validation_defined
 from phalanx.trainer.state import RunningStage
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
     from phalanx.strategies.strategy import Strategy
+    from phalanx.trainer.loops.data import DataSource
     from phalanx.trainer.trainer import Trainer
 
 
@@ -148,23 +149,29 @@ def run_evaluation(
     return epoch_metrics
 
 
-def sanity_check(trainer: Trainer) -> None:
-    """Before training: run ``num_sanity_val_steps`` validation batches per dataloader, then forget their metrics."""
+def sanity_check(trainer: Trainer, source: DataSource) -> bool:
+    """Before training: run ``num_sanity_val_steps`` validation batches per dataloader, then forget their metrics.
+
+    As in Lightning, the validation dataloaders are built after ``on_sanity_check_start`` (returns whether they were),
+    and a run resumed inside an epoch has no sanity check.
+    """
     steps = trainer.num_sanity_val_steps
-    if steps == 0 or not trainer.validation_enabled:
+    if steps == 0 or trainer.fit_loop.resuming_inside_epoch or not validation_defined(trainer, source):
         trainer._run.num_sanity_val_batches = []
-        return
-    limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._run.val_limits]
-    trainer._run.num_sanity_val_batches = limits
+        return False
     trainer.state.stage = RunningStage.SANITY_CHECKING
     trainer._run.results = trainer._eval_results
     trainer._hooks.call("on_sanity_check_start")
+    prepare_val_data(trainer, source, first=True)
+    limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._run.val_limits]
+    trainer._run.num_sanity_val_batches = limits
     run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
     trainer._hooks.call("on_sanity_check_end")
     # The sanity check only proves the validation code runs: its numbers must not reach callbacks or loggers.
     trainer._metrics.reset()
     trainer._eval_results.reset()
     trainer.state.stage = None
+    return True
 
 
 def run_validation_during_fit(trainer: Trainer) -> None:

@@ -26,24 +26,36 @@ if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
 
 
-def prepare_fit_data(trainer: Trainer, source: DataSource) -> None:
-    """Build the training and validation dataloaders of a ``fit`` and decide when validation runs."""
+def prepare_fit_data(trainer: Trainer, source: DataSource, val_data_built: bool) -> None:
+    """Build the training dataloader of a ``fit``, then the validation dataloaders unless the sanity check built them
+    (Lightning's order), and decide when validation runs."""
     if trainer._run.train_dataloader is None:
         prepare_train_data(trainer, source)
     else:  # built by estimated_stepping_batches in configure_optimizers; it serves the (maybe resumed) first epoch
         trainer._run.train_data_epoch = trainer.current_epoch
-    prepare_val_data(trainer, source, first=True)
+    if not val_data_built:
+        prepare_val_data(trainer, source, first=True)
     schedule_validation(trainer)
+
+
+def check_train_data_defined(source: DataSource) -> None:
+    """Refuse a ``fit`` without training data before anything runs (the dataloader is built after the sanity check)."""
+    if not source.defines("train"):
+        raise _no_training_data()
+
+
+def _no_training_data() -> ValueError:
+    return ValueError(
+        "fit() needs training data: pass train_dataloaders=, a datamodule with train_dataloader(), or define"
+        " train_dataloader() on the TrainingModule."
+    )
 
 
 def prepare_train_data(trainer: Trainer, source: DataSource) -> None:
     """Build the training dataloader from ``source`` (calling ``train_dataloader()`` if that is where it comes from)."""
     train = source.get("train")
     if not train:
-        raise ValueError(
-            "fit() needs training data: pass train_dataloaders=, a datamodule with train_dataloader(), or define"
-            " train_dataloader() on the TrainingModule."
-        )
+        raise _no_training_data()
     if len(train) != 1:
         raise ValueError(
             f"fit() takes one training dataloader, got {len(train)}; combine the datasets into one DataLoader."
@@ -73,10 +85,19 @@ def warn_if_epoch_shorter_than_log_interval(trainer: Trainer) -> None:
     )
 
 
+def validation_defined(trainer: Trainer, source: DataSource) -> bool:
+    """Whether the fit can validate (Lightning's ``enable_validation``): validation data is given, the module has a
+    ``validation_step`` and ``limit_val_batches`` is not 0."""
+    return _has_validation_step(trainer) and trainer.limit_val_batches != 0 and source.defines("validate")
+
+
+def _has_validation_step(trainer: Trainer) -> bool:
+    return type(trainer.strategy.module).validation_step is not TrainingModule.validation_step
+
+
 def prepare_val_data(trainer: Trainer, source: DataSource, first: bool = False) -> None:
     """Build the validation dataloaders of a ``fit`` (none when the module has no ``validation_step``)."""
-    module = trainer.strategy.module
-    has_validation_step = type(module).validation_step is not TrainingModule.validation_step
+    has_validation_step = _has_validation_step(trainer)
     val = source.get("validate") if has_validation_step and trainer.limit_val_batches != 0 else []
     val = [overfit_loader(loader, "validation", trainer.overfit_batches) for loader in val]
     run = trainer._run

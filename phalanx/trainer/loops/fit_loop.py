@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor
 
+from phalanx.trainer.assignment import TrainerSetting
 from phalanx.trainer.loops.data import empty_data_reason, iterate_from
 from phalanx.trainer.loops.evaluation_loop import run_validation_during_fit
 from phalanx.trainer.loops.fit_data import epoch_end_validation_due, reload_train_data_if_due, val_check_due
@@ -17,7 +18,7 @@ from phalanx.trainer.preemption import save_if_preempted
 from phalanx.trainer.state import RunningStage
 from phalanx.trainer.step_output import extract_loss
 from phalanx.utilities.exceptions import CheckpointError
-from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from phalanx.utilities.rank_zero import rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states, restore_rng_states
 
 if TYPE_CHECKING:
@@ -33,6 +34,9 @@ _ENDED = "ended"  # on_train_epoch_end is running or ran: the next epoch starts 
 class FitLoop:
     """Runs training epochs; keeps the progress counters that checkpoints save."""
 
+    # Lightning's place for these (trainer.fit_loop.max_epochs = N): they are the Trainer's, checked when assigned.
+    max_epochs, min_epochs, max_steps, min_steps = (TrainerSetting() for _ in range(4))
+
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
         self.current_epoch = 0
@@ -44,6 +48,7 @@ class FitLoop:
         self.batches_stepped = 0
         self._step_pending = False  # the current batch stepped and is not counted in batches_stepped yet
         self.phase = _IN_BATCHES
+        self._epoch_open = False  # on_train_epoch_start ran and on_train_epoch_end did not: a resume does not call it
         self.num_batches: int | float = 0
         self._epoch_start_rng: dict[str, Any] | None = None
         self._restored: dict[str, Any] | None = None
@@ -71,6 +76,7 @@ class FitLoop:
             "batches_stepped": self.batches_stepped + (self._step_pending and self.phase != _BATCH_END),
             "step_pending": self._step_pending and self.phase == _BATCH_END,
             "phase": self.phase,
+            "epoch_open": self._epoch_open,
             "epoch_start_rng": self._epoch_start_rng,
             # A resumed run may still have to step a ReduceLROnPlateau or run EarlyStopping on these.
             "callback_metrics": {name: value.detach().cpu() for name, value in self.trainer.callback_metrics.items()},
@@ -85,8 +91,14 @@ class FitLoop:
         self.batches_stepped = int(state.get("batches_stepped", self.global_step))
         self._step_pending = bool(state.get("step_pending", False))
         self.phase = state.get("phase", _IN_BATCHES)
+        self._epoch_open = bool(state.get("epoch_open", True))
         self._epoch_start_rng = state.get("epoch_start_rng")
         self._restored = {"rng": rng_states, "callback_metrics": dict(state.get("callback_metrics") or {})}
+
+    @property
+    def resuming_inside_epoch(self) -> bool:
+        """Whether the restored checkpoint was taken inside an epoch (Lightning then skips the sanity check)."""
+        return self._restored is not None and self._epoch_open and self.batches_done > 0
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
@@ -132,24 +144,9 @@ class FitLoop:
             # The loop's own zero_grad(set_to_none=True) is what makes the default redundant; here it was replaced.
             self._release_grads = module.on_validation_model_zero_grad
 
-    def reached_limit(self) -> bool:
-        """Whether max_epochs or max_steps is reached before training starts (a fit after an earlier one, or resumed
-        from a checkpoint at its end): say so, as such a fit trains nothing."""
-        trainer = self.trainer
-        if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
-            limit = f"max_steps={trainer.max_steps} is reached (global_step={self.global_step})"
-        elif trainer.max_epochs not in (None, -1) and self.current_epoch >= trainer.max_epochs:
-            limit = f"max_epochs={trainer.max_epochs} is reached (current_epoch={self.current_epoch})"
-        else:
-            return False
-        rank_zero_info(f"Trainer.fit trains nothing: {limit}; raise it to train further.")
-        return True
-
     def _done(self) -> bool:
         trainer = self.trainer
-        if trainer._run.stop_now:
-            return True
-        if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
+        if trainer._run.stop_now or (trainer.max_steps != -1 and self.global_step >= trainer.max_steps):
             return True
         if trainer.max_epochs is not None and trainer.max_epochs != -1 and self.current_epoch >= trainer.max_epochs:
             return True
@@ -166,7 +163,8 @@ class FitLoop:
             set_epoch = getattr(candidate, "set_epoch", None)
             if set_epoch is not None:
                 set_epoch(self.current_epoch)
-        self._call_epoch_hook("on_train_epoch_start")
+        if restored is None or not self.batches_done or not self._epoch_open:  # as Lightning, not again mid-epoch
+            self._call_epoch_hook("on_train_epoch_start")
         iterator, skip = self._epoch_iterator(dataloader, restored)
         # A checkpoint saved in on_train_batch_end resumes with that batch's validation and stop checks.
         stop = self._after_batch(trainer._run.deadline) if skip and self.phase == _BATCH_END else False
@@ -303,6 +301,7 @@ class FitLoop:
     def _call_epoch_hook(self, name: str) -> None:
         # What callbacks log there is keyed and defaulted by this hook's name, as in Lightning.
         self.trainer.strategy.module.__dict__["_current_fx"] = name
+        self._epoch_open = name == "on_train_epoch_start"
         self.trainer._hooks.call(name)
 
     def _accumulating(self) -> bool:
@@ -338,10 +337,8 @@ class FitLoop:
             )
         if self.batches_done < self.num_batches:
             self._count_stepped()  # the epoch's last batch is counted after the epoch's validation
-        if trainer.preemption is not None and save_if_preempted(trainer, self.total_batches):
-            trainer._run.stop_now = True
-            return True
-        if self._stop_requested(deadline):
+        preempted = trainer.preemption is not None and save_if_preempted(trainer, self.total_batches)
+        if preempted or self._stop_requested(deadline):
             trainer._run.stop_now = True
             return True
         return False

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from torch import Tensor
 from torch.optim import Optimizer
 
+from phalanx.trainer.state import TrainerFn, TrainerStatus
 from phalanx.utilities.exceptions import MisconfigurationError
 from phalanx.utilities.rank_zero import rank_zero_warn
 
@@ -122,6 +123,42 @@ def _closure_not_run(module: Any, epoch: int, batch_idx: int) -> Misconfiguratio
     )
 
 
+class AccumulationSetting:
+    """``trainer.accumulate_grad_batches``, which a callback may change during ``fit`` (as Lightning's
+    ``GradientAccumulationScheduler`` does): the loss is then divided by the new window, as in Lightning.
+
+    Without ``__get__`` this descriptor leaves reads to the instance's ``__dict__``: the loops read the setting every
+    batch at the cost of a plain attribute. A write checks the value and, during ``fit``, sets the loss divisor, so
+    the step never reads the setting again to divide.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __set__(self, trainer: Trainer, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"trainer.{self.name}={value!r} is not valid; it must be an int >= 1.")
+        state = trainer.__dict__.get("state")
+        fitting = state is not None and state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING
+        if fitting and value != trainer.__dict__[self.name]:
+            strategy = trainer.strategy
+            if strategy.traits.handles_gradient_accumulation:
+                raise ValueError(
+                    f"trainer.{self.name} cannot change during fit with {type(strategy).__name__}, which fixes its"
+                    f" accumulation when it is set up; pass Trainer({self.name}=...) instead."
+                )
+            if strategy.module is not None and not strategy.module.automatic_optimization and value != 1:
+                raise _manual_accumulation_error()
+            trainer._run.loss_divisor = value
+        trainer.__dict__[self.name] = value
+
+
+def _manual_accumulation_error() -> ValueError:
+    return ValueError(
+        "accumulate_grad_batches is for automatic optimization; with manual optimization accumulate in training_step."
+    )
+
+
 def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
     """After the strategy's setup: the optimizer handles, the loss divisor and the schedulers of this fit; refuse
     Trainer options the module's kind of optimization cannot honour."""
@@ -147,10 +184,7 @@ def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
                 " self.clip_gradients(optimizer, ...) in training_step."
             )
         if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "accumulate_grad_batches is for automatic optimization; with manual optimization accumulate in"
-                " training_step."
-            )
+            raise _manual_accumulation_error()
         trainer._run.optimizer = None
         configs = []  # in manual optimization the user steps schedulers
     trainer._run.step_scheduler_configs = [c for c in configs if c.interval == "step"]
@@ -182,4 +216,4 @@ def step_schedulers(trainer: Trainer, interval: str) -> None:
         module.lr_scheduler_step(config.scheduler, metric)
 
 
-__all__ = ["ManualOptimizer", "call_step_hook", "prepare_optimization", "step_schedulers"]
+__all__ = ["AccumulationSetting", "ManualOptimizer", "call_step_hook", "prepare_optimization", "step_schedulers"]

@@ -285,7 +285,7 @@ def test_a_save_last_link_inside_the_folder_is_still_chosen(honest, tmp_path):
     target = folder / "epoch=0-step=1.ckpt"
     shutil.copyfile(honest, target)
     (folder / "last.ckpt").symlink_to(target.name)  # what save_last="link" makes: a relative link to a sibling
-    assert newest_complete_checkpoint([folder], name_prefix="last", recursive=False) == str(target.resolve())
+    assert newest_complete_checkpoint([folder], name_prefix="last") == str(target.resolve())
     assert _resolve(tmp_path, "last") == str(target.resolve())
     assert _resolve(tmp_path, "auto") == str(target.resolve())
 

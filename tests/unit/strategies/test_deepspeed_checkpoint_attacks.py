@@ -319,3 +319,43 @@ def test_a_partition_missing_for_the_resume_is_named_before_deepspeed_reads(base
     with pytest.raises(CheckpointError, match=r"is missing zero_pp_rank_1_mp_rank_00_optim_states.pt"):
         _resume(directory, engine)
     assert engine.loaded == {}  # DeepSpeed would have resumed without the optimizer state, silently
+
+
+# ---------------------------------------------------------------------------- folders nested past any walk
+NESTING = 1500  # deep enough to exhaust a recursive walk (issue 33, item 17)
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_folders_nested_deep_in_the_tag_directory_are_refused_by_every_reader(base, tmp_path, reader):
+    directory = _copy(base, tmp_path)
+    current = directory / "checkpoint" / "nest"
+    for _ in range(NESTING):
+        current.mkdir()
+        current = current / "d"
+    try:
+        with pytest.raises(CheckpointError if reader != "cli consolidate" else CliError) as refused:
+            READERS[reader](directory, tmp_path)
+        assert "nests folders more than" in str(refused.value), str(refused.value)
+    finally:
+        for _ in range(NESTING):  # pytest's own clean-up would recurse through them
+            current = current.parent
+            if current.exists():
+                current.rmdir()
+
+
+# ---------------------------------------------------------------------------- a save that did not finish
+# Every entry point; not the layout's own reader (load_deepspeed_checkpoint_as_full), which they call once the marker
+# is checked, nor "auto", which passes over an incomplete directory (tests/unit/trainer/test_auto_resume.py).
+ENTRY_POINTS = [
+    name for name in READERS if name not in ("Trainer.fit(ckpt_path='auto')", "load_deepspeed_checkpoint_as_full")
+]
+
+
+@pytest.mark.parametrize("reader", ENTRY_POINTS)
+def test_a_directory_without_its_complete_marker_is_refused_by_every_reader(base, tmp_path, reader):
+    directory = _copy(base, tmp_path)
+    (directory / COMPLETE_MARKER).unlink()  # as a save killed before its last step leaves it
+    with pytest.raises(CheckpointError if reader != "cli consolidate" else CliError) as refused:
+        READERS[reader](directory, tmp_path)
+    message = " ".join(str(refused.value).split())
+    assert "is an incomplete deepspeed checkpoint: it has no .complete marker" in message, message

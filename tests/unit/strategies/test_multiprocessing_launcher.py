@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import stat
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,12 @@ import torch
 
 from phalanx.strategies.launchers import WorkerState
 from phalanx.strategies.launchers import multiprocessing as launcher_module
-from phalanx.strategies.launchers.multiprocessing import MultiProcessingLauncher, _read_results, _to_bytes
+from phalanx.strategies.launchers.multiprocessing import (
+    MultiProcessingLauncher,
+    _read_results,
+    _to_bytes,
+    _write_results,
+)
 
 
 def _strategy() -> Any:
@@ -91,3 +97,88 @@ def test_rank_zero_runs_with_the_launchers_strategy_and_its_worker_state_comes_b
         MultiProcessingLauncher(strategy, start_method="spawn").launch(work, 2, scale=2) == 4
     )  # no state: nothing restored
     assert len(state.restored) == 1
+
+
+@pytest.mark.parametrize("global_rank", [0, 1, 3])
+def test_the_first_worker_of_every_node_hands_back_to_its_main_process(monkeypatch, tmp_path, global_rank):
+    """On node N of a multi-node run the first worker has global rank N * devices: its main process gets its results
+    too (only global rank 0 wrote them before, and the other nodes' main processes failed on the missing file)."""
+    monkeypatch.setattr(launcher_module.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("PHALANX_GLOBAL_SEED", raising=False)
+    strategy = _strategy()
+    strategy.global_rank = global_rank
+
+    def start_processes(function, args, nprocs, start_method, join):  # this node's first worker, in this process
+        function(0, *args)
+
+    monkeypatch.setattr(launcher_module.torch.multiprocessing, "start_processes", start_processes)
+    state = _RecordingState()
+    assert MultiProcessingLauncher(strategy, start_method="spawn").launch(lambda: "done", worker_state=state) == "done"
+    assert [restored["steps"] for restored in state.restored] == [3]
+
+
+def _raise_from_torch(error: BaseException) -> Any:
+    def start_processes(function, args, nprocs, start_method, join):
+        raise error  # what torch's join raises when the worker's error file is empty or cut short
+
+    return start_processes
+
+
+def _launch_failing_in_torch(monkeypatch, tmp_path, error: BaseException) -> None:
+    monkeypatch.setattr(launcher_module.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(launcher_module.torch.multiprocessing, "start_processes", _raise_from_torch(error))
+    MultiProcessingLauncher(_strategy(), start_method="spawn").launch(lambda: None)
+
+
+def _truncated(tmp_path: Path, size: int | None) -> None:
+    path = tmp_path / "results.pt"
+    if size is not None:
+        path.write_bytes(_to_bytes({"result": torch.ones(100)})[:size])
+    _read_results(str(path))
+
+
+#: How the hand-back fails (a full temporary directory, and what it leads to), and what the error must name.
+FAILURES: dict[str, tuple[Any, list[str]]] = {
+    "the results cannot be written: the device is full": (
+        lambda monkeypatch, tmp_path: _write_results("/dev/full", b"x" * 100, 3),
+        ["Rank 3 could not hand its results back", "writing 100 bytes to /dev/full failed", "No space left on device"],
+    ),
+    "the results cannot be written: no such folder": (
+        lambda monkeypatch, tmp_path: _write_results(str(tmp_path / "gone" / "results.pt"), b"x", 0),
+        ["Rank 0 could not hand", "gone/results.pt failed", "No such file or directory"],
+    ),
+    "the results are cut short": (
+        lambda monkeypatch, tmp_path: _truncated(tmp_path, 50),
+        ["results.pt are cut short (50 bytes)", "bytes free"],
+    ),
+    "the results are empty": (
+        lambda monkeypatch, tmp_path: _truncated(tmp_path, 0),
+        ["results.pt are cut short (0 bytes)", "Ran out of input"],
+    ),
+    "the results are missing": (
+        lambda monkeypatch, tmp_path: _truncated(tmp_path, None),
+        ["the results the first worker of this node writes are not at", "results.pt"],
+    ),
+    "torch's error file is empty": (
+        lambda monkeypatch, tmp_path: _launch_failing_in_torch(monkeypatch, tmp_path, EOFError("Ran out of input")),
+        ["its error could not be handed back", "in the temporary directory {tmp}, empty or cut short", "bytes free"],
+    ),
+    "torch's error file is cut short": (
+        lambda monkeypatch, tmp_path: _launch_failing_in_torch(
+            monkeypatch, tmp_path, pickle.UnpicklingError("pickle data was truncated")
+        ),
+        ["its error could not be handed back", "UnpicklingError: pickle data was truncated", "point TMPDIR"],
+    ),
+}
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_a_failed_hand_back_says_what_ran_out_and_where(monkeypatch, tmp_path, failure):
+    if "device is full" in failure and not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (Linux), whose writes fail with ENOSPC")
+    fail, named = FAILURES[failure]
+    with pytest.raises(RuntimeError) as raised:
+        fail(monkeypatch, tmp_path)
+    for text in named:
+        assert text.format(tmp=tmp_path) in str(raised.value)
+    assert not isinstance(raised.value, EOFError)

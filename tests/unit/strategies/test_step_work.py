@@ -7,6 +7,7 @@ of steps inside one epoch. They are deterministic, so the limits below are count
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 
@@ -89,14 +90,35 @@ def test_defaults_on_do_not_sync_a_step_when_nothing_is_shown_on_the_bar(strateg
 def test_a_logger_write_reads_the_device_once_per_write(log_mode, one_process, monkeypatch):
     # Every second step writes to the logger: it reads the logged values with one sync however many there are, and the
     # 'warn' check reads its running sum with one more. The progress bar never redraws inside the window (its clock
-    # stands still), so a prog_bar value costs nothing more here; a redraw, at most every 0.1 s, reads the bar's values
-    # with one sync.
+    # stands still); a redraw reads nothing from the device either (the next test).
     from phalanx.callbacks import progress
 
     monkeypatch.setattr(progress, "_clock", lambda: 0.0)
     counts = _fit("single_device", defaults=True, log_mode=log_mode, log_every_n_steps=2)
     writes = STEPS // 2
     assert counts.syncs * STEPS == writes * (2 if log_mode != "none" else 1), counts.sync_calls
+
+
+@pytest.mark.parametrize("strategy", ["single_device", "ddp", "fsdp"])
+def test_a_bar_redrawn_every_step_reads_nothing_from_the_device(strategy, one_process, monkeypatch):
+    # The bar's clock moves a second at each reading, so every step redraws the bar with the loss logged with
+    # prog_bar=True: the values shown come from host copies, and no logger write falls inside the window.
+    from phalanx.callbacks import progress
+
+    ticks = itertools.count()
+    monkeypatch.setattr(progress, "_clock", lambda: float(next(ticks)))
+    shown: list[dict] = []
+    original = progress.ProgressBar.get_metrics
+
+    def recording(self, trainer, module):
+        shown.append(original(self, trainer, module))
+        return shown[-1]
+
+    monkeypatch.setattr(progress.ProgressBar, "get_metrics", recording)
+    counts = _fit(strategy, defaults=True, log_mode="prog_bar", log_every_n_steps=1000)
+    assert counts.syncs == 0, counts.sync_calls
+    assert len(shown) >= WARMUP + STEPS and all("loss" in values for values in shown[1:])
+    assert len({values["loss"] for values in shown[1:]}) > 1  # each redraw shows that step's loss
 
 
 def test_fsdp_at_world_size_one_says_what_it_costs(one_process, caplog):

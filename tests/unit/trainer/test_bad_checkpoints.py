@@ -104,6 +104,11 @@ DAMAGE = [
         "['step_pending'] holds str 'yes'; expected True or False",
     ),
     (
+        "loop epoch_open not a bool",
+        _set(*LOOP, "epoch_open", value=1),
+        "['epoch_open'] holds int 1; expected True or False",
+    ),
+    (
         "loop phase unknown",
         _set(*LOOP, "phase", value="middle"),
         "['phase'] holds str 'middle'; expected one of ['batches'",

@@ -60,12 +60,15 @@ def _fit_with_checkpoints(tmp_path, **fit_options):
 def test_auto_resume_says_which_file_or_that_there_was_none(tmp_path, capsys):
     _fit_with_checkpoints(tmp_path, ckpt_path="auto")
     out = capsys.readouterr().out
-    assert (
-        f"ckpt_path='auto': no complete checkpoint under {tmp_path / 'ckpts'}, {tmp_path}; starting from scratch" in out
-    )
+    # Only where this run writes: its ModelCheckpoint's folder (also the preemption folder), not default_root_dir.
+    assert f"ckpt_path='auto': no complete checkpoint in {tmp_path / 'ckpts'}; starting from scratch" in out
     trainer = _fit_with_checkpoints(tmp_path, ckpt_path="auto", max_epochs=2)
     lines = [line for line in capsys.readouterr().out.splitlines() if "ckpt_path='auto'" in line]
-    assert lines == [f"ckpt_path='auto': resuming from {trainer.ckpt_path}"]
+    assert lines == [
+        f"ckpt_path='auto': resuming from {trainer.ckpt_path} (global step 2, epoch 0): the furthest recorded"
+        " progress of the 2 complete checkpoint(s) found (the most recently written of 2 that record the same"
+        f" progress) in {tmp_path / 'ckpts'}"
+    ]
     assert trainer.ckpt_path.startswith(str(tmp_path / "ckpts"))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Any
 
 import pytest
@@ -76,18 +75,28 @@ def test_auto_without_checkpoints_starts_fresh(tmp_path):
 
 
 def test_newest_complete_checkpoint_skips_partial_writes_and_unfinished_directories(tmp_path):
+    from phalanx.plugins.io.formats.dcp import save_sharded
+
     older = tmp_path / "older.ckpt"
-    torch.save({"state_dict": {}}, older)
-    time.sleep(0.02)
+    torch.save({"global_step": 1, "state_dict": {}}, older)
+    further = tmp_path / "further.ckpt"
+    torch.save({"global_step": 9, "state_dict": {}}, further)
     truncated = tmp_path / "truncated.ckpt"
-    truncated.write_bytes(older.read_bytes()[:-40])  # a copy cut short
+    truncated.write_bytes(further.read_bytes()[:-40])  # a copy cut short
+    further.unlink()
     partial = tmp_path / ".newest.ckpt.abc.tmp"  # an atomic write that never finished
     partial.write_bytes(older.read_bytes())
     unfinished = tmp_path / "sharded.ckpt"
-    unfinished.mkdir()
-    (unfinished / "rank0.distcp").write_bytes(b"x")
+    save_sharded(
+        {"global_step": 3, "state_dict": {"w": torch.ones(2)}},
+        unfinished,
+        is_global_zero=True,
+        broadcast=lambda value: value,
+        barrier=lambda name: None,
+    )
+    (unfinished / COMPLETE_MARKER).unlink()  # as a directory whose save did not finish
     assert not is_complete_checkpoint(truncated) and not is_complete_checkpoint(unfinished)
     assert newest_complete_checkpoint([tmp_path]) == str(older.resolve())
     (unfinished / COMPLETE_MARKER).touch()
-    assert newest_complete_checkpoint([tmp_path]) == str(unfinished.resolve())
+    assert newest_complete_checkpoint([tmp_path]) == str(unfinished.resolve())  # step 3 is further than step 1
     assert newest_complete_checkpoint([tmp_path / "missing"]) is None

@@ -183,6 +183,6 @@ def test_counts_and_flags_the_stages_set_are_read_only(name):
 @pytest.mark.parametrize("name", READ_WRITE)
 def test_what_lightning_users_assign_writes_the_run_state(name):
     trainer = quiet_trainer()
-    value = object()
+    value = "chosen.ckpt" if name == "ckpt_path" else object()  # a checkpoint path is checked to be a path
     setattr(trainer, name, value)
     assert getattr(trainer._run, name) is value

@@ -18,7 +18,7 @@ import pytest
 from phalanx_testing import Regressor, loaders
 
 import phalanx
-from phalanx.callbacks import ModelCheckpoint
+from phalanx.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from phalanx.loggers import CSVLogger, Logger, TensorBoardLogger
 from phalanx.loggers.tensorboard import _tensorboard_available
 from phalanx.trainer.spawn_state import TrainerWorkerState
@@ -103,3 +103,49 @@ def test_a_logger_takes_over_rank_zeros_version_unless_one_was_given(tmp_path: P
     logger.load_worker_state({"version": 4, "hparams": {"lr": 0.1}})
     assert logger.version == kept and logger.hparams == {"lr": 0.1}
     assert not (tmp_path / "logs").exists()  # taking a version over claims no folder
+
+
+class AddsCallbacks(Regressor):
+    """A module whose configure_callbacks() adds or replaces callbacks (in the worker only: it runs there)."""
+
+    def __init__(self, added: str) -> None:
+        super().__init__()
+        self.added = added  # a name, not a function: the module is pickled for the worker
+
+    def configure_callbacks(self) -> Any:
+        return MODULE_CALLBACKS[self.added]()
+
+
+#: What configure_callbacks returns, beside a Trainer with a ModelCheckpoint and an EarlyStopping of its own.
+MODULE_CALLBACKS: dict[str, Callable[[], Any]] = {
+    "nothing": lambda: None,
+    "a learning-rate monitor": lambda: LearningRateMonitor(),
+    "an early stopping on another metric": lambda: EarlyStopping(monitor="train_loss", patience=5),
+    "two callbacks": lambda: [LearningRateMonitor(), EarlyStopping(monitor="train_loss", patience=5)],
+    "its own checkpoint callback": lambda: ModelCheckpoint(monitor="train_loss", save_top_k=2),
+}
+
+
+@pytest.mark.parametrize("added", list(MODULE_CALLBACKS))
+def test_callback_states_come_back_by_state_key_whatever_configure_callbacks_added(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, added: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    checkpoint, stopping = ModelCheckpoint(monitor="val_loss", save_last=True), EarlyStopping(monitor="val_loss")
+    main = phalanx.Trainer(
+        accelerator="cpu", max_epochs=3, callbacks=[checkpoint, stopping], enable_model_summary=False
+    )
+    model = AddsCallbacks(added)
+    worker = _spawned_fit(main, model)
+    assert main.callbacks[-1] is checkpoint and main.checkpoint_callback is checkpoint  # its own list, not the worker's
+    theirs = {callback.state_key: callback for callback in worker.callbacks}
+    for callback in main.callbacks:
+        if callback.state_key in theirs:  # the worker ran it: the same state here
+            assert callback.state_dict() == theirs[callback.state_key].state_dict(), callback.state_key
+    if added == "its own checkpoint callback":  # replaced in the worker: as Lightning, the best path comes back
+        assert checkpoint.best_model_path == worker.checkpoint_callback.best_model_path != ""
+    else:
+        assert checkpoint.best_model_path == worker.checkpoint_callback.best_model_path != ""
+        assert checkpoint.best_k_models == worker.checkpoint_callback.best_k_models
+    if added != "an early stopping on another metric" and added != "two callbacks":
+        assert stopping.state_dict() == theirs[stopping.state_key].state_dict()

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from phalanx.plugins.io.directory import COMPLETE_MARKER, incomplete
 from phalanx.plugins.io.formats import dcp, deepspeed, xla_fsdp
 from phalanx.plugins.io.formats.dcp_metadata import DCP_METADATA_FILE
 from phalanx.utilities.exceptions import CheckpointError
@@ -34,6 +35,9 @@ class Format:
     #: The whole checkpoint (whole tensors, no process group) read from a local path of this layout; None where
     #: another reader loads it (the single file, which ``CheckpointIO.load_checkpoint`` reads itself).
     load_whole: Callable[[Path], dict[str, Any]] | None
+    #: The file of a directory layout that holds the Trainer's state (``global_step``, the fit loop's counters), from
+    #: which ``ckpt_path="auto"`` reads how far a checkpoint got; None for the single file (read itself).
+    state_file: str | None = None
 
     @property
     def is_directory(self) -> bool:
@@ -43,7 +47,12 @@ class Format:
 
 FILE = Format("file", "a single-file", (), os.path.isfile, None)
 SHARDED = Format(
-    "sharded", "a sharded (DCP)", (DCP_METADATA_FILE, dcp.META_FILE), dcp.is_sharded_checkpoint, dcp.load_whole
+    "sharded",
+    "a sharded (DCP)",
+    (DCP_METADATA_FILE, dcp.META_FILE),
+    dcp.is_sharded_checkpoint,
+    dcp.load_whole,
+    dcp.META_FILE,
 )
 DEEPSPEED = Format(
     "deepspeed",
@@ -51,10 +60,16 @@ DEEPSPEED = Format(
     (deepspeed.STATE_FILE, "latest"),
     deepspeed.is_deepspeed_checkpoint,
     deepspeed.load_deepspeed_checkpoint_as_full,
+    deepspeed.STATE_FILE,
 )
 # xla_fsdp's sharded layout: the rest are the replicas' piece files, which its meta file lists.
 XLA_FSDP = Format(
-    "xla_fsdp", "an xla_fsdp", (xla_fsdp.META_FILE,), xla_fsdp.is_xla_fsdp_checkpoint, xla_fsdp.consolidate_xla_fsdp
+    "xla_fsdp",
+    "an xla_fsdp",
+    (xla_fsdp.META_FILE,),
+    xla_fsdp.is_xla_fsdp_checkpoint,
+    xla_fsdp.consolidate_xla_fsdp,
+    xla_fsdp.META_FILE,
 )
 
 #: Every layout, in the order they are tried.
@@ -94,11 +109,16 @@ def _titles() -> str:
 
 
 def consolidate(path: str | os.PathLike) -> dict[str, Any]:
-    """One ordinary phalanx checkpoint from a local checkpoint directory of any layout in ``FORMATS``."""
+    """One ordinary phalanx checkpoint from a local checkpoint directory of any layout in ``FORMATS``.
+
+    As for ``fit``, a directory without its ``.complete`` marker (a save that did not finish) is refused.
+    """
     directory = Path(path)
     entry = detect_directory(directory)
     if entry is None or entry.load_whole is None:
         raise not_a_checkpoint(directory)
+    if not os.path.lexists(directory / COMPLETE_MARKER):
+        raise incomplete(directory, entry.name)
     return entry.load_whole(directory)
 
 
