@@ -29,12 +29,20 @@ if _typing.TYPE_CHECKING:
     from phalanx.utilities.seed import seed_everything
 
 
+# Lightning's top-level names spelt differently here: ``from phalanx import LightningModule`` says what to use.
+_RENAMED = {"LightningModule": "phalanx.TrainingModule", "LightningDataModule": "phalanx.DataModule"}
+
+
 def __getattr__(name: str) -> "_typing.Any":
     if name in _SUBPACKAGES:
         return _importlib.import_module(f"phalanx.{name}")  # importing binds it in this module's namespace
     module = _PUBLIC.get(name)
     if module is None:
-        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+        # Lazy for import time: only a missing name loads the table's helpers.
+        from phalanx.utilities.lightning_names import NotOffered, missing_name_error
+
+        table = {lightning: NotOffered(f"{ours} (the same hooks and methods)") for lightning, ours in _RENAMED.items()}
+        raise missing_name_error("phalanx", name, table)
     value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value

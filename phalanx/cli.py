@@ -405,6 +405,40 @@ def _torchrun(args: argparse.Namespace, processes: int) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- the CLI class for scripts
+# Lightning's `from lightning.pytorch.cli import LightningCLI` becomes `from phalanx.cli import LightningCLI`: these
+# names come from phalanx.command_line, loaded on first use (it imports torch and jsonargparse).
+_COMMAND_LINE_NAMES = (
+    "ArgsType",
+    "LightningArgumentParser",
+    "LightningCLI",
+    "LRSchedulerCallable",
+    "LRSchedulerType",
+    "LRSchedulerTypeTuple",
+    "LRSchedulerTypeUnion",
+    "OptimizerCallable",
+    "PhalanxArgumentParser",
+    "PhalanxCLI",
+    "ReduceLROnPlateau",
+    "SaveConfigCallback",
+    "instantiate_class",
+)
+
+
+def __getattr__(name: str) -> Any:
+    import importlib  # lazy for import time: `phalanx --help` must not load torch
+
+    if name in _COMMAND_LINE_NAMES:
+        return getattr(importlib.import_module("phalanx.command_line"), name)
+    # Lazy for import time: only a missing name loads the table's helpers.
+    from phalanx.utilities.lightning_names import NotOffered, missing_name_error
+
+    instead = (
+        "PhalanxCLI(load_from_checkpoint_support=True), which builds the module from a checkpoint's hyperparameters"
+    )
+    raise missing_name_error(__name__, name, {"instantiate_module": NotOffered(instead)})
+
+
 # ---------------------------------------------------------------------------- entry point
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="phalanx command line tools")

@@ -5,37 +5,29 @@ from typing import Any
 from phalanx.callbacks.callback import Callback
 from phalanx.callbacks.device_stats_monitor import DeviceStatsMonitor
 from phalanx.callbacks.early_stopping import EarlyStopping
+from phalanx.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
+from phalanx.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
+from phalanx.callbacks.lambda_function import LambdaCallback
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_checkpoint import Checkpoint, ModelCheckpoint
 from phalanx.callbacks.model_summary import ModelSummary
+from phalanx.callbacks.on_exception_checkpoint import OnExceptionCheckpoint
+from phalanx.callbacks.prediction_writer import BasePredictionWriter
 from phalanx.callbacks.progress import ProgressBar, TQDMProgressBar
+from phalanx.callbacks.pruning import ModelPruning
+from phalanx.callbacks.rich_model_summary import RichModelSummary
+from phalanx.callbacks.rich_progress import RichProgressBar, RichProgressBarTheme
+from phalanx.callbacks.stochastic_weight_avg import StochasticWeightAveraging
 from phalanx.callbacks.throughput_monitor import ThroughputMonitor
+from phalanx.callbacks.timer import Timer
 from phalanx.utilities.lightning_names import NotOffered, missing_name_error
 
-_FINETUNING = (
-    "a Callback that sets requires_grad on the backbone's parameters in on_train_epoch_start and adds them to the"
-    " optimizer with optimizer.add_param_group"
-)
 #: Lightning's callbacks that phalanx does not have, with what to use instead: ``from phalanx.callbacks import
-#: Timer`` raises an ImportError saying so. The planned ones (``planned=True``) are listed as "not offered yet".
+#: SpikeDetection`` raises an ImportError saying so. The planned ones (``planned=True``) are listed as "not offered
+#: yet".
 NOT_OFFERED = {
-    "BackboneFinetuning": NotOffered(_FINETUNING, planned=True),
-    "BaseFinetuning": NotOffered(_FINETUNING, planned=True),
-    "BasePredictionWriter": NotOffered(
-        "a Callback that writes the outputs in on_predict_batch_end, or what trainer.predict returns", planned=True
-    ),
     "BatchSizeFinder": NotOffered("the DataLoader's batch_size, chosen by hand", planned=True),
-    "GradientAccumulationScheduler": NotOffered("Trainer(accumulate_grad_batches=N), fixed for the fit", planned=True),
-    "LambdaCallback": NotOffered("a subclass of phalanx.Callback that defines the hooks", planned=True),
     "LearningRateFinder": NotOffered("short fits (Trainer(max_steps=...)) at a few learning rates", planned=True),
-    "ModelPruning": NotOffered("torch.nn.utils.prune in a Callback's on_train_epoch_end", planned=True),
-    "OnExceptionCheckpoint": NotOffered("ModelCheckpoint(save_on_exception=True)", planned=True),
-    "RichModelSummary": NotOffered("ModelSummary, the default model summary", planned=True),
-    "RichProgressBar": NotOffered("TQDMProgressBar, the default progress bar", planned=True),
-    "StochasticWeightAveraging": NotOffered(
-        "torch.optim.swa_utils.AveragedModel and SWALR, updated in a Callback's on_train_epoch_end", planned=True
-    ),
-    "Timer": NotOffered("Trainer(max_time=...) to stop after a duration", planned=True),
     "EMAWeightAveraging": NotOffered(
         "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)), updated in a"
         " Callback's on_train_batch_end"
@@ -53,14 +45,26 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
+    "BasePredictionWriter",
     "Callback",
     "Checkpoint",
     "DeviceStatsMonitor",
     "EarlyStopping",
+    "GradientAccumulationScheduler",
+    "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",
+    "ModelPruning",
     "ModelSummary",
+    "OnExceptionCheckpoint",
     "ProgressBar",
+    "RichModelSummary",
+    "RichProgressBar",
+    "RichProgressBarTheme",
+    "StochasticWeightAveraging",
     "TQDMProgressBar",
     "ThroughputMonitor",
+    "Timer",
 ]

@@ -67,8 +67,8 @@ def _layers(module: nn.Module, max_depth: int) -> list[tuple[str, nn.Module]]:
     return layers
 
 
-def summarize(module: nn.Module, max_depth: int = 1) -> str:
-    """Return the summary table of ``module``: its layers down to ``max_depth`` (-1: all) and the totals."""
+def summary_rows(module: nn.Module, max_depth: int = 1) -> list[list[str]]:
+    """The summary table's rows: index, name, type, parameter count and mode of each layer down to ``max_depth``."""
     if not is_int_at_least(max_depth, -1):
         raise ValueError(f"`max_depth` must be an int >= -1 (-1: all layers), got {max_depth!r}.")
     rows = []
@@ -76,10 +76,33 @@ def summarize(module: nn.Module, max_depth: int = 1) -> str:
         count = sum(_numel(p) for p in _unique(layer.parameters()))
         mode = "train" if layer.training else "eval"
         rows.append([str(index), name, type(layer).__name__, human_readable_count(count), mode])
+    return rows
 
+
+def summary_totals(module: nn.Module) -> list[tuple[str, str]]:
+    """(value, label) of each total under the table: parameter counts, size, and the lazy parameters if any."""
+    trainable, non_trainable, total = parameter_counts(module)
+    totals = [
+        (human_readable_count(trainable), "Trainable params"),
+        (human_readable_count(non_trainable), "Non-trainable params"),
+        (human_readable_count(total), "Total params"),
+        (f"{total * 4 / 1e6:.3f}", "Total estimated model params size (MB)"),  # as float32
+    ]
+    lazy = sum(1 for p in module.parameters() if isinstance(p, UninitializedParameter))
+    if lazy:
+        totals.append((str(lazy), "Uninitialized (lazy) parameters, counted as 0"))
+    return totals
+
+
+SUMMARY_HEADER = ["", "Name", "Type", "Params", "Mode"]
+
+
+def summarize(module: nn.Module, max_depth: int = 1) -> str:
+    """Return the summary table of ``module``: its layers down to ``max_depth`` (-1: all) and the totals."""
+    rows = summary_rows(module, max_depth)
     lines: list[str] = []
     if rows:
-        header = ["", "Name", "Type", "Params", "Mode"]
+        header = SUMMARY_HEADER
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
         def format_row(row: list[str]) -> str:
@@ -88,19 +111,8 @@ def summarize(module: nn.Module, max_depth: int = 1) -> str:
         head = format_row(header)
         rule = "-" * max(len(head), max(len(format_row(r)) for r in rows))
         lines += [head, rule, *(format_row(row) for row in rows), rule]
-
-    trainable, non_trainable, total = parameter_counts(module)
-    size_mb = total * 4 / 1e6  # as float32
     column = 10
-    lines += [
-        f"{human_readable_count(trainable):<{column}}Trainable params",
-        f"{human_readable_count(non_trainable):<{column}}Non-trainable params",
-        f"{human_readable_count(total):<{column}}Total params",
-        f"{size_mb:<{column}.3f}Total estimated model params size (MB)",
-    ]
-    lazy = sum(1 for p in module.parameters() if isinstance(p, UninitializedParameter))
-    if lazy:
-        lines.append(f"{lazy:<{column}}Uninitialized (lazy) parameters, counted as 0")
+    lines += [f"{value:<{column}}{label}" for value, label in summary_totals(module)]
     return "\n".join(lines)
 
 
@@ -123,4 +135,8 @@ class ModelSummary(Callback):
     def on_fit_start(self, trainer: Trainer, module: TrainingModule) -> None:
         if self._max_depth == 0 or not trainer.is_global_zero:
             return
+        self._show(module)
+
+    def _show(self, module: TrainingModule) -> None:
+        """Print the summary of ``module`` (a subclass draws it its own way)."""
         print(summarize(module, self._max_depth))

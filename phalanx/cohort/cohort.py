@@ -20,6 +20,7 @@ One Cohort sets up one module (put several in one ``nn.Module``, e.g. an ``nn.Mo
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from os import PathLike
 from typing import Any, Callable, Iterator, TypeVar
@@ -28,16 +29,18 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from phalanx.cohort.agreement import agree_on_call, describe_module, notice_exit
 from phalanx.cohort.backward_guard import BackwardGuard, slip_reason
 from phalanx.cohort.checkpoint import StateFilter, build_checkpoint, optimizer_index, own_rng_states, restore_checkpoint
 from phalanx.cohort.data import CohortData
-from phalanx.cohort.guards import agree_on_call, record_loss, report_nonfinite
+from phalanx.cohort.guards import record_loss, report_nonfinite
 from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
 from phalanx.cohort.metrics import CohortLogging, LoggerWorkerState, attach, resolve_loggers, share_logger_states
 from phalanx.cohort.plain_checkpoint import load_before_setup, save_before_setup
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.setup_checks import check_optimizers_given, check_placement
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
+from phalanx.plugins.io.checkpoint_identity import checkpoint_identity
 from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
@@ -159,6 +162,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             )
         self._environment_ready = True
         self._strategy.setup_environment()
+        notice_exit()  # the other ranks learn at once when this process ends, instead of waiting for it
         if self._loggers:  # every rank names rank 0's logger version or tracker run
             share_logger_states(self._loggers, self._strategy)
 
@@ -172,6 +176,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         check_optimizers_given(self._strategy, optimizers)
         self._ensure_environment()  # (the device of this rank is known from here)
         check_placement(self._strategy, module, move_to_device, "setup")
+        agree_on_call(self, "setup", lambda: describe_module(module))
         originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
@@ -199,6 +204,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             )
         self._ensure_environment()
         check_placement(self._strategy, module, move_to_device, "setup_module")
+        agree_on_call(self, "setup_module", lambda: describe_module(module))
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
         }
@@ -398,7 +404,11 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
     def broadcast(self, obj: _T, src: int = 0) -> _T:
         """Send a picklable object from process ``src`` to every process and return it."""
         self._ensure_environment()
-        agree_on_call(self, "broadcast")
+        agree_on_call(self, "broadcast", {"src": repr(src)})
+        if self.world_size > 1 and (
+            isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size
+        ):
+            raise ValueError(f"Cohort.broadcast(src={src!r}): src must be a rank, an int in [0, {self.world_size}).")
         return self._strategy.broadcast(obj, src=src)
 
     def barrier(self, name: str | None = None) -> None:
@@ -421,7 +431,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         _check_path(path, "save")
         self._ensure_environment()
         report_nonfinite(self, "save")
-        agree_on_call(self, "save")
+        agree_on_call(self, "save", {"path": os.fspath(path)})
         if self._module is None:
             save_before_setup(self._strategy, path, state, self._optimizer_steps, filter)
             return
@@ -444,7 +454,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         if not isinstance(restore_rng, bool):
             raise TypeError(f"Cohort.load(restore_rng={restore_rng!r}) must be True or False.")
         self._ensure_environment()
-        agree_on_call(self, "load")
+        # Every rank reads the same checkpoint, or none does: ranks that load different weights train apart silently.
+        agree_on_call(self, "load", lambda: {"path": os.fspath(path), "checkpoint": checkpoint_identity(path)})
         if self._module is None:
             return load_before_setup(self, path, {} if state is None else state, strict=strict, restore_rng=restore_rng)
         checkpoint = self._strategy.load_checkpoint(path)
@@ -468,6 +479,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         ``init_module(empty_init=True)``) into the set-up module; every rank calls it and keeps its shard."""
         if self._module is None:
             raise RuntimeError("Cohort.load_raw needs a set-up module: call cohort.setup(...) first.")
+        if isinstance(path, (str, PathLike)):  # (load_raw says what else is wrong)
+            agree_on_call(self, "load_raw", lambda: {"path": os.fspath(path), "checkpoint": checkpoint_identity(path)})
         load_raw(self._strategy, path, obj, strict=strict)
 
     def __repr__(self) -> str:

@@ -240,14 +240,27 @@ def with_sampler(dataloader: DataLoader, sampler: Sampler | Any) -> DataLoader:
     if isinstance(dataloader.dataset, IterableDataset):
         return dataloader
     _, batch_size, drop_last = _sampling(dataloader)
+    return _rebuild(
+        dataloader, {"batch_size": batch_size, "sampler": sampler, "drop_last": drop_last}, "a distributed sampler"
+    )
+
+
+def with_batch_sampler(dataloader: DataLoader, batch_sampler: Sampler | Any) -> DataLoader:
+    """A new DataLoader like ``dataloader`` in every setting, but drawing its batches' indices from ``batch_sampler``
+    (which replaces the batch size, sampler and drop_last). Raises as :func:`with_sampler` does."""
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        raise TypeError(f"with_batch_sampler needs a torch DataLoader over a map-style dataset, got {dataloader!r}.")
+    return _rebuild(dataloader, {"batch_sampler": batch_sampler}, "a batch sampler of its own")
+
+
+def _rebuild(dataloader: DataLoader, sampling: dict[str, Any], what: str) -> DataLoader:
+    """``type(dataloader)`` made anew with ``dataloader``'s settings and the ``sampling`` arguments."""
     settings: dict[str, Any] = {
         "dataset": dataloader.dataset,
-        "batch_size": batch_size,
-        "sampler": sampler,
+        **sampling,
         "num_workers": dataloader.num_workers,
         "collate_fn": dataloader.collate_fn,
         "pin_memory": dataloader.pin_memory,
-        "drop_last": drop_last,
         "timeout": dataloader.timeout,
         "worker_init_fn": dataloader.worker_init_fn,
         "multiprocessing_context": dataloader.multiprocessing_context,
@@ -267,7 +280,7 @@ def with_sampler(dataloader: DataLoader, sampler: Sampler | Any) -> DataLoader:
         if cls is DataLoader:
             raise
         raise ValueError(
-            f"phalanx could not rebuild your {cls.__name__} with a distributed sampler: calling "
+            f"phalanx could not rebuild your {cls.__name__} with {what}: calling "
             f"{cls.__name__}(**DataLoader arguments) failed with: {error}. Make {cls.__name__}.__init__ accept the "
             f"DataLoader arguments (dataset, batch_size, sampler, ... as keyword arguments), or: {_FIX_HINT}"
         ) from error

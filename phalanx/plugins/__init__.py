@@ -11,22 +11,24 @@ from phalanx.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
+from phalanx.plugins.environments.xla import XLAEnvironment
+from phalanx.plugins.io import NOT_OFFERED as _IO_NOT_OFFERED
 from phalanx.plugins.io import AsyncCheckpointIO, CheckpointIO, TorchCheckpointIO
-from phalanx.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from phalanx.utilities.lightning_names import NotOffered, missing_name_error
+from phalanx.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
+from phalanx.plugins.precision import NOT_OFFERED as _PRECISION_NOT_OFFERED
+from phalanx.plugins.precision import (
+    DeepSpeedPrecision,
+    DoublePrecision,
+    FSDPPrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+    XLAPrecision,
+)
+from phalanx.utilities.lightning_names import missing_name_error
 
-#: Lightning Fabric's precision plugins that phalanx will not offer, with what to use instead (``from phalanx.plugins
-#: import BitsandbytesPrecision`` raises an ImportError saying so; so does passing Lightning's in ``plugins=``).
-NOT_OFFERED = {
-    "BitsandbytesPrecision": NotOffered(
-        "bitsandbytes' quantised layers in your module (bnb.nn.Linear4bit, Linear8bitLt in place of nn.Linear, before"
-        " setup) with precision='bf16-true' or '16-true'"
-    ),
-    "TransformerEnginePrecision": NotOffered(
-        "Transformer Engine's layers in your module (te.Linear under te.fp8_autocast in forward) with"
-        " precision='bf16-mixed' or 'bf16-true'"
-    ),
-}
+#: Lightning's plugins that phalanx does not have, with what to use instead.
+NOT_OFFERED = {**_PRECISION_NOT_OFFERED, **_IO_NOT_OFFERED}
 
 
 def __getattr__(name: str) -> Any:
@@ -37,15 +39,21 @@ __all__ = [
     "AsyncCheckpointIO",
     "CheckpointIO",
     "ClusterEnvironment",
+    "DeepSpeedPrecision",
     "DefaultEnvironment",
     "DoublePrecision",
+    "FSDPPrecision",
     "HalfPrecision",
     "KubeflowEnvironment",
     "LSFEnvironment",
+    "LayerSync",
     "MPIEnvironment",
     "MixedPrecision",
     "Precision",
     "SLURMEnvironment",
     "TorchCheckpointIO",
     "TorchElasticEnvironment",
+    "TorchSyncBatchNorm",
+    "XLAEnvironment",
+    "XLAPrecision",
 ]

@@ -175,6 +175,11 @@ class ParallelStrategy(Strategy, ABC):
             return store
         return torch.distributed.PrefixStore(f"phalanx/attempt_{attempt}", store)
 
+    @property
+    def collective_timeout(self) -> timedelta | None:
+        """How long a collective waits for the other ranks (the ``timeout=`` given; None: torch's default)."""
+        return self._timeout
+
     def _join_timeout(self) -> timedelta:
         """How long joining may wait for the other ranks: the collective ``timeout``, but at least ``JOIN_TIMEOUT``."""
         return max(self._timeout or DEFAULT_TIMEOUT, JOIN_TIMEOUT)

@@ -5,67 +5,20 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from phalanx.utilities.checks import is_int_at_least, is_number
+from phalanx.utilities.durations import parse_duration
 from phalanx.utilities.messages import shown
 
 #: What ``Trainer(nonfinite_loss=...)`` accepts; see the Trainer docstring for what each does.
 NONFINITE_LOSS_MODES = ("warn", "skip", "stop", "raise", "ignore")
 
-_MAX_TIME_KEYS = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
-_MAX_TIME_FORMAT = "a 'DD:HH:MM:SS' string (e.g. '00:12:00:00'), a datetime.timedelta, or a dict such as {'hours': 12}"
-
 
 def parse_max_time(max_time: Any) -> float | None:
     """``max_time`` in seconds (None: no limit)."""
-    if max_time is None:
-        return None
-    if isinstance(max_time, timedelta):
-        seconds = max_time.total_seconds()
-    elif isinstance(max_time, dict):
-        seconds = _max_time_from_dict(max_time)
-    elif isinstance(max_time, str):
-        match = re.fullmatch(r"(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})", max_time.strip())
-        if match is None:
-            raise ValueError(
-                f"max_time={max_time!r} is not valid; pass {_MAX_TIME_FORMAT}. The string must look like 'DD:HH:MM:SS'."
-            )
-        days, hours, minutes, secs = (int(part) for part in match.groups())
-        seconds = _timedelta_seconds(max_time, days=days, hours=hours, minutes=minutes, seconds=secs)
-    else:
-        raise TypeError(
-            f"max_time={shown(max_time)} (of type {type(max_time).__name__}) is not valid; pass {_MAX_TIME_FORMAT}."
-        )
-    if not seconds > 0:
-        raise ValueError(f"max_time={max_time!r} must be a positive duration; pass {_MAX_TIME_FORMAT}.")
-    return seconds
-
-
-def _max_time_from_dict(max_time: dict[Any, Any]) -> float:
-    unknown = [key for key in max_time if key not in _MAX_TIME_KEYS]
-    if unknown:
-        raise ValueError(f"max_time={max_time!r} has unknown key(s) {unknown}; valid keys: {list(_MAX_TIME_KEYS)}.")
-    for key, value in max_time.items():
-        if not is_number(value):
-            raise TypeError(
-                f"max_time[{key!r}]={shown(value)} must be a number (int or float), e.g. max_time={{'hours': 12}}."
-            )
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(
-                f"max_time[{key!r}]={value!r} must be a finite number >= 0, e.g. max_time={{'hours': 12}}."
-            )
-    return _timedelta_seconds(max_time, **max_time)
-
-
-def _timedelta_seconds(given: Any, **parts: float) -> float:
-    try:
-        return timedelta(**parts).total_seconds()
-    except OverflowError:
-        raise ValueError(f"max_time={given!r} is longer than a datetime.timedelta can hold (999999999 days).") from None
+    return parse_duration(max_time, "max_time")
 
 
 def check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> None:

@@ -162,7 +162,7 @@ def resolve_arguments(given: Mapping[str, Any]) -> TrainerSettings:
         use_distributed_sampler=given["use_distributed_sampler"],
         inference_mode=given["inference_mode"],
         loggers=build_loggers(given["logger"] if not fast_dev_batches else False, default_root_dir=default_root_dir),
-        callbacks=build_callbacks(given["callbacks"], **enabled),
+        callbacks=build_callbacks(given["callbacks"], max_time=loop["max_time"], **enabled),
         compile=check_compile(given["compile"], "Trainer"),
         profiler=resolve_profiler(given["profiler"]),
         **loop,

@@ -120,7 +120,7 @@ READ_ONLY: dict[str, str] = {
     "deterministic": "it set torch's process-wide switches at construction; call torch.use_deterministic_algorithms()"
     " to change them",
     "benchmark": "it set torch.backends.cudnn.benchmark at construction; set that instead",
-    "max_time": "its deadline was read at construction",
+    "max_time": "it added its Timer callback at construction; change the Timer in trainer.callbacks instead",
     **{name: _STRATEGY for name in ("strategy", "accelerator", "devices", "num_nodes", "precision", "plugins")},
     "sync_batchnorm": _STRATEGY,
     **{name: _CALLBACK for name in ("enable_checkpointing", "enable_progress_bar", "enable_model_summary")},

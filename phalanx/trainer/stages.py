@@ -8,7 +8,6 @@ their loop and finish with :func:`teardown_run`.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -28,7 +27,8 @@ from phalanx.trainer.loops.evaluation_loop import (
     split_by_dataloader,
 )
 from phalanx.trainer.loops.fit_data import check_train_data_defined, prepare_fit_data
-from phalanx.trainer.loops.optimizer import prepare_optimization
+from phalanx.trainer.loops.optimizer import follow_scheduler_changes, prepare_optimization
+from phalanx.trainer.loops.prediction_writing import writers
 from phalanx.trainer.profiling import finish_profiling, start_profiling
 from phalanx.trainer.run_settings import run_settings
 from phalanx.trainer.spawn_state import TrainerWorkerState
@@ -220,13 +220,14 @@ def run_fit(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_p
     # After on_fit_start, as in Lightning: optimizer states fit the parameter groups a callback restored there.
     if checkpoint is not None:
         trainer._checkpoint_connector.restore_training_state(checkpoint)
+    follow_scheduler_changes(trainer)  # on_fit_start may have swapped a scheduler (a resumed SWA does)
     # Otherwise the progress of an earlier fit on this Trainer stays (current_epoch, global_step): as in Lightning,
     # a second fit continues from it, and does not train at all once max_epochs or max_steps is reached.
     val_data_built = sanity_check(trainer, source)
     prepare_fit_data(trainer, source, val_data_built)  # the training data after the sanity check, as in Lightning
     trainer._run.results = trainer._train_results
-    # A fit that starts with max_epochs or max_steps reached trains nothing; Lightning then skips the training stage,
-    # its on_train_start and on_train_end hooks included.
+    # A fit that starts with max_epochs or max_steps reached (or a stop requested) trains nothing; Lightning then skips
+    # the training stage, its on_train_start and on_train_end hooks included.
     if not _reached_limit(trainer):
         _train(trainer)
     trainer._hooks.call("on_fit_end")
@@ -234,13 +235,17 @@ def run_fit(trainer: Trainer, module: TrainingModule, source: DataSource, ckpt_p
 
 
 def _reached_limit(trainer: Trainer) -> bool:
-    """Whether max_epochs or max_steps is reached before training starts (a fit after an earlier one, or resumed from
-    a checkpoint at its end): say so, as such a fit trains nothing."""
+    """Whether max_epochs or max_steps is reached, or a stop requested, before training starts (a fit after an
+    earlier one, or resumed from a checkpoint at its end): say so, as such a fit trains nothing."""
     loop = trainer.fit_loop
     if trainer.max_steps != -1 and loop.global_step >= trainer.max_steps:
         limit = f"max_steps={trainer.max_steps} is reached (global_step={loop.global_step})"
     elif trainer.max_epochs not in (None, -1) and loop.current_epoch >= trainer.max_epochs:
         limit = f"max_epochs={trainer.max_epochs} is reached (current_epoch={loop.current_epoch})"
+    elif trainer.should_stop and loop.current_epoch >= trainer.min_epochs and loop.global_step >= trainer.min_steps:
+        # Set in on_fit_start, e.g. by a Timer whose time a resumed run had already spent: as in Lightning.
+        rank_zero_info("Trainer.fit trains nothing: trainer.should_stop was set before training started.")
+        return True
     else:
         return False
     rank_zero_info(f"Trainer.fit trains nothing: {limit}; raise it to train further.")
@@ -251,8 +256,6 @@ def _train(trainer: Trainer) -> None:
     strategy = trainer.strategy
     strategy.on_train_start()
     trainer._hooks.call("on_train_start")
-    max_time = trainer._max_time
-    trainer._run.deadline = time.monotonic() + max_time if max_time is not None else None
     for optimizer in strategy.optimizers:
         optimizer.zero_grad(set_to_none=True)
     _run_fit_loop(trainer)
@@ -352,7 +355,8 @@ def _evaluation_data(
     """
     if limit == 0:
         return [], []
-    dataloaders = [prepare_dataloader(trainer, loader, training=False) for loader in source.get(key)]
+    record = key == "predict" and bool(writers(trainer))  # the prediction writers receive each batch's indices
+    dataloaders = [prepare_dataloader(trainer, loader, training=False, record=record) for loader in source.get(key)]
     if not dataloaders:
         hook = "val" if key == "validate" else key
         raise ValueError(

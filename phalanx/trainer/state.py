@@ -104,8 +104,8 @@ class RunState:
       that stage runs again.
     - **Validation schedule inside fit** (``validation_enabled``, ``val_every_batches``, ``val_across_epochs``): set
       with fit's validation data.
-    - **Stopping** (``should_stop``, ``stop_now``, ``deadline``, ``preempted``): the two stop requests are cleared
-      when a stage starts, ``preempted`` when a fit starts, ``deadline`` when training starts.
+    - **Stopping** (``should_stop``, ``stop_now``, ``preempted``): the two stop requests are cleared when a stage
+      starts, ``preempted`` when a fit starts (``max_time`` is a Timer callback's, which sets ``should_stop``).
     - **Optimization** (``manual_optimizers``, ``optimizer``, ``loss_divisor`` and the schedulers by interval): set
       when fit prepares the optimizers.
     - **Checkpoint and logging** (``ckpt_path``, ``chosen_ckpt_path``, ``results``, ``loggers_finalized``): the
@@ -114,6 +114,9 @@ class RunState:
       loggers (cleared when a stage starts).
     - **Profiling** (``profiled``): the wrappers a recording profiler installed for the stage
       (:mod:`phalanx.trainer.profiling`), removed when it ends.
+    - **Prediction writers** (``predict_batch_indices``, ``predict_epoch_batch_indices``, ``predict_outputs``): what
+      ``BasePredictionWriter`` callbacks read, set by the predict loop (see
+      :mod:`phalanx.trainer.loops.prediction_writing`).
     """
 
     # Data
@@ -137,7 +140,6 @@ class RunState:
     # Stopping
     should_stop: bool = False
     stop_now: bool = False  # stop after this batch, min_epochs/min_steps notwithstanding
-    deadline: float | None = None  # max_time as a time.monotonic() value
     preempted: bool = False
     # Optimization
     manual_optimizers: list[ManualOptimizer] = field(default_factory=list)
@@ -152,6 +154,10 @@ class RunState:
     loggers_finalized: bool = False
     # Profiling: the (object, attribute, wrapper) a recording profiler installed for the stage, removed at its end
     profiled: list[tuple[Any, str, Any]] = field(default_factory=list)
+    # Prediction writers: the current batch's dataset indices, every batch's and this process's outputs per dataloader
+    predict_batch_indices: list[int] = field(default_factory=list)
+    predict_epoch_batch_indices: list[list[list[int]]] = field(default_factory=list)
+    predict_outputs: list[list[Any]] = field(default_factory=list)
 
 
 _T = TypeVar("_T")

@@ -8,7 +8,6 @@ published through :mod:`phalanx.trainer.logging.metrics`.
 
 from __future__ import annotations
 
-import math
 import os
 from datetime import timedelta
 from typing import Any, Sequence
@@ -36,7 +35,7 @@ from phalanx.trainer.logging.barebones import BarebonesResults
 from phalanx.trainer.logging.metrics import LoggedMetrics
 from phalanx.trainer.logging.results import LoggedResults
 from phalanx.trainer.loops.data import DataSource, prepare_dataloader
-from phalanx.trainer.loops.fit_data import prepare_train_data
+from phalanx.trainer.loops.fit_data import estimated_stepping_batches
 from phalanx.trainer.loops.fit_loop import FitLoop
 from phalanx.trainer.loops.nonfinite import check_nonfinite_mode
 from phalanx.trainer.loops.optimizer import AccumulationSetting
@@ -414,16 +413,7 @@ class Trainer(DeviceProperties):
     def estimated_stepping_batches(self) -> int | float:
         """Optimizer steps the fit is expected to take, per process (for schedulers such as OneCycleLR); read in
         ``configure_optimizers`` it builds the training dataloader first, as Lightning does."""
-        if self.max_epochs == -1:
-            return self.max_steps if self.max_steps != -1 else math.inf
-        run = self._run
-        if run.train_dataloader is None and self.state.fn == TrainerFn.FITTING and run.data_source is not None:
-            prepare_train_data(self, run.data_source)
-        per_epoch = self.num_training_batches
-        if math.isinf(per_epoch) or self.max_epochs == -1:
-            return self.max_steps if self.max_steps != -1 else math.inf
-        steps = math.ceil(per_epoch / self.accumulate_grad_batches) * self.max_epochs
-        return min(steps, self.max_steps) if self.max_steps != -1 else steps
+        return estimated_stepping_batches(self)
 
     # ------------------------------------------------------------------ called by the module, plugins and strategies
     def _prepare_dataloader(self, dataloader: Any, training: bool) -> Any:

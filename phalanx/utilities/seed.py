@@ -6,6 +6,8 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -154,3 +156,14 @@ def restore_rng_states(states: dict[str, Any]) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.set_rng_state(int(states["xla"]))
+
+
+@contextmanager
+def isolate_rng() -> Iterator[None]:
+    """Run a block and put the global generators (torch's, CUDA's once started, Python's, NumPy's) back as they were
+    before it, even when it raises: what the block draws changes no draw after it."""
+    states = collect_rng_states()
+    try:
+        yield
+    finally:
+        restore_rng_states(states)

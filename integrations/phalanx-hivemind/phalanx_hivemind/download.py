@@ -104,6 +104,24 @@ class _Attempts:
         return bounded
 
 
+def refresh_swarm_progress(tracker: Any, timeout: float) -> bool:
+    """Have hivemind's progress tracker read the swarm's progress from the DHT now, and wait for that read (at most
+    ``timeout`` seconds); True once it is in.
+
+    The tracker reads in the background, every 0.5 to 10 seconds (``min_refresh_period``, ``max_refresh_period``) and
+    only when its own schedule says so: what it holds when a peer takes its first step may be older than the set-up
+    that came before (callbacks, data loading). hivemind judges whether the peer is in step with the swarm from it.
+    """
+    from hivemind.utils import get_dht_time  # optional: hivemind is imported only when a run starts
+
+    # Under the tracker's lock no read is under way: the event set after this comes from a read begun after it.
+    with tracker.pause_updates():
+        tracker.fetched_global_progress_this_epoch.clear()
+        tracker.global_progress.next_fetch_time = get_dht_time()
+    tracker.global_state_updated.set()  # wakes the reader, which finds its next read due now
+    return tracker.fetched_global_progress_this_epoch.wait(timeout)
+
+
 def keep_schedule_on_download(averager: Any) -> None:
     """After a state download, move the LR scheduler's counters to the downloaded step without stepping it.
 

@@ -23,7 +23,12 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies import RunSettings, SingleDeviceStrategy, StrategyTraits
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx_hivemind import options, trust
-from phalanx_hivemind.download import bound_state_download, keep_schedule_on_download
+from phalanx_hivemind.download import (
+    SwarmStateError,
+    bound_state_download,
+    keep_schedule_on_download,
+    refresh_swarm_progress,
+)
 from phalanx_hivemind.swarm import SwarmProgress, SwarmScheduler
 
 log = logging.getLogger("phalanx_hivemind")
@@ -107,6 +112,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         self._current_batch_size: int | None = None
         self._restored_epoch: int | None = None
         self._logged_epoch = -1
+        self._in_step_with_swarm = False  # until the first step of a fit: see _catch_up_with_swarm
 
     # ------------------------------------------------------------------ the swarm
     @property
@@ -247,6 +253,7 @@ class HivemindStrategy(SingleDeviceStrategy):
         bound_state_download(self._hivemind_optimizer, self.load_state_timeout)
         self.optimizers = [self._hivemind_optimizer]
         self._logged_epoch = -1
+        self._in_step_with_swarm = False
 
     def _scheduler_for_hivemind(self) -> Any:
         """The one LR scheduler hivemind will step per swarm step; the driver keeps a handle that does not step."""
@@ -274,25 +281,41 @@ class HivemindStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ training
     def on_train_start(self) -> None:
-        """Apply a resumed swarm position, then download the swarm's state if it is ahead of this peer."""
+        """Nothing yet: the swarm is looked at right before the fit's first batch (``_catch_up_with_swarm``)."""
+        self._in_step_with_swarm = False
+
+    def _catch_up_with_swarm(self) -> bool:
+        """Before this peer's first step: read the swarm's progress afresh and, if the swarm is ahead, download its
+        state; each bounded by ``load_state_timeout`` (``SwarmStateError`` otherwise). True if a state came.
+
+        Done at the first batch, after every ``on_train_start`` hook (which may take long: a joining peer's callbacks,
+        its data), from a reading of the DHT made then: hivemind's own check at a step compares with a reading that
+        may be older than that, and a peer that took the swarm to be where it last looked stepped from its own
+        parameters, averaging them into the swarm's.
+        """
+        self._in_step_with_swarm = True
         optimizer = self._hivemind_optimizer
-        if optimizer is None:
-            return
-        if self._restored_epoch is not None:
+        if self._restored_epoch is not None:  # a resumed swarm position
             optimizer.state_averager.local_epoch = self._restored_epoch
             optimizer.tracker.report_local_progress(self._restored_epoch, 0)
             self._restored_epoch = None
         if self.offload_optimizer:
             self._copy_module_into_offloaded_parameters()
-        # The tracker reads the swarm's progress from the DHT in the background: wait for its first answer, bounded.
-        optimizer.tracker.fetched_global_progress_this_epoch.wait(timeout=self.matchmaking_time)
-        if optimizer.tracker.global_epoch > optimizer.local_epoch:
-            log.info(
-                "hivemind: the swarm is at step %d, this peer at %d: downloading the state from a peer",
-                optimizer.tracker.global_epoch,
-                optimizer.local_epoch,
+        if not refresh_swarm_progress(optimizer.tracker, self.load_state_timeout):
+            raise SwarmStateError(
+                f"hivemind: this peer could not read the swarm's progress from the DHT within"
+                f" load_state_timeout={self.load_state_timeout:g}s before its first step. Check initial_peers and"
+                " that the peers are reachable, or raise load_state_timeout."
             )
-            optimizer.load_state_from_peers(require_state=True)
+        if optimizer.tracker.global_epoch <= optimizer.local_epoch:
+            return False
+        log.info(
+            "hivemind: the swarm is at step %d, this peer at %d: downloading the state from a peer",
+            optimizer.tracker.global_epoch,
+            optimizer.local_epoch,
+        )
+        optimizer.load_state_from_peers(require_state=True)
+        return True
 
     def _copy_module_into_offloaded_parameters(self) -> None:
         # hivemind copied the parameters when it was built; a checkpoint restored since then changed the module.
@@ -303,7 +326,10 @@ class HivemindStrategy(SingleDeviceStrategy):
                 target.copy_(source)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Note the batch's size: hivemind counts samples towards ``target_batch_size``."""
+        """Before the fit's first batch, catch up with the swarm; note the batch's size (hivemind counts samples
+        towards ``target_batch_size``)."""
+        if not self._in_step_with_swarm and self._hivemind_optimizer is not None:
+            self._catch_up_with_swarm()
         if self.batch_size is None:
             self._current_batch_size = _batch_size_of(batch)
 
@@ -311,6 +337,10 @@ class HivemindStrategy(SingleDeviceStrategy):
         self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
     ) -> Any:
         """Accumulate this batch's gradients into the swarm's step; the update happens when the swarm is ready."""
+        if optimizer is self._hivemind_optimizer and not self._in_step_with_swarm and self._catch_up_with_swarm():
+            # A loop without batch hooks (phalanx.Cohort) meets the swarm here: gradients computed on parameters the
+            # swarm had left behind are dropped, as hivemind drops them when it finds a peer out of step.
+            return None
         if optimizer is self._hivemind_optimizer and "batch_size" not in kwargs:
             kwargs["batch_size"] = self._step_batch_size()
         result = super().optimizer_step(optimizer, closure, model, **kwargs)

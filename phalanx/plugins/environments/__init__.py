@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.environments.default import DefaultEnvironment
 from phalanx.plugins.environments.kubeflow import KubeflowEnvironment
@@ -9,6 +11,8 @@ from phalanx.plugins.environments.lsf import LSFEnvironment
 from phalanx.plugins.environments.mpi import MPIEnvironment
 from phalanx.plugins.environments.slurm import SLURMEnvironment, expand_hostlist, first_host
 from phalanx.plugins.environments.torchelastic import TorchElasticEnvironment
+from phalanx.plugins.environments.xla import XLAEnvironment
+from phalanx.utilities.lightning_names import NotOffered, missing_name_error
 
 # Most specific first: torchrun may run inside a SLURM or LSF allocation (then torchrun's variables describe the
 # processes), and srun / jsrun may start MPI programs. Kubeflow is absent on purpose: its variables are the generic
@@ -29,6 +33,18 @@ def detect_cluster_environment() -> ClusterEnvironment:
     return DefaultEnvironment()
 
 
+#: Lightning's cluster environments that phalanx does not have, with what to use instead.
+NOT_OFFERED = {
+    "LightningEnvironment": NotOffered(
+        "DefaultEnvironment, phalanx's environment for processes it starts itself (MASTER_ADDR, MASTER_PORT, ranks)"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    raise missing_name_error(__name__, name, NOT_OFFERED)
+
+
 __all__ = [
     "ClusterEnvironment",
     "DefaultEnvironment",
@@ -37,6 +53,7 @@ __all__ = [
     "MPIEnvironment",
     "SLURMEnvironment",
     "TorchElasticEnvironment",
+    "XLAEnvironment",
     "detect_cluster_environment",
     "expand_hostlist",
     "first_host",

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from phalanx.utilities.grad_norm import clip_grad_norm
+from phalanx.utilities.grad_clipping import clip_grad_norm
 
 _NULL = nullcontext()
 #: What runs once gradients are final, before the update (the strategy passes ``RunSettings.before_optimizer_step``).

@@ -3,13 +3,24 @@ callbacks a module adds in ``configure_callbacks``."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from phalanx.callbacks import ModelCheckpoint, ModelSummary, ProgressBar, TQDMProgressBar
+from phalanx.callbacks import (
+    Checkpoint,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    RichModelSummary,
+    RichProgressBar,
+    Timer,
+    TQDMProgressBar,
+)
 from phalanx.callbacks.callback import Callback
 from phalanx.loggers import CSVLogger, Logger
 from phalanx.loggers.logger import logger_list, share_logger_states
 from phalanx.utilities.messages import reject_class, shown
+from phalanx.utilities.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
@@ -41,20 +52,35 @@ def agree_on_log_versions(trainer: Trainer) -> None:
 
 
 def build_callbacks(
-    callbacks: Any, *, enable_progress_bar: bool, enable_checkpointing: bool, enable_model_summary: bool
+    callbacks: Any,
+    *,
+    enable_progress_bar: bool,
+    enable_checkpointing: bool,
+    enable_model_summary: bool,
+    max_time: float | None = None,
 ) -> list[Callback]:
-    """The user's callbacks, checked, plus the default checkpoint, progress bar and summary callbacks left enabled."""
+    """The user's callbacks, checked, plus the default checkpoint, progress bar and summary callbacks left enabled,
+    and the Timer that carries out ``max_time`` (seconds) unless the user's callbacks hold one, as in Lightning."""
     items = callback_list(callbacks)
-    if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in items):
+    if max_time is not None:
+        if any(isinstance(cb, Timer) for cb in items):
+            rank_zero_info("Ignoring Trainer(max_time=...): the callbacks already hold a Timer, whose duration counts.")
+        else:
+            items.append(Timer(duration=timedelta(seconds=max_time), interval="step"))
+    # Any Checkpoint counts (OnExceptionCheckpoint too), as in Lightning.
+    if enable_checkpointing and not any(isinstance(cb, Checkpoint) for cb in items):
         items.append(ModelCheckpoint())
-    elif not enable_checkpointing and any(isinstance(cb, ModelCheckpoint) for cb in items):
-        raise ValueError("enable_checkpointing=False, but a ModelCheckpoint callback was passed; remove one of them.")
+    elif not enable_checkpointing and any(isinstance(cb, Checkpoint) for cb in items):
+        names = sorted({type(cb).__name__ for cb in items if isinstance(cb, Checkpoint)})
+        raise ValueError(f"enable_checkpointing=False, but {', '.join(names)} was passed; remove one of them.")
     if enable_progress_bar and not any(isinstance(cb, ProgressBar) for cb in items):
         items.append(TQDMProgressBar())
     elif not enable_progress_bar and any(isinstance(cb, ProgressBar) for cb in items):
         raise ValueError("enable_progress_bar=False, but a progress bar callback was passed; remove one of them.")
     if enable_model_summary and not any(isinstance(cb, ModelSummary) for cb in items):
-        items.append(ModelSummary())
+        # As in Lightning: with a RichProgressBar, the summary is drawn with rich too.
+        rich = any(isinstance(cb, RichProgressBar) for cb in items)
+        items.append(RichModelSummary() if rich else ModelSummary())
     return checkpoints_last(items)
 
 
@@ -96,10 +122,11 @@ def merge_module_callbacks(callbacks: list[Callback], module: TrainingModule) ->
 
 
 def checkpoints_last(callbacks: list[Callback]) -> list[Callback]:
-    """``callbacks`` with the ModelCheckpoint callbacks moved to the end, in their order."""
+    """``callbacks`` with the Checkpoint callbacks (ModelCheckpoint, OnExceptionCheckpoint) moved to the end, in their
+    order."""
     # Checkpointing runs after every other callback so that it saves the state they produced.
-    return [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)] + [
-        cb for cb in callbacks if isinstance(cb, ModelCheckpoint)
+    return [cb for cb in callbacks if not isinstance(cb, Checkpoint)] + [
+        cb for cb in callbacks if isinstance(cb, Checkpoint)
     ]
 
 

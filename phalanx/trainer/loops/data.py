@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
 
+from phalanx.trainer.loops.prediction_writing import record_batch_indices
 from phalanx.utilities.checks import is_number
 from phalanx.utilities.exceptions import CheckpointError
 from phalanx.utilities.seed import worker_init_fn
@@ -187,8 +188,9 @@ def iterate_from(dataloader: Any, skip: int) -> Iterator[Any]:
     return iterator
 
 
-def prepare_dataloader(trainer: Trainer, dataloader: Any, training: bool) -> Any:
-    """Shard the data across processes (when the strategy splits data), seed workers, let the strategy wrap it."""
+def prepare_dataloader(trainer: Trainer, dataloader: Any, training: bool, record: bool = False) -> Any:
+    """Shard the data across processes (when the strategy splits data), seed workers, let the strategy wrap it;
+    ``record``: rebuild it to record its batches' dataset indices (for prediction writers)."""
     strategy = trainer.strategy
     sampler_kwargs = strategy.distributed_sampler_kwargs
     if sampler_kwargs and trainer.use_distributed_sampler:
@@ -206,4 +208,6 @@ def prepare_dataloader(trainer: Trainer, dataloader: Any, training: bool) -> Any
     ):
         # seed_everything(workers=True): every worker of every rank gets its own reproducible seed.
         dataloader.worker_init_fn = partial(worker_init_fn, rank=trainer.global_rank)
+    if record:
+        dataloader = record_batch_indices(dataloader)
     return strategy.process_dataloader(dataloader)

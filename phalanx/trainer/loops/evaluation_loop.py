@@ -12,9 +12,11 @@ from torch import nn
 from phalanx.trainer.logging.results import LoggedResults
 from phalanx.trainer.loops.dataloader_idx import check_dataloader_idx_signatures, index_args
 from phalanx.trainer.loops.fit_data import prepare_val_data, reload_val_data_if_due, validation_defined
+from phalanx.trainer.loops.prediction_writing import PredictionRecord
 from phalanx.trainer.state import RunningStage
 from phalanx.utilities.apply import apply_to_tensors
 from phalanx.utilities.rank_zero import rank_zero_warn
+from phalanx.utilities.seed import isolate_rng
 
 if TYPE_CHECKING:
     from phalanx.strategies.strategy import Strategy
@@ -159,14 +161,17 @@ def sanity_check(trainer: Trainer, source: DataSource) -> bool:
     if steps == 0 or trainer.fit_loop.resuming_inside_epoch or not validation_defined(trainer, source):
         trainer._run.num_sanity_val_batches = []
         return False
-    trainer.state.stage = RunningStage.SANITY_CHECKING
-    trainer._run.results = trainer._eval_results
-    trainer._hooks.call("on_sanity_check_start")
-    prepare_val_data(trainer, source, first=True)
-    limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._run.val_limits]
-    trainer._run.num_sanity_val_batches = limits
-    run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
-    trainer._hooks.call("on_sanity_check_end")
+    # As in Lightning, the check draws nothing from the global generators that training would see: a run shuffles and
+    # initialises as it would without the check (each loader's iterator draws its base seed from torch's generator).
+    with isolate_rng():
+        trainer.state.stage = RunningStage.SANITY_CHECKING
+        trainer._run.results = trainer._eval_results
+        trainer._hooks.call("on_sanity_check_start")
+        prepare_val_data(trainer, source, first=True)
+        limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._run.val_limits]
+        trainer._run.num_sanity_val_batches = limits
+        run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
+        trainer._hooks.call("on_sanity_check_end")
     # The sanity check only proves the validation code runs: its numbers must not reach callbacks or loggers.
     trainer._metrics.reset()
     trainer._eval_results.reset()
@@ -222,6 +227,7 @@ def run_prediction(
     all_outputs: list[list[Any]] = []
     move_batch = hooks.move_batch
     check_dataloader_idx_signatures(trainer, "predict", multiple)
+    record = PredictionRecord(trainer, len(dataloaders))
     with evaluation_mode(trainer, "predict"):
         check_equal_batches(strategy, limits, "predict")
         strategy.on_predict_start()
@@ -231,14 +237,17 @@ def run_prediction(
             outputs: list[Any] = []
             extra = _step_kwargs(multiple, dataloader_idx)
             index = index_args(multiple, dataloader_idx)
+            record.start_dataloader(dataloader)
             for batch_idx, batch in enumerate(dataloader):
                 if batch_idx >= limit:
                     break
                 batch = move_batch(batch, dataloader_idx=dataloader_idx)
+                record.before_batch(batch_idx, dataloader_idx)
                 hooks.call("on_predict_batch_start", batch, batch_idx, *index)
                 module.__dict__["_current_fx"] = "predict_step"
                 output = strategy.predict_step(batch, batch_idx, **extra)
                 hooks.call("on_predict_batch_end", output, batch, batch_idx, *index)
+                record.after_batch(output, dataloader_idx)
                 if return_predictions:
                     outputs.append(output)
             if distributed and return_predictions:
@@ -246,6 +255,7 @@ def run_prediction(
             all_outputs.append(outputs)
         module.__dict__["_current_fx"] = None
         hooks.call("on_predict_epoch_end")
+        record.finish()
         hooks.call("on_predict_end")
         strategy.on_predict_end()
     if not return_predictions:

@@ -19,6 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 
 from phalanx.module import TrainingModule
 from phalanx.trainer.loops.data import DataSource, empty_data_reason, limited_batches, prepare_dataloader
+from phalanx.trainer.state import TrainerFn
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
@@ -83,6 +84,21 @@ def warn_if_epoch_shorter_than_log_interval(trainer: Trainer) -> None:
         f" reach the loggers only every {every} steps, so a run shorter than that writes none of them."
         " Pass a lower Trainer(log_every_n_steps=...) to see them."
     )
+
+
+def epoch_cannot_train(trainer: Trainer, skipped_by_hook: bool) -> bool:
+    """An epoch ended before its first batch: warn and return True when no later epoch can train either."""
+    if skipped_by_hook:
+        if trainer.max_epochs != -1:
+            return False  # on_train_batch_start may train in a later epoch, and max_epochs ends the run anyway
+        reason = "on_train_batch_start returned -1 before its first batch, and max_epochs=-1 sets no epoch limit"
+    else:
+        reason = empty_data_reason(trainer._run.train_dataloader, trainer.limit_train_batches)
+    rank_zero_warn(
+        f"Epoch {trainer.current_epoch} trained no batch ({reason}): fit stops at global step {trainer.global_step},"
+        " as no later epoch would train either."
+    )
+    return True
 
 
 def validation_defined(trainer: Trainer, source: DataSource) -> bool:
@@ -236,8 +252,25 @@ def overfit_loader(loader: Any, stage: str, overfit_batches: int | float) -> Any
     return with_sampler(loader, ordered)
 
 
+def estimated_stepping_batches(trainer: Trainer) -> int | float:
+    """Optimizer steps the fit is expected to take per process (``Trainer.estimated_stepping_batches``); read before the
+    fit's data is ready (in ``configure_optimizers``), it builds the training dataloader first, as Lightning does."""
+    if trainer.max_epochs == -1:
+        return trainer.max_steps if trainer.max_steps != -1 else math.inf
+    run = trainer._run
+    if run.train_dataloader is None and trainer.state.fn == TrainerFn.FITTING and run.data_source is not None:
+        prepare_train_data(trainer, run.data_source)
+    per_epoch = trainer.num_training_batches
+    if math.isinf(per_epoch) or trainer.max_epochs == -1:
+        return trainer.max_steps if trainer.max_steps != -1 else math.inf
+    steps = math.ceil(per_epoch / trainer.accumulate_grad_batches) * trainer.max_epochs
+    return min(steps, trainer.max_steps) if trainer.max_steps != -1 else steps
+
+
 __all__ = [
+    "epoch_cannot_train",
     "epoch_end_validation_due",
+    "estimated_stepping_batches",
     "overfit_loader",
     "prepare_fit_data",
     "prepare_train_data",

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor
 
 from phalanx.trainer.assignment import TrainerSetting
-from phalanx.trainer.loops.data import empty_data_reason, iterate_from
+from phalanx.trainer.loops.data import iterate_from
 from phalanx.trainer.loops.evaluation_loop import run_validation_during_fit
-from phalanx.trainer.loops.fit_data import epoch_end_validation_due, reload_train_data_if_due, val_check_due
+from phalanx.trainer.loops.fit_data import (
+    epoch_cannot_train,
+    epoch_end_validation_due,
+    reload_train_data_if_due,
+    val_check_due,
+)
 from phalanx.trainer.loops.nonfinite import NonFiniteLossCheck, SkippedBatch
-from phalanx.trainer.loops.optimizer import call_step_hook, step_schedulers
+from phalanx.trainer.loops.optimizer import call_step_hook, follow_scheduler_changes, step_schedulers
 from phalanx.trainer.preemption import save_if_preempted
 from phalanx.trainer.state import RunningStage
 from phalanx.trainer.step_output import extract_loss
@@ -56,6 +60,7 @@ class FitLoop:
         self._last_loss: Tensor | None = None
         self._accumulated = 0  # backward passes since the last optimizer step
         self._skip_window = False  # a non-finite loss was seen in this accumulation window ('skip'): no step at its end
+        self._forward_only = False  # this epoch runs training_step only (skip_backward)
         self._warned_early_stop = False
         self.nonfinite = NonFiniteLossCheck(trainer, 0)
         # The module's overridden hooks, set by run(); None means the loop does the default itself.
@@ -102,7 +107,7 @@ class FitLoop:
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
-        """Train until max_epochs, max_steps, max_time or a stop request."""
+        """Train until max_epochs, max_steps or a stop request (a Timer's for max_time, EarlyStopping's, ...)."""
         trainer = self.trainer
         hooks = trainer._hooks
         self._before_backward_hooks = hooks["on_before_backward"]
@@ -111,7 +116,7 @@ class FitLoop:
         self._prepare_module_hooks()
         restored, self._restored = self._restored, None
         self.nonfinite = NonFiniteLossCheck(trainer, self.global_step)
-        self._warned_early_stop = False
+        self._warned_early_stop = False  # _forward_only stays: on_train_start may have set it (a resume inside it)
         if trainer.num_training_batches == 0:
             return  # prepare_fit_data warned, naming the cause; an epoch without batches would never reach max_steps
         if restored is None and self.phase == _IN_BATCHES and 0 < self.batches_done < trainer.num_training_batches:
@@ -130,6 +135,7 @@ class FitLoop:
         while not self._done():
             self._run_epoch(restored)
             restored = None
+        self._forward_only = False  # a later fit on this Trainer stopped inside the epoch trains it normally
         self.nonfinite.report()
 
     def _prepare_module_hooks(self) -> None:
@@ -143,6 +149,12 @@ class FitLoop:
         if self._release_grads is None and self._zero_grad_hook is not None and module is not None:
             # The loop's own zero_grad(set_to_none=True) is what makes the default redundant; here it was replaced.
             self._release_grads = module.on_validation_model_zero_grad
+
+    def skip_backward(self) -> None:
+        """Run the rest of this epoch forward only: ``training_step`` without backward or optimizer step; its end
+        counts one step and steps the epoch-interval LR schedulers, as in the epoch in which Lightning's SWA
+        recomputes batch-norm statistics."""
+        self._forward_only = self._skip_window = True
 
     def _done(self) -> bool:
         trainer = self.trainer
@@ -167,7 +179,7 @@ class FitLoop:
             self._call_epoch_hook("on_train_epoch_start")
         iterator, skip = self._epoch_iterator(dataloader, restored)
         # A checkpoint saved in on_train_batch_end resumes with that batch's validation and stop checks.
-        stop = self._after_batch(trainer._run.deadline) if skip and self.phase == _BATCH_END else False
+        stop = self._after_batch() if skip and self.phase == _BATCH_END else False
         exhausted, skipped_by_hook = (False, False) if stop else self._run_batches(iterator)
         self._end_epoch(exhausted, skipped_by_hook)
 
@@ -210,7 +222,6 @@ class FitLoop:
         num_batches = self.num_batches
         run_batch = self._automatic_batch if strategy.module.automatic_optimization else self._manual_batch
         move_batch = hooks.move_batch
-        deadline = trainer._run.deadline
         loggers = trainer.loggers
         log_every = trainer.log_every_n_steps  # 0: barebones, no step logging
         stop = False
@@ -240,7 +251,7 @@ class FitLoop:
                 if loggers:
                     metrics.log_step()
                 self.nonfinite.report()
-            stop = self._after_batch(deadline)
+            stop = self._after_batch()
         return False, False
 
     def _end_epoch(self, exhausted: bool, skipped_by_hook: bool) -> None:
@@ -251,14 +262,14 @@ class FitLoop:
             self._flush_accumulated()
             self._step_pending = True
         self._skip_window = False
-        if exhausted and self.batches_done == 0 and self._epoch_cannot_train(skipped_by_hook):
+        if exhausted and self.batches_done == 0 and epoch_cannot_train(trainer, skipped_by_hook):
             trainer._run.stop_now = True
             stopped_inside_epoch = True
         else:
             stopped_inside_epoch = not exhausted and self.batches_done < self.num_batches
         if stopped_inside_epoch:
-            # Stopped inside the epoch (max_steps, max_time, a stop request): callbacks see the epoch end, but the
-            # progress stays mid-epoch so that a resumed run continues at the next batch.
+            # Stopped inside the epoch (max_steps, a stop request, max_time's Timer): callbacks see the epoch end, but
+            # the progress stays mid-epoch so that a resumed run continues at the next batch.
             self._count_stepped()
             trainer._metrics.publish_epoch(trainer._train_results)
             self._call_epoch_hook("on_train_epoch_end")
@@ -271,21 +282,6 @@ class FitLoop:
             self._validate(window_done=True)
         self._count_stepped()  # after the epoch's validation, which Lightning runs within its last batch
         self._finish_epoch()
-
-    def _epoch_cannot_train(self, skipped_by_hook: bool) -> bool:
-        """An epoch ended before its first batch: warn and return True when no later epoch can train either."""
-        trainer = self.trainer
-        if skipped_by_hook:
-            if trainer.max_epochs != -1:
-                return False  # on_train_batch_start may train in a later epoch, and max_epochs ends the run anyway
-            reason = "on_train_batch_start returned -1 before its first batch, and max_epochs=-1 sets no epoch limit"
-        else:
-            reason = empty_data_reason(trainer._run.train_dataloader, trainer.limit_train_batches)
-        rank_zero_warn(
-            f"Epoch {self.current_epoch} trained no batch ({reason}): fit stops at global step {self.global_step},"
-            " as no later epoch would train either."
-        )
-        return True
 
     def _finish_epoch(self) -> None:
         trainer = self.trainer
@@ -303,12 +299,14 @@ class FitLoop:
         self.trainer.strategy.module.__dict__["_current_fx"] = name
         self._epoch_open = name == "on_train_epoch_start"
         self.trainer._hooks.call(name)
+        follow_scheduler_changes(self.trainer)  # a callback may swap a scheduler there, as Lightning's SWA does
 
     def _accumulating(self) -> bool:
         """Lightning's ``_should_accumulate``, after a batch: its window goes on (no optimizer step counted)."""
         accumulate = self.trainer.accumulate_grad_batches
-        if accumulate == 1 or self.batches_done % accumulate == 0:
-            return False
+        if accumulate == 1 or self.batches_done % accumulate == 0 or self._forward_only:
+            # A forward-only epoch counts one (gradient-free) step at its end, as Lightning's SWA epoch does.
+            return self._forward_only and self.batches_done < self.num_batches
         return self.trainer.strategy.traits.handles_gradient_accumulation or self.batches_done < self.num_batches
 
     def _count_stepped(self) -> None:
@@ -320,9 +318,9 @@ class FitLoop:
         self.current_epoch += 1
         self.batches_done = 0
         self.phase = _IN_BATCHES
-        self._epoch_start_rng = None
+        self._epoch_start_rng, self._forward_only = None, False
 
-    def _after_batch(self, deadline: float | None) -> bool:
+    def _after_batch(self) -> bool:
         """The validation check and stop check that follow each batch; True when training must stop."""
         trainer = self.trainer
         due = val_check_due(trainer, self, is_last=self.batches_done >= self.num_batches)
@@ -338,18 +336,16 @@ class FitLoop:
         if self.batches_done < self.num_batches:
             self._count_stepped()  # the epoch's last batch is counted after the epoch's validation
         preempted = trainer.preemption is not None and save_if_preempted(trainer, self.total_batches)
-        if preempted or self._stop_requested(deadline):
+        if preempted or self._stop_requested():
             trainer._run.stop_now = True
             return True
         return False
 
-    def _stop_requested(self, deadline: float | None) -> bool:
+    def _stop_requested(self) -> bool:
         trainer = self.trainer
         if trainer._run.stop_now:  # nonfinite_loss='stop'
             return True
         if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
-            return True
-        if deadline is not None and time.monotonic() >= deadline:
             return True
         return self._stop_allowed()
 
@@ -385,14 +381,14 @@ class FitLoop:
         # nn.Module.__setattr__ costs microseconds per call; this plain attribute needs none of its checks.
         strategy.module.__dict__["_current_fx"] = "training_step"
         output = strategy.training_step(batch, batch_idx)
+        if self._skip_window:
+            raise SkippedBatch(output)  # the rest of a window with a non-finite loss ('skip'), or skip_backward
         loss = extract_loss(output)
         if loss is None:
             return None, output
         if trainer._run.loss_divisor != 1:
             loss = loss / trainer._run.loss_divisor
         nonfinite = self.nonfinite
-        if self._skip_window:
-            raise SkippedBatch(output)  # the rest of a window with a non-finite loss ('skip')
         if nonfinite.checks_every_step:
             if not nonfinite.all_finite(loss):
                 nonfinite.act(loss, batch_idx)
@@ -413,6 +409,9 @@ class FitLoop:
         try:
             return self._forward_backward_step(batch, batch_idx)
         except SkippedBatch as skipped:
+            if self._forward_only and self.batches_done + 1 == self.num_batches:
+                # Lightning's SWA epoch ends with an optimizer step without gradients: it changes no weight, but counts.
+                self.global_step += 1
             self._drop_window(ends_window=self._ends_window())
             return skipped.output
 
@@ -454,7 +453,7 @@ class FitLoop:
         # (global_step does not count it); the rest of the window runs forward only.
         self.trainer._run.optimizer.zero_grad(set_to_none=True)
         self._accumulated = 0
-        self._skip_window = not ends_window and not self.trainer._run.stop_now
+        self._skip_window = self._forward_only or (not ends_window and not self.trainer._run.stop_now)
 
     def _flush_accumulated(self) -> None:
         # An iterable without a length ended inside an accumulation window: step on what was accumulated.

@@ -176,7 +176,6 @@ def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
                 " training_step."
             )
         trainer._run.optimizer = optimizers[0]
-        configs = strategy.lr_scheduler_configs
     else:
         if trainer.gradient_clip_val:
             raise ValueError(
@@ -186,7 +185,18 @@ def prepare_optimization(trainer: Trainer, module: TrainingModule) -> None:
         if trainer.accumulate_grad_batches != 1:
             raise _manual_accumulation_error()
         trainer._run.optimizer = None
-        configs = []  # in manual optimization the user steps schedulers
+    follow_scheduler_changes(trainer)
+
+
+def follow_scheduler_changes(trainer: Trainer) -> None:
+    """Sort ``trainer.lr_scheduler_configs`` into the schedulers the loop steps per optimizer step and per epoch.
+
+    Called when fit prepares its optimizers, after ``on_fit_start`` and after each ``on_train_epoch_start`` (once
+    per epoch, off the step's path): a callback may replace or add a scheduler in that list there, as Lightning's
+    ``StochasticWeightAveraging`` does. In manual optimization the user steps schedulers: the loop steps none.
+    """
+    module = trainer.strategy.module
+    configs = trainer.strategy.lr_scheduler_configs if module is not None and module.automatic_optimization else []
     trainer._run.step_scheduler_configs = [c for c in configs if c.interval == "step"]
     trainer._run.epoch_scheduler_configs = [c for c in configs if c.interval == "epoch"]
 
@@ -216,4 +226,11 @@ def step_schedulers(trainer: Trainer, interval: str) -> None:
         module.lr_scheduler_step(config.scheduler, metric)
 
 
-__all__ = ["AccumulationSetting", "ManualOptimizer", "call_step_hook", "prepare_optimization", "step_schedulers"]
+__all__ = [
+    "AccumulationSetting",
+    "ManualOptimizer",
+    "call_step_hook",
+    "follow_scheduler_changes",
+    "prepare_optimization",
+    "step_schedulers",
+]

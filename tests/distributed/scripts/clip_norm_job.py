@@ -17,7 +17,7 @@ from sharded_common import TransformerBlock, sequences
 from torch import nn
 
 import phalanx
-from phalanx.utilities.grad_norm import clip_grad_norm
+from phalanx.utilities.grad_clipping import clip_grad_norm
 
 MAX_NORM = 0.05  # well under the gradients' norm, so every run clips
 

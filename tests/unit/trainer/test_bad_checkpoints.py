@@ -220,6 +220,11 @@ DAMAGE = [
         "['lr_schedulers'][0]['last_epoch'] holds str '1'; expected an int",
     ),
     (
+        "scheduler _last_lr of more groups than the optimizer has",
+        _set("lr_schedulers", 0, "_last_lr", value=[0.1, 0.1, 0.1]),
+        "['lr_schedulers'][0]['_last_lr'] holds list; expected 1 number(s), one per parameter group",
+    ),
+    (
         "lr_schedulers a dict",
         _set("lr_schedulers", value={"a": 1}),
         "checkpoint['lr_schedulers'] holds dict; expected a list",

@@ -94,7 +94,7 @@ def test_a_schedule_trains_as_lightnings_gradient_accumulation_scheduler(tmp_pat
 @pytest.mark.parametrize("value", [0, -1, True, 1.5, "2", None])
 def test_a_value_that_is_not_a_positive_int_is_refused(value):
     trainer = quiet_trainer()
-    with pytest.raises(ValueError, match=r"trainer.accumulate_grad_batches=.* is not valid; it must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=.* is not valid; it must be an int >= 1"):
         trainer.accumulate_grad_batches = value
     assert trainer.accumulate_grad_batches == 1
 
