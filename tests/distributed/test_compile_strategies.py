@@ -10,10 +10,12 @@ import importlib.util
 import pytest
 import torch
 from phalanx_distributed import assert_ok, clean_environment, run_script
+from strategy_cases import names
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
-STRATEGIES = ["ddp", "fsdp", "model_parallel", "deepspeed_stage_2"]
+#: The strategies that promise it (tests/strategy_cases.py).
+STRATEGIES = names("compile")
 #: What each strategy compiles (docs/compile.md): Net's own forward (it holds the blocks itself), or each block.
 UNITS = {
     "ddp": ["<forward>"],
