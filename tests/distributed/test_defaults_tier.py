@@ -49,7 +49,8 @@ class Run:
         self.work.mkdir()
         self.out.mkdir()
         command = [sys.executable, str(SCRIPTS / "defaults_tier_job.py"), strategy, str(self.out)]
-        self.job = run(command, env=clean_environment(DS_ACCELERATOR="cpu"), cwd=self.work, timeout=400)
+        # A hang bound: ddp_spawn starts two processes for each of its ten stages (6 minutes on a loaded machine).
+        self.job = run(command, env=clean_environment(DS_ACCELERATOR="cpu"), cwd=self.work, timeout=900)
         assert_ok(self.job)
         reports = [json.loads(path.read_text()) for path in self.out.glob("report_*.json")]
         rank_zero = [report for report in reports if report["global_rank"] == 0]
