@@ -2,8 +2,9 @@
 
 torchmetrics objects logged with ``self.log`` (accuracy per step and per epoch, computed over the epoch and synchronised
 across processes by torchmetrics itself), an MLflow tracking store (an SQLite file; an ``http://`` server works the
-same), a SimpleProfiler with a section of the user's own (``self.trainer.profiler.profile(...)``) and a
-ThroughputMonitor counting samples per second. Synthetic data made in-process; nothing is downloaded.
+same), a SimpleProfiler with a section of the user's own (``self.trainer.profiler.profile(...)``), a
+ThroughputMonitor counting samples per second and StochasticWeightAveraging over the last epochs. Synthetic data made
+in-process; nothing is downloaded.
 
 Run: python examples/lightning_toolkit_project.py --strategy ddp --devices 2 [--accelerator cpu] [--max-epochs 3]
      [--root DIR]; then read the run with ``mlflow ui --backend-store-uri sqlite:///DIR/mlflow.db`` or MlflowClient.
@@ -20,12 +21,12 @@ from torchmetrics.classification import MulticlassAccuracy
 
 # The only lines that differ from the Lightning project. Lightning's were:
 #   from lightning.pytorch import LightningModule, Trainer, seed_everything
-#   from lightning.pytorch.callbacks import ThroughputMonitor
+#   from lightning.pytorch.callbacks import StochasticWeightAveraging, ThroughputMonitor
 #   from lightning.pytorch.loggers import MLFlowLogger
 #   from lightning.pytorch.profilers import SimpleProfiler
 from phalanx import Trainer, seed_everything
 from phalanx import TrainingModule as LightningModule
-from phalanx.callbacks import ThroughputMonitor
+from phalanx.callbacks import StochasticWeightAveraging, ThroughputMonitor
 from phalanx.loggers import MLFlowLogger
 from phalanx.profilers import SimpleProfiler
 
@@ -98,7 +99,11 @@ def main() -> None:
         default_root_dir=root,
         logger=MLFlowLogger(experiment_name="toolkit", tracking_uri=f"sqlite:///{root}/mlflow.db"),
         profiler=SimpleProfiler(dirpath=root, filename="profile"),
-        callbacks=[ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), window_size=4)],
+        callbacks=[
+            ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0), window_size=4),
+            # Weights averaged over the last epochs, at a constant learning rate reached after one annealing epoch.
+            StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=2, annealing_epochs=1),
+        ],
     )
     model = Classifier()
     trainer.fit(model, DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=16))

@@ -23,7 +23,9 @@ SCRIPT = Path(__file__).parents[2] / "examples" / "lightning_toolkit_project.py"
 LIGHTNING_IMPORTS = {
     "from phalanx import Trainer, seed_everything\n": "from pytorch_lightning import Trainer, seed_everything\n",
     "from phalanx import TrainingModule as LightningModule\n": "from pytorch_lightning import LightningModule\n",
-    "from phalanx.callbacks import ThroughputMonitor\n": "from pytorch_lightning.callbacks import ThroughputMonitor\n",
+    "from phalanx.callbacks import StochasticWeightAveraging, ThroughputMonitor\n": (
+        "from pytorch_lightning.callbacks import StochasticWeightAveraging, ThroughputMonitor\n"
+    ),
     "from phalanx.loggers import MLFlowLogger\n": "from pytorch_lightning.loggers import MLFlowLogger\n",
     "from phalanx.profilers import SimpleProfiler\n": "from pytorch_lightning.profilers import SimpleProfiler\n",
 }
