@@ -8,6 +8,7 @@ from phalanx.callbacks.early_stopping import EarlyStopping
 from phalanx.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from phalanx.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
 from phalanx.callbacks.lambda_function import LambdaCallback
+from phalanx.callbacks.lr_finder import LearningRateFinder
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_checkpoint import Checkpoint, ModelCheckpoint
 from phalanx.callbacks.model_summary import ModelSummary
@@ -27,7 +28,6 @@ from phalanx.utilities.lightning_names import NotOffered, missing_name_error
 #: yet".
 NOT_OFFERED = {
     "BatchSizeFinder": NotOffered("the DataLoader's batch_size, chosen by hand", planned=True),
-    "LearningRateFinder": NotOffered("short fits (Trainer(max_steps=...)) at a few learning rates", planned=True),
     "EMAWeightAveraging": NotOffered(
         "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)), updated in a"
         " Callback's on_train_batch_end"
@@ -54,6 +54,7 @@ __all__ = [
     "EarlyStopping",
     "GradientAccumulationScheduler",
     "LambdaCallback",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelPruning",

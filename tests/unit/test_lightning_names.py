@@ -20,7 +20,7 @@ ALL_PACKAGES = (
 GUIDE = (Path(__file__).parents[2] / "docs" / "migrating-from-lightning.md").read_text()
 # The callbacks planned in issue 38, listed as "not offered yet" until then.
 PLANNED = {
-    "LearningRateFinder", "BatchSizeFinder",
+    "BatchSizeFinder",
 }  # fmt: skip
 
 
@@ -139,8 +139,8 @@ def test_other_missing_names_stay_attribute_errors(package):
 def test_the_planned_callbacks_are_listed_as_not_offered_yet():
     table = _table("callbacks")
     assert {name for name, entry in table.items() if entry.planned} == PLANNED
-    with pytest.raises(ImportError, match="LearningRateFinder is not offered yet .* use short fits"):
-        from phalanx.callbacks import LearningRateFinder  # noqa: F401
+    with pytest.raises(ImportError, match="BatchSizeFinder is not offered yet .* use the DataLoader's batch_size"):
+        from phalanx.callbacks import BatchSizeFinder  # noqa: F401
 
 
 @pytest.mark.parametrize("package", PACKAGES)
