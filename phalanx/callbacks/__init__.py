@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from phalanx.callbacks.batch_size_finder import BatchSizeFinder
 from phalanx.callbacks.callback import Callback
 from phalanx.callbacks.device_stats_monitor import DeviceStatsMonitor
 from phalanx.callbacks.early_stopping import EarlyStopping
@@ -27,7 +28,6 @@ from phalanx.utilities.lightning_names import NotOffered, missing_name_error
 #: SpikeDetection`` raises an ImportError saying so. The planned ones (``planned=True``) are listed as "not offered
 #: yet".
 NOT_OFFERED = {
-    "BatchSizeFinder": NotOffered("the DataLoader's batch_size, chosen by hand", planned=True),
     "EMAWeightAveraging": NotOffered(
         "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)), updated in a"
         " Callback's on_train_batch_end"
@@ -48,6 +48,7 @@ __all__ = [
     "BackboneFinetuning",
     "BaseFinetuning",
     "BasePredictionWriter",
+    "BatchSizeFinder",
     "Callback",
     "Checkpoint",
     "DeviceStatsMonitor",

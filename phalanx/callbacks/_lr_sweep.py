@@ -192,11 +192,7 @@ def run_sweep(
             f"The learning rate finder runs in one process; this run has {trainer.world_size}. "
             "Run Tuner(Trainer(devices=1)).lr_find(...) first and pass the rate to the distributed run."
         )
-    # The module's links to its Trainer and strategy are left out of the copy: the copy gets the quiet Trainer's.
-    links = {name: getattr(module, name, None) for name in ("_trainer", "_strategy")}
-    twin = copy.deepcopy(module, memo={id(trainer): None, **{id(link): None for link in links.values()}})
-    for name in links:
-        setattr(twin, name, None)
+    twin = detached_copy(module, trainer)
     original = type(twin).configure_optimizers
     twin.configure_optimizers = lambda: _single_optimizer(original(twin), result.lr_min)  # type: ignore[method-assign]
     quiet = type(trainer)(
@@ -222,6 +218,15 @@ def run_sweep(
     quiet.fit(twin, **fit_kwargs)
     if quiet.global_step < result.num_training:
         log.info(f"The learning rate finder stopped after {quiet.global_step} steps: the loss diverged.")
+
+
+def detached_copy(module: Any, trainer: Trainer) -> Any:
+    """A deep copy of ``module`` without its links to ``trainer`` and its strategy, for a quiet Trainer to train."""
+    links = {name: getattr(module, name, None) for name in ("_trainer", "_strategy")}
+    twin = copy.deepcopy(module, memo={id(trainer): None, **{id(link): None for link in links.values()}})
+    for name in links:
+        setattr(twin, name, None)
+    return twin
 
 
 def _single_optimizer(configured: Any, min_lr: float) -> torch.optim.Optimizer:
