@@ -257,6 +257,154 @@ def _error(command: str, message: str) -> int:
     return 2
 
 
+# ---------------------------------------------------------------------------- run
+#: Registry names whose strategy starts its own processes: under `phalanx run` the processes are already started.
+_STARTS_ITS_OWN_PROCESSES = ("spawn", "fork", "notebook")
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
+    return number
+
+
+def _port(value: str) -> int:
+    number = _non_negative_int(value)
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number in [1, 65535], got {value!r}")
+    return number
+
+
+def _add_run_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "run",
+        help="launch a Cohort script on several processes (Fabric's `fabric run`)",
+        description=(
+            "Start SCRIPT in one process per device of this node (through torchrun's launcher) with the Cohort settings"
+            " given here: a Cohort(...) in the script that leaves an argument at its default takes the value from the"
+            " command line. Inside a SLURM, LSF or MPI job step or a torchrun worker, whose launcher already started"
+            " the processes, SCRIPT runs in this process instead. SCRIPT_ARGS go to the script."
+        ),
+        formatter_class=_DefaultsOnceFormatter,
+    )
+    parser.add_argument("--accelerator", default=None, help="cpu, cuda, mps, auto, ... (default: the script's)")
+    parser.add_argument(
+        "--strategy", default=None, help="ddp, fsdp, deepspeed, model_parallel, ... (default: the script's)"
+    )
+    parser.add_argument(
+        "--devices", type=parse_devices, default=1, help="devices per node: a count, -1 (all), 'auto' or indices '0,1'"
+    )
+    parser.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=_positive_int, default=1, help="machines")
+    parser.add_argument(
+        "--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int, default=0, help="this machine's index"
+    )
+    parser.add_argument(
+        "--main-address", "--main_address", dest="main_address", default="127.0.0.1", help="the node_rank 0 machine"
+    )
+    parser.add_argument("--main-port", "--main_port", dest="main_port", type=_port, default=29400, help="its port")
+    parser.add_argument("--precision", default=None, help="32-true, bf16-mixed, 16-mixed, ... (default: the script's)")
+    parser.add_argument("script", help="the Python script that builds the Cohort")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.set_defaults(func=_run_run_command)
+
+
+def _run_problem(args: argparse.Namespace) -> str | None:
+    """Why ``args`` cannot launch (None: they can); checked before any process starts."""
+    from pathlib import Path
+
+    # Lazy for import time: only `phalanx run` loads strategy resolution (and torch).
+    from phalanx.strategies.registry import STRATEGY_REGISTRY
+    from phalanx.strategies.resolve import NOT_OFFERED_STRATEGIES, normalize_precision, resolve_accelerator
+
+    if not Path(args.script).is_file():
+        return f"the script {args.script} does not exist (expected the path of a Python file)"
+    if args.node_rank >= args.num_nodes:
+        return f"--node-rank {args.node_rank} is not below --num-nodes {args.num_nodes}; the nodes count from 0"
+    if args.strategy is not None and any(word in args.strategy.lower() for word in _STARTS_ITS_OWN_PROCESSES):
+        return (
+            f"--strategy {args.strategy} starts processes itself, but phalanx run starts them; use its plain form"
+            " (e.g. ddp for ddp_spawn) or run the script with python"
+        )
+    strategy = (args.strategy or "auto").lower()
+    if strategy in NOT_OFFERED_STRATEGIES and strategy not in STRATEGY_REGISTRY:
+        return f"--strategy {args.strategy} (Lightning Fabric's) is not offered; use {NOT_OFFERED_STRATEGIES[strategy]}"
+    if strategy != "auto" and strategy not in STRATEGY_REGISTRY:
+        return f"unknown --strategy {args.strategy}; choose 'auto' or one of {STRATEGY_REGISTRY.available()}"
+    try:
+        if args.precision is not None:
+            normalize_precision(args.precision)
+        resolve_accelerator(args.accelerator or "auto")
+    except (ValueError, TypeError) as err:
+        return str(err)
+    return None
+
+
+def _run_run_command(args: argparse.Namespace) -> int:
+    import os
+
+    problem = _run_problem(args)
+    if problem is not None:
+        return _error("phalanx run", problem)
+    # Lazy for import time: only `phalanx run` loads the cluster environments and strategy resolution.
+    from phalanx.plugins.environments import DefaultEnvironment, detect_cluster_environment
+    from phalanx.strategies.resolve import resolve_accelerator
+    from phalanx.utilities.run_variables import RUN_MARKER, RUN_VARIABLES, devices_text
+
+    # Inside a job step that srun, jsrun, mpirun or torchrun started, the processes exist: the script runs here.
+    started = not isinstance(detect_cluster_environment(), DefaultEnvironment)
+    processes = 1
+    if not started:
+        try:
+            processes = len(resolve_accelerator(args.accelerator or "auto").get_parallel_devices(args.devices))
+        except (ValueError, TypeError) as err:
+            return _error("phalanx run", str(err))
+    given = {"accelerator": args.accelerator, "strategy": args.strategy, "precision": args.precision}
+    given.update(devices=devices_text(args.devices), num_nodes=str(args.num_nodes))
+    os.environ[RUN_MARKER] = "1"
+    for name, value in given.items():
+        if value is not None:
+            os.environ[RUN_VARIABLES[name]] = str(value)
+    return _run_script_here(args.script, args.script_args) if started else _torchrun(args, processes)
+
+
+def _run_script_here(script: str, script_args: list[str]) -> int:
+    import os
+    import runpy
+
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
+    runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def _torchrun(args: argparse.Namespace, processes: int) -> int:
+    # Lazy for import time: torch's launcher loads torch.distributed.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(
+            [
+                f"--nproc-per-node={processes}",
+                f"--nnodes={args.num_nodes}",
+                f"--node-rank={args.node_rank}",
+                f"--master-addr={args.main_address}",
+                f"--master-port={args.main_port}",
+                args.script,
+                *args.script_args,
+            ]
+        )
+    except ChildFailedError as failed:
+        ranks = sorted(failed.failures)
+        print(f"phalanx run: error: {args.script} failed on rank(s) {ranks} (their output is above)", file=sys.stderr)
+        return 1
+    return 0
+
+
 # ---------------------------------------------------------------------------- the CLI class for scripts
 # Lightning's `from lightning.pytorch.cli import LightningCLI` becomes `from phalanx.cli import LightningCLI`: these
 # names come from phalanx.command_line, loaded on first use (it imports torch and jsonargparse).
@@ -296,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="phalanx", description="phalanx command line tools")
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     _add_demo_parser(subparsers)
+    _add_run_parser(subparsers)
     _add_checkpoint_parser(subparsers)
     return parser
 
@@ -306,5 +455,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(argv) if argv is not None else None)
     func = getattr(args, "func", None)
     if func is None:
-        return _error("phalanx", "choose a command: demo or checkpoint (see phalanx --help)")
+        return _error("phalanx", "choose a command: demo, run or checkpoint (see phalanx --help)")
     return int(func(args) or 0)

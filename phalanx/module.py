@@ -292,7 +292,7 @@ class TrainingModule(nn.Module):
         """The strategy's DeviceMesh (ModelParallel: dims "data_parallel" and "tensor_parallel"), or None."""
         driver = self._driver()
         try:
-            return getattr(driver.strategy, "device_mesh", None) if driver is not None else None
+            return driver.strategy.device_mesh if driver is not None else None
         except RuntimeError:  # a strategy whose mesh is not built yet: None, as Lightning's module answers
             return None
 

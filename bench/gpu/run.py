@@ -1,10 +1,12 @@
-"""The GPU benchmark of issue 26 in one command: ``python bench/gpu/run.py`` (under 8 minutes on one H100).
+"""The GPU benchmark of issues 26 and 37 in one command: ``python bench/gpu/run.py`` (under 8 minutes on one H100).
 
-A GPT-2-small-shaped transformer (163 M parameters, T=1024, B=8, bf16-mixed, fused AdamW, synthetic tokens made on the
-device) under the hand-written loop, phalanx (defaults off and on) and Lightning (when ``import lightning`` works),
-interleaved; phalanx's strategies at world size 1 (and 2 with two GPUs); eager and compiled. Each run is a fresh
-process (``worker.py``). Writes one JSON line per run to ``--out`` and appends a dated table to ``bench/RESULTS.md``.
-``--device cpu --tiny`` is the CI smoke mode (a 2-layer model, a few steps).
+Two GPT-2-small-shaped transformers (``--shape``: "project", 163 M parameters, vocabulary 50257, tokens made on the
+device; "independent", written as issue 37's independent benchmark wrote it, vocabulary 50304, batches from a CPU
+DataLoader; both T=1024, B=8, bf16-mixed, fused AdamW) under the hand-written loop, phalanx (defaults off and on) and
+Lightning (when ``import lightning`` works, project shape), interleaved; compiled: the loop compiled whole and per
+block, and phalanx's ``compile=True``; phalanx's strategies at world size 1 (and 2 with two GPUs, project shape).
+Each run is a fresh process (``worker.py``). Writes one JSON line per run to ``--out`` and appends a dated table to
+``bench/RESULTS.md``. ``--device cpu --tiny`` is the CI smoke mode (small models, a few steps).
 """
 
 from __future__ import annotations
@@ -28,22 +30,31 @@ ROOT = HERE.parent.parent
 
 CORE = ("loop", "phalanx", "phalanx_defaults", "lightning")
 STRATEGIES = ("ddp", "fsdp", "model_parallel", "deepspeed_stage_2")
-COMPILED = ("loop_compiled", "phalanx_compiled")
+#: The loop compiled whole (``model.compile()``, the loss outside) and per block; phalanx with ``compile=True``.
+COMPILED = ("loop_compiled_model", "loop_compiled_blocks", "phalanx_compiled")
+SHAPES = ("project", "independent")
+#: Runs only on the project's shape: Lightning and the strategies (issue 26 measured them; the shapes differ little).
+PROJECT_ONLY = ("lightning", *STRATEGIES)
 
 
-def run_spec(name: str, args: argparse.Namespace, devices: int = 1) -> dict[str, Any]:
-    """What a run named ``name`` (e.g. "phalanx_defaults", "fsdp", "fsdp_ws2", "loop_compiled") trains with."""
-    base = name.removesuffix("_ws2").removesuffix("_compiled").removesuffix("_defaults")
+def run_spec(name: str, args: argparse.Namespace, devices: int = 1, shape: str = "project") -> dict[str, Any]:
+    """What a run named ``name`` (e.g. "phalanx_defaults", "fsdp_ws2", "loop_compiled_blocks") trains with."""
+    unit = next((unit for unit in ("model", "blocks") if name.endswith(f"_compiled_{unit}")), None)
+    compiled = name.endswith("_compiled") or unit is not None
+    base = name.removesuffix(f"_compiled_{unit}").removesuffix("_ws2").removesuffix("_compiled")
+    base = base.removesuffix("_defaults")
     kind = base if base in ("loop", "lightning") else "phalanx"
     steps, warmup, profile = (args.steps, args.warmup, args.profile_steps)
-    if name.endswith("_compiled"):
+    if compiled:
         warmup += args.compile_warmup  # the first compiled steps include compilation and any recompiles
     return {
         "name": name,
+        "shape": shape,
         "kind": kind,
         "strategy": base if kind == "phalanx" and base != "phalanx" else "single_device",
         "devices": devices,
-        "compiled": name.endswith("_compiled"),
+        "compiled": compiled,
+        "unit": unit,
         "defaults": name.endswith("_defaults"),
         "device": args.device,
         "tiny": args.tiny,
@@ -54,20 +65,33 @@ def run_spec(name: str, args: argparse.Namespace, devices: int = 1) -> dict[str,
 
 
 def plan(args: argparse.Namespace, gpus: int) -> list[dict[str, Any]]:
-    """The runs in order: the core ones interleaved (A B C D A B C D), strategies, compiled pairs, then world size 2."""
+    """The runs in order: per repeat, the core and compiled runs of every shape interleaved (A B C A' B' C' ...); the
+    strategies after the first repeat, so that the time guard cuts a repeat rather than a comparison; then world
+    size 2."""
+    shapes = args.shape.split(",")
     if args.runs:
         names = args.runs.split(",")
         valid = [*CORE, *COMPILED, *STRATEGIES, *(f"{name}_ws2" for name in STRATEGIES)]
         unknown = [name for name in names if name not in valid]
         if unknown:
             raise SystemExit(f"--runs names unknown runs {unknown}. Valid run names: {', '.join(valid)}.")
-        return [run_spec(name, args, 2 if name.endswith("_ws2") else 1) for name in names]
+        return [
+            run_spec(name, args, 2 if name.endswith("_ws2") else 1, shape)
+            for shape in shapes
+            for name in names
+            if shape == "project" or name.removesuffix("_ws2") not in PROJECT_ONLY
+        ]
     core = [name for name in CORE if name != "lightning" or importlib.util.find_spec("lightning") is not None]
     strategies = [s for s in STRATEGIES if not s.startswith("deepspeed") or importlib.util.find_spec("deepspeed")]
-    # The compiled pair once before the strategies, so the time guard cuts a repeat rather than the comparison.
-    names = core * args.repeats + list(COMPILED) + strategies + list(COMPILED) * (args.repeats - 1)
-    specs = [run_spec(name, args) for name in names]
-    if gpus >= 2:
+    one_repeat = [
+        run_spec(name, args, shape=shape)
+        for shape in shapes
+        for name in [*core, *COMPILED]
+        if shape == "project" or name not in PROJECT_ONLY
+    ]
+    specs = one_repeat + [run_spec(name, args) for name in strategies if "project" in shapes]
+    specs += one_repeat * (args.repeats - 1)
+    if gpus >= 2 and "project" in shapes:
         specs += [run_spec(f"{name}_ws2", args, devices=2) for name in strategies]
     return specs
 
@@ -105,8 +129,11 @@ def gpu_count(device: str) -> int:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model and 3 timed steps (the CI smoke mode)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 40; 3 with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="small models and 3 timed steps (the CI smoke mode)")
+    parser.add_argument(
+        "--shape", default=",".join(SHAPES), help=f"comma-separated model shapes, from {', '.join(SHAPES)}"
+    )
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 30; 3 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; 1 with --tiny)")
     parser.add_argument("--compile-warmup", type=int, default=10, help="extra warm-up steps for compiled runs")
     parser.add_argument("--profile-steps", type=int, default=None, help="profiled steps after the window (default 3)")
@@ -119,7 +146,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=HERE / "results.jsonl")
     parser.add_argument("--results-md", type=Path, default=ROOT / "bench" / "RESULTS.md")
     args = parser.parse_args(argv)
-    for name, full, tiny in (("steps", 40, 3), ("warmup", 10, 1), ("profile_steps", 3, 1)):
+    unknown = [shape for shape in args.shape.split(",") if shape not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--shape names unknown shapes {unknown}. Valid shapes: {', '.join(SHAPES)}.")
+    for name, full, tiny in (("steps", 30, 3), ("warmup", 10, 1), ("profile_steps", 3, 1)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
     if args.tiny:
@@ -142,7 +172,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             else:
                 result = run_one(spec, min(args.run_timeout, left))
             result["benchmark_started"] = started  # tells this invocation's lines apart from earlier ones in --out
-            print(json.dumps({k: result.get(k) for k in ("name", "status", "ms_per_step", "wall_s")}), flush=True)
+            print(
+                json.dumps({k: result.get(k) for k in ("name", "shape", "status", "ms_per_step", "wall_s")}), flush=True
+            )
             out.write(json.dumps(result) + "\n")
             out.flush()
             results.append(result)

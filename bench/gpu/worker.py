@@ -1,4 +1,4 @@
-"""One benchmark run in its own process: the hand-written loop, phalanx or Lightning on the GPT of ``model.py``.
+"""One benchmark run in its own process: the hand-written loop, phalanx or Lightning on a GPT of ``model.py``.
 
 Started by ``run.py`` as ``python bench/gpu/worker.py SPEC_JSON``; prints one line ``RESULT {json}`` (rank 0 only).
 """
@@ -15,7 +15,7 @@ import torch
 
 # The script's folder is on sys.path: meter.py and model.py import as top-level modules.
 from meter import Meter, card_name
-from model import FULL, GPT, TINY, Shape, batches, next_token_loss, parameter_count
+from model import SHAPES, Shape, batches, build, next_token_loss, parameter_count
 
 LR = 3e-4
 
@@ -25,15 +25,19 @@ def adamw(parameters: Any) -> torch.optim.Optimizer:
 
 
 def run_loop(spec: dict, shape: Shape, device: torch.device, meter: Meter) -> None:
-    """The hand-written loop: autocast to bfloat16, backward, fused AdamW; compiled per block when asked."""
+    """The hand-written loop: autocast to bfloat16, backward, fused AdamW; compiled whole (the loss outside, as
+    ``torch.compile(model)`` users write it) or per block when asked."""
     torch.manual_seed(0)
-    model = GPT(shape).to(device)
-    if spec["compiled"]:
+    model = build(shape).to(device)
+    if spec["unit"] == "model":
+        model.compile()
+    elif spec["unit"] == "blocks":
         for block in model.blocks:
             block.compile()
     optimizer = adamw(model.parameters())
     for index, batch in enumerate(batches(shape, device, meter.total_steps)):
         meter.step_start(index)
+        batch = batch.to(device, non_blocking=True)  # the independent shape's batches come from a CPU DataLoader
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = next_token_loss(model, batch)
         loss.backward()
@@ -48,7 +52,7 @@ def _module_class(base: type) -> type:
     class GPTModule(base):  # type: ignore[misc, valid-type]
         def __init__(self, shape: Shape, log_loss: bool) -> None:
             super().__init__()
-            self.model = GPT(shape)
+            self.model = build(shape)
             self.log_loss = log_loss
 
         def configure_model(self) -> None:
@@ -127,7 +131,8 @@ def run_framework(spec: dict, shape: Shape, device: torch.device, meter: Meter) 
 
 
 def main(spec: dict) -> None:
-    shape = TINY if spec["tiny"] else FULL
+    full, tiny = SHAPES[spec["shape"]]
+    shape = tiny if spec["tiny"] else full
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     device = torch.device("cuda", rank) if spec["device"] == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -145,7 +150,7 @@ def main(spec: dict) -> None:
         result.update(status="unsupported", reason=unsupported)
     else:
         with torch.device("meta"):
-            parameters = parameter_count(GPT(shape))
+            parameters = parameter_count(build(shape))
         tokens = shape.batch * shape.context * spec["devices"]
         result.update(status="ok", parameters=parameters, **meter.figures(tokens, parameters, spec["devices"]))
     print("RESULT " + json.dumps(result), flush=True)

@@ -107,7 +107,8 @@ def build_checkpoint(
         raise ValueError(
             "Cohort.save: the state holds no module; add the module returned by Cohort.setup, e.g. {'model': model}."
         )
-    keep = _checked_filter(state_filter, entries, strategy)
+    engine = type(strategy).__name__ if strategy.traits.wraps_module_with_optimizers else None
+    keep = checked_filter(state_filter, entries, engine=engine)
     module = strategy.module
     assert module is not None
     epoch = entries.plain.get("epoch")
@@ -118,7 +119,7 @@ def build_checkpoint(
         "epoch": epoch,
         "global_step": global_step,
         "state_dict": keep(entries.module_key, strategy.module_state_dict()),
-        "loops": {"fit_loop": _loop_state(epoch, global_step)},
+        "loops": {"fit_loop": loop_state(epoch, global_step)},
         "lr_schedulers": [],
         "rng_states": strategy.all_gather_object(collect_rng_states()),
     }
@@ -142,8 +143,9 @@ def build_checkpoint(
     return checkpoint
 
 
-def _checked_filter(state_filter: Any, entries: _Sorted, strategy: Strategy) -> Callable[[str | None, Any], Any]:
-    """Check ``Cohort.save(filter=...)`` against the state; returns what applies it to the state dict of one key."""
+def checked_filter(state_filter: Any, entries: Any, *, engine: str | None) -> Callable[[str | None, Any], Any]:
+    """Check ``Cohort.save(filter=...)`` against the state's entries (sorted by kind); returns what applies it to the
+    state dict of one key. ``engine``: the strategy's name where one engine writes the weights itself (DeepSpeed)."""
     if state_filter is None:
         return lambda key, value: value
     if not isinstance(state_filter, dict):
@@ -165,11 +167,11 @@ def _checked_filter(state_filter: Any, entries: _Sorted, strategy: Strategy) -> 
                 f"Cohort.save: filter[{key!r}] names an optimizer, whose state is saved whole: "
                 "its entries are indexed by parameter, and loading needs all of them. Filter the module's entries."
             )
-        if key == entries.module_key and strategy.traits.wraps_module_with_optimizers:
+        if key == entries.module_key and engine is not None:
             # One engine from module and optimizers (DeepSpeed) writes the weights into its own files, not from the
             # state dict this filter would act on.
             raise ValueError(
-                f"Cohort.save: filter[{key!r}] cannot select module entries on {type(strategy).__name__}: "
+                f"Cohort.save: filter[{key!r}] cannot select module entries on {engine}: "
                 "its engine writes the weights itself. Save the module without filter= there."
             )
         if key in entries.plain and not isinstance(entries.plain[key], dict):
@@ -186,7 +188,8 @@ def _checked_filter(state_filter: Any, entries: _Sorted, strategy: Strategy) -> 
     return keep
 
 
-def _loop_state(epoch: int, global_step: int) -> dict[str, Any]:
+def loop_state(epoch: int, global_step: int) -> dict[str, Any]:
+    """The fit loop's position a Cohort checkpoint records (the Trainer resumes from it)."""
     # Without an epoch, the Cohort's steps are the first batches of epoch 0; with one, the next epoch starts afresh.
     return {
         "epoch": epoch,
@@ -211,7 +214,7 @@ def restore_checkpoint(
     entries = _Sorted(state, strategy, "load")
     saved = checkpoint.get(COHORT_ENTRY) or {}
     objects = dict(saved.get("objects") or {})
-    _check_present(entries, objects, checkpoint, source, strict=strict)
+    check_present(entries, objects, checkpoint, source, strict=strict)
     if entries.check_optimizers(strategy, "load") and not strategy.traits.restores_optimizer:
         if "optimizer_states" not in checkpoint:
             raise CheckpointError(
@@ -261,9 +264,10 @@ def own_rng_states(checkpoint: Any, rank: int, source: str) -> dict[str, Any] | 
     return own
 
 
-def _check_present(
-    entries: _Sorted, objects: dict[str, Any], checkpoint: dict[str, Any], source: str, *, strict: bool
+def check_present(
+    entries: Any, objects: dict[str, Any], checkpoint: dict[str, Any], source: str, *, strict: bool
 ) -> None:
+    """With ``strict``, every stateful and plain entry of the state must be in the checkpoint."""
     if not strict:
         return
     missing = [key for key in [*entries.stateful, *entries.plain] if key not in objects and key not in checkpoint]

@@ -36,15 +36,24 @@ from phalanx.cohort.data import CohortData
 from phalanx.cohort.guards import record_loss, report_nonfinite
 from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
 from phalanx.cohort.metrics import CohortLogging, LoggerWorkerState, attach, resolve_loggers, share_logger_states
+from phalanx.cohort.plain_checkpoint import load_before_setup, save_before_setup
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
-from phalanx.cohort.setup_checks import check_optimizers_given, check_placement
+from phalanx.cohort.setup_checks import (
+    check_optimizer,
+    check_optimizers_given,
+    check_path,
+    check_placement,
+    is_training_module,
+)
+from phalanx.cohort.step import forward_backward
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
 from phalanx.plugins.io.checkpoint_identity import checkpoint_identity
 from phalanx.strategies.properties import DeviceProperties
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
-from phalanx.utilities.compile import Compiler, check_compile, compiler_for, refuse_compiled_in_place, unwrap_compiled
+from phalanx.utilities.compile import check_compile, compiler_for, refuse_compiled_in_place, split_unit, unwrap_compiled
+from phalanx.utilities.run_variables import settings_from_run
 from phalanx.utilities.seed import restore_rng_states
 
 _T = TypeVar("_T")
@@ -73,14 +82,11 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._callbacks = resolve_callbacks(callbacks)
         self._compile = check_compile(compile, "Cohort")
 
-        self._strategy: Strategy = resolve_strategy(
-            accelerator=accelerator,
-            strategy=strategy,
-            devices=devices,
-            num_nodes=num_nodes,
-            precision=precision,
-            plugins=plugins,
+        # Under `phalanx run`, what its --accelerator, --strategy, --devices, --num-nodes and --precision say.
+        settings = settings_from_run(
+            dict(accelerator=accelerator, strategy=strategy, devices=devices, num_nodes=num_nodes, precision=precision)
         )
+        self._strategy: Strategy = resolve_strategy(**settings, plugins=plugins)
         self._launched = False
         self._environment_ready = False
         self._module: CohortModule | None = None
@@ -178,7 +184,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._ensure_environment()  # (the device of this rank is known from here)
         check_placement(self._strategy, module, move_to_device, "setup")
         agree_on_call(self, "setup", lambda: describe_module(module))
-        originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
+        originals = [check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
         self._parameter_names = {
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
         }
@@ -223,7 +229,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             )
         if not optimizers:
             raise ValueError("Cohort.setup_optimizers needs at least one optimizer.")
-        originals = [self._check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
+        originals = [check_optimizer(optimizer, index) for index, optimizer in enumerate(optimizers)]
         set_up = self._strategy.module
         assert set_up is not None
         live = {id(parameter) for parameter in set_up.parameters()}
@@ -240,13 +246,13 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self,
         module: nn.Module,
         make_optimizers: Callable[[nn.Module], tuple[list[Optimizer], list[Any]]] | None,
-        compiled_with: Compiler | None,
+        compiled_with: Callable[..., Any] | None,  # a utilities.compile.Compiler
     ) -> None:
         self._ensure_environment()
         strategy = self._strategy
         attach(module, self)  # from here its self.log and self.device_mesh reach this Cohort
         configure_model = getattr(module, "configure_model", None)
-        if _is_training_module(module) and callable(configure_model):
+        if is_training_module(module) and callable(configure_model):
             # As the Trainer does: the module builds or parallelises layers with the strategy's mesh (model_parallel),
             # created on the device, sharded where the strategy shards (DeepSpeed ZeRO-3).
             with strategy.tensor_init_context(), strategy.model_sharded_context():
@@ -259,6 +265,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 stage="fit",
                 configure_optimizers=make_optimizers,
                 compile=compiler,
+                compile_unit=None if self._compile is None else split_unit(self._compile)[1],
                 optimizers_given=make_optimizers is not None,
             )
         )
@@ -275,18 +282,6 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             )
         if not isinstance(module, nn.Module):
             raise TypeError(f"Cohort.{method}(module) takes a torch.nn.Module, got {type(module).__name__}.")
-
-    @staticmethod
-    def _check_optimizer(optimizer: Any, index: int) -> Optimizer:
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(
-                f"Cohort.setup: optimizers[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
-            )
-        if unwrap_optimizer(optimizer) is not optimizer:
-            raise ValueError(
-                f"Cohort.setup: optimizers[{index}] was already set up by a Cohort; pass the plain optimizer."
-            )
-        return optimizer
 
     def _check_parameters_known(self, optimizer: Optimizer, index: int) -> None:
         for group_index, group in enumerate(optimizer.param_groups):
@@ -339,6 +334,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             self._strategy.backward(loss, None, *args, **kwargs)
         self._last_loss = loss.detach()
         record_loss(self, loss)
+
+    forward_backward = forward_backward  # training_step and backward as the strategy's one step (cohort/step.py)
 
     def clip_gradients(
         self,
@@ -427,12 +424,15 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | PathLike, state: dict[str, Any], filter: StateFilter | None = None) -> None:
         """Write ``state`` (modules, optimizers, objects) in the Trainer's checkpoint format, full or sharded as the
-        strategy does; ``filter`` (Fabric's): per state key, ``(name, value) -> bool`` selects state-dict entries."""
-        _check_path(path, "save")
-        if self._module is None:
-            raise RuntimeError("Cohort.save needs a set-up module: call cohort.setup(...) first.")
+        strategy does; ``filter`` (Fabric's): per state key, ``(name, value) -> bool`` selects state-dict entries.
+        Before ``setup``, the plain module and optimizers are saved (rank zero writes)."""
+        check_path(path, "save")
+        self._ensure_environment()
         report_nonfinite(self, "save")
         agree_on_call(self, "save", {"path": os.fspath(path)})
+        if self._module is None:
+            save_before_setup(self._strategy, path, state, self._optimizer_steps, filter)
+            return
         checkpoint = build_checkpoint(state, self._strategy, self._optimizer_steps, filter)
         self._strategy.save_checkpoint(checkpoint, path)
         self._strategy.barrier("Cohort.save")  # nobody reads the file before it is whole
@@ -446,16 +446,16 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         restore_rng: bool = True,
     ) -> dict[str, Any]:
         """Load a Cohort or Trainer checkpoint into ``state``'s objects (plain values replaced in ``state``) and, with
-        ``restore_rng``, this process's generator states; returns unread objects (all of them without a state)."""
-        _check_path(path, "load")
+        ``restore_rng``, this process's generator states; returns unread objects (all of them without a state).
+        Before ``setup``, a checkpoint file loads into the plain module and optimizers."""
+        check_path(path, "load")
         if not isinstance(restore_rng, bool):
             raise TypeError(f"Cohort.load(restore_rng={restore_rng!r}) must be True or False.")
-        if self._module is None:
-            raise RuntimeError(
-                "Cohort.load needs a set-up module (the weights load into it): call cohort.setup(...) first."
-            )
+        self._ensure_environment()
         # Every rank reads the same checkpoint, or none does: ranks that load different weights train apart silently.
         agree_on_call(self, "load", lambda: {"path": os.fspath(path), "checkpoint": checkpoint_identity(path)})
+        if self._module is None:
+            return load_before_setup(self, path, {} if state is None else state, strict=strict, restore_rng=restore_rng)
         checkpoint = self._strategy.load_checkpoint(path)
         refuse_plain_state_dict(checkpoint, str(path))
         # Checked before anything is restored; None when the writer stored none for this rank (the RNG is untouched).
@@ -483,15 +483,3 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
 
     def __repr__(self) -> str:
         return f"Cohort(strategy={self._strategy!r})"
-
-
-def _is_training_module(module: nn.Module) -> bool:
-    # Lazy for import time: `from phalanx import Cohort` does not load the TrainingModule.
-    from phalanx.module import TrainingModule
-
-    return isinstance(module, TrainingModule)
-
-
-def _check_path(path: Any, method: str) -> None:
-    if not isinstance(path, (str, PathLike)):
-        raise TypeError(f"Cohort.{method}(path, state): path must be a str or os.PathLike, got {type(path).__name__}.")

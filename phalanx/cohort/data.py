@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Callable
 
 from phalanx.cohort.checkpoint import COHORT_ENTRY
 from phalanx.cohort.wrappers import CohortDataLoader
 from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.seed import worker_init_fn
 
 
 class CohortData:
@@ -49,6 +51,13 @@ class CohortData:
             # DistributedSampler instead: epoch e's order depends on the seed and e alone, as on DDP, and a resumed
             # loop sees the batches the uninterrupted one saw.
             dataloader = distributed_dataloader(dataloader, num_replicas=1, rank=0, training=True, seed=seed)
+        if (
+            os.environ.get("PHALANX_SEED_WORKERS") == "1"
+            and getattr(dataloader, "num_workers", 0) > 0
+            and getattr(dataloader, "worker_init_fn", False) is None
+        ):
+            # seed_everything(workers=True), as in the Trainer and Fabric: each worker of each rank its own seed.
+            dataloader.worker_init_fn = partial(worker_init_fn, rank=self._strategy.global_rank)
         dataloader = self._strategy.process_dataloader(dataloader)
         prepared = CohortDataLoader(dataloader, self._strategy if move_to_device else None)
         epoch = getattr(self, "_loaded_epoch", None)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.rank_zero import rank_zero_warn
 from phalanx.utilities.seed import seed_everything
 
 
@@ -30,9 +32,9 @@ class CohortHabits:
         return apply_to_tensors(obj, lambda tensor: tensor.to(device))
 
     @staticmethod
-    def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+    def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
         """``phalanx.seed_everything``: Python's, NumPy's and torch's generators (and the data shuffle's seed)."""
-        return seed_everything(seed, workers=workers)
+        return seed_everything(seed, workers=workers, verbose=verbose)
 
     @contextmanager
     def rank_zero_first(self, local: bool = False) -> Iterator[None]:
@@ -61,13 +63,38 @@ class CohortHabits:
         return list(self._callbacks)
 
     def call(self, hook_name: str, *args: Any, **kwargs: Any) -> None:
-        """Call ``hook_name(*args, **kwargs)`` on every callback that has such a method, in order (others skip it)."""
+        """Call ``hook_name(*args, **kwargs)`` on every callback that has such a method, in order (others skip it).
+
+        As in Fabric, each method gets only the keywords its signature names (all of them if it takes ``**kwargs``),
+        so callbacks may take fewer; an attribute of that name that is not callable is skipped with a warning.
+        """
         if not isinstance(hook_name, str) or not hook_name:
             raise TypeError(f"Cohort.call(hook_name, ...) takes a method name, got {hook_name!r}.")
         for callback in self._callbacks:
             method = getattr(callback, hook_name, None)
-            if callable(method):
-                method(*args, **kwargs)
+            if method is None:
+                continue
+            if not callable(method):
+                rank_zero_warn(
+                    f"Cohort.call: skipped {type(callback).__name__}.{hook_name}, which is not callable"
+                    f" ({type(method).__name__})."
+                )
+                continue
+            method(*args, **keywords_accepted(method, kwargs))
+
+
+def keywords_accepted(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``kwargs`` that ``method``'s signature names (all of them if it takes ``**kwargs`` or has no
+    signature to read)."""
+    if not kwargs:
+        return kwargs
+    try:
+        parameters = inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a builtin or an object inspect cannot read: pass everything, as Fabric does
+        return kwargs
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return kwargs
+    return {name: value for name, value in kwargs.items() if name in parameters}
 
 
 def resolve_callbacks(callbacks: Any) -> list[Any]:

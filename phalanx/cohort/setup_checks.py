@@ -1,14 +1,17 @@
-"""What ``Cohort.setup`` checks before the strategy sees the module: Fabric's ``move_to_device=`` and the module
-given alone to a strategy that needs its optimizer too (DeepSpeed)."""
+"""What the Cohort checks before the strategy sees its arguments: Fabric's ``move_to_device=``, the module given alone
+to a strategy that needs its optimizer too (DeepSpeed), the optimizers' and paths' types."""
 
 from __future__ import annotations
 
 from itertools import chain
+from os import PathLike
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
+from phalanx.cohort.wrappers import unwrap_optimizer
 from phalanx.strategies.strategy import Strategy
 
 
@@ -44,6 +47,29 @@ def check_placement(strategy: Strategy, module: nn.Module, move_to_device: Any, 
             f" {type(strategy).__name__} places the module on {target} itself (every phalanx strategy does). "
             f"Move the module to {target} first (cohort.to_device(module)), or leave move_to_device=True."
         )
+
+
+def check_optimizer(optimizer: Any, index: int) -> Optimizer:
+    """``optimizers[index]`` of ``Cohort.setup`` as a plain torch optimizer, or the reason it is not one."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"Cohort.setup: optimizers[{index}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
+        )
+    if unwrap_optimizer(optimizer) is not optimizer:
+        raise ValueError(f"Cohort.setup: optimizers[{index}] was already set up by a Cohort; pass the plain optimizer.")
+    return optimizer
+
+
+def check_path(path: Any, method: str) -> None:
+    if not isinstance(path, (str, PathLike)):
+        raise TypeError(f"Cohort.{method}(path, state): path must be a str or os.PathLike, got {type(path).__name__}.")
+
+
+def is_training_module(module: nn.Module) -> bool:
+    # Lazy for import time: `from phalanx import Cohort` does not load the TrainingModule.
+    from phalanx.module import TrainingModule
+
+    return isinstance(module, TrainingModule)
 
 
 def _on(device: torch.device, target: torch.device) -> bool:

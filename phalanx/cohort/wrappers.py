@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -33,18 +34,29 @@ class CohortModule(nn.Module):
         self.__dict__["_strategy"] = strategy
         # Only where loss.backward() would train differently from cohort.backward(loss); None costs nothing per step.
         self.__dict__["_guard"] = guard
+        # As Fabric's module: inputs in the precision's dtype, outputs back in torch's default one (a loss computed on
+        # them has the dtype it has under Fabric). Decided once: a precision that changes no dtype costs no call.
+        self.__dict__["_converts_io"] = strategy.precision_plugin.converts_io
 
     @property
     def module(self) -> nn.Module:
         """The user's module, unwrapped."""
         return self.__dict__["_original_module"]
 
+    @property
+    def device(self) -> torch.device:
+        """The device the module computes on (the strategy's root device)."""
+        return self.__dict__["_strategy"].root_device
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        strategy = self.__dict__["_strategy"]
-        precision = strategy.precision_plugin
-        args, kwargs = precision.convert_input((args, kwargs))
+        precision = self.__dict__["_strategy"].precision_plugin
+        converts = self.__dict__["_converts_io"]
+        if converts:
+            args, kwargs = precision.convert_input((args, kwargs))
         with precision.forward_context():
             output = self._forward_module(*args, **kwargs)
+        if converts:
+            output = precision.convert_output(output)
         guard = self.__dict__["_guard"]
         return output if guard is None else guard.watch(output)
 
@@ -66,10 +78,23 @@ class CohortModule(nn.Module):
             pass
         original = self.__dict__["_original_module"]
         if name in _STEP_METHODS and hasattr(original, name):
-            step = getattr(self.__dict__["_strategy"], name)
+            strategy = self.__dict__["_strategy"]
+            step = getattr(strategy, name)
+            if self.__dict__["_converts_io"]:  # as forward: Fabric runs step methods through its forward
+                step = _converting(step, strategy.precision_plugin)
             guard = self.__dict__["_guard"]
             return step if guard is None else lambda *args, **kwargs: guard.watch(step(*args, **kwargs))
         return getattr(original, name)
+
+
+def _converting(step: Callable[..., Any], precision: Any) -> Callable[..., Any]:
+    """``step`` with its inputs converted to the precision's dtype and its outputs back to the default one."""
+
+    def converted(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = precision.convert_input((args, kwargs))
+        return precision.convert_output(step(*args, **kwargs))
+
+    return converted
 
 
 class _OptimizerView:
@@ -139,6 +164,11 @@ class CohortDataLoader:
     def dataloader(self) -> Any:
         """The wrapped dataloader."""
         return self._dataloader
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device batches are moved to; None with ``setup_dataloaders(..., move_to_device=False)``."""
+        return None if self._strategy is None else self._strategy.root_device
 
     def __len__(self) -> int:
         return len(self._dataloader)

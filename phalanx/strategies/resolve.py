@@ -9,6 +9,7 @@ import torch
 
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.accelerators.registry import ACCELERATOR_REGISTRY
+from phalanx.plugins import NOT_OFFERED as NOT_OFFERED_PLUGINS
 from phalanx.plugins.environments import detect_cluster_environment
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
@@ -33,6 +34,17 @@ _PRECISION_ALIASES: dict[Any, str] = {
 }  # fmt: skip
 
 
+#: Lightning Fabric's strategy and precision names that phalanx will not offer, with what to use instead.
+NOT_OFFERED_STRATEGIES = {
+    "dp": "strategy='ddp' (one process per device; torch recommends DistributedDataParallel over DataParallel, which"
+    " drives every device from one process)",
+}
+NOT_OFFERED_PRECISIONS = {
+    name: "precision='bf16-mixed' or 'bf16-true', with Transformer Engine's layers in your module for FP8"
+    for name in ("transformer-engine", "transformer-engine-float16")
+}
+
+
 def normalize_precision(precision: Any) -> str:
     """Map a precision argument (with the aliases 32, 64, 16, 'bf16'; None for the default) to its canonical name."""
     if precision is None:
@@ -46,6 +58,11 @@ def normalize_precision(precision: Any) -> str:
         raise TypeError(
             f"precision={shown(precision)} is a precision plugin; pass a plugin instance in plugins=[{example}()], or"
             f" a name in precision= ({list(PRECISIONS)})."
+        )
+    if isinstance(precision, str) and precision in NOT_OFFERED_PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} (Lightning Fabric's) is not offered by phalanx; use"
+            f" {NOT_OFFERED_PRECISIONS[precision]}."
         )
     raise ValueError(
         f"precision={shown(precision)} is not supported. "
@@ -100,6 +117,14 @@ def _accelerator_names() -> list[str]:
     return ["auto", "gpu", *ACCELERATOR_REGISTRY.available()]
 
 
+def refuse_not_offered_plugin(name: str, plugin: Any) -> None:
+    """Raise TypeError naming the alternative for a Lightning plugin phalanx will not offer (e.g. bitsandbytes')."""
+    kind = type(plugin).__name__
+    entry = NOT_OFFERED_PLUGINS.get(kind)
+    if entry is not None and not type(plugin).__module__.startswith("phalanx."):
+        raise TypeError(f"{name}={kind}(...) is Lightning's plugin, which phalanx does not offer; use {entry.instead}.")
+
+
 class _Plugins:
     """The plugins passed to the Trainer, sorted by kind."""
 
@@ -122,6 +147,7 @@ class _Plugins:
             for kind in kinds:
                 reject_class(name, plugin, kind, "")
             slot = next((slot for kind, slot in kinds.items() if isinstance(plugin, kind)), None)
+            refuse_not_offered_plugin(name, plugin)
             if slot is None:
                 raise TypeError(f"{name}={shown(plugin)} (of type {type(plugin).__name__}) is not valid; {valid}.")
             if getattr(self, slot) is not None:
@@ -206,6 +232,10 @@ def _registered_name(strategy: str, devices: Any, num_nodes: int, process_count:
                 f"devices={devices!r} with num_nodes={num_nodes} asks for {process_count} processes, which needs a"
                 f" parallel strategy; registered strategies: {STRATEGY_REGISTRY.available()}."
             )
+    if name in NOT_OFFERED_STRATEGIES and name not in STRATEGY_REGISTRY:
+        raise ValueError(
+            f"strategy={strategy!r} (Lightning Fabric's) is not offered by phalanx; use {NOT_OFFERED_STRATEGIES[name]}."
+        )
     if name not in STRATEGY_REGISTRY:
         raise ValueError(
             f"Unknown strategy {strategy!r}.{STRATEGY_REGISTRY.suggestion(strategy, ('auto',))} Choose 'auto' or one"

@@ -10,7 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from phalanx.utilities.checks import is_number
-from phalanx.utilities.compile import Compiler
+from phalanx.utilities.compile import COMPILE_UNITS, Compiler, CompileUnit
 
 STAGES = ("fit", "validate", "test", "predict")
 
@@ -39,6 +39,8 @@ class RunSettings:
     before_optimizer_step: BeforeOptimizerStep | None = None
     #: Compiles the module's repeated blocks (or the whole module) in ``Strategy.compile_module``; None: eager.
     compile: Compiler | None = None
+    #: What ``compile`` compiles ("model" or "blocks", docs/compile.md); None: the strategy's ``default_compile_unit``.
+    compile_unit: CompileUnit | None = None
     #: The optimizers are the caller's own objects (the Cohort's ``setup(module, optimizer)``), not made by a hook: a
     #: strategy whose configuration would build other optimizers refuses, rather than train without the ones given.
     optimizers_given: bool = False
@@ -68,6 +70,9 @@ class RunSettings:
             or self.train_batch_size < 1
         ):
             raise ValueError(f"RunSettings(train_batch_size={self.train_batch_size!r}) must be a positive int or None.")
+        if self.compile_unit is not None and self.compile_unit not in COMPILE_UNITS:
+            units = [*COMPILE_UNITS, None]
+            raise ValueError(f"RunSettings(compile_unit={self.compile_unit!r}) is not valid; choose one of {units}.")
         for name in ("configure_optimizers", "before_optimizer_step", "compile"):
             value = getattr(self, name)
             if value is not None and not callable(value):

@@ -27,8 +27,9 @@ from phalanx.strategies.forward_redirection import evaluation_grad_mode, redirec
 from phalanx.strategies.settings import RunSettings, check_run_settings
 from phalanx.strategies.traits import StrategyTraits, legacy_trait_overrides
 from phalanx.utilities.apply import move_to_device
-from phalanx.utilities.compile import compile_in_place
+from phalanx.utilities.compile import CompileUnit, compile_in_place, describe_targets
 from phalanx.utilities.init import empty_init_context
+from phalanx.utilities.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
     from phalanx.strategies.contract_types import Launcher, PathLike, ProcessGroup, Registry, TrainingModule
@@ -48,6 +49,9 @@ class Strategy(ABC):
     family: ClassVar[str | None] = None
     #: Whether the strategy runs several processes that communicate (refused where ``Accelerator.max_processes`` is 1).
     multi_process: ClassVar[bool] = False
+    #: What ``compile_module`` compiles unless ``compile={"unit": ...}`` says: "model" (the module holding the repeated
+    #: blocks, as users compile it by hand) where nothing needs the block boundaries; docs/compile.md has the figures.
+    default_compile_unit: ClassVar[CompileUnit] = "model"
 
     def __init__(
         self,
@@ -146,6 +150,15 @@ class Strategy(ABC):
     def run_settings(self) -> RunSettings | None:
         """The settings of the last ``setup`` (None before it)."""
         return self._run_settings
+
+    @property
+    def device_mesh(self) -> Any:
+        """The DeviceMesh the module is parallelised over (axes named by ``MeshAxis``), or None without one."""
+        return self.__dict__.get("_device_mesh")
+
+    @device_mesh.setter
+    def device_mesh(self, mesh: Any) -> None:
+        self._device_mesh = mesh
 
     # ------------------------------------------------------------------ abstract contract
     @property
@@ -269,9 +282,13 @@ class Strategy(ABC):
         return self.precision_plugin.convert_module(module)
 
     def compile_module(self, module: nn.Module, settings: RunSettings) -> None:
-        """Step 1b, after activation checkpointing and before wrapping: compile in place with ``settings.compile``."""
-        if settings.compile is not None:
-            compile_in_place(module, settings.compile)
+        """Step 1b, before wrapping: compile ``settings.compile_unit`` (else ``default_compile_unit``) in place."""
+        if settings.compile is None:
+            return
+        unit = settings.compile_unit or self.default_compile_unit
+        targets = compile_in_place(module, settings.compile, unit)
+        chosen = "compile={'unit': ...}" if settings.compile_unit else f"{type(self).__name__}'s default"
+        rank_zero_info(describe_targets(module, targets, unit, chosen))
 
     def place_module(self, settings: RunSettings) -> None:
         """Step 2: put the module on its device (``model_to_device`` by default)."""
@@ -356,6 +373,19 @@ class Strategy(ABC):
         """Run the module's ``predict_step`` under the precision's context."""
         with self.naming_collectives("forward"), evaluation_grad_mode(self):
             return self._run_step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
+
+    def forward_backward(
+        self, batch: Any, batch_idx: int, between: Callable[[Any], Tensor | None], optimizer: Optimizer | None
+    ) -> tuple[Tensor | None, Any]:
+        """Turn a batch into a loss and gradients: training_step, the driver's between(output), then backward."""
+        # One named step that turns a batch into a loss and gradients: a strategy that runs both halves in one call (a
+        # pipeline schedule) overrides it; ``between`` is the driver's work in the middle (loss division, non-finite
+        # checks, on_before_backward), handed in as RunSettings.before_optimizer_step hands in the optimizer's hooks.
+        output = self.training_step(batch, batch_idx)
+        loss = between(output)
+        if loss is not None:
+            self.backward(loss, optimizer)
+        return loss, output
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Called before backward."""

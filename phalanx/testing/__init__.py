@@ -5,9 +5,11 @@
     def test_my_strategy_conforms():
         check_strategy(MyStrategy, processes=2)  # raises StrategyConformanceError listing every failed check
 
-Each run starts ``processes`` CPU processes (gloo) once and runs every check in them: lifecycle order, module hooks,
-no-sync, teardown, reduce / all_gather / broadcast / barrier / reduce_boolean_decision, and a save -> load round
-trip. ``run_conformance`` returns the report instead of raising, for one pytest test per check (see ``CHECKS``).
+Each run starts ``processes`` CPU processes (gloo) once and runs every check in them, through two drivers: the Trainer
+(``Trainer.fit`` with its defaults on: lifecycle order, module hooks, no-sync, teardown, reduce / all_gather /
+broadcast / barrier / reduce_boolean_decision, a save -> load round trip) and the Cohort (a hand-written loop:
+lifecycle order, no-sync, ``cohort.save`` -> ``cohort.load`` -> resume). ``run_conformance`` returns the report per
+driver instead of raising, for one pytest test per check (see ``CHECKS_BY_DRIVER``).
 Not imported by ``import phalanx``; its names load on first use.
 """
 
@@ -18,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 _PUBLIC = {
     "CHECKS": "phalanx.testing.report",
+    "CHECKS_BY_DRIVER": "phalanx.testing.report",
+    "COHORT_CHECKS": "phalanx.testing.report",
+    "DRIVERS": "phalanx.testing.report",
     "CheckResult": "phalanx.testing.report",
     "ConformanceReport": "phalanx.testing.report",
     "NotApplicable": "phalanx.testing.report",
@@ -41,7 +46,16 @@ if TYPE_CHECKING:
         check_reduce_boolean_decision,
     )
     from phalanx.testing.module import ConformanceModule
-    from phalanx.testing.report import CHECKS, CheckResult, ConformanceReport, NotApplicable, StrategyConformanceError
+    from phalanx.testing.report import (
+        CHECKS,
+        CHECKS_BY_DRIVER,
+        COHORT_CHECKS,
+        DRIVERS,
+        CheckResult,
+        ConformanceReport,
+        NotApplicable,
+        StrategyConformanceError,
+    )
     from phalanx.testing.runner import check_strategy, run_conformance
 
 
@@ -60,6 +74,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "CHECKS",
+    "CHECKS_BY_DRIVER",
+    "COHORT_CHECKS",
+    "DRIVERS",
     "CheckResult",
     "ConformanceModule",
     "ConformanceReport",

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from phalanx.module import TrainingModule
+from phalanx.strategies.parallel_dims import MeshAxis
 
 FEATURES, HIDDEN = 4, 8
 SAMPLES_PER_REPLICA, BATCH_SIZE = 8, 2  # four batches per data-parallel rank and epoch
@@ -98,16 +99,17 @@ class ConformanceModule(TrainingModule):
     def configure_model(self) -> None:
         self._record("configure_model")
         mesh = self.device_mesh
-        if mesh is None or "tensor_parallel" not in (getattr(mesh, "mesh_dim_names", None) or ()):
+        if mesh is None or MeshAxis.TENSOR.value not in (mesh.mesh_dim_names or ()):
             return
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        if mesh["tensor_parallel"].size() > 1:
-            parallelize_module(self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        if mesh["data_parallel"].size() > 1:
+        tensor, data = mesh[MeshAxis.TENSOR.value], mesh[MeshAxis.DATA.value]
+        if tensor.size() > 1:
+            parallelize_module(self.net, tensor, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if data.size() > 1:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(self, mesh=mesh["data_parallel"])
+            fully_shard(self, mesh=data)
 
     def setup(self, stage: str) -> None:
         self._record("setup")

@@ -173,8 +173,14 @@ class ProbeCallback(Callback):
         module.recording = False
         if self.recorder is not None:
             self.recorder.active = False
+        strategy = trainer.strategy
+
+        def backward(batch: Any, index: int) -> None:
+            loss = strategy.training_step(strategy.batch_to_device(batch), index)
+            strategy.backward(loss, strategy.optimizers[0])
+
         try:
-            self.no_sync = observe_no_sync(trainer.strategy, module)
+            self.no_sync = observe_no_sync(strategy, module, backward, strategy.block_backward_sync)
         except Exception as error:  # noqa: BLE001 - judged (and reported) by the no_sync check
             self.no_sync = error
         finally:
@@ -184,9 +190,16 @@ class ProbeCallback(Callback):
 
 
 # ---------------------------------------------------------------------------- the no-sync probe
-def observe_no_sync(strategy: Strategy, module: ConformanceModule) -> dict[str, Any]:
-    """One backward inside ``block_backward_sync()`` and one after it, on data that differs per data-parallel rank.
+def observe_no_sync(
+    strategy: Strategy,
+    module: ConformanceModule,
+    backward: Callable[[Any, int], None],
+    no_sync: Callable[[], Any],
+) -> dict[str, Any]:
+    """One backward inside the driver's no-sync context and one after it, on data that differs per data-parallel rank.
 
+    ``backward(batch, index)`` runs the driver's step and backward on a CPU batch; ``no_sync()`` is its context
+    (``strategy.block_backward_sync`` under the Trainer, ``cohort.no_backward_sync(model)`` under the Cohort).
     Returns what every rank saw (gradients inside and outside, and each rank's own single-process gradients of the
     same batches), gathered on all ranks, for ``judge_no_sync``.
     """
@@ -213,10 +226,10 @@ def observe_no_sync(strategy: Strategy, module: ConformanceModule) -> dict[str, 
     first, second = probe_batch(100 + replica), probe_batch(200 + replica)
     optimizer = strategy.optimizers[0]
     optimizer.zero_grad(set_to_none=True)
-    with strategy.block_backward_sync():
-        strategy.backward(strategy.training_step(strategy.batch_to_device(first), 0), optimizer)
+    with no_sync():
+        backward(first, 0)
     inside = _gradients(module)
-    strategy.backward(strategy.training_step(strategy.batch_to_device(second), 1), optimizer)
+    backward(second, 1)
     outside = _gradients(module)
     optimizer.zero_grad(set_to_none=True)
     seen = {

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from phalanx.testing.report import CHECKS, ConformanceReport, last_started, merge, read_rank
+from phalanx.testing.report import CHECKS_BY_DRIVER, DRIVERS, ConformanceReport, last_started, merge, read_rank
 from phalanx.testing.worker import WorkerSpec, worker_main
 from phalanx.utilities.checks import check_int_at_least, is_number
 
@@ -31,17 +31,22 @@ def run_conformance(
     workdir: str | os.PathLike | None = None,
     start_method: str = "spawn",
     resume_atol: float = 0.0,
+    drivers: tuple[str, ...] | list[str] = DRIVERS,
 ) -> ConformanceReport:
     """Run the conformance checks on ``processes`` CPU processes (gloo); return the report (raise for bad arguments).
 
     ``make_strategy`` builds the strategy in each process (a Strategy subclass, or a module-level function or
-    ``functools.partial``: spawned processes receive it pickled). ``checks`` selects a subset of ``CHECKS``.
+    ``functools.partial``: spawned processes receive it pickled). ``drivers`` selects what drives the strategy:
+    ``"trainer"`` (``Trainer.fit`` with its defaults on, the checks of ``CHECKS``) and ``"cohort"`` (a hand-written
+    ``phalanx.Cohort`` loop with save, load and resume, the checks of ``COHORT_CHECKS``). ``checks`` selects check
+    names; each driver runs those it has.
     ``timeout`` bounds the whole run in seconds: ranks still running then are stopped and their unfinished checks
     fail. ``workdir`` keeps the run's checkpoints and per-rank results (in a new subdirectory); by default they go to
     a temporary directory removed afterwards. ``resume_atol`` is the largest weight difference allowed between the
     resumed and the uninterrupted fit (0: bitwise equal).
     """
-    selected = _check_arguments(make_strategy, processes, checks, timeout, start_method, resume_atol)
+    _check_arguments(make_strategy, processes, timeout, start_method, resume_atol)
+    selected = selected_checks(checks, drivers)
     own_directory = workdir is None
     if workdir is not None and not Path(workdir).is_dir():
         raise ValueError(f"workdir={str(workdir)!r} is not an existing directory.")
@@ -63,21 +68,43 @@ def check_strategy(make_strategy: Callable[[], Any], **options: Any) -> Conforma
     return report
 
 
-def _check_arguments(
-    make_strategy: Any, processes: Any, checks: Any, timeout: Any, start_method: Any, resume_atol: Any
-) -> tuple[str, ...]:
+def selected_checks(checks: Any, drivers: Any) -> dict[str, tuple[str, ...]]:
+    """Driver -> the checks it runs, from ``checks=`` and ``drivers=`` (raise for names that are not valid)."""
+    if isinstance(drivers, str) or not isinstance(drivers, (tuple, list)):
+        raise TypeError(f"drivers={drivers!r} must be a list of driver names; choose from {list(DRIVERS)}.")
+    unknown_drivers = [driver for driver in drivers if driver not in DRIVERS]
+    if unknown_drivers or not drivers:
+        raise ValueError(
+            f"drivers={list(drivers)!r} is not valid: {unknown_drivers or 'empty'}; choose from {list(DRIVERS)}."
+        )
+    names = list(dict.fromkeys(name for driver in DRIVERS for name in CHECKS_BY_DRIVER[driver]))
+    if isinstance(checks, str):
+        raise TypeError(f"checks={checks!r} must be a list of check names, not a string; choose from {names}.")
+    wanted = names if checks is None else list(checks)
+    unknown = [check for check in wanted if check not in names]
+    if unknown or not wanted:
+        raise ValueError(f"checks={wanted!r} is not valid: {unknown or 'empty'}; choose from {names}.")
+    selected = {
+        driver: tuple(check for check in CHECKS_BY_DRIVER[driver] if check in wanted)
+        for driver in DRIVERS
+        if driver in drivers
+    }
+    selected = {driver: driver_checks for driver, driver_checks in selected.items() if driver_checks}
+    if not selected:
+        raise ValueError(
+            f"checks={wanted!r} has no check that drivers={list(drivers)!r} run; their checks:"
+            f" { {driver: list(CHECKS_BY_DRIVER[driver]) for driver in drivers} }."
+        )
+    return selected
+
+
+def _check_arguments(make_strategy: Any, processes: Any, timeout: Any, start_method: Any, resume_atol: Any) -> None:
     if not callable(make_strategy):
         raise TypeError(
             "make_strategy must be a Strategy subclass or a function returning a Strategy instance, got"
             f" {type(make_strategy).__name__}."
         )
     check_int_at_least("processes", processes, 1, " (the kit runs 1 or more CPU processes)")
-    if isinstance(checks, str):
-        raise TypeError(f"checks={checks!r} must be a list of check names, not a string; choose from {list(CHECKS)}.")
-    selected = tuple(CHECKS) if checks is None else tuple(checks)
-    unknown = [check for check in selected if check not in CHECKS]
-    if unknown or not selected:
-        raise ValueError(f"checks={list(selected)!r} is not valid: {unknown or 'empty'}; choose from {list(CHECKS)}.")
     if not is_number(timeout) or not timeout > 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
     if start_method not in START_METHODS or start_method not in multiprocessing.get_all_start_methods():
@@ -96,7 +123,6 @@ def _check_arguments(
                 " each process receives it pickled: pass the Strategy class, a module-level function or a"
                 " functools.partial."
             ) from None
-    return tuple(check for check in CHECKS if check in selected)
 
 
 def _free_port() -> int:

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from phalanx.callbacks.callback import Callback
 from phalanx.module import TrainingModule
+from phalanx.strategies.parallel_dims import MeshAxis
 from phalanx.trainer.trainer import Trainer
 
 # Tensor methods that copy to the host (and so wait for the device there); `.item()` is counted by its aten op.
@@ -229,8 +230,8 @@ class CountedModule(TrainingModule):
 
     def configure_model(self) -> None:
         mesh = self.device_mesh  # ModelParallelStrategy's; FSDPStrategy shards the module itself
-        if mesh is not None and "data_parallel" in (mesh.mesh_dim_names or ()):
-            fully_shard(self.model, mesh=mesh["data_parallel"])
+        if mesh is not None and MeshAxis.DATA.value in (mesh.mesh_dim_names or ()):
+            fully_shard(self.model, mesh=mesh[MeshAxis.DATA.value])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = _mse(self.model, batch)

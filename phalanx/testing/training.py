@@ -1,4 +1,5 @@
-"""The checks that drive a strategy through ``Trainer.fit``: lifecycle order, hooks, no-sync, teardown, resume."""
+"""The checks that drive a strategy through ``Trainer.fit`` (its defaults on): lifecycle order, hooks, no-sync,
+teardown, resume; the no-sync and resume judges serve the Cohort driver (``cohort_driver.py``) too."""
 
 from __future__ import annotations
 
@@ -57,9 +58,32 @@ class FitRun:
     teardowns: list[str] = field(default_factory=list)
     error: BaseException | None = None
     error_text: str = ""
+    label: str = "Trainer.fit"
 
-    def raise_if_failed(self, what: str) -> None:
-        """Re-raise the fit's error as an AssertionError that says which fit failed and how."""
+    # What the judges read of any driver's run (the Cohort loop's run has the same names).
+    @property
+    def saved(self) -> dict[str, Any] | None:
+        """The state snapshot taken where the checkpoint was saved."""
+        return self.callback.saved
+
+    @property
+    def started(self) -> dict[str, Any] | None:
+        """The state a resumed run started from, right after loading."""
+        return self.callback.started
+
+    @property
+    def final(self) -> dict[str, Any] | None:
+        """The state at the end."""
+        return self.callback.final
+
+    @property
+    def no_sync(self) -> dict[str, Any] | BaseException | None:
+        """What the no-sync probe saw (None: it did not run)."""
+        return self.callback.no_sync
+
+    def raise_if_failed(self, what: str | None = None) -> None:
+        """Re-raise the run's error as an AssertionError that says which run failed and how."""
+        what = what or self.label
         if isinstance(self.error, SystemExit):
             raise AssertionError(
                 f"{what} ended this rank with SystemExit({self.error.code}): the strategy stopped it because another"
@@ -69,41 +93,51 @@ class FitRun:
             raise AssertionError(f"{what} raised {type(self.error).__name__}: {self.error}\n{self.error_text}")
 
 
-def run_fit(
-    make_strategy: Callable[[], Strategy],
-    processes: int,
-    *,
-    seed: int,
-    record: bool = False,
-    ckpt_path: Path | None = None,
-    **probes: Any,
-) -> FitRun:
-    """Fit the conformance module for four steps on ``make_strategy()``; ``probes`` configure the ProbeCallback."""
+def built_strategy(make_strategy: Callable[[], Strategy]) -> Strategy:
+    """``make_strategy()``, checked to be a Strategy instance."""
     strategy = make_strategy()
     if not isinstance(strategy, Strategy):
         raise TypeError(
             f"make_strategy returned {type(strategy).__name__}; it must return a phalanx.strategies.Strategy instance."
         )
-    lifecycle = MethodRecorder(strategy, LIFECYCLE_METHODS) if record else None
-    callback = ProbeCallback(recorder=lifecycle, **probes)
-    options: dict[str, Any] = {"accelerator": "cpu"} if strategy.accelerator is None else {}
-    quiet: dict[str, Any] = {
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-    }
-    trainer = Trainer(strategy=strategy, devices=processes, max_steps=STEPS, callbacks=[callback], **quiet, **options)
+    return strategy
+
+
+def refuse_own_launcher(strategy: Strategy) -> None:
+    """The kit starts the ranks itself: a strategy that would start processes cannot run in them."""
     if strategy.launcher is not None:
         raise ValueError(
             f"{type(strategy).__name__} would start processes itself ({type(strategy.launcher).__name__}); the"
             " conformance kit starts them and runs each rank as a launched process. Build the strategy as a"
             " script launch would (start_method='popen')."
         )
+
+
+def run_fit(
+    make_strategy: Callable[[], Strategy],
+    processes: int,
+    *,
+    seed: int,
+    root: Path,
+    record: bool = False,
+    ckpt_path: Path | None = None,
+    label: str = "Trainer.fit",
+    **probes: Any,
+) -> FitRun:
+    """Fit the conformance module for four steps on ``make_strategy()`` with the Trainer's defaults on (its logger
+    and checkpoint folder under ``root``, progress bar, model summary); ``probes`` configure the ProbeCallback."""
+    strategy = built_strategy(make_strategy)
+    lifecycle = MethodRecorder(strategy, LIFECYCLE_METHODS) if record else None
+    callback = ProbeCallback(recorder=lifecycle, **probes)
+    options: dict[str, Any] = {"accelerator": "cpu"} if strategy.accelerator is None else {}
+    trainer = Trainer(
+        strategy=strategy, devices=processes, max_steps=STEPS, callbacks=[callback], default_root_dir=root, **options
+    )
+    refuse_own_launcher(strategy)
     teardowns = record_plugin_teardowns(strategy) if record else []
     torch.manual_seed(seed)
     module = ConformanceModule()
-    run = FitRun(strategy, trainer, module, callback, lifecycle, teardowns)
+    run = FitRun(strategy, trainer, module, callback, lifecycle, teardowns, label=label)
     try:
         trainer.fit(module, ckpt_path=ckpt_path)
     except KeyboardInterrupt:
@@ -118,8 +152,15 @@ def judge_lifecycle(run: FitRun, *, rank: int, processes: int) -> None:
     """The Trainer called the strategy's methods in the documented order, and the strategy reports this rank's place."""
     run.raise_if_failed("Trainer.fit")
     assert run.lifecycle is not None
-    problems = _sequence_problems("Strategy methods called by Trainer.fit", EXPECTED_LIFECYCLE, run.lifecycle.events)
-    seen = run.callback.ranks or {}
+    problems = sequence_problems("Strategy methods called by Trainer.fit", EXPECTED_LIFECYCLE, run.lifecycle.events)
+    problems += rank_problems(run.callback.ranks or {}, rank=rank, processes=processes)
+    if problems:
+        raise AssertionError("\n".join(problems))
+
+
+def rank_problems(seen: dict[str, Any], *, rank: int, processes: int) -> list[str]:
+    """What the strategy reported wrongly after setup: this rank's place, and its one optimizer."""
+    problems = []
     expected = {"world_size": processes, "global_rank": rank, "is_global_zero": rank == 0}
     for name, value in expected.items():
         if seen.get(name) != value:
@@ -128,23 +169,20 @@ def judge_lifecycle(run: FitRun, *, rank: int, processes: int) -> None:
                 f" ({processes} processes)."
             )
     if seen.get("optimizers") != 1:
-        problems.append(
-            f"strategy.optimizers held {seen.get('optimizers')} optimizer(s) after setup;"
-            " configure_optimizers returned one."
-        )
-    if problems:
-        raise AssertionError("\n".join(problems))
+        problems.append(f"strategy.optimizers held {seen.get('optimizers')} optimizer(s) after setup; expected one.")
+    return problems
 
 
 def judge_hooks(run: FitRun) -> None:
     """Every module hook of a fit was called, in order, once per run or once per batch."""
     run.raise_if_failed("Trainer.fit")
-    problems = _sequence_problems("TrainingModule hooks called during Trainer.fit", EXPECTED_HOOKS, run.module.events)
+    problems = sequence_problems("TrainingModule hooks called during Trainer.fit", EXPECTED_HOOKS, run.module.events)
     if problems:
         raise AssertionError("\n".join(problems))
 
 
-def _sequence_problems(what: str, expected: tuple[str, ...], seen: list[str]) -> list[str]:
+def sequence_problems(what: str, expected: tuple[str, ...], seen: list[str]) -> list[str]:
+    """Where ``seen`` first departs from ``expected`` (nothing when they are equal), both shown folded."""
     if tuple(seen) == expected:
         return []
     index = next(
@@ -181,10 +219,10 @@ def _compact(names: Any) -> str:
     return ", ".join(parts)
 
 
-def judge_no_sync(run: FitRun, *, rank: int) -> None:
+def judge_no_sync(run: Any, *, rank: int) -> None:
     """Inside ``block_backward_sync()`` each rank keeps its own gradients; the next synced backward averages the sum."""
-    run.raise_if_failed("Trainer.fit")
-    observed = run.callback.no_sync
+    run.raise_if_failed()
+    observed = run.no_sync
     if isinstance(observed, NotApplicable):
         raise observed
     if isinstance(observed, BaseException):
@@ -193,7 +231,7 @@ def judge_no_sync(run: FitRun, *, rank: int) -> None:
             f" {type(observed).__name__}: {observed}"
         )
     if observed is None:
-        raise AssertionError("the no-sync probe did not run (on_train_end was not reached).")
+        raise AssertionError(f"the no-sync probe did not run ({run.label} did not reach its end).")
     ranks = observed["ranks"]
     replicas = {seen["replica"]: seen for seen in ranks}
     mean_first = _mean([seen["local_first"] for seen in replicas.values()])
@@ -288,14 +326,15 @@ def judge_teardown(run: FitRun, *, rank: int, processes: int, after_fit_checkpoi
 
 
 # ---------------------------------------------------------------------------- the resumed fit
-def judge_checkpoint(first: FitRun, resumed: FitRun, *, atol: float) -> None:
-    """The resumed fit starts from exactly the saved weights and optimizer state, and ends where the first fit ended."""
-    first.raise_if_failed("Trainer.fit")
-    resumed.raise_if_failed(f"Trainer.fit(ckpt_path=<checkpoint saved at step {SAVE_AT}>)")
-    saved, started = first.callback.saved, resumed.callback.started
+def judge_checkpoint(first: Any, resumed: Any, *, atol: float) -> None:
+    """The resumed run starts from exactly the saved weights and optimizer state, and ends where the first run ended
+    (``first`` and ``resumed``: a FitRun or a Cohort LoopRun)."""
+    first.raise_if_failed()
+    resumed.raise_if_failed()
+    saved, started = first.saved, resumed.started
     if saved is None:
-        raise AssertionError(f"the first fit never reached global_step {SAVE_AT}, where the checkpoint is saved.")
-    assert started is not None and first.callback.final is not None and resumed.callback.final is not None
+        raise AssertionError(f"{first.label} never reached global_step {SAVE_AT}, where the checkpoint is saved.")
+    assert started is not None and first.final is not None and resumed.final is not None
     problems = []
     for part, label in (("weights", "module_state_dict()"), ("optimizers", "optimizer_state()")):
         found = differences(saved[part], started[part], path=label)
@@ -304,12 +343,10 @@ def judge_checkpoint(first: FitRun, resumed: FitRun, *, atol: float) -> None:
                 f"after loading the checkpoint, {label} differs from the state saved at step {SAVE_AT}:\n    "
                 + "\n    ".join(found)
             )
-    found = differences(
-        first.callback.final["weights"], resumed.callback.final["weights"], atol=atol, path="module_state_dict()"
-    )
+    found = differences(first.final["weights"], resumed.final["weights"], atol=atol, path="module_state_dict()")
     if found:
         problems.append(
-            f"the resumed fit ended at step {STEPS} with other weights than the uninterrupted fit:\n    "
+            f"the resumed run ended at step {STEPS} with other weights than the uninterrupted run:\n    "
             + "\n    ".join(found)
         )
     if problems:

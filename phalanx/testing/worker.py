@@ -1,4 +1,5 @@
-"""One rank of a conformance run: fit, judge, run the collective checks, resume, and write what it found."""
+"""One rank of a conformance run: through each driver, train, judge, (Trainer) run the collective checks, resume, and
+write what it found."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class WorkerSpec:
 
     make_strategy: Callable[[], Any]
     processes: int
-    checks: tuple[str, ...]
+    checks: dict[str, tuple[str, ...]]  # driver -> its checks, in order
     directory: str
     port: int
     resume_atol: float
@@ -69,45 +70,47 @@ def _isolate_environment(rank: int, spec: WorkerSpec) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores; more threads each only oversubscribe them
 
 
-def _judge(results: RankResults, check: str, judge: Callable[[], None]) -> None:
-    results.started(check)
+def _judge(results: RankResults, driver: str, check: str, judge: Callable[[], None]) -> None:
+    results.started(f"{driver}/{check}")
     try:
         judge()
     except NotApplicable as reason:
-        results.record(check, SKIPPED, str(reason))
+        results.record(driver, check, SKIPPED, str(reason))
     except AssertionError as error:
-        results.record(check, FAILED, str(error) or "assertion failed")
+        results.record(driver, check, FAILED, str(error) or "assertion failed")
     except Exception as error:  # noqa: BLE001 - a check that crashes fails, with what it raised
-        results.record(
-            check, FAILED, f"raised {type(error).__name__}: {error}\n" + "".join(traceback.format_exception(error)[-4:])
-        )
+        message = f"raised {type(error).__name__}: {error}\n" + "".join(traceback.format_exception(error)[-4:])
+        results.record(driver, check, FAILED, message)
     else:
-        results.record(check, PASSED)
+        results.record(driver, check, PASSED)
 
 
 def _run_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
+    if "trainer" in spec.checks:
+        _trainer_checks(rank, spec, results)
+    if "cohort" in spec.checks:
+        _cohort_checks(rank, spec, results)
+
+
+def _trainer_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
     # Lazy for import time: the runner's process imports this module but never loads the Trainer, about a second.
     from phalanx.testing import training
     from phalanx.testing.collectives import COLLECTIVE_CHECKS
 
-    checks, processes, directory = spec.checks, spec.processes, Path(spec.directory)
+    checks, processes, directory = spec.checks["trainer"], spec.processes, Path(spec.directory)
     resume = "checkpoint" in checks
-    results.started("fit")
+    results.started("trainer: fit")
     first = training.run_fit(
-        spec.make_strategy, processes, seed=0, record=True, save_at=training.SAVE_AT if resume else None,
-        checkpoint=directory / "mid.ckpt", no_sync="no_sync" in checks,
+        spec.make_strategy, processes, seed=0, root=directory / "trainer", record=True,
+        save_at=training.SAVE_AT if resume else None, checkpoint=directory / "mid.ckpt", no_sync="no_sync" in checks,
     )  # fmt: skip
     judges: dict[str, Callable[[], None]] = {
         "lifecycle": lambda: training.judge_lifecycle(first, rank=rank, processes=processes),
         "hooks": lambda: training.judge_hooks(first),
         "no_sync": lambda: training.judge_no_sync(first, rank=rank),
     }
-    _judge_selected(results, checks, judges)
-    if first.error is not None:
-        # The other ranks may be waiting in a collective this one left: no further collective may start here.
-        raise _Stopped(
-            f"Trainer.fit raised {type(first.error).__name__} on rank {rank}; the remaining checks did not run."
-        )
+    _judge_selected(results, "trainer", checks, judges)
+    _stop_if_failed(first, rank)
     after_fit = directory / "after_fit.ckpt"
     judges = {
         "teardown": lambda: training.judge_teardown(
@@ -116,16 +119,56 @@ def _run_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
     }
     for name, check in COLLECTIVE_CHECKS.items():
         judges[name] = lambda check=check: check(first.strategy, rank=rank, world_size=processes)  # type: ignore[misc]  # a default argument binds the loop variable; mypy cannot type such a lambda
-    _judge_selected(results, checks, judges)
+    _judge_selected(results, "trainer", checks, judges)
     if resume:
-        results.started("resumed fit")
+        results.started("trainer: resumed fit")
         resumed = training.run_fit(
-            spec.make_strategy, processes, seed=1, ckpt_path=directory / "mid.ckpt", capture_start=True
+            spec.make_strategy, processes, seed=1, root=directory / "trainer", ckpt_path=directory / "mid.ckpt",
+            capture_start=True, label=f"Trainer.fit(ckpt_path=<checkpoint saved at step {training.SAVE_AT}>)",
+        )  # fmt: skip
+        _judge(
+            results, "trainer", "checkpoint", lambda: training.judge_checkpoint(first, resumed, atol=spec.resume_atol)
         )
-        _judge(results, "checkpoint", lambda: training.judge_checkpoint(first, resumed, atol=spec.resume_atol))
 
 
-def _judge_selected(results: RankResults, checks: tuple[str, ...], judges: dict[str, Callable[[], None]]) -> None:
+def _cohort_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
+    # Lazy for import time: the runner's process imports this module but never loads the Cohort.
+    from phalanx.testing import cohort_driver, training
+
+    checks, processes, directory = spec.checks["cohort"], spec.processes, Path(spec.directory)
+    resume = "checkpoint" in checks
+    results.started("cohort: loop")
+    first = cohort_driver.run_loop(
+        spec.make_strategy, processes, seed=0, record=True, save_at=training.SAVE_AT if resume else None,
+        checkpoint=directory / "cohort_mid.ckpt", no_sync="no_sync" in checks,
+    )  # fmt: skip
+    judges: dict[str, Callable[[], None]] = {
+        "lifecycle": lambda: cohort_driver.judge_cohort_lifecycle(first, rank=rank, processes=processes),
+        "no_sync": lambda: training.judge_no_sync(first, rank=rank),
+    }
+    _judge_selected(results, "cohort", checks, judges)
+    _stop_if_failed(first, rank)
+    if resume:
+        results.started("cohort: resumed loop")
+        resumed = cohort_driver.run_loop(
+            spec.make_strategy, processes, seed=1, resume_from=directory / "cohort_mid.ckpt"
+        )
+        _judge(
+            results, "cohort", "checkpoint", lambda: training.judge_checkpoint(first, resumed, atol=spec.resume_atol)
+        )
+
+
+def _stop_if_failed(run: Any, rank: int) -> None:
+    if run.error is not None:
+        # The other ranks may be waiting in a collective this one left: no further collective may start here.
+        raise _Stopped(
+            f"{run.label} raised {type(run.error).__name__} on rank {rank}; the remaining checks did not run."
+        )
+
+
+def _judge_selected(
+    results: RankResults, driver: str, checks: tuple[str, ...], judges: dict[str, Callable[[], None]]
+) -> None:
     for check, judge in judges.items():
         if check in checks:
-            _judge(results, check, judge)
+            _judge(results, driver, check, judge)

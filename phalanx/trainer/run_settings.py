@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from phalanx.optimization import init_optimizers_and_schedulers
 from phalanx.strategies.settings import RunSettings
 from phalanx.trainer.state import TrainerFn
-from phalanx.utilities.compile import compiler_for, refuse_compiled_in_place
+from phalanx.utilities.compile import compiler_for, refuse_compiled_in_place, split_unit
 
 if TYPE_CHECKING:
     from phalanx.trainer.loops.data import DataSource
@@ -31,6 +31,7 @@ def run_settings(trainer: Trainer, source: DataSource) -> RunSettings:
         before_optimizer_step=trainer._before_optimizer_step,
         # A model passed as torch.compile(model) was unwrapped by check_module, which kept its compile context.
         compile=compiler_for(trainer.compile, source.module.__dict__.get("_compiled_with"), "Trainer"),
+        compile_unit=None if trainer.compile is None else split_unit(trainer.compile)[1],
     )
 
 

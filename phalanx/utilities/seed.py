@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sys
@@ -11,30 +12,37 @@ from typing import Any
 
 import torch
 
-from phalanx.utilities.rank_zero import rank_zero_warn
+from phalanx.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 _MAX_SEED = 2**32 - 1
+#: Where seed_everything leaves its seed and workers flag: phalanx's names and Lightning's (which spawned processes,
+#: user code and Lightning-era tools read).
+SEED_VARIABLES = ("PHALANX_GLOBAL_SEED", "PL_GLOBAL_SEED")
+WORKERS_VARIABLES = ("PHALANX_SEED_WORKERS", "PL_SEED_WORKERS")
+log = logging.getLogger("phalanx")
 
 
-def seed_everything(seed: int | None = None, workers: bool = False) -> int:
+def seed_everything(seed: int | None = None, workers: bool = False, verbose: bool = True) -> int:
     """Seed Python's, NumPy's (if imported) and torch's generators and return the seed.
 
-    With ``workers=True``, dataloader workers seeded by phalanx derive a distinct, reproducible seed from this seed,
-    their worker id and the global rank.
+    Without ``seed`` it is read from ``PL_GLOBAL_SEED`` (or ``PHALANX_GLOBAL_SEED``), else it is 0, with a warning, as
+    in Lightning 2.6. The seed and ``workers`` are left in ``PHALANX_GLOBAL_SEED`` / ``PL_GLOBAL_SEED`` and
+    ``PHALANX_SEED_WORKERS`` / ``PL_SEED_WORKERS`` (spawned processes and ``reset_seed`` read them). With
+    ``workers=True``, dataloader workers seeded by phalanx derive a distinct, reproducible seed from this seed, their
+    worker id and the global rank. ``verbose`` logs "Seed set to ..." (INFO, logger ``phalanx``) on every process.
     """
     if seed is None:
-        env_seed = os.environ.get("PL_GLOBAL_SEED") or os.environ.get("PHALANX_GLOBAL_SEED")
-        if env_seed is None:
-            seed = random.randint(0, _MAX_SEED)
-            rank_zero_warn(f"No seed given: seed_everything chose {seed}.")
-        else:
-            seed = int(env_seed)
+        seed = _seed_from_environment(verbose)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed <= _MAX_SEED:
         raise ValueError(f"seed must be in [0, {_MAX_SEED}], got {seed}")
-    os.environ["PHALANX_GLOBAL_SEED"] = str(seed)
-    os.environ["PHALANX_SEED_WORKERS"] = "1" if workers else "0"
+    if verbose:
+        log.info(_rank_prefixed(f"Seed set to {seed}"))
+    for name in SEED_VARIABLES:
+        os.environ[name] = str(seed)
+    for name in WORKERS_VARIABLES:
+        os.environ[name] = "1" if workers else "0"
     random.seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed)
@@ -46,8 +54,46 @@ def seed_everything(seed: int | None = None, workers: bool = False) -> int:
     return seed
 
 
-def worker_init_fn(worker_id: int, rank: int = 0) -> None:
-    """Seed one dataloader worker's torch, Python and NumPy generators, distinct per worker, rank and epoch."""
+def _seed_from_environment(verbose: bool) -> int:
+    for name in reversed(SEED_VARIABLES):  # Lightning's name first, as before
+        value = os.environ.get(name)
+        if value:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(
+                    f"{name}={value!r} is not a valid seed; set it to an int in [0, {_MAX_SEED}]."
+                ) from None
+    if verbose:
+        rank_zero_warn("No seed found, seed set to 0")
+    return 0
+
+
+def _rank_prefixed(message: str) -> str:
+    # The rank a launcher gave this process, when one did (Lightning prefixes its seed line the same way).
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return f"[rank: {int(os.environ[name])}] {message}"
+    return message
+
+
+def reset_seed() -> None:
+    """Seed the generators again with the seed (and ``workers``) ``seed_everything`` last set, quietly; nothing when
+    it was never called (its variables are unset)."""
+    seed = next((os.environ[name] for name in SEED_VARIABLES if os.environ.get(name)), None)
+    if seed is None:
+        return
+    workers = any(os.environ.get(name) == "1" for name in WORKERS_VARIABLES)
+    seed_everything(int(seed), workers=workers, verbose=False)
+
+
+def worker_init_fn(worker_id: int, rank: int | None = None) -> None:
+    """Seed one dataloader worker's torch, Python and NumPy generators, distinct per worker, rank and epoch.
+
+    Lightning's ``pl_worker_init_function``: the Trainer and the Cohort set it on loaders without a
+    ``worker_init_fn`` after ``seed_everything(workers=True)``; ``rank`` defaults to this process's global rank.
+    """
+    rank = rank_zero_only.rank if rank is None else rank
     # torch gives each worker initial_seed() = base_seed + worker_id, where base_seed is drawn afresh for every
     # epoch from the (seeded) main process: mixing it with the rank makes seeds differ across ranks and epochs.
     base_seed = torch.initial_seed() - worker_id
@@ -57,6 +103,10 @@ def worker_init_fn(worker_id: int, rank: int = 0) -> None:
     random.seed(seeds[1])
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seeds[2])
+
+
+#: Lightning's name of :func:`worker_init_fn`.
+pl_worker_init_function = worker_init_fn
 
 
 def collect_rng_states() -> dict[str, Any]:

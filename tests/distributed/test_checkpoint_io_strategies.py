@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from phalanx_distributed import assert_ok, run_script
+from strategy_cases import names
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -61,10 +62,20 @@ def expected(kind: str, rank: int) -> tuple[str, list[list[str]]]:
     ]
 
 
-KINDS = ["ddp", "fsdp_full", "fsdp_sharded", "fsdp_sharded_url", "model_parallel"] + [
-    f"deepspeed_{stage}" for stage in (1, 2, 3)
-]
+#: The job's kinds for each strategy that promises to save, load and remove through the CheckpointIO
+#: (tests/strategy_cases.py); a strategy that promises it without kinds here fails at collection.
+KINDS_OF = {
+    "ddp": ["ddp"],
+    "fsdp": ["fsdp_full", "fsdp_sharded", "fsdp_sharded_url"],
+    "model_parallel": ["model_parallel"],
+    **{f"deepspeed_stage_{stage}": [f"deepspeed_{stage}"] for stage in (1, 2, 3)},
+}
+KINDS = [kind for name in names("checkpoint_io") for kind in KINDS_OF[name]]
 ASYNC_KINDS = ["fsdp_sharded_async", "deepspeed_2_async", "deepspeed_2_url", "deepspeed_2_as_3", "deepspeed_2_as_ddp"]
+
+
+def test_every_strategy_that_promises_it_has_its_kinds_and_nothing_else():
+    assert sorted(KINDS_OF) == sorted(names("checkpoint_io"))
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from phalanx_distributed import assert_ok, run_script
+from strategy_cases import names
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
-PARALLEL = ["ddp", "fsdp", "model_parallel"]
+#: The strategies that promise it (tests/strategy_cases.py), against single_device's clipping.
+PARALLEL = [name for name in names("clip_norm") if name != "single_device"]
 TOLERANCE = dict(rtol=1e-4, atol=1e-6)  # what test_sharded.py allows tensor parallelism against one process
 
 

@@ -20,22 +20,14 @@ from typing import Any
 
 import pytest
 from phalanx_distributed import SCRIPTS, assert_ok, clean_environment, run
+from strategy_cases import case, promising
 
 sys.path.insert(0, str(SCRIPTS))
 
 from defaults_tier_job import BATCH, ONE_PROCESS, TRAIN  # noqa: E402
 
-#: Each row and the strategy class it must run on (single_device and ddp are what the default, 'auto', picks).
-STRATEGIES = {
-    "single_device": "SingleDeviceStrategy",
-    "ddp": "DDPStrategy",
-    "ddp_spawn": "DDPStrategy",
-    "ddp_fork": "DDPStrategy",
-    "fsdp": "FSDPStrategy",
-    "model_parallel": "ModelParallelStrategy",
-    "deepspeed": "DeepSpeedStrategy",
-    "deepspeed_stage_3": "DeepSpeedStrategy",
-}
+#: The strategies that promise this tier (tests/strategy_cases.py), and the class each must run on.
+STRATEGIES = {row.name: row.strategy_class for row in promising("defaults")}
 #: The stages of Trainer A (max_epochs=2): all of them must log to its one version folder.
 FIRST_TRAINER = [
     "validate_before_fit",
@@ -89,8 +81,8 @@ class Run:
 
 @pytest.fixture(params=list(STRATEGIES))
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Run:
-    if request.param.startswith("deepspeed"):
-        pytest.importorskip("deepspeed")
+    if case(request.param).needs is not None:
+        pytest.importorskip(case(request.param).needs)
     return Run(request.param, tmp_path)
 
 

@@ -21,6 +21,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
 
 from phalanx_distributed import SCRIPTS, assert_ok, clean_environment, run_script  # noqa: E402
+from strategy_cases import promising  # noqa: E402
 
 from phalanx.cli import main as phalanx_cli  # noqa: E402
 
@@ -41,14 +42,16 @@ from resume_matrix_job import (  # noqa: E402
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 MOMENT_TOLERANCE = dict(rtol=1e-4, atol=1e-7)
 CELLS = [(source, target) for source in ALL_SOURCES for target in ["single", *TARGETS]]
-#: What each target runs as: the strategy class, and whether the module's parameters are sharded DTensors.
+#: What each target runs as (tests/strategy_cases.py): the strategy class, and whether the module's parameters are
+#: sharded DTensors. The job resumes on every 2-process row that promises 'resume'; 'single' is single_device's row.
 TARGET_KINDS = {
-    "single": ("SingleDeviceStrategy", False),
-    "ddp": ("DDPStrategy", False),
-    "fsdp": ("FSDPStrategy", True),
-    "model_parallel": ("ModelParallelStrategy", True),
-    **{f"deepspeed_stage_{stage}": ("DeepSpeedStrategy", False) for stage in (1, 2, 3)},
+    ("single" if row.name == "single_device" else row.name): (row.strategy_class, row.sharded)
+    for row in promising("resume")
 }
+
+
+def test_the_job_resumes_on_every_strategy_that_promises_it():
+    assert ["single", *TARGETS] == list(TARGET_KINDS)
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ MISTAKES: list[tuple[str, Setup, str]] = [
         "the following arguments are required: output",
     ),
     ("no checkpoint command", lambda t, ckpt: ["checkpoint"], "choose a checkpoint command: consolidate"),
-    ("no command", lambda t, ckpt: [], "choose a command: demo or checkpoint"),
+    ("no command", lambda t, ckpt: [], "choose a command: demo, run or checkpoint"),
     (
         "demo with an unknown strategy",
         lambda t, ckpt: ["demo", "--strategy", "nope", "--max-steps", "1", "--no-progress-bar"],

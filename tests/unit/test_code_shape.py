@@ -21,7 +21,9 @@ MAX_LINES = {
     # The Strategy contract reads in one place: its set-up order with every named step beside the rest of the base
     # class, rather than a mixin that would have to stub the attributes it reads. Until the next release it also keeps
     # the deprecated per-flag properties that ``traits`` replaced (out-of-tree strategies may still override them).
-    "strategies/strategy.py": 600,
+    # The step it owns since issue 35 (``forward_backward``) and the compile unit of issue 37 are named steps of that
+    # order, so they stay beside it.
+    "strategies/strategy.py": 620,
 }
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))

@@ -20,7 +20,8 @@ _INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 
 
 def _split_top_level(text: str) -> list[str]:
-    """Split ``text`` on the commas that are not inside brackets."""
+    """Split ``text`` on the commas and whitespace that are not inside brackets (a node list may separate its hosts
+    either way: ``a,b`` or ``a b``)."""
     parts, depth, start = [], 0, 0
     for i, char in enumerate(text):
         if char == "[":
@@ -31,7 +32,7 @@ def _split_top_level(text: str) -> list[str]:
             depth -= 1
             if depth < 0:
                 raise ValueError(f"Malformed SLURM host list {text!r}: ']' without '['.")
-        elif char == "," and depth == 0:
+        elif (char == "," or char.isspace()) and depth == 0:
             parts.append(text[start:i])
             start = i + 1
     if depth != 0:
@@ -60,7 +61,8 @@ def _expand_ranges(spec: str, hostlist: str) -> list[str]:
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
-    """Expand a compressed SLURM host list such as ``node[01-04,07],gpu-a[1,3]-b`` into host names, in order."""
+    """Expand a compressed SLURM host list such as ``node[01-04,07],gpu-a[1,3]-b`` (or hosts separated by spaces)
+    into host names, in order."""
     hosts: list[str] = []
     for part in _split_top_level(hostlist):
         # Alternate literal text and bracket contents: "r[1-2]n[3,5]" -> ["r", "1-2", "n", "3,5", ""].

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
 
+from phalanx.plugins.precision.half import cast_floating
 from phalanx.plugins.precision.precision import BeforeStep, Precision
 
 
@@ -43,6 +44,19 @@ class MixedPrecision(Precision):
     def forward_context(self) -> AbstractContextManager:
         """Autocast to the mixed dtype on this device: :meth:`autocast_context_manager`."""
         return self.autocast_context_manager()
+
+    def convert_output(self, data: Any) -> Any:
+        """Cast floating-point outputs (autocast's half dtype) back to torch's default dtype.
+
+        Inputs are left as they are (``convert_input`` is the base's): autocast casts them for the operations that
+        run in the half dtype and keeps float32 for the others, as the Trainer does.
+        """
+        return cast_floating(data, torch.get_default_dtype())
+
+    @property
+    def converts_io(self) -> bool:
+        """Outputs change dtype (autocast computes in the half dtype)."""
+        return True
 
     def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
         """Scale the loss when a GradScaler is used."""

@@ -61,6 +61,17 @@ class DeepSpeedPrecision(Precision):
             return data
         return cast_floating(data, self.dtype)
 
+    def convert_output(self, data: Any) -> Any:
+        """Cast floating-point outputs back to torch's default dtype (the engine computes in the half dtype)."""
+        if self.dtype is torch.float32:
+            return data
+        return cast_floating(data, torch.get_default_dtype())
+
+    @property
+    def converts_io(self) -> bool:
+        """Everything but '32-true' changes dtypes."""
+        return self.dtype is not torch.float32
+
     def tensor_init_context(self) -> AbstractContextManager:
         """With '-true', new floating tensors default to the half dtype."""
         return (

@@ -68,6 +68,15 @@ class FSDPPrecision(Precision):
         """Cast floating-point inputs for '*-true' precisions."""
         return self._inner.convert_input(data)
 
+    def convert_output(self, data: Any) -> Any:
+        """Cast floating-point outputs back to torch's default dtype (except for '32-true')."""
+        return self._inner.convert_output(data)
+
+    @property
+    def converts_io(self) -> bool:
+        """As the plain plugin of the same precision."""
+        return self._inner.converts_io
+
     def tensor_init_context(self) -> AbstractContextManager:
         """Create tensors in the precision's dtype ('*-true')."""
         return self._inner.tensor_init_context()

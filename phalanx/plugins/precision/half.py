@@ -41,6 +41,15 @@ class TruePrecision(Precision):
         """Cast floating-point inputs."""
         return cast_floating(data, self.dtype)
 
+    def convert_output(self, data: Any) -> Any:
+        """Cast floating-point outputs back to torch's default dtype, so that a loss computed on them is in it."""
+        return cast_floating(data, torch.get_default_dtype())
+
+    @property
+    def converts_io(self) -> bool:
+        """Inputs and outputs change dtype."""
+        return True
+
     def tensor_init_context(self) -> AbstractContextManager:
         """New floating tensors default to this dtype."""
         return default_dtype(self.dtype)

@@ -52,6 +52,15 @@ class Precision:
         """Convert a batch (already on the device) to this precision."""
         return data
 
+    def convert_output(self, data: Any) -> Any:
+        """Convert a forward's outputs back to torch's default dtype (Fabric's name); float32 needs nothing."""
+        return data
+
+    @property
+    def converts_io(self) -> bool:
+        """Whether ``convert_input`` / ``convert_output`` can change a dtype; where not, a module wrapper skips them."""
+        return False
+
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:

@@ -40,6 +40,15 @@ class XLAPrecision(Precision):
         """'bf16-true': cast floating inputs to bfloat16."""
         return cast_floating(data, torch.bfloat16) if self.precision == "bf16-true" else data
 
+    def convert_output(self, data: Any) -> Any:
+        """Cast floating-point outputs back to torch's default dtype (except for '32-true')."""
+        return data if self.precision == "32-true" else cast_floating(data, torch.get_default_dtype())
+
+    @property
+    def converts_io(self) -> bool:
+        """Everything but '32-true' changes dtypes."""
+        return self.precision != "32-true"
+
     def forward_context(self) -> AbstractContextManager:
         """'bf16-mixed': bfloat16 autocast on the XLA device."""
         if self.precision == "bf16-mixed":

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Union
 import torch
 from torch import nn
 
+from phalanx.strategies.parallel_dims import MeshAxis
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 #: Which submodules a policy selects: layer classes, a predicate ``module -> bool``, an FSDP1 policy callable
@@ -369,7 +370,7 @@ def mesh_from_process_group(
 
     check_process_group(process_group, hybrid)
     if not hybrid:
-        return DeviceMesh.from_group(process_group, device_type, mesh_dim_names=("shard",))
+        return DeviceMesh.from_group(process_group, device_type, mesh_dim_names=(MeshAxis.DATA_SHARD.value,))
     shard_group, replicate_group = process_group
     # Every process tells its shard group: the rows of the (replicate, shard) mesh.
     rows = sorted({tuple(ranks) for ranks in gather(get_process_group_ranks(shard_group))})
@@ -382,5 +383,8 @@ def mesh_from_process_group(
             f" size (here {[list(r) for r in rows]}) whose members at the same position form the replicate groups."
         )
     return DeviceMesh.from_group(
-        [replicate_group, shard_group], device_type, mesh=mesh, mesh_dim_names=("replicate", "shard")
+        [replicate_group, shard_group],
+        device_type,
+        mesh=mesh,
+        mesh_dim_names=(MeshAxis.DATA_REPLICATE.value, MeshAxis.DATA_SHARD.value),
     )

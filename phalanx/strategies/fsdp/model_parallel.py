@@ -14,13 +14,14 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.fsdp._sharded import ShardedStrategyMixin, check_state_dict_type
 from phalanx.strategies.fsdp.strategy import is_sharded
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
+from phalanx.strategies.parallel_dims import MeshAxis, ParallelDims
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.checks import is_int_at_least
 from phalanx.utilities.dtensor import has_dtensors, has_meta_tensors
 from phalanx.utilities.registry import Registry
 
-MESH_DIMENSIONS = ("data_parallel", "tensor_parallel")
+MESH_DIMENSIONS = (MeshAxis.DATA.value, MeshAxis.TENSOR.value)
 
 
 def _check_size(name: str, value: Any) -> None:
@@ -36,6 +37,8 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     directories by default (``save_distributed_checkpoint=False`` writes one whole file).
     """
 
+    # Each block: configure_model's fully_shard and tensor-parallel hooks sit at block boundaries (as for FSDPStrategy).
+    default_compile_unit = "blocks"
     step_collectives = {
         "forward": "tensor-parallel and FSDP collectives (forward)",
         "backward": "tensor-parallel and FSDP collectives (backward)",
@@ -87,37 +90,42 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     def device_mesh(self, mesh: Any) -> None:
         self._device_mesh = mesh
 
-    def mesh_shape(self) -> tuple[int, int]:
-        """(data parallel size, tensor parallel size); 'auto' is one node's processes for tensor parallelism."""
+    def parallel_dims(self) -> ParallelDims:
+        """The sizes of the mesh's axes; 'auto' for both is one node's processes for tensor parallelism, 'auto' for
+        one is what the other leaves of the world size."""
         world = self.num_nodes * self.num_processes
         dp, tp = self._data_parallel_size, self._tensor_parallel_size
         if tp == "auto" and dp == "auto":
             dp, tp = self.num_nodes, self.num_processes
-        elif tp == "auto":
-            tp = world // dp if world % dp == 0 else 0  # type: ignore[operator]
-        elif dp == "auto":
-            dp = world // tp if world % tp == 0 else 0  # type: ignore[operator]
-        if dp * tp != world:  # type: ignore[operator]
+        try:
+            return ParallelDims(
+                world,
+                data_shard=-1 if dp == "auto" else int(dp),
+                tensor=-1 if tp == "auto" else int(tp),
+                axes=(MeshAxis.DATA, MeshAxis.TENSOR),
+            )
+        except ValueError:
             raise ValueError(
                 f"data_parallel_size={self._data_parallel_size!r} x"
                 f" tensor_parallel_size={self._tensor_parallel_size!r} must equal the"
                 f" number of processes ({world} = devices {self.num_processes} x num_nodes {self.num_nodes})."
-            )
-        return int(dp), int(tp)
+            ) from None
+
+    def mesh_shape(self) -> tuple[int, int]:
+        """(data parallel size, tensor parallel size)."""
+        dims = self.parallel_dims()
+        return dims.data_parallel_size, dims.tensor
 
     def setup_environment(self) -> None:
         """Join the process group and build the 2-D device mesh."""
-        shape = self.mesh_shape()  # checked before any process group exists
+        dims = self.parallel_dims()  # checked before any process group exists
         super().setup_environment()
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self.device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=MESH_DIMENSIONS)
+        self.device_mesh = dims.build_mesh(self.root_device.type)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
         """Only data-parallel ranks read different data; a tensor-parallel group reads the same batches."""
-        dp, tp = self.mesh_shape()
-        return {"num_replicas": dp, "rank": self.global_rank // tp}
+        return dict(self.parallel_dims().sampler_kwargs(self.global_rank))
 
     # ------------------------------------------------------------------ set-up
     def connect(self, model: Any) -> None:

@@ -21,10 +21,11 @@ from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.fsdp import FSDPPrecision
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies.fsdp import _fsdp1_arguments as seed
+from phalanx.strategies.fsdp import _fsdp1_arguments as fsdp1
 from phalanx.strategies.fsdp._fsdp1_arguments import HYBRID_STRATEGIES, KEEP_GATHERED_AFTER_FORWARD, ModulePolicy
 from phalanx.strategies.fsdp._sharded import ShardedStrategyMixin, check_state_dict_type
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
+from phalanx.strategies.parallel_dims import MeshAxis, ParallelDims
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities import distributed
@@ -33,6 +34,8 @@ from phalanx.utilities.init import empty_init_context
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.registry import Registry
 
+_HYBRID_AXES = (MeshAxis.DATA_REPLICATE, MeshAxis.DATA_SHARD)
+_HYBRID_NAMES = tuple(axis.value for axis in _HYBRID_AXES)
 # fully_shard arguments the strategy sets itself from its own options.
 _OWN_ARGUMENTS = {"module", "mesh", "mp_policy", "offload_policy"}
 
@@ -75,6 +78,9 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     """Fully sharded data parallelism (ZeRO-3 by default) on torch's FSDP2, on CUDA or on the CPU."""
 
     precision_plugin_type = FSDPPrecision
+    # Each block: fully_shard's all-gather and reduce-scatter hooks sit at block boundaries and run eagerly around the
+    # compiled blocks, as torchtitan does (a whole-model graph would have to trace through them).
+    default_compile_unit = "blocks"
     step_collectives = {
         "forward": "FSDP parameter all-gather (forward)",
         "backward": "FSDP parameter all-gather and gradient reduce-scatter (backward)",
@@ -109,16 +115,16 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        # The seed's FSDP1 forms (CPUOffload, MixedPrecision, ShardingStrategy, wrap policies, ...) are translated here.
-        self.sharding_strategy = seed.sharding_strategy_name(sharding_strategy)
+        # Lightning's FSDP1 forms (CPUOffload, MixedPrecision, ShardingStrategy, wrap policies, ...) translated once.
+        self.sharding_strategy = fsdp1.sharding_strategy_name(sharding_strategy)
         self._state_dict_type = check_state_dict_type(state_dict_type)
-        self.cpu_offload = seed.cpu_offload_setting(cpu_offload)
-        self.mixed_precision = seed.mixed_precision_policy(mixed_precision)
-        self._wrap_picker = seed.module_picker(auto_wrap_policy, "auto_wrap_policy")
-        checkpointing = seed.checkpointing_policy(activation_checkpointing, activation_checkpointing_policy)
-        self._checkpoint_picker = seed.module_picker(checkpointing, "activation_checkpointing_policy")
-        self._fully_shard_kwargs, self._process_group = seed.seed_keyword_arguments(kwargs, self._fully_shard_names())
-        seed.check_process_group(self._process_group, hybrid=self.sharding_strategy in HYBRID_STRATEGIES)
+        self.cpu_offload = fsdp1.cpu_offload_setting(cpu_offload)
+        self.mixed_precision = fsdp1.mixed_precision_policy(mixed_precision)
+        self._wrap_picker = fsdp1.module_picker(auto_wrap_policy, "auto_wrap_policy")
+        checkpointing = fsdp1.checkpointing_policy(activation_checkpointing, activation_checkpointing_policy)
+        self._checkpoint_picker = fsdp1.module_picker(checkpointing, "activation_checkpointing_policy")
+        self._fully_shard_kwargs, self._process_group = fsdp1.seed_keyword_arguments(kwargs, self._fully_shard_names())
+        fsdp1.check_process_group(self._process_group, hybrid=self.sharding_strategy in HYBRID_STRATEGIES)
         self._device_mesh_spec = self._check_device_mesh(device_mesh)
         self.device_mesh: Any = None
         self._sharded_by_strategy: nn.Module | None = None
@@ -195,36 +201,39 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         if self.world_size == 1:
             rank_zero_info(ONE_PROCESS_NOTICE)
 
-    def _build_mesh(self) -> Any:
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    def parallel_dims(self) -> ParallelDims:
+        """The replicate and shard sizes: hybrid sharding replicates across ``device_mesh[0]`` groups (by default one
+        per node) of ``device_mesh[1]`` shards; 'NO_SHARD' replicates on every rank; otherwise every rank shards."""
+        world = self.num_nodes * self.num_processes
+        spec = self._device_mesh_spec if isinstance(self._device_mesh_spec, tuple) else None
+        if self.sharding_strategy in HYBRID_STRATEGIES:
+            replicas, shards = spec or (self.num_nodes, self.num_processes)
+            if replicas * shards != world:
+                raise ValueError(
+                    f"{self.sharding_strategy} device_mesh={(replicas, shards)} has {replicas * shards} processes,"
+                    f" but the job has {world}; pass device_mesh=(replicas, shard_size) whose product is {world}."
+                )
+            return ParallelDims(world, data_replicate=replicas, data_shard=shards, axes=_HYBRID_AXES)
+        if spec is not None and spec[0] != world:
+            raise ValueError(f"device_mesh={spec} has {spec[0]} processes, but the job has {world}.")
+        if self.sharding_strategy == "NO_SHARD":
+            return ParallelDims(world, data_replicate=world, axes=_HYBRID_AXES)
+        return ParallelDims(world, data_shard=world, axes=(MeshAxis.DATA_SHARD,))
 
-        device_type, world = self.root_device.type, self.world_size
+    def _build_mesh(self) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device_type = self.root_device.type
         hybrid = self.sharding_strategy in HYBRID_STRATEGIES
         if self._process_group is not None:
-            mesh = seed.mesh_from_process_group(self._process_group, hybrid, device_type, self.all_gather_object)
+            mesh = fsdp1.mesh_from_process_group(self._process_group, hybrid, device_type, self.all_gather_object)
         elif isinstance(self._device_mesh_spec, DeviceMesh):
             mesh = self._device_mesh_spec
         else:
-            if hybrid:
-                shape = self._device_mesh_spec or (self.num_nodes, self.num_processes)
-            else:
-                shape = (world, 1) if self.sharding_strategy == "NO_SHARD" else (world,)
-                if self._device_mesh_spec is not None and self._device_mesh_spec[0] != world:
-                    raise ValueError(
-                        f"device_mesh={self._device_mesh_spec} has {self._device_mesh_spec[0]} processes, "
-                        f"but the job has {world}."
-                    )
-            if hybrid and shape[0] * shape[1] != world:
-                raise ValueError(
-                    f"{self.sharding_strategy} device_mesh={shape} has {shape[0] * shape[1]} processes, but the job"
-                    f" has {world}; pass device_mesh=(replicas, shard_size) with replicas * shard_size == {world}."
-                )
-            return init_device_mesh(
-                device_type, shape, mesh_dim_names=("replicate", "shard") if len(shape) == 2 else ("shard",)
-            )
+            return self.parallel_dims().build_mesh(device_type)
         if self.sharding_strategy == "NO_SHARD":
             # Replicated everywhere: a (processes x 1) mesh, on which fully_shard only all-reduces gradients.
-            mesh = DeviceMesh(device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=("replicate", "shard"))
+            mesh = DeviceMesh(device_type, mesh.mesh.reshape(-1, 1), mesh_dim_names=_HYBRID_NAMES)
         return mesh
 
     # ------------------------------------------------------------------ creating and sharding the module
@@ -254,7 +263,7 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
     def _mark_for_sharding(self, module: nn.Module, **fsdp1_arguments: Any) -> nn.Module:
         # FSDP1 would wrap the layer now; FSDP2 shards it in setup, with the strategy's settings, before the root.
         if fsdp1_arguments:
-            seed.warn_once(
+            fsdp1.warn_once(
                 "wrap arguments",
                 f"wrap(module, {', '.join(fsdp1_arguments)}=...): FSDP2 shards the layer with the strategy's own"
                 " settings; these arguments are not applied.",
@@ -387,7 +396,7 @@ class FSDPStrategy(ShardedStrategyMixin, ParallelStrategy):
         self._marked_for_sharding = []
 
     def teardown(self) -> None:
-        """Release the environment and plugins; the sharded module stays on its devices, as in the seed.
+        """Release the environment and plugins; the sharded module stays on its devices, as in the fsdp1.
 
         Its SyncBatchNorm layers stay too: swapping modules under fully_shard's hooks would break it for later calls.
         """

@@ -15,6 +15,7 @@ from phalanx.trainer.loops.fit_data import prepare_val_data, reload_val_data_if_
 from phalanx.trainer.loops.prediction_writing import PredictionRecord
 from phalanx.trainer.state import RunningStage
 from phalanx.utilities.apply import apply_to_tensors
+from phalanx.utilities.compile import running_eagerly
 from phalanx.utilities.rank_zero import rank_zero_warn
 from phalanx.utilities.seed import isolate_rng
 
@@ -170,7 +171,10 @@ def sanity_check(trainer: Trainer, source: DataSource) -> bool:
         prepare_val_data(trainer, source, first=True)
         limits = [limit if steps == -1 else min(limit, steps) for limit in trainer._run.val_limits]
         trainer._run.num_sanity_val_batches = limits
-        run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
+        # Eagerly: compiled first here, dynamo would compare the training batches' sizes with these and compile
+        # training with dynamic sizes where they differ; a hand-written loop compiles for training first (issue 37).
+        with running_eagerly():
+            run_evaluation(trainer, "validation", trainer._run.val_dataloaders, limits, trainer._eval_results)
         trainer._hooks.call("on_sanity_check_end")
     # The sanity check only proves the validation code runs: its numbers must not reach callbacks or loggers.
     trainer._metrics.reset()

@@ -376,34 +376,37 @@ class FitLoop:
 
     # ------------------------------------------------------------------ one batch
     def _forward_backward(self, batch: Any, batch_idx: int) -> tuple[Tensor | None, Any]:
-        trainer = self.trainer
-        strategy = trainer.strategy
+        trainer, strategy = self.trainer, self.trainer.strategy
         # nn.Module.__setattr__ costs microseconds per call; this plain attribute needs none of its checks.
         strategy.module.__dict__["_current_fx"] = "training_step"
-        output = strategy.training_step(batch, batch_idx)
-        if self._skip_window:
-            raise SkippedBatch(output)  # the rest of a window with a non-finite loss ('skip'), or skip_backward
-        loss = extract_loss(output)
+        self._batch_idx = batch_idx  # for _loss_to_backpropagate's non-finite report
+        loss, output = strategy.forward_backward(batch, batch_idx, self._loss_to_backpropagate, trainer._run.optimizer)
         if loss is None:
             return None, output
-        if trainer._run.loss_divisor != 1:
-            loss = loss / trainer._run.loss_divisor
-        nonfinite = self.nonfinite
-        if nonfinite.checks_every_step:
-            if not nonfinite.all_finite(loss):
-                nonfinite.act(loss, batch_idx)
-                raise SkippedBatch(output)
-        else:
-            nonfinite.record(loss)
-        for hook in self._before_backward_hooks:
-            hook(loss)
-        strategy.backward(loss, trainer._run.optimizer)
         for hook in self._after_backward_hooks:
             hook()
-        loss = loss.detach()
-        self._last_loss = loss
+        self._last_loss = loss = loss.detach()
         self._accumulated += 1
         return loss, output
+
+    def _loss_to_backpropagate(self, output: Any) -> Tensor | None:
+        if self._skip_window:
+            raise SkippedBatch(output)  # the rest of a window with a non-finite loss ('skip'), or skip_backward
+        # A valid scalar loss is taken as is (no call); anything else goes through extract_loss, which refuses it.
+        loss = output if isinstance(output, Tensor) and output.requires_grad and output.numel() == 1 else None
+        if loss is None and (loss := extract_loss(output)) is None:
+            return None
+        if self.trainer._run.loss_divisor != 1:
+            loss = loss / self.trainer._run.loss_divisor
+        nonfinite = self.nonfinite
+        if not nonfinite.checks_every_step:
+            nonfinite.record(loss)
+        elif not nonfinite.all_finite(loss):
+            nonfinite.act(loss, self._batch_idx)
+            raise SkippedBatch(output)
+        for hook in self._before_backward_hooks:
+            hook(loss)
+        return loss
 
     def _automatic_batch(self, batch: Any, batch_idx: int) -> Any:
         try:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from ddp_common import IndexedRegression, Net
+from strategy_cases import promising
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
@@ -151,7 +152,7 @@ def spawned(cohort: phalanx.Cohort) -> list[torch.Tensor]:
 
 def run_spawn(out: Path) -> None:
     results = {}
-    for strategy in ("ddp_spawn", "ddp_fork"):
+    for strategy in [row.name for row in promising("cohort") if row.launches]:  # tests/strategy_cases.py
         cohort = phalanx.Cohort(strategy=strategy, devices=2, accelerator="cpu")
         results[strategy] = [p.tolist() for p in cohort.launch(spawned)]
     (out / "spawn.json").write_text(json.dumps(results))

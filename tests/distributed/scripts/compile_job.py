@@ -117,7 +117,11 @@ def run(name: str, out: Path) -> dict[str, Any]:
     counter = counted()
     trainer, result["compiled"] = fit(name, out, STEPS, compile={"backend": counter})
     result["frames"], result["graph_breaks"] = counter.frame_count, sum(counters["graph_break"].values())
-    result["blocks_compiled"] = [block._compiled_call_impl is not None for block in trainer.strategy.module.blocks]
+    module = trainer.strategy.module
+    result["compiled_modules"] = [
+        name for name, child in module.named_modules() if child._compiled_call_impl is not None
+    ]
+    result["compiled_modules"] += ["<forward>"] if "forward" in module.__dict__ else []
     compiled_ckpt = out / f"{name}-compiled.ckpt"
     trainer.save_checkpoint(compiled_ckpt)
     if compiled_ckpt.is_file():  # sharded strategies write a directory of their own format

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from strategy_cases import names
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -37,7 +38,9 @@ SOURCES = {
 #: Written on 1 process (by the test, before the 2-process launch): checkpoints also change world size upwards.
 ONE_PROCESS_SOURCES = {"one": "auto"}
 ALL_SOURCES = [*SOURCES, *ONE_PROCESS_SOURCES]
-TARGETS = ["ddp", "fsdp", "model_parallel", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_3"]
+#: Every 2-process strategy that promises to resume any checkpoint (tests/strategy_cases.py); single_device runs in the
+#: test's own process.
+TARGETS = [name for name in names("resume") if name != "single_device"]
 
 
 class Indexed(Dataset):

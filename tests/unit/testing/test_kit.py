@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from phalanx.strategies import SingleDeviceStrategy
-from phalanx.testing import CHECKS, CheckResult, ConformanceReport, StrategyConformanceError, run_conformance
+from phalanx.testing import (
+    CHECKS,
+    CHECKS_BY_DRIVER,
+    COHORT_CHECKS,
+    DRIVERS,
+    CheckResult,
+    ConformanceReport,
+    StrategyConformanceError,
+    run_conformance,
+)
 from phalanx.testing.collectives import (
     check_all_gather,
     check_barrier,
@@ -21,7 +30,7 @@ from phalanx.testing.collectives import (
 )
 from phalanx.testing.probes import differences, local_copy
 from phalanx.testing.report import merge
-from phalanx.testing.training import EXPECTED_HOOKS, EXPECTED_LIFECYCLE, _compact, _sequence_problems
+from phalanx.testing.training import EXPECTED_HOOKS, EXPECTED_LIFECYCLE, _compact, sequence_problems
 
 
 # ------------------------------------------------------------------ arguments are checked before anything starts
@@ -32,6 +41,14 @@ from phalanx.testing.training import EXPECTED_HOOKS, EXPECTED_LIFECYCLE, _compac
         ({"processes": True}, ValueError, r"processes=True must be an int >= 1"),
         ({"processes": "2"}, ValueError, r"processes='2' must be an int >= 1"),
         ({"checks": ["reduce", "nope"]}, ValueError, r"\['nope'\]; choose from \['lifecycle', 'hooks'"),
+        ({"drivers": ["trainer", "fabric"]}, ValueError, r"drivers=\['trainer', 'fabric'\] is not valid: \['fabric'\]"),
+        ({"drivers": []}, ValueError, r"drivers=\[\] is not valid: empty; choose from \['trainer', 'cohort'\]"),
+        ({"drivers": "cohort"}, TypeError, r"drivers='cohort' must be a list of driver names"),
+        (
+            {"drivers": ["cohort"], "checks": ["reduce"]},
+            ValueError,
+            r"checks=\['reduce'\] has no check that drivers=\['cohort'\] run",
+        ),
         ({"checks": []}, ValueError, r"empty; choose from"),
         ({"checks": "reduce"}, TypeError, r"a list of check names, not a string"),
         ({"timeout": 0}, ValueError, r"timeout=0 must be a positive number"),
@@ -58,9 +75,11 @@ def test_make_strategy_must_be_callable_and_picklable_for_spawn(make_strategy: A
 
 
 # ---------------------------------------------------------------------------- merging the ranks' results
-def _rank(**checks: tuple[str, str]) -> dict[str, Any]:
+def _rank(driver: str = "trainer", **checks: tuple[str, str]) -> dict[str, Any]:
     return {
-        "checks": {name: {"status": status, "message": message} for name, (status, message) in checks.items()},
+        "checks": {
+            f"{driver}/{name}": {"status": status, "message": message} for name, (status, message) in checks.items()
+        },
         "fatal": None,
     }
 
@@ -95,15 +114,15 @@ def _rank(**checks: tuple[str, str]) -> dict[str, Any]:
 def test_a_check_fails_if_any_rank_failed_or_never_finished_it(
     ranks: list, stopped: dict, status: str, message: str
 ) -> None:
-    report = merge("MyStrategy", 2, ("reduce",), ranks, stopped)
-    assert report["reduce"] == CheckResult("reduce", status, message)
+    report = merge("MyStrategy", 2, {"trainer": ("reduce",)}, ranks, stopped)
+    assert report["reduce"] == report["trainer", "reduce"] == CheckResult("reduce", status, message)
 
 
 def test_one_process_reports_carry_no_rank_header_and_failures_name_every_check() -> None:
     report = merge(
         "MyStrategy",
         1,
-        ("lifecycle", "reduce", "barrier"),
+        {"trainer": ("lifecycle", "reduce", "barrier")},
         [_rank(lifecycle=("failed", "order"), reduce=("passed", ""), barrier=("failed", "no wait"))],
         {},
     )
@@ -112,13 +131,13 @@ def test_one_process_reports_carry_no_rank_header_and_failures_name_every_check(
     assert text == "\n".join(
         [
             "MyStrategy failed 2 of 3 conformance checks on 1 process:",
-            "  - lifecycle:",
+            "  - trainer/lifecycle:",
             "      order",
-            "  - barrier:",
+            "  - trainer/barrier:",
             "      no wait",
         ]
     )
-    with pytest.raises(StrategyConformanceError, match="check 'barrier' failed:\n    no wait"):
+    with pytest.raises(StrategyConformanceError, match="check 'barrier' failed:\ntrainer/barrier:\n    no wait"):
         report.assert_passed("barrier")
     report.assert_passed("reduce")
     with pytest.raises(KeyError, match="No result for check 'hooks'"):
@@ -127,21 +146,58 @@ def test_one_process_reports_carry_no_rank_header_and_failures_name_every_check(
 
 
 def test_a_skipped_check_skips_the_pytest_test_that_asserts_it() -> None:
-    report = ConformanceReport("MyStrategy", 1, {"no_sync": CheckResult("no_sync", "skipped", "one process")})
+    report = ConformanceReport(
+        "MyStrategy", 1, {("trainer", "no_sync"): CheckResult("no_sync", "skipped", "one process")}
+    )
     with pytest.raises(pytest.skip.Exception, match="no_sync: one process"):
         report.assert_passed("no_sync")
     report.assert_passed()  # a skipped check is no failure
+
+
+def test_a_report_of_both_drivers_names_the_driver_of_each_result() -> None:
+    ranks = [
+        {
+            "checks": {
+                **_rank(lifecycle=("passed", ""), checkpoint=("passed", ""))["checks"],
+                **_rank("cohort", lifecycle=("passed", ""), checkpoint=("failed", "weights differ"))["checks"],
+            },
+            "fatal": None,
+        }
+    ]
+    report = merge(
+        "MyStrategy", 1, {"trainer": ("lifecycle", "checkpoint"), "cohort": ("lifecycle", "checkpoint")}, ranks, {}
+    )
+    assert report.drivers == ["trainer", "cohort"]
+    assert [result.label for result in report.failures] == ["cohort/checkpoint"]
+    assert report["cohort", "checkpoint"].message == "weights differ" and report["trainer", "checkpoint"].passed
+    with pytest.raises(KeyError, match=r"check 'checkpoint' ran through \['trainer', 'cohort'\]; name the driver"):
+        report["checkpoint"]  # noqa: B018 - the lookup raises
+    report.assert_passed("checkpoint", driver="trainer")
+    with pytest.raises(StrategyConformanceError, match="check 'checkpoint' failed:\ncohort/checkpoint:\n    weights"):
+        report.assert_passed("checkpoint")
+    with pytest.raises(StrategyConformanceError, match="failed 1 of 4 conformance checks"):
+        report.assert_passed(driver="cohort")
+    report.assert_passed(driver="trainer")
+    assert report.summary().splitlines() == [
+        "MyStrategy on 1 process:",
+        "  through the trainer:",
+        "    passed  lifecycle",
+        "    passed  checkpoint",
+        "  through the cohort:",
+        "    passed  lifecycle",
+        "    failed  checkpoint: weights differ",
+    ]
 
 
 # ---------------------------------------------------------------------------- judging
 def test_sequence_problems_point_at_the_first_divergence_and_fold_repeated_cycles() -> None:
     seen = list(EXPECTED_LIFECYCLE)
     seen.insert(2, "setup_environment")
-    (problem,) = _sequence_problems("calls", EXPECTED_LIFECYCLE, seen)
+    (problem,) = sequence_problems("calls", EXPECTED_LIFECYCLE, seen)
     assert problem.startswith("calls: call #2 was 'setup_environment', expected 'setup'.")
     assert "[on_train_batch_start, training_step, backward, optimizer_step] x 4, on_train_end, teardown" in problem
-    assert _sequence_problems("calls", EXPECTED_LIFECYCLE, list(EXPECTED_LIFECYCLE)) == []
-    (short,) = _sequence_problems("hooks", EXPECTED_HOOKS, list(EXPECTED_HOOKS[:-1]))
+    assert sequence_problems("calls", EXPECTED_LIFECYCLE, list(EXPECTED_LIFECYCLE)) == []
+    (short,) = sequence_problems("hooks", EXPECTED_HOOKS, list(EXPECTED_HOOKS[:-1]))
     assert f"call #{len(EXPECTED_HOOKS) - 1} was 'nothing more', expected 'teardown'" in short
     assert _compact(["a", "b", "c", "d", "e", "b", "c", "d", "e", "f"]) == "a, [b, c, d, e] x 2, f"
 
@@ -259,6 +315,8 @@ def test_all_checks_are_listed_in_the_order_they_run() -> None:
         and CHECKS[-1] == "checkpoint"
         and len(set(CHECKS)) == 10
     )
+    assert DRIVERS == ("trainer", "cohort") and CHECKS_BY_DRIVER == {"trainer": CHECKS, "cohort": COHORT_CHECKS}
+    assert set(COHORT_CHECKS) < set(CHECKS)  # the Cohort's checks judge the same promises as the Trainer's
 
 
 def test_import_phalanx_does_not_load_the_kit_and_the_kit_loads_torch_only_when_it_runs() -> None:

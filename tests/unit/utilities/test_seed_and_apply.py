@@ -14,7 +14,7 @@ import torch
 from phalanx.utilities.apply import apply_to_tensors, move_to_device
 from phalanx.utilities.seed import collect_rng_states, restore_rng_states, seed_everything, worker_init_fn
 
-_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PHALANX_GLOBAL_SEED", "PHALANX_SEED_WORKERS")
+_SEED_VARIABLES = ("PL_GLOBAL_SEED", "PHALANX_GLOBAL_SEED", "PHALANX_SEED_WORKERS", "PL_SEED_WORKERS")
 
 
 @pytest.fixture(autouse=True)
@@ -45,10 +45,10 @@ def test_seed_everything_exports_the_seed_for_worker_processes(monkeypatch: pyte
     import os
 
     seed_everything(7, workers=True)
-    assert os.environ["PHALANX_GLOBAL_SEED"] == "7"
-    assert os.environ["PHALANX_SEED_WORKERS"] == "1"
+    assert os.environ["PHALANX_GLOBAL_SEED"] == os.environ["PL_GLOBAL_SEED"] == "7"
+    assert os.environ["PHALANX_SEED_WORKERS"] == os.environ["PL_SEED_WORKERS"] == "1"
     seed_everything(8)
-    assert os.environ["PHALANX_SEED_WORKERS"] == "0"
+    assert os.environ["PHALANX_SEED_WORKERS"] == os.environ["PL_SEED_WORKERS"] == "0"
 
 
 @pytest.mark.parametrize("variable", ["PL_GLOBAL_SEED", "PHALANX_GLOBAL_SEED"])
@@ -57,10 +57,19 @@ def test_seed_everything_without_a_seed_reads_the_environment(monkeypatch: pytes
     assert seed_everything() == 99
 
 
-def test_seed_everything_without_a_seed_or_environment_picks_one_and_warns() -> None:
-    with pytest.warns(UserWarning, match="chose"):
-        seed = seed_everything()
-    assert 0 <= seed <= 2**32 - 1
+def test_seed_everything_without_a_seed_or_environment_seeds_zero_and_warns() -> None:
+    with pytest.warns(UserWarning, match="No seed found, seed set to 0"):
+        assert seed_everything() == 0
+    first = _draws()
+    seed_everything(0)
+    assert _draws() == first
+
+
+@pytest.mark.parametrize("variable", ["PL_GLOBAL_SEED", "PHALANX_GLOBAL_SEED"])
+def test_a_seed_variable_that_is_no_number_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    monkeypatch.setenv(variable, "forty-two")
+    with pytest.raises(ValueError, match=f"{variable}='forty-two' is not a valid seed"):
+        seed_everything()
 
 
 @pytest.mark.parametrize("seed", [-1, 2**32, 10**20])

@@ -1,0 +1,84 @@
+"""Splitting a model into pipeline stages by its repeated blocks, keeping the full model's parameter names.
+
+A model whose body is a sequence of repeated blocks (a transformer's layers) is cut into stages of balanced block
+counts, or at split points the user gives. :func:`keep_stage` removes in place what other stages hold, so that a
+rank's module keeps only its stage's parameters, under the names they have in the whole model (checkpoints written by
+stages then line up with one process's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+
+def stage_ranges(num_blocks: int, num_stages: int, split_points: Sequence[int] | None = None) -> list[range]:
+    """The block indices each stage holds: balanced by count (the first ``num_blocks % num_stages`` stages hold one
+    more), or cut before each of ``split_points`` (``num_stages - 1`` increasing indices)."""
+    for name, value in (("num_blocks", num_blocks), ("num_stages", num_stages)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1.")
+    if split_points is None:
+        if num_stages > num_blocks:
+            raise ValueError(
+                f"num_stages={num_stages} is more than the {num_blocks} blocks; every stage needs at least one block."
+            )
+        size, extra = divmod(num_blocks, num_stages)
+        bounds = [0]
+        for stage in range(num_stages):
+            bounds.append(bounds[-1] + size + (stage < extra))
+    else:
+        points = list(split_points)
+        if len(points) != num_stages - 1:
+            raise ValueError(
+                f"split_points={points} must give {num_stages - 1} indices for {num_stages} stages (each stage but"
+                " the first starts at one)."
+            )
+        bounds = [0, *points, num_blocks]
+        if any(not isinstance(point, int) or isinstance(point, bool) for point in points) or any(
+            low >= high for low, high in zip(bounds, bounds[1:])
+        ):
+            raise ValueError(
+                f"split_points={points} must be increasing ints strictly between 0 and {num_blocks}, so that every"
+                " stage holds at least one block."
+            )
+    return [range(low, high) for low, high in zip(bounds, bounds[1:])]
+
+
+def keep_stage(
+    module: nn.Module,
+    blocks: str,
+    stage: int,
+    num_stages: int,
+    *,
+    split_points: Sequence[int] | None = None,
+    first: Sequence[str] = (),
+    last: Sequence[str] = (),
+) -> range:
+    """Remove from ``module`` what stage ``stage`` of ``num_stages`` does not hold; the indices of the blocks kept.
+
+    ``blocks`` names the ``nn.ModuleList`` or ``nn.Sequential`` of repeated blocks; the others are removed without
+    renumbering, so iterating over it runs this stage's blocks and parameter names stay those of the whole model (do
+    not index it by position afterwards). ``first`` names submodules only the first stage holds (an embedding), and
+    ``last`` those only the last stage holds (a final norm and head); a removed one becomes None.
+    """
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+        raise ValueError(f"stage={stage!r} must be an int from 0 to {num_stages - 1}.")
+    container = module.get_submodule(blocks)
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(
+            f"{blocks!r} is a {type(container).__name__}; name the nn.ModuleList or nn.Sequential of repeated blocks."
+        )
+    for name in (*first, *last):
+        module.get_submodule(name)  # an unknown name is refused before anything is removed
+    held = stage_ranges(len(container), num_stages, split_points)[stage]
+    for index, key in enumerate(list(container._modules)):
+        if index not in held:
+            del container._modules[key]
+    for names, keeps in ((first, stage == 0), (last, stage == num_stages - 1)):
+        if not keeps:
+            for name in names:
+                parent, _, child = name.rpartition(".")
+                setattr(module.get_submodule(parent), child, None)
+    return held
