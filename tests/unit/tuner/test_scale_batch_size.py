@@ -143,3 +143,19 @@ def test_an_error_other_than_out_of_memory_is_raised():
     model.training_step = lambda batch, batch_idx: (_ for _ in ()).throw(RuntimeError("shape mismatch"))
     with pytest.raises(RuntimeError, match="shape mismatch"):
         Tuner(phalanx.Trainer(accelerator="cpu", **QUIET)).scale_batch_size(model)
+
+
+def test_the_fit_rebuilds_a_training_dataloader_that_configure_optimizers_built_early(tmp_path):
+    class Scheduled(_module_class(phalanx.TrainingModule, 20)):  # type: ignore[misc]
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            steps = int(self.trainer.estimated_stepping_batches)  # builds the training dataloader before on_fit_start
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=steps),
+            }
+
+    model = Scheduled()
+    finder = BatchSizeFinder(mode="binsearch", margin=0.0)
+    phalanx.Trainer(accelerator="cpu", max_epochs=1, callbacks=[finder], default_root_dir=tmp_path, **QUIET).fit(model)
+    assert finder.optimal_batch_size == 20 and model.sizes[-5:] == [20] * 5
