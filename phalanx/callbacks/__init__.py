@@ -2,12 +2,14 @@
 
 from typing import Any
 
+from phalanx.callbacks.batch_size_finder import BatchSizeFinder
 from phalanx.callbacks.callback import Callback
 from phalanx.callbacks.device_stats_monitor import DeviceStatsMonitor
 from phalanx.callbacks.early_stopping import EarlyStopping
 from phalanx.callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from phalanx.callbacks.gradient_accumulation_scheduler import GradientAccumulationScheduler
 from phalanx.callbacks.lambda_function import LambdaCallback
+from phalanx.callbacks.lr_finder import LearningRateFinder
 from phalanx.callbacks.lr_monitor import LearningRateMonitor
 from phalanx.callbacks.model_checkpoint import Checkpoint, ModelCheckpoint
 from phalanx.callbacks.model_summary import ModelSummary
@@ -26,8 +28,6 @@ from phalanx.utilities.lightning_names import NotOffered, missing_name_error
 #: SpikeDetection`` raises an ImportError saying so. The planned ones (``planned=True``) are listed as "not offered
 #: yet".
 NOT_OFFERED = {
-    "BatchSizeFinder": NotOffered("the DataLoader's batch_size, chosen by hand", planned=True),
-    "LearningRateFinder": NotOffered("short fits (Trainer(max_steps=...)) at a few learning rates", planned=True),
     "EMAWeightAveraging": NotOffered(
         "torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay)), updated in a"
         " Callback's on_train_batch_end"
@@ -48,12 +48,14 @@ __all__ = [
     "BackboneFinetuning",
     "BaseFinetuning",
     "BasePredictionWriter",
+    "BatchSizeFinder",
     "Callback",
     "Checkpoint",
     "DeviceStatsMonitor",
     "EarlyStopping",
     "GradientAccumulationScheduler",
     "LambdaCallback",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelPruning",

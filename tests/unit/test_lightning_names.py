@@ -18,10 +18,8 @@ ALL_PACKAGES = (
     "utilities", "trainer", "cli",
 )  # fmt: skip
 GUIDE = (Path(__file__).parents[2] / "docs" / "migrating-from-lightning.md").read_text()
-# The callbacks planned in issue 38, listed as "not offered yet" until then.
-PLANNED = {
-    "LearningRateFinder", "BatchSizeFinder",
-}  # fmt: skip
+# The callbacks planned in issue 38, listed as "not offered yet" until then (all of them are offered now).
+PLANNED: set[str] = set()
 
 
 # The __all__ of pytorch_lightning 2.6's three packages, for machines without it.
@@ -139,8 +137,6 @@ def test_other_missing_names_stay_attribute_errors(package):
 def test_the_planned_callbacks_are_listed_as_not_offered_yet():
     table = _table("callbacks")
     assert {name for name, entry in table.items() if entry.planned} == PLANNED
-    with pytest.raises(ImportError, match="LearningRateFinder is not offered yet .* use short fits"):
-        from phalanx.callbacks import LearningRateFinder  # noqa: F401
 
 
 @pytest.mark.parametrize("package", PACKAGES)
