@@ -3,8 +3,8 @@
 torchmetrics objects logged with ``self.log`` (accuracy per step and per epoch, computed over the epoch and synchronised
 across processes by torchmetrics itself), an MLflow tracking store (an SQLite file; an ``http://`` server works the
 same), a SimpleProfiler with a section of the user's own (``self.trainer.profiler.profile(...)``), a
-ThroughputMonitor counting samples per second and StochasticWeightAveraging over the last epochs. Synthetic data made
-in-process; nothing is downloaded.
+ThroughputMonitor counting samples per second, StochasticWeightAveraging over the last epochs, and the learning-rate
+finder choosing the rate before training. Synthetic data made in-process; nothing is downloaded.
 
 Run: python examples/lightning_toolkit_project.py --strategy ddp --devices 2 [--accelerator cpu] [--max-epochs 3]
      [--root DIR]; then read the run with ``mlflow ui --backend-store-uri sqlite:///DIR/mlflow.db`` or MlflowClient.
@@ -24,11 +24,13 @@ from torchmetrics.classification import MulticlassAccuracy
 #   from lightning.pytorch.callbacks import StochasticWeightAveraging, ThroughputMonitor
 #   from lightning.pytorch.loggers import MLFlowLogger
 #   from lightning.pytorch.profilers import SimpleProfiler
+#   from lightning.pytorch.tuner import Tuner
 from phalanx import Trainer, seed_everything
 from phalanx import TrainingModule as LightningModule
 from phalanx.callbacks import StochasticWeightAveraging, ThroughputMonitor
 from phalanx.loggers import MLFlowLogger
 from phalanx.profilers import SimpleProfiler
+from phalanx.tuner import Tuner
 
 CLASSES, FEATURES = 3, 8
 
@@ -106,7 +108,11 @@ def main() -> None:
         ],
     )
     model = Classifier()
-    trainer.fit(model, DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=16))
+    train_loader, val_loader = DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=16)
+    if trainer.world_size == 1:  # the finder runs in one process; with several, pick the rate on one first
+        finder = Tuner(trainer).lr_find(model, train_loader, min_lr=1e-3, max_lr=1.0, num_training=16)
+        print(f"learning rate found: {model.hparams.lr:.4g} (suggested {finder.suggestion():.4g})")
+    trainer.fit(model, train_loader, val_loader)
     results = trainer.test(model, DataLoader(test, batch_size=16))
     if trainer.is_global_zero:
         print(f"MLflow run {trainer.logger.run_id} in sqlite:///{root}/mlflow.db; profile under {root}")

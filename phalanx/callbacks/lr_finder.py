@@ -13,6 +13,7 @@ from phalanx.callbacks._lr_sweep import (
     update_lr,
 )
 from phalanx.callbacks.callback import Callback
+from phalanx.utilities.seed import isolate_rng
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
@@ -60,7 +61,9 @@ class LearningRateFinder(Callback):
             train = source.dataloaders.get("train") if source is not None else None
             fit_kwargs = {"datamodule": datamodule} if datamodule is not None else {"train_dataloaders": train}
         result = LRFinderResult(self._mode, self._min_lr, self._max_lr, self._num_training_steps)
-        run_sweep(trainer, pl_module, result, self._early_stop_threshold, fit_kwargs)
+        # As Lightning's finder: what the sweep draws (its loader's shuffle and seeds) changes no draw of the fit after.
+        with isolate_rng():
+            run_sweep(trainer, pl_module, result, self._early_stop_threshold, fit_kwargs)
         self.optimal_lr = result
         if self._update_attr:
             update_lr(trainer, pl_module, attr_name, result)

@@ -190,3 +190,32 @@ def test_a_sweep_that_cannot_run_is_refused(model, kwargs, error, match):
 def test_fast_dev_run_skips_the_finder():
     with pytest.warns(UserWarning, match="skipped with fast_dev_run"):
         assert Tuner(quiet_trainer(fast_dev_run=True)).lr_find(Regressor(), _loader()) is None
+
+
+@pytest.mark.parametrize("via", ["tuner", "callback"])
+def test_the_sweep_draws_nothing_the_fit_after_it_sees(tmp_path, via):
+    """With a shuffled loader the sweep draws seeds and orders from the global generators; as Lightning's finder, it
+    gives them back, so the fit after it shuffles as it would without the sweep."""
+    shuffled = DataLoader(regression_data(64), batch_size=4, shuffle=True)
+    if via == "tuner":
+        phalanx.seed_everything(0)
+        trainer, model = (
+            phalanx.Trainer(accelerator="cpu", max_epochs=1, default_root_dir=tmp_path),
+            Regressor(hidden=8),
+        )
+        before = torch.get_rng_state()
+        Tuner(trainer).lr_find(model, shuffled, num_training=20)
+        assert torch.equal(torch.get_rng_state(), before)
+        return
+    runs = []
+    for finder in (LearningRateFinder(num_training_steps=20), None):
+        phalanx.seed_everything(0)
+        model = Regressor(hidden=8, lr=runs[0][1] if runs else 0.05)
+        trainer = phalanx.Trainer(
+            accelerator="cpu", max_epochs=1, default_root_dir=tmp_path / str(len(runs)),
+            callbacks=[finder] if finder else [], enable_progress_bar=False,
+        )  # fmt: skip
+        trainer.fit(model, shuffled)
+        runs.append((parameters_of(model), model.hparams.lr))
+    assert runs[0][1] != 0.05
+    assert same_parameters(runs[0][0], runs[1][0])
