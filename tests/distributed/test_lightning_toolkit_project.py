@@ -1,6 +1,7 @@
-"""examples/lightning_toolkit_project.py (torchmetrics objects in self.log, MLflow, a SimpleProfiler with a section of
-the user's own, ThroughputMonitor) run on phalanx and, with only its imports changed, on Lightning 2.6: the MLflow run
-each writes is read back with MlflowClient and compared metric by metric, on one process and on DDP's two.
+"""examples/lightning_toolkit_project.py (LightningCLI, torchmetrics objects in self.log, MLflow, a SimpleProfiler with
+a section of the user's own, ThroughputMonitor, StochasticWeightAveraging, the learning-rate finder) run on phalanx
+and, with only its imports changed, on Lightning 2.6: the MLflow run each writes is read back with MlflowClient and
+compared metric by metric, on one process and on DDP's two.
 
 Each (framework, strategy) runs once (tiny: 128 points, 3 epochs, a sqlite tracking store in the test's folder).
 """
@@ -21,11 +22,12 @@ pytest.importorskip("pytorch_lightning")
 SCRIPT = Path(__file__).parents[2] / "examples" / "lightning_toolkit_project.py"
 # The script's phalanx imports and Lightning's (as its comment gives them): nothing else differs between the two.
 LIGHTNING_IMPORTS = {
-    "from phalanx import Trainer, seed_everything\n": "from pytorch_lightning import Trainer, seed_everything\n",
+    "from phalanx import DataModule as LightningDataModule\n": "from pytorch_lightning import LightningDataModule\n",
     "from phalanx import TrainingModule as LightningModule\n": "from pytorch_lightning import LightningModule\n",
     "from phalanx.callbacks import StochasticWeightAveraging, ThroughputMonitor\n": (
         "from pytorch_lightning.callbacks import StochasticWeightAveraging, ThroughputMonitor\n"
     ),
+    "from phalanx.cli import LightningCLI\n": "from pytorch_lightning.cli import LightningCLI\n",
     "from phalanx.loggers import MLFlowLogger\n": "from pytorch_lightning.loggers import MLFlowLogger\n",
     "from phalanx.profilers import SimpleProfiler\n": "from pytorch_lightning.profilers import SimpleProfiler\n",
     "from phalanx.tuner import Tuner\n": "from pytorch_lightning.tuner import Tuner\n",
@@ -55,9 +57,10 @@ def runs(tmp_path_factory):
         if (framework, strategy) not in done:
             root = tmp_path_factory.mktemp(f"{framework}_{strategy}")
             script = SCRIPT if framework == "phalanx" else _lightning_script(root)
-            command = [sys.executable, str(script), "--strategy", strategy, "--devices", str(devices)]
-            command += ["--accelerator", "cpu", "--max-epochs", "3", "--root", str(root)]
-            done[framework, strategy] = (run(command, env=clean_environment(), timeout=400, cwd=root), root)
+            command = [sys.executable, str(script), "--trainer.strategy", strategy, "--trainer.devices", str(devices)]
+            command += ["--trainer.accelerator", "cpu", "--trainer.max_epochs", "3"]
+            job = run(command, env=clean_environment(), timeout=400, cwd=root)
+            done[framework, strategy] = (job, root / "toolkit_runs")  # where the script writes, under its folder
         return done[framework, strategy]
 
     return get
@@ -92,9 +95,13 @@ def test_the_mlflow_run_matches_lightning_s_metric_by_metric(runs, strategy, dev
     # keeps the rate from before the search, recorded by the fit its finder ran (docs/migrating-from-lightning.md).
     found = re.search(r"learning rate found: (\S+)", ours.stdout)
     assert (found is not None) == (devices == 1), ours.stdout[-2000:]
-    assert expected_params == {"hidden": "32", "lr": "0.05"}
+    expected_params.pop("_instantiator", None)  # Lightning's CLI records how it built the module
+    assert expected_params == {"hidden": "32", "lr": "0.05", "batch_size": "16"}
     expected_lr = float(found.group(1)) if found else 0.05
-    assert float(params.pop("lr")) == pytest.approx(expected_lr, rel=1e-3) and params == {"hidden": "32"}
+    assert float(params.pop("lr")) == pytest.approx(expected_lr, rel=1e-3) and params == {
+        "hidden": "32",
+        "batch_size": "16",
+    }
     assert sorted(history) == sorted(expected)
     for name in ("train_acc_step", "train_acc_epoch", "val_acc", "test_acc", "train/samples", "validate/samples"):
         assert name in history, f"{name} was not logged"
