@@ -94,6 +94,23 @@ def optimizer_index(value: Any, strategy: Strategy) -> int | None:
     )
 
 
+def checkpoint_base(strategy: Strategy, entries: Any, global_step: int, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The entries every Cohort checkpoint holds, set up or not: versions, progress (the state's ``epoch`` when it is a
+    count, else 0), the module's weights, the loop record a Trainer resumes from and every rank's generators."""
+    epoch = entries.plain.get("epoch")
+    epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0 else 0
+    return {
+        "phalanx_version": __version__,
+        "pytorch_version": str(torch.__version__),
+        "epoch": epoch,
+        "global_step": global_step,
+        "state_dict": state_dict,
+        "loops": {"fit_loop": loop_state(epoch, global_step)},
+        "lr_schedulers": [],
+        "rng_states": strategy.all_gather_object(collect_rng_states()),
+    }
+
+
 def build_checkpoint(
     state: Any, strategy: Strategy, global_step: int, state_filter: StateFilter | None = None
 ) -> dict[str, Any]:
@@ -111,18 +128,7 @@ def build_checkpoint(
     keep = checked_filter(state_filter, entries, engine=engine)
     module = strategy.module
     assert module is not None
-    epoch = entries.plain.get("epoch")
-    epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0 else 0
-    checkpoint: dict[str, Any] = {
-        "phalanx_version": __version__,
-        "pytorch_version": str(torch.__version__),
-        "epoch": epoch,
-        "global_step": global_step,
-        "state_dict": keep(entries.module_key, strategy.module_state_dict()),
-        "loops": {"fit_loop": loop_state(epoch, global_step)},
-        "lr_schedulers": [],
-        "rng_states": strategy.all_gather_object(collect_rng_states()),
-    }
+    checkpoint = checkpoint_base(strategy, entries, global_step, keep(entries.module_key, strategy.module_state_dict()))
     hparams = getattr(module, "hparams", None)
     if hparams:
         checkpoint["hyper_parameters"] = plain_hyperparameters(dict(hparams), type(module).__name__)

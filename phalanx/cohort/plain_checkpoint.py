@@ -12,23 +12,21 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from phalanx import __version__
 from phalanx.cohort.checkpoint import (
     COHORT_ENTRY,
     StateFilter,
     check_present,
     checked_filter,
-    loop_state,
+    checkpoint_base,
     own_rng_states,
 )
 from phalanx.cohort.raw import refuse_plain_state_dict
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.exceptions import CheckpointError
-from phalanx.utilities.seed import collect_rng_states, restore_rng_states
+from phalanx.utilities.seed import restore_rng_states
 
 
 class PlainEntries:
@@ -71,18 +69,7 @@ def save_before_setup(
         )
     keep = checked_filter(state_filter, entries, engine=None)  # before setup no engine exists yet
     module = state[entries.module_key]
-    epoch = entries.plain.get("epoch")
-    epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0 else 0
-    checkpoint: dict[str, Any] = {
-        "phalanx_version": __version__,
-        "pytorch_version": str(torch.__version__),
-        "epoch": epoch,
-        "global_step": global_step,
-        "state_dict": keep(entries.module_key, module.state_dict()),
-        "loops": {"fit_loop": loop_state(epoch, global_step)},
-        "lr_schedulers": [],
-        "rng_states": strategy.all_gather_object(collect_rng_states()),
-    }
+    checkpoint = checkpoint_base(strategy, entries, global_step, keep(entries.module_key, module.state_dict()))
     if entries.optimizer_keys:
         checkpoint["optimizer_states"] = [state[key].state_dict() for key in entries.optimizer_keys]
     checkpoint[COHORT_ENTRY] = {
