@@ -7,6 +7,9 @@ import torch
 
 # What a launcher sets for its processes: left behind, they make the next test look like a process of a started job.
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
+# What seed_everything leaves for child processes: left behind, a later job's DistributedSampler (phalanx's and
+# Lightning's alike) shuffles with another test's seed, and a parity test compares two different orders.
+_SEED_VARIABLES = ("PHALANX_GLOBAL_SEED", "PL_GLOBAL_SEED", "PHALANX_SEED_WORKERS", "PL_SEED_WORKERS")
 
 
 @pytest.fixture(autouse=True)
@@ -14,7 +17,7 @@ def _restore_torch_globals():
     # Tests that change torch's global switches (deterministic algorithms, default dtype) must not leak them.
     dtype = torch.get_default_dtype()
     deterministic = torch.are_deterministic_algorithms_enabled()
-    launch = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
+    launch = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES + _SEED_VARIABLES}
     yield
     for name, value in launch.items():
         if value is None:

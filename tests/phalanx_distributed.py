@@ -21,7 +21,8 @@ def free_port() -> int:
 
 def clean_environment(**extra: str) -> dict[str, str]:
     """This process's environment without launcher or cluster variables (tests set the ones they mean)."""
-    prefixes = ("SLURM_", "LSB_", "JSM_", "OMPI_", "PMI_", "TORCHELASTIC_", "PHALANX_")
+    # PL_ too: a seed another test left in PL_GLOBAL_SEED would reseed Lightning's samplers in an oracle job.
+    prefixes = ("SLURM_", "LSB_", "JSM_", "OMPI_", "PMI_", "TORCHELASTIC_", "PHALANX_", "PL_")
     names = {
         "RANK",
         "WORLD_SIZE",
