@@ -2,6 +2,8 @@
 
 MLP 32->64->1, batch 64, 3000 SGD steps (10 epochs of 300 batches), one thread, no logger, checkpoint or progress
 bar. Both run in this process, alternating, and the best of several repeats is compared (the least disturbed run).
+Each run is timed twice: wall-clock time and this process's CPU time. On a machine shared with other jobs the CPU
+time is the steadier figure (it leaves out the time the process waits for a core; one thread, no device to wait for).
 Usage: python bench/bench_fit.py [--repeats 5] [--steps 3000]
 """
 
@@ -45,12 +47,22 @@ class Regressor(phalanx.TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def raw_loop(steps: int) -> tuple[float, nn.Module]:
+class Clock:
+    """Wall-clock and process CPU time since construction."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def read(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def raw_loop(steps: int) -> tuple[tuple[float, float], nn.Module]:
     torch.manual_seed(0)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = make_loader()
-    start = time.perf_counter()
+    clock = Clock()
     step = 0
     while step < steps:
         for x, y in loader:
@@ -61,10 +73,10 @@ def raw_loop(steps: int) -> tuple[float, nn.Module]:
             step += 1
             if step == steps:
                 break
-    return time.perf_counter() - start, model
+    return clock.read(), model
 
 
-def phalanx_fit(steps: int) -> tuple[float, nn.Module]:
+def phalanx_fit(steps: int) -> tuple[tuple[float, float], nn.Module]:
     torch.manual_seed(0)
     module = Regressor()
     loader = make_loader()
@@ -72,9 +84,9 @@ def phalanx_fit(steps: int) -> tuple[float, nn.Module]:
         accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    start = time.perf_counter()
+    clock = Clock()
     trainer.fit(module, loader)
-    return time.perf_counter() - start, module.model
+    return clock.read(), module.model
 
 
 def main() -> None:
@@ -92,21 +104,20 @@ def main() -> None:
         raw_times.append(raw_time)
         phalanx_times.append(fit_time)
     same = all(torch.equal(a, b) for a, b in zip(raw_model.parameters(), fit_model.parameters()))
-    best_raw, best_fit = min(raw_times), min(phalanx_times)
     print(f"steps={args.steps} repeats={args.repeats} torch={torch.__version__} threads=1")
-    print(
-        f"raw loop      best {best_raw:.3f} s  median {statistics.median(raw_times):.3f} s "
-        f" ({best_raw / args.steps * 1e6:.1f} us/step)"
-    )
-    print(
-        f"phalanx fit   best {best_fit:.3f} s  median {statistics.median(phalanx_times):.3f} s "
-        f" ({best_fit / args.steps * 1e6:.1f} us/step)"
-    )
     print(f"identical final weights: {same}")
-    print(
-        f"fit-time ratio (best/best): {best_fit / best_raw:.3f}   (median/median:"
-        f" {statistics.median(phalanx_times) / statistics.median(raw_times):.3f})  target <= 1.10"
-    )
+    for index, kind in enumerate(("wall", "cpu")):
+        raw = [times[index] for times in raw_times]
+        fit = [times[index] for times in phalanx_times]
+        for name, runs in (("raw loop   ", raw), ("phalanx fit", fit)):
+            print(
+                f"{kind:4} {name}  best {min(runs):.3f} s  median {statistics.median(runs):.3f} s "
+                f" ({min(runs) / args.steps * 1e6:.1f} us/step)"
+            )
+        print(
+            f"{kind:4} ratio (best/best): {min(fit) / min(raw):.3f}   (median/median:"
+            f" {statistics.median(fit) / statistics.median(raw):.3f})  target <= 1.05"
+        )
 
 
 if __name__ == "__main__":

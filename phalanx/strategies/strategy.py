@@ -340,7 +340,8 @@ class Strategy(ABC):
     def batch_to_device(self, batch: object, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move a batch to ``device`` (the root device by default) and convert it to the precision's dtype."""
         batch = move_to_device(batch, device or self.root_device)
-        return self.precision_plugin.convert_input(batch)
+        # The plugin itself rather than its property (a Python call) where the step reads it: set after the first read.
+        return (self._precision_plugin or self.precision_plugin).convert_input(batch)
 
     def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
         """Call the module's step ``method`` inside ``context``, through the wrapper when there is one."""
@@ -356,8 +357,11 @@ class Strategy(ABC):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``training_step`` under the precision's context."""
+        context = (self._precision_plugin or self.precision_plugin).train_step_context()
+        if not self._names_collectives:
+            return self._run_step("training_step", context, *args, **kwargs)
         with self.naming_collectives("forward"):
-            return self._run_step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+            return self._run_step("training_step", context, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``validation_step`` under the precision's context."""
@@ -392,11 +396,14 @@ class Strategy(ABC):
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Run backward on the loss through the precision plugin."""
-        precision = self.precision_plugin
+        precision = self._precision_plugin or self.precision_plugin
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, self._module)
-        with self.naming_collectives("backward"):
+        if not self._names_collectives:
             precision.backward(closure_loss, self._module, optimizer, *args, **kwargs)
+        else:
+            with self.naming_collectives("backward"):
+                precision.backward(closure_loss, self._module, optimizer, *args, **kwargs)
         closure_loss = precision.post_backward(closure_loss, self._module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -408,14 +415,13 @@ class Strategy(ABC):
         self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
     ) -> Any:
         """Step ``optimizer`` through the precision plugin, which runs ``closure``, then ``before_optimizer_step``."""
+        precision = self._precision_plugin or self.precision_plugin
+        before_step = self._before_optimizer_step()
+        module = model if model is not None else self._module
+        if not self._names_collectives:
+            return precision.optimizer_step(optimizer, model=module, closure=closure, before_step=before_step, **kwargs)
         with self.naming_collectives("optimizer_step"):
-            return self.precision_plugin.optimizer_step(
-                optimizer,
-                model=model if model is not None else self._module,
-                closure=closure,
-                before_step=self._before_optimizer_step(),
-                **kwargs,
-            )
+            return precision.optimizer_step(optimizer, model=module, closure=closure, before_step=before_step, **kwargs)
 
     def _before_optimizer_step(self) -> Callable[[Optimizer], None] | None:
         """The run's ``before_optimizer_step`` callback, or None (none given, or before ``setup``)."""
@@ -509,11 +515,14 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------------ what the loops consult
     _legacy_traits: ClassVar[tuple[str, ...]] = ()
+    _names_collectives: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # Out-of-tree strategies written before ``traits`` override the separate properties: read them for a release.
         cls._legacy_traits = legacy_trait_overrides(cls, Strategy)
+        # Where naming_collectives is the base's empty context, a step skips entering it (three times per step).
+        cls._names_collectives = cls.naming_collectives is not Strategy.naming_collectives
 
     @property
     def traits(self) -> StrategyTraits:

@@ -85,6 +85,8 @@ class HookTable:
         self._table: dict[str, tuple[Callable[..., Any], ...]] = {}
         #: ``move_batch(batch, dataloader_idx=0)``: the strategy's move, or the batch transfer hooks around it.
         self.move_batch: Callable[..., Any] = _not_built
+        #: Whether the run's module overrides ``configure_gradient_clipping`` (decided once per run, not per step).
+        self.clipping_overridden = False
         self._warned: set[tuple[str, str]] = set()
 
     def build(self, trainer: Trainer, module: TrainingModule, callbacks: list[Callback]) -> None:
@@ -104,6 +106,7 @@ class HookTable:
         if records(trainer.profiler):  # only then: the unprofiled loops call the hooks themselves
             self._table = profiled_hooks(self._table, trainer.profiler, module)
         self.move_batch = _batch_mover(trainer.strategy, module, trainer.datamodule, self._warn_once)
+        self.clipping_overridden = overrides_gradient_clipping(module)
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_step_hooks(module)
         for obj in (module, trainer.datamodule, *callbacks):
@@ -232,7 +235,9 @@ def _batch_mover(
     """``move(batch, dataloader_idx=0)``: the strategy's own move unless a batch transfer hook is overridden."""
     before, transfer, after = (_data_hook(name, module, datamodule, warn) for name in BATCH_TRANSFER_HOOKS)
     if before is None and transfer is None and after is None:
-        return strategy.batch_to_device  # nothing overridden: no extra call per batch
+        # Nothing overridden: no extra call per batch. The device is read once here, after the strategy set up its
+        # environment (a parallel strategy's root_device reads the local rank from the environment at each call).
+        return partial(strategy.batch_to_device, device=strategy.root_device)
 
     def move(batch: Any, dataloader_idx: int = 0) -> Any:
         if before is not None:

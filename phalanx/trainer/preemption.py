@@ -110,12 +110,10 @@ class Preemption:
             )
 
 
-def save_if_preempted(trainer: Trainer, batches: int) -> bool:
-    """After a batch (``batches`` so far): when all ranks agree a preemption signal came, save a checkpoint together,
-    requeue the job if asked, mark the Trainer preempted and return True (the fit loop then stops)."""
-    preemption = trainer.preemption
-    if preemption is None or not preemption.requested(trainer, batches):
-        return False
+def save_preempted(trainer: Trainer, preemption: Preemption) -> None:
+    """Once all ranks agree a preemption signal came (``PreemptionHandler.requested``, which the fit loop asks after
+    every batch): save a checkpoint together, requeue the job if asked and mark the Trainer preempted (the fit loop
+    then stops)."""
     signame = preemption.received.name if preemption.received is not None else "a signal on another rank"
     path = os.path.join(
         trainer.checkpoint_dir, f"preempted-epoch={trainer.current_epoch}-step={trainer.global_step}.ckpt"
@@ -124,4 +122,3 @@ def save_if_preempted(trainer: Trainer, batches: int) -> bool:
     trainer.save_checkpoint(path)
     preemption.requeue_job(trainer)
     trainer._run.preempted = True
-    return True

@@ -30,7 +30,7 @@ from phalanx.trainer.arguments import STRATEGY_ARGUMENTS, apply_process_switches
 from phalanx.trainer.assignment import checked_assignment, refuse_deletion
 from phalanx.trainer.checkpoint import CheckpointConnector
 from phalanx.trainer.chosen_checkpoint import ChosenCheckpoint, chosen_ckpt_path
-from phalanx.trainer.hooks import HookTable, overrides_gradient_clipping
+from phalanx.trainer.hooks import HookTable
 from phalanx.trainer.logging.barebones import BarebonesResults
 from phalanx.trainer.logging.metrics import LoggedMetrics
 from phalanx.trainer.logging.results import LoggedResults
@@ -421,11 +421,12 @@ class Trainer(DeviceProperties):
         return prepare_dataloader(self, dataloader, training)
 
     def _before_optimizer_step(self, optimizer: Any) -> None:
-        for hook in self._hooks["on_before_optimizer_step"]:
+        hooks = self._hooks
+        for hook in hooks["on_before_optimizer_step"]:
             hook(optimizer)
         module = self.strategy.module
         # As Lightning, an override runs at every step whatever the settings; the default one clips only when set.
-        clips = module is not None and (self.gradient_clip_val or overrides_gradient_clipping(module))
+        clips = module is not None and (self.gradient_clip_val or hooks.clipping_overridden)
         if clips and module.automatic_optimization:
             module.configure_gradient_clipping(
                 optimizer,

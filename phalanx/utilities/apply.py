@@ -38,7 +38,12 @@ def move_to_device(data: Any, device: torch.device) -> Any:
     """Move every tensor in ``data`` to ``device`` (non-blocking from pinned memory to an accelerator)."""
     if device.type == "cpu":
         # The common CPU case: tensors are already there, and `.to()` would still cost a dispatcher round trip.
-        if type(data) in (list, tuple) and all(type(item) is torch.Tensor and item.is_cpu for item in data):
-            return data
+        if type(data) in (list, tuple):
+            # A plain loop: a generator inside all() would cost a Python call per item, every batch.
+            for item in data:
+                if type(item) is not torch.Tensor or not item.is_cpu:
+                    break
+            else:
+                return data
         return apply_to_tensors(data, _to_cpu)
     return apply_to_tensors(data, lambda t: t.to(device, non_blocking=t.is_pinned()))

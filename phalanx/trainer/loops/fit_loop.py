@@ -18,7 +18,7 @@ from phalanx.trainer.loops.fit_data import (
 )
 from phalanx.trainer.loops.nonfinite import NonFiniteLossCheck, SkippedBatch
 from phalanx.trainer.loops.optimizer import call_step_hook, follow_scheduler_changes, step_schedulers
-from phalanx.trainer.preemption import save_if_preempted
+from phalanx.trainer.preemption import save_preempted
 from phalanx.trainer.state import RunningStage
 from phalanx.trainer.step_output import extract_loss
 from phalanx.utilities.exceptions import CheckpointError
@@ -65,6 +65,7 @@ class FitLoop:
         self.nonfinite = NonFiniteLossCheck(trainer, 0)
         # The module's overridden hooks, set by run(); None means the loop does the default itself.
         self._step_hook: Callable[..., Any] | None = None
+        self._module_attrs: dict[str, Any] = {}  # the module's __dict__, where each step sets _current_fx
         self._zero_grad_hook: Callable[..., Any] | None = None
         self._step_handle: Any = None
         self._release_grads: Callable[[], Any] | None = None
@@ -114,6 +115,7 @@ class FitLoop:
         self._after_backward_hooks = hooks["on_after_backward"]
         self._before_zero_grad_hooks = hooks["on_before_zero_grad"]
         self._prepare_module_hooks()
+        self._module_attrs = trainer.strategy.module.__dict__  # once per fit rather than a property call per step
         restored, self._restored = self._restored, None
         self.nonfinite = NonFiniteLossCheck(trainer, self.global_step)
         self._warned_early_stop = False  # _forward_only stays: on_train_start may have set it (a resume inside it)
@@ -243,11 +245,13 @@ class FitLoop:
             if results.step_updated:
                 metrics.publish_step(results)
             self.phase = _BATCH_END
-            self._step_pending = stepped = not self._accumulating()  # a checkpoint in on_train_batch_end keeps it
+            # A checkpoint in on_train_batch_end keeps _step_pending; without accumulation no call is needed to tell.
+            simple = trainer.accumulate_grad_batches == 1 and not self._forward_only
+            self._step_pending = stepped = simple or not self._accumulating()
             for hook in batch_end_hooks:
                 hook(output, batch, batch_idx)
             # As in Lightning: every log_every_n_steps optimizer steps (not batches), or when a stop is requested.
-            if log_every and stepped and ((self.batches_stepped + 1) % log_every == 0 or trainer.should_stop):
+            if log_every and stepped and ((self.batches_stepped + 1) % log_every == 0 or trainer._run.should_stop):
                 if loggers:
                     metrics.log_step()
                 self.nonfinite.report()
@@ -323,7 +327,8 @@ class FitLoop:
     def _after_batch(self) -> bool:
         """The validation check and stop check that follow each batch; True when training must stop."""
         trainer = self.trainer
-        due = val_check_due(trainer, self, is_last=self.batches_done >= self.num_batches)
+        run = trainer._run
+        due = run.val_every_batches is not None and val_check_due(trainer, self, self.batches_done >= self.num_batches)
         # From here a checkpoint (e.g. one saved when this validation ends) resumes at the next batch.
         self.phase = _IN_BATCHES
         if due:
@@ -333,21 +338,25 @@ class FitLoop:
                 or self.batches_done % accumulate == 0
                 or self.batches_done >= self.num_batches
             )
-        if self.batches_done < self.num_batches:
-            self._count_stepped()  # the epoch's last batch is counted after the epoch's validation
-        preempted = trainer.preemption is not None and save_if_preempted(trainer, self.total_batches)
-        if preempted or self._stop_requested():
-            trainer._run.stop_now = True
+        if self._step_pending and self.batches_done < self.num_batches:
+            # _count_stepped inline (it runs after every batch); the epoch's last batch is counted after its validation.
+            self.batches_stepped += 1
+            self._step_pending = False
+        preemption = trainer.preemption
+        preempted = preemption is not None and preemption.requested(trainer, self.total_batches)
+        if preempted:
+            save_preempted(trainer, preemption)
+        # Inline, and run.should_stop rather than trainer.should_stop (a descriptor): this runs after every batch.
+        # stop_now: nonfinite_loss='stop'; should_stop ends training once min_epochs and min_steps are reached.
+        if (
+            preempted
+            or run.stop_now
+            or (trainer.max_steps != -1 and self.global_step >= trainer.max_steps)
+            or (run.should_stop and self._stop_allowed())
+        ):
+            run.stop_now = True
             return True
         return False
-
-    def _stop_requested(self) -> bool:
-        trainer = self.trainer
-        if trainer._run.stop_now:  # nonfinite_loss='stop'
-            return True
-        if trainer.max_steps != -1 and self.global_step >= trainer.max_steps:
-            return True
-        return self._stop_allowed()
 
     def _stop_allowed(self) -> bool:
         """Whether ``trainer.should_stop`` may end training: not before ``min_epochs`` and ``min_steps`` are reached."""
@@ -378,7 +387,7 @@ class FitLoop:
     def _forward_backward(self, batch: Any, batch_idx: int) -> tuple[Tensor | None, Any]:
         trainer, strategy = self.trainer, self.trainer.strategy
         # nn.Module.__setattr__ costs microseconds per call; this plain attribute needs none of its checks.
-        strategy.module.__dict__["_current_fx"] = "training_step"
+        self._module_attrs["_current_fx"] = "training_step"
         self._batch_idx = batch_idx  # for _loss_to_backpropagate's non-finite report
         loss, output = strategy.forward_backward(batch, batch_idx, self._loss_to_backpropagate, trainer._run.optimizer)
         if loss is None:
@@ -432,7 +441,7 @@ class FitLoop:
         return self._closes_window() or self.trainer.strategy.traits.handles_gradient_accumulation
 
     def _forward_backward_step(self, batch: Any, batch_idx: int) -> Any:
-        if not self._closes_window():
+        if self.trainer.accumulate_grad_batches != 1 and not self._closes_window():
             strategy = self.trainer.strategy
             with strategy.block_backward_sync():
                 if not strategy.traits.handles_gradient_accumulation:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor
@@ -24,6 +24,10 @@ class SkippedBatch(Exception):  # noqa: N818 - control flow inside the fit loop,
         self.output = output
 
 
+def _ignore(loss: Tensor) -> None:
+    """What ``NonFiniteLossCheck.record`` is where nothing is summed."""
+
+
 class NonFiniteLossCheck:
     """Watches the training loss of one ``fit``.
 
@@ -39,16 +43,12 @@ class NonFiniteLossCheck:
         self._finite = LossFinitenessSum()  # the losses since the window started, on the loss's device
         self._window_start = global_step
         self.skipped = 0  # batches skipped for a non-finite loss ('skip')
-
-    @property
-    def checks_every_step(self) -> bool:
-        """Whether each loss is read on the host (and the decision agreed on by every process)."""
-        return self.mode in ("skip", "stop", "raise")
-
-    def record(self, loss: Tensor) -> None:
-        """'warn': add the loss into a running sum on its device, without reading it (one small kernel per batch)."""
-        if self.mode == "warn":
-            self._finite.record(loss)
+        # Plain attributes, not a property and a method around the sum's: the fit loop reads them for every batch.
+        #: Whether each loss is read on the host (and the decision agreed on by every process).
+        self.checks_every_step = self.mode in ("skip", "stop", "raise")
+        #: 'warn': add the loss into a running sum on its device, without reading it (one small kernel per batch);
+        #: nothing in the other modes, or once the warning was given.
+        self.record: Callable[[Tensor], None] = self._finite.record if self.mode == "warn" else _ignore
 
     def report(self) -> None:
         """'warn': read the sum (called where the loop already reads values on the host) and warn once per fit."""
@@ -68,7 +68,7 @@ class NonFiniteLossCheck:
                 UserWarning,
                 stacklevel=2,
             )
-            self.mode = "warned"  # once per fit: stop summing
+            self.mode, self.record = "warned", _ignore  # once per fit: stop summing
             return
         self._window_start = end
 

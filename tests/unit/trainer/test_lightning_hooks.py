@@ -7,6 +7,7 @@ eval/train mode hooks of validation, test and predict, and on_validation_model_z
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -505,7 +506,10 @@ def test_without_overrides_the_loop_calls_the_strategy_directly(tmp_path):
     trainer = _trainer(tmp_path, max_steps=1)
     trainer.fit(model, _train_loader())
     hooks = trainer._hooks
-    assert hooks.move_batch == trainer.strategy.batch_to_device
+    # A partial (no Python frame of its own) with the device read once, not a wrapper function.
+    assert isinstance(hooks.move_batch, functools.partial)
+    assert hooks.move_batch.func == trainer.strategy.batch_to_device
+    assert hooks.move_batch.keywords == {"device": trainer.strategy.root_device}
     assert all(
         not hooks[name]
         for name in (
