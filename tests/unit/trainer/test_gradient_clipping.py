@@ -11,6 +11,7 @@ import torch
 from phalanx_testing import Regressor, quiet_trainer, regression_data
 from torch.utils.data import DataLoader
 
+from phalanx.module import TrainingModule
 from phalanx.utilities.enums import GradClipAlgorithmType
 from phalanx.utilities.exceptions import MisconfigurationError
 
@@ -60,6 +61,45 @@ def test_an_overridden_configure_gradient_clipping_runs_at_every_optimizer_step(
     assert trainer.global_step == steps
     assert module.received == [expected] * steps
 
+
+class Plain(Regressor):
+    """No override: the default configure_gradient_clipping (which clips nothing without gradient_clip_val)."""
+
+
+def _assigned_override() -> Regressor:
+    # An override assigned on the instance, as Lightning users do with hooks, counts as one.
+    module = Plain()
+    module.received = []  # type: ignore[attr-defined]
+    module.configure_gradient_clipping = lambda optimizer, **kwargs: module.received.append(tuple(kwargs.values()))
+    return module
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(Plain, Recording), (Recording, Plain), (Recording, Recording), (Plain, _assigned_override)],
+)
+def test_whether_configure_gradient_clipping_is_overridden_is_decided_for_each_fit(
+    tmp_path, monkeypatch, first, second
+):
+    # Decided once per fit, not per step: a second fit on the same Trainer with another module sees that module's.
+    default_calls: list[TrainingModule] = []
+    default = TrainingModule.configure_gradient_clipping
+
+    def spy(self, *args, **kwargs):
+        default_calls.append(self)
+        return default(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainingModule, "configure_gradient_clipping", spy)
+    trainer = quiet_trainer(default_root_dir=tmp_path, max_epochs=1)
+    modules = [first(), second()]
+    for epochs, module in enumerate(modules, start=1):
+        trainer.max_epochs = epochs
+        trainer.fit(module, _loader())
+        assert trainer.global_step == _BATCHES * epochs
+    for module in modules:
+        overrides = hasattr(module, "received")
+        assert getattr(module, "received", []) == ([(None, None)] * _BATCHES if overrides else [])
+    assert default_calls == []  # without gradient_clip_val the default is never called
 
 THRESHOLD = 1e-3
 # (Trainer arguments, clip_gradients arguments, what is bounded by THRESHOLD: 'norm', 'value', None, or an error)
