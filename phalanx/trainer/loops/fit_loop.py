@@ -245,9 +245,9 @@ class FitLoop:
             if results.step_updated:
                 metrics.publish_step(results)
             self.phase = _BATCH_END
-            # A checkpoint in on_train_batch_end keeps _step_pending; without accumulation no call is needed to tell.
-            simple = trainer.accumulate_grad_batches == 1 and not self._forward_only
-            self._step_pending = stepped = simple or not self._accumulating()
+            # A checkpoint in on_train_batch_end keeps _step_pending; no_window: no call needed to tell.
+            no_window = trainer.accumulate_grad_batches == 1 and not self._forward_only
+            self._step_pending = stepped = no_window or not self._accumulating()
             for hook in batch_end_hooks:
                 hook(output, batch, batch_idx)
             # As in Lightning: every log_every_n_steps optimizer steps (not batches), or when a stop is requested.
@@ -326,8 +326,7 @@ class FitLoop:
 
     def _after_batch(self) -> bool:
         """The validation check and stop check that follow each batch; True when training must stop."""
-        trainer = self.trainer
-        run = trainer._run
+        trainer, run = self.trainer, self.trainer._run
         due = run.val_every_batches is not None and val_check_due(trainer, self, self.batches_done >= self.num_batches)
         # From here a checkpoint (e.g. one saved when this validation ends) resumes at the next batch.
         self.phase = _IN_BATCHES
@@ -338,22 +337,15 @@ class FitLoop:
                 or self.batches_done % accumulate == 0
                 or self.batches_done >= self.num_batches
             )
-        if self._step_pending and self.batches_done < self.num_batches:
-            # _count_stepped inline (it runs after every batch); the epoch's last batch is counted after its validation.
-            self.batches_stepped += 1
-            self._step_pending = False
+        if self._step_pending and self.batches_done < self.num_batches:  # the epoch's last: after its validation
+            self.batches_stepped, self._step_pending = self.batches_stepped + 1, False  # _count_stepped, inline
         preemption = trainer.preemption
-        preempted = preemption is not None and preemption.requested(trainer, self.total_batches)
-        if preempted:
+        if preempted := preemption is not None and preemption.requested(trainer, self.total_batches):
             save_preempted(trainer, preemption)
         # Inline, and run.should_stop rather than trainer.should_stop (a descriptor): this runs after every batch.
         # stop_now: nonfinite_loss='stop'; should_stop ends training once min_epochs and min_steps are reached.
-        if (
-            preempted
-            or run.stop_now
-            or (trainer.max_steps != -1 and self.global_step >= trainer.max_steps)
-            or (run.should_stop and self._stop_allowed())
-        ):
+        at_max_steps = trainer.max_steps != -1 and self.global_step >= trainer.max_steps
+        if preempted or run.stop_now or at_max_steps or (run.should_stop and self._stop_allowed()):
             run.stop_now = True
             return True
         return False

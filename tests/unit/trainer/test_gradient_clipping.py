@@ -101,6 +101,7 @@ def test_whether_configure_gradient_clipping_is_overridden_is_decided_for_each_f
         assert getattr(module, "received", []) == ([(None, None)] * _BATCHES if overrides else [])
     assert default_calls == []  # without gradient_clip_val the default is never called
 
+
 THRESHOLD = 1e-3
 # (Trainer arguments, clip_gradients arguments, what is bounded by THRESHOLD: 'norm', 'value', None, or an error)
 CLIP_CASES = [
