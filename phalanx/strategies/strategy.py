@@ -52,6 +52,9 @@ class Strategy(ABC):
     #: What ``compile_module`` compiles unless ``compile={"unit": ...}`` says: "model" (the module holding the repeated
     #: blocks, as users compile it by hand) where nothing needs the block boundaries; docs/compile.md has the figures.
     default_compile_unit: ClassVar[CompileUnit] = "model"
+    #: False after an optimizer step that was declined (a fault-tolerance quorum did not commit it): the loops then
+    #: count no step and step no scheduler for it. Strategies that always step leave the class's True.
+    last_step_committed: bool = True
 
     def __init__(
         self,
