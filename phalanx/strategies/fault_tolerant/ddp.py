@@ -7,6 +7,8 @@ from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from phalanx.accelerators.accelerator import Accelerator
@@ -54,6 +56,17 @@ class _CommitGate(Optimizer):
         self.committed = bool(self.manager.should_commit())
         if self.committed:
             self.optim.step()
+
+
+def _average_across_groups(manager: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+    """DDP comm hook: average a gradient bucket over the groups in the quorum; a failure only marks the step."""
+    buffer = bucket.buffer()
+    # False when a peer failed: the Manager has recorded the error, so should_commit() declines this step and the
+    # buffer's (partial) values are never applied.
+    manager.allreduce(buffer).wait()
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
 
 
 class DDPFaultTolerantStrategy(DDPStrategy):
@@ -164,9 +177,16 @@ class DDPFaultTolerantStrategy(DDPStrategy):
                     f" (as LBFGS does): a quorum commits each step once. Use an optimizer such as SGD or AdamW."
                 )
 
-    def _wrap(self, module: torch.nn.Module) -> Any:
-        # torchft's DDP routes the gradient all-reduce through the Manager (a dummy group inside the replica group).
-        return self._torchft.ddp.DistributedDataParallel(self._manager, module)
+    def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
+        # As torchft.ddp.DistributedDataParallel: a dummy group soaks up DDP's own collectives, buckets are never
+        # rebuilt (a rejoining group must bucket as its peers do), and the gradients go through the Manager. Its hook
+        # is not used: in torchft 0.2.0 it fails an assertion when a peer dies during the all-reduce, killing the
+        # surviving group too, where the Manager only needs the error recorded so that the step is not committed.
+        dummy = self._torchft.process_group.ProcessGroupDummy(0, 1)
+        model = DistributedDataParallel(module, process_group=dummy, find_unused_parameters=True)
+        # DDP checks a hook's annotations against the classes; this module's are strings (postponed evaluation).
+        model.register_comm_hook(self._manager, lambda manager, bucket: _average_across_groups(manager, bucket))
+        return model
 
     def _make_manager(self) -> Any:
         torchft, options = self._torchft, self.fault_tolerance

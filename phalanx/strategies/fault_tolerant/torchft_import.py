@@ -15,7 +15,6 @@ class _TorchFT:
 
     def __init__(self) -> None:
         self.manager: ModuleType = importlib.import_module("torchft.manager")
-        self.ddp: ModuleType = importlib.import_module("torchft.ddp")
         self.process_group: ModuleType = importlib.import_module("torchft.process_group")
         self.http_transport: ModuleType = importlib.import_module("torchft.checkpointing.http_transport")
         self.pg_transport: ModuleType = importlib.import_module("torchft.checkpointing.pg_transport")
