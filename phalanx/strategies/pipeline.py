@@ -97,6 +97,7 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.microbatches = microbatches
         self._schedules: dict[tuple[Any, ...], Any] = {}
+        self._loss_fn: Callable[[Any, Tensor], Tensor] | None = None
 
     @property
     def holds_first(self) -> bool:
@@ -119,29 +120,31 @@ class PipelineRunner:
                 for module, index in zip(self.modules, self.stage_indices)
             ]
             cls = getattr(pipelining, SCHEDULES[name][0])
-            # The schedule calls loss_fn at run time through this cell, so that each step's batch reaches it.
-            schedule = cls(stages if SCHEDULES[name][1] else stages[0], microbatches, loss_fn=loss_fn)
+            # scale_grads=False: the schedule would divide every gradient by the micro-batch count after each step,
+            # gradients accumulated over earlier batches too; the loss is divided instead (see ``train``).
+            stage = stages if SCHEDULES[name][1] else stages[0]
+            schedule = cls(stage, microbatches, loss_fn=loss_fn, scale_grads=False)
             self._schedules[key] = schedule
         return schedule
 
     def train(self, inputs: tuple[Tensor, ...], batch_size: int, loss_fn: Callable[[Any, Tensor], Tensor]) -> Tensor:
-        """Run forward and backward over the batch in micro-batches; the micro-batches' mean loss on the rank that
-        holds the last stage (an empty tensor elsewhere). ``loss_fn(output, indices)`` gets a micro-batch's sample
-        indices."""
-        cell = self.__dict__.setdefault("_loss_cell", [None])
-        cell[0] = loss_fn
+        """Run forward and backward over the batch in micro-batches; on the rank that holds the last stage, the sum of
+        the losses backpropagated (a zero elsewhere). ``loss_fn(output, indices)`` gets a micro-batch's sample indices
+        and returns what to backpropagate for it (its share of the batch's loss)."""
+        self._loss_fn = loss_fn
         schedule = self._schedule(
             ("train", *_signature(inputs)),
             self.schedule_name,
             self.microbatches,
-            lambda output, indices: cell[0](output, indices),
+            # The schedule keeps the function it was built with: each step's batch reaches it through this attribute.
+            lambda output, indices: self._loss_fn(output, indices),  # type: ignore[misc]
         )
         losses: list[Tensor] = []
         target = torch.arange(batch_size) if self.holds_last else None
         schedule.step(*(inputs if self.holds_first else ()), target=target, losses=losses)
         if not self.holds_last:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.stack([loss.detach() for loss in losses]).sum()
 
     def forward(self, inputs: tuple[Tensor, ...], batch_size: int) -> Any:
         """Run the batch forward only (GPipe order); the last stage's output on the rank that holds it, else None."""

@@ -65,6 +65,15 @@ def keep_stage(
     """
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
         raise ValueError(f"stage={stage!r} must be an int from 0 to {num_stages - 1}.")
+    # configure_model runs again for each later stage of a run (validate, predict): the split it made stays.
+    kept = module.__dict__.get("_kept_stage")
+    if kept is not None:
+        if kept[:3] != (blocks, stage, num_stages):
+            raise ValueError(
+                f"The module already holds stage {kept[1]} of {kept[2]} (blocks {kept[0]!r}); it cannot become stage"
+                f" {stage} of {num_stages}. Build a new module for another split."
+            )
+        return kept[3]
     container = module.get_submodule(blocks)
     if not isinstance(container, (nn.ModuleList, nn.Sequential)):
         raise TypeError(
@@ -81,4 +90,5 @@ def keep_stage(
             for name in names:
                 parent, _, child = name.rpartition(".")
                 setattr(module.get_submodule(parent), child, None)
+    module.__dict__["_kept_stage"] = (blocks, stage, num_stages, held)
     return held

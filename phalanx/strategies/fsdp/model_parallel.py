@@ -278,13 +278,12 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
 
         def loss_fn(output: Any, indices: Tensor) -> Tensor:
             start = int(indices[0])  # a CPU tensor: no device read
-            loss = pipeline_loss(output, slice_batch(batch, start, start + step, size))
-            return loss / divisor if divisor != 1 else loss
+            # The batch's loss is the micro-batches' mean; the driver's loss divisor (accumulation) applies to it.
+            return pipeline_loss(output, slice_batch(batch, start, start + step, size)) / scale
 
+        scale = self._microbatches * divisor
         with self.naming_collectives("backward"), self.precision_plugin.train_step_context():
-            loss = self._runner().train(inputs, size, loss_fn)
-            if divisor != 1:
-                loss = loss * divisor
+            loss = self._runner().train(inputs, size, loss_fn) * divisor
             torch.distributed.broadcast(
                 loss, src=self._last_stage_rank(), group=self.device_mesh[MeshAxis.PIPELINE.value].get_group()
             )

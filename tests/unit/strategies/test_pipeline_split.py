@@ -105,3 +105,17 @@ def test_wrong_names_and_stages_are_refused_before_anything_is_removed(arguments
     with pytest.raises(error, match=message):
         keep_stage(module, num_stages=2, **arguments)
     assert [name for name, _ in module.named_parameters()] == before
+
+
+@pytest.mark.parametrize(("again", "refused"), [((1, 2), False), ((0, 2), True), ((1, 3), True)])
+def test_a_split_stays_when_configure_model_runs_again(again, refused):
+    # configure_model runs once per stage of a run (fit, then validate or predict) on the same module.
+    module = Tiny()
+    held = keep_stage(module, "layers", 1, 2, first=["embed"], last=["norm", "head"])
+    names = [name for name, _ in module.named_parameters()]
+    if refused:
+        with pytest.raises(ValueError, match="The module already holds stage 1 of 2"):
+            keep_stage(module, "layers", *again, first=["embed"], last=["norm", "head"])
+    else:
+        assert keep_stage(module, "layers", *again, first=["embed"], last=["norm", "head"]) == held
+    assert [name for name, _ in module.named_parameters()] == names

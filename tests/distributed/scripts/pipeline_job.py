@@ -1,0 +1,45 @@
+"""Every pipeline case of ``pipeline_common.CASES`` on 2 CPU processes (gloo), pipeline_parallel_size=2, for
+tests/distributed/test_pipeline_processes.py: losses, logged metrics, each rank's parameter bytes, the whole model's
+weights (both stages' state dicts together) and the predictions.
+
+Usage: python pipeline_job.py OUT   (phalanx starts the other process itself)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from pipeline_common import CASES, loader, run_case
+
+from phalanx.strategies import ModelParallelStrategy
+
+OUT = Path(sys.argv[1])
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name, (schedule, _) in CASES.items():
+        strategy = ModelParallelStrategy(pipeline_parallel_size=2, pipeline_schedule=schedule, microbatches=4)
+        trainer, module = run_case(name, strategy, 2, str(OUT / name))
+        weights: dict[str, torch.Tensor] = {}
+        for part in trainer.strategy.all_gather_object(module.state_dict()):
+            weights.update(part)
+        predictions = trainer.predict(module, loader()) if name == "GPipe" else None
+        metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+        local_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        results[name] = {
+            "losses": trainer.strategy.all_gather_object(module.losses),
+            "metrics": trainer.strategy.all_gather_object(metrics),
+            "bytes": trainer.strategy.all_gather_object(local_bytes),
+            "stages": trainer.strategy.all_gather_object(list(trainer.strategy.pipeline_stages)),
+            "log_dir": trainer.log_dir,
+        }
+        if trainer.is_global_zero:
+            torch.save(weights, OUT / f"{name}.pt")
+            if predictions is not None:
+                torch.save(torch.cat(predictions), OUT / f"{name}_predictions.pt")
+    if trainer.is_global_zero:
+        (OUT / "results.json").write_text(json.dumps(results))
