@@ -92,6 +92,13 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         self._stages_per_rank: int = pipeline_stages_per_rank or (2 if several else 1)
         self._microbatches: int = microbatches or pipeline_parallel_size * self._stages_per_rank
         self._pipeline: PipelineRunner | None = None
+        if pipeline_parallel_size > 1:
+            # Bound here, not overridden: without a pipeline a step makes no extra call (bench/bench_step_work.py).
+            self.__dict__.update(
+                forward_backward=self._pipelined_forward_backward,
+                _run_step=self._pipelined_run_step,
+                clip_gradients=self._pipelined_clip_gradients,
+            )
 
     # ------------------------------------------------------------------ the mesh
     @property
@@ -264,15 +271,13 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             )
         return inputs, size
 
-    def forward_backward(
+    def _pipelined_forward_backward(
         self, batch: Any, batch_idx: int, between: Callable[[Any], Tensor | None], optimizer: Optimizer | None
     ) -> tuple[Tensor | None, Any]:
         """With a pipeline: the schedule runs forward and backward over the micro-batches; the loss (their mean)
         goes from the last stage to every rank of the pipeline, then through ``between``."""
-        if self._pipeline_size == 1:
-            return super().forward_backward(batch, batch_idx, between, optimizer)
         inputs, size = self._pipeline_inputs(batch)
-        pipeline_loss: Callable[[Any, Any], Tensor] = getattr(self._module, "pipeline_loss")  # noqa: B009 - a hook of the user's
+        pipeline_loss: Callable[[Any, Any], Tensor] = self._module.pipeline_loss  # type: ignore[union-attr,assignment]
         divisor = self._run_settings.accumulate_grad_batches if self._run_settings is not None else 1
         step = size // self._microbatches
 
@@ -292,10 +297,10 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         output = loss.requires_grad_(True)
         return between(output), output.detach()
 
-    def _run_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+    def _pipelined_run_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """Evaluation steps with a pipeline: calling the module runs the pipeline forward only, and every rank of the
         pipeline gets the last stage's output."""
-        if self._pipeline_size == 1 or method == "training_step":
+        if method == "training_step":
             return super()._run_step(method, context, *args, **kwargs)
         module = self._module
         assert module is not None
@@ -321,7 +326,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         )
         return move_to_device(box[0], self.root_device)
 
-    def clip_gradients(
+    def _pipelined_clip_gradients(
         self,
         module: torch.nn.Module | None,
         optimizer: Optimizer,
@@ -330,13 +335,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         clip_val: float | None = None,
     ) -> Tensor | None:
         """With a pipeline, clipping by norm uses one norm over all stages' gradients."""
-        if (
-            self._pipeline_size == 1
-            or clip_val is not None
-            or isinstance(max_norm, bool)
-            or not isinstance(max_norm, (int, float))
-            or max_norm < 0
-        ):
+        if clip_val is not None or isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
             # Clipping by value is local; the base refuses bad arguments.
             return super().clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
         optimizer = getattr(optimizer, "optimizer", optimizer)

@@ -15,9 +15,8 @@ from phalanx.strategies.pipeline_split import keep_stage
 #: name -> (schedule, Trainer options beside the quiet ones); "defaults" leaves the Trainer's defaults on.
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "defaults_1F1B": ("1F1B", {"max_epochs": 1, "limit_val_batches": 2}),
-    "GPipe": ("GPipe", {"max_steps": 4}),
-    "1F1B_clip_accumulate": (
-        "1F1B",
+    "GPipe_clip_accumulate": (
+        "GPipe",
         {"max_steps": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"},
     ),
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from pipeline_common import CASES, loader, run_case
@@ -17,6 +18,17 @@ from pipeline_common import CASES, loader, run_case
 from phalanx.strategies import ModelParallelStrategy
 
 OUT = Path(sys.argv[1])
+EXAMPLE = Path(__file__).parents[3] / "docs" / "pipeline.md"
+
+
+def run_docs_example() -> list[float]:
+    """Run the example's block as a script would (its asserts check it); its losses."""
+    text = EXAMPLE.read_text().split("## A full example", 1)[1]
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(code, f"{EXAMPLE}:full example", "exec"), namespace)
+    return namespace["model"].losses
+
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
@@ -27,7 +39,7 @@ if __name__ == "__main__":
         weights: dict[str, torch.Tensor] = {}
         for part in trainer.strategy.all_gather_object(module.state_dict()):
             weights.update(part)
-        predictions = trainer.predict(module, loader()) if name == "GPipe" else None
+        predictions = trainer.predict(module, loader()) if name == "defaults_1F1B" else None
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
         local_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         results[name] = {
@@ -41,5 +53,7 @@ if __name__ == "__main__":
             torch.save(weights, OUT / f"{name}.pt")
             if predictions is not None:
                 torch.save(torch.cat(predictions), OUT / f"{name}_predictions.pt")
+    # The full example of docs/pipeline.md, in these processes rather than a launch of its own (CI time).
+    results["docs_example"] = run_docs_example()
     if trainer.is_global_zero:
         (OUT / "results.json").write_text(json.dumps(results))
