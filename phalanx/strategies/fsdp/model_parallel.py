@@ -19,6 +19,7 @@ from phalanx.strategies.fsdp.strategy import is_sharded
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.parallel_dims import MeshAxis, ParallelDims
 from phalanx.strategies.pipeline import SCHEDULES, PipelineRunner, check_pipeline_options, slice_batch, stages_of_rank
+from phalanx.strategies.pipeline_split import stage_views
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import move_to_device
@@ -223,14 +224,9 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         return stages_of_rank(self._pipeline_schedule, rank, self._pipeline_size, self._stages_per_rank)
 
     def check_setup(self, settings: RunSettings) -> None:
-        """Refuse what a pipeline cannot run: several stages per rank (not split yet) and manual optimization."""
+        """Refuse what a pipeline cannot run: manual optimization."""
         if self._pipeline_size == 1:
             return
-        if self._stages_per_rank > 1:
-            raise NotImplementedError(
-                f"pipeline_schedule={self._pipeline_schedule!r} holds {self._stages_per_rank} stages per rank, which"
-                " phalanx does not split modules into yet; use 'GPipe' or '1F1B' (docs/pipeline.md, limits)."
-            )
         if settings.fitting and not getattr(self._module, "automatic_optimization", True):
             raise ValueError(
                 "A pipeline runs forward and backward in its schedule: manual optimization is not supported with"
@@ -240,8 +236,10 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     def _runner(self) -> PipelineRunner:
         if self._pipeline is None:
             assert self._module is not None
+            # Several stages per rank: one view of the module per stage (configure_model kept them with keep_stages).
+            modules = stage_views(self._module) if self._stages_per_rank > 1 else [self._module]
             self._pipeline = PipelineRunner(
-                [self._module],
+                modules,
                 self.pipeline_stages,
                 self.num_pipeline_stages,
                 self.root_device,

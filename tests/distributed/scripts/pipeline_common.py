@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx
-from phalanx.strategies.pipeline_split import keep_stage
+from phalanx.strategies.pipeline_split import keep_stages
 
 #: name -> (schedule, Trainer options beside the quiet ones); "defaults" leaves the Trainer's defaults on.
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -19,6 +19,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "GPipe",
         {"max_steps": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"},
     ),
+    # Two virtual stages per rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (one block each).
+    "Interleaved1F1B": ("Interleaved1F1B", {"max_epochs": 1, "limit_val_batches": 1}),
 }
 QUIET = {
     "logger": False,
@@ -63,8 +65,8 @@ class Net(phalanx.TrainingModule):
     def configure_model(self) -> None:
         strategy = self.trainer.strategy
         if getattr(strategy, "pipeline_parallel_size", 1) > 1:
-            (stage,) = strategy.pipeline_stages
-            keep_stage(self, "blocks", stage, strategy.num_pipeline_stages, first=["embed"], last=["head"])
+            stages = strategy.pipeline_stages
+            keep_stages(self, "blocks", stages, strategy.num_pipeline_stages, first=["embed"], last=["head"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:

@@ -153,10 +153,3 @@ def test_a_pipeline_needs_the_loss_hook_and_automatic_optimization():
     with pytest.raises(ValueError, match="manual optimization is not supported"):
         strategy.check_setup(RunSettings())
     strategy.check_setup(RunSettings(stage="validate"))  # evaluation runs no optimizer
-
-
-def test_virtual_stages_are_refused_at_setup_until_modules_can_be_split_into_several():
-    strategy = ModelParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B")
-    strategy.connect(_Loss())
-    with pytest.raises(NotImplementedError, match="holds 2 stages per rank"):
-        strategy.check_setup(RunSettings())
