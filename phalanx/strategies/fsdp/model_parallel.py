@@ -243,18 +243,20 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
                 self.pipeline_stages,
                 self.num_pipeline_stages,
                 self.root_device,
-                self.device_mesh[MeshAxis.PIPELINE.value].get_group(),
+                self._pipeline_group(),
                 self._pipeline_schedule,
                 self._microbatches,
             )
         return self._pipeline
 
+    def _pipeline_group(self) -> Any:
+        return self.device_mesh[MeshAxis.PIPELINE.value].get_group()
+
     def _last_stage_rank(self) -> int:
-        """The global rank in this rank's pipeline group that holds the last stage."""
-        group = self.device_mesh[MeshAxis.PIPELINE.value].get_group()
-        ranks = torch.distributed.get_process_group_ranks(group)
-        return ranks[[self.num_pipeline_stages - 1 in stages_of_rank(self._pipeline_schedule, r, len(ranks),
-                      self._stages_per_rank) for r in range(len(ranks))].index(True)]  # fmt: skip
+        """The global rank in this rank's pipeline group that holds the last stage (the loss and the output)."""
+        ranks = torch.distributed.get_process_group_ranks(self._pipeline_group())
+        last, schedule, per_rank = self.num_pipeline_stages - 1, self._pipeline_schedule, self._stages_per_rank
+        return next(r for i, r in enumerate(ranks) if last in stages_of_rank(schedule, i, len(ranks), per_rank))
 
     def _pipeline_inputs(self, batch: Any) -> tuple[tuple[Tensor, ...], int]:
         module = self._module
@@ -287,9 +289,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         scale = self._microbatches * divisor
         with self.naming_collectives("backward"), self.precision_plugin.train_step_context():
             loss = self._runner().train(inputs, size, loss_fn) * divisor
-            torch.distributed.broadcast(
-                loss, src=self._last_stage_rank(), group=self.device_mesh[MeshAxis.PIPELINE.value].get_group()
-            )
+            torch.distributed.broadcast(loss, src=self._last_stage_rank(), group=self._pipeline_group())
         # The gradients exist already: what ``between`` makes of the loss (the loss divisor, non-finite checks, the
         # on_before_backward hooks) is applied to a leaf that stands for the loss the schedule backpropagated.
         output = loss.requires_grad_(True)
@@ -319,9 +319,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         finally:
             self._in_stage = False
         box = [output]
-        torch.distributed.broadcast_object_list(
-            box, src=self._last_stage_rank(), group=self.device_mesh[MeshAxis.PIPELINE.value].get_group()
-        )
+        torch.distributed.broadcast_object_list(box, src=self._last_stage_rank(), group=self._pipeline_group())
         return move_to_device(box[0], self.root_device)
 
     def _pipelined_clip_gradients(
@@ -341,7 +339,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.root_device)
         local = local.full_tensor() if is_dtensor(local) else local  # type: ignore[attr-defined]
         squared = local.double() ** 2
-        torch.distributed.all_reduce(squared, group=self.device_mesh[MeshAxis.PIPELINE.value].get_group())
+        torch.distributed.all_reduce(squared, group=self._pipeline_group())
         total = squared.sqrt().to(local.dtype)
         if grads and max_norm > 0:
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]

@@ -3,13 +3,14 @@ holds, and how a batch is cut into micro-batches."""
 
 from __future__ import annotations
 
+import pickle
 from collections import namedtuple
 
 import pytest
 import torch
 
 import phalanx
-from phalanx.strategies import ModelParallelStrategy, RunSettings
+from phalanx.strategies import ModelParallelStrategy, RunSettings, Strategy
 from phalanx.strategies.pipeline import SCHEDULES, slice_batch, stages_of_rank
 
 CPU4 = [torch.device("cpu")] * 4
@@ -153,3 +154,11 @@ def test_a_pipeline_needs_the_loss_hook_and_automatic_optimization():
     with pytest.raises(ValueError, match="manual optimization is not supported"):
         strategy.check_setup(RunSettings())
     strategy.check_setup(RunSettings(stage="validate"))  # evaluation runs no optimizer
+
+
+def test_a_pipeline_strategy_pickles_with_its_pipeline_steps():
+    # Spawned workers get the strategy pickled: the steps bound for the pipeline must come along, bound to the copy.
+    strategy = pickle.loads(pickle.dumps(ModelParallelStrategy(pipeline_parallel_size=2)))
+    assert strategy.forward_backward.__self__ is strategy
+    assert strategy.forward_backward.__func__ is ModelParallelStrategy._pipelined_forward_backward
+    assert ModelParallelStrategy().forward_backward.__func__ is Strategy.forward_backward  # no pipeline: the base's
