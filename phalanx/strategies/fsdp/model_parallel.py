@@ -93,13 +93,6 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         self._stages_per_rank: int = pipeline_stages_per_rank or (2 if several else 1)
         self._microbatches: int = microbatches or pipeline_parallel_size * self._stages_per_rank
         self._pipeline: PipelineRunner | None = None
-        if pipeline_parallel_size > 1:
-            # Bound here, not overridden: without a pipeline a step makes no extra call (bench/bench_step_work.py).
-            self.__dict__.update(
-                forward_backward=self._pipelined_forward_backward,
-                _run_step=self._pipelined_run_step,
-                clip_gradients=self._pipelined_clip_gradients,
-            )
 
     # ------------------------------------------------------------------ the mesh
     @property
@@ -271,6 +264,33 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             )
         return inputs, size
 
+    def forward_backward(
+        self, batch: Any, batch_idx: int, between: Callable[[Any], Tensor | None], optimizer: Optimizer | None
+    ) -> tuple[Tensor | None, Any]:
+        """The base class's step without a pipeline; with one, the schedule's (below)."""
+        if self._pipeline_size == 1:
+            return super().forward_backward(batch, batch_idx, between, optimizer)
+        return self._pipelined_forward_backward(batch, batch_idx, between, optimizer)
+
+    def _run_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        """The base class's call of a step method; with a pipeline, evaluation steps run it forward only (below)."""
+        if self._pipeline_size == 1 or method == "training_step":
+            return super()._run_step(method, context, *args, **kwargs)
+        return self._pipelined_run_step(method, context, *args, **kwargs)
+
+    def clip_gradients(
+        self,
+        module: torch.nn.Module | None,
+        optimizer: Optimizer,
+        *,
+        max_norm: float | None = None,
+        clip_val: float | None = None,
+    ) -> Tensor | None:
+        """The base class's clipping; with a pipeline, clipping by norm takes one norm over every stage (below)."""
+        if self._pipeline_size == 1:
+            return super().clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
+        return self._pipelined_clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
+
     def _pipelined_forward_backward(
         self, batch: Any, batch_idx: int, between: Callable[[Any], Tensor | None], optimizer: Optimizer | None
     ) -> tuple[Tensor | None, Any]:
@@ -298,8 +318,6 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     def _pipelined_run_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """Evaluation steps with a pipeline: calling the module runs the pipeline forward only, and every rank of the
         pipeline gets the last stage's output."""
-        if method == "training_step":
-            return super()._run_step(method, context, *args, **kwargs)
         module = self._module
         assert module is not None
         module.__dict__["forward"] = self._pipelined_forward

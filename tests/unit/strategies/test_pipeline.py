@@ -156,9 +156,8 @@ def test_a_pipeline_needs_the_loss_hook_and_automatic_optimization():
     strategy.check_setup(RunSettings(stage="validate"))  # evaluation runs no optimizer
 
 
-def test_a_pipeline_strategy_pickles_with_its_pipeline_steps():
-    # Spawned workers get the strategy pickled: the steps bound for the pipeline must come along, bound to the copy.
-    strategy = pickle.loads(pickle.dumps(ModelParallelStrategy(pipeline_parallel_size=2)))
-    assert strategy.forward_backward.__self__ is strategy
-    assert strategy.forward_backward.__func__ is ModelParallelStrategy._pipelined_forward_backward
-    assert ModelParallelStrategy().forward_backward.__func__ is Strategy.forward_backward  # no pipeline: the base's
+def test_a_pipeline_strategy_pickles_with_its_pipeline_options():
+    # Spawned workers get the strategy pickled: the copy must still run the schedule, not the base's step.
+    strategy = pickle.loads(pickle.dumps(ModelParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="GPipe")))
+    assert strategy.pipeline_parallel_size == 2 and strategy.num_pipeline_stages == 2
+    assert type(strategy).forward_backward is not Strategy.forward_backward
