@@ -230,6 +230,11 @@ class Strategy(ABC):
         """Combine a decision across processes: True if all (or any, with ``all=False``) processes decided True."""
         return decision
 
+    def twin_for_tuning(self) -> Strategy | None:
+        """A new strategy with these settings for the tuner's short fits of a model copy in this run's processes (every
+        rank trains, as in this run), or None (the default) where such fits cannot run beside this strategy."""
+        return None
+
     def host_reads(self) -> AbstractContextManager:
         """Context for reading device values on the host outside a step (checks at save points); nothing by default."""
         return nullcontext()
