@@ -242,8 +242,8 @@ class DDPStrategy(ParallelStrategy):
         return optimizer.state_dict() if self.is_global_zero else {}
 
     def twin_for_tuning(self) -> DDPStrategy | None:
-        """A DDPStrategy with these settings and devices for processes already started by re-running the script (or by
-        torchrun, SLURM, ...); None for spawned or forked workers, where a second Trainer would start processes again."""
+        """A DDPStrategy with these settings and devices, for processes started by re-running the script (or by
+        torchrun, SLURM, ...); None for spawned or forked workers, where another Trainer would start processes anew."""
         if self._start_method != "popen":
             return None
         twin = DDPStrategy(

@@ -1,9 +1,9 @@
-"""The tuner on DDP's 2 CPU processes against Lightning 2.6 in the same processes (tests/distributed/scripts/tuner_job.py,
-one launch): lr_find through the Tuner and through the callback (which stops early on both ranks) gives Lightning's
-rates, losses and suggestion on every rank, and the fit after it Lightning's weights; scale_batch_size (power through
-the Tuner, binsearch through the callback, an out-of-memory error raised above a size) finds the size Lightning finds
-on one device, which Lightning refuses to search on DDP, and the fit after it trains as Lightning's DDP fit at that
-size. Nothing is left in the root folder."""
+"""The tuner on DDP's 2 CPU processes against Lightning 2.6 in the same processes (one launch of
+tests/distributed/scripts/tuner_job.py): lr_find through the Tuner and through the callback (which stops early on both
+ranks) gives Lightning's rates, losses and suggestion on every rank, and the fit after it Lightning's weights;
+scale_batch_size (power through the Tuner, binsearch through the callback, an out-of-memory error raised above a size)
+finds the size Lightning finds on one device, which Lightning refuses to search on DDP, and the fit after it trains as
+Lightning's DDP fit at that size. Nothing is left in the root folder."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def _module_class(base: type) -> type:
             self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
         def train_dataloader(self) -> DataLoader:
-            # shuffle=True: Lightning's DDP sampler shuffles a training loader whatever it says (a documented difference)
+            # Lightning's DDP sampler shuffles any training loader (a documented difference): shuffle=True on both.
             return DataLoader(_dataset(), batch_size=self.batch_size, shuffle=True)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
