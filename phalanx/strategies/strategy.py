@@ -231,8 +231,7 @@ class Strategy(ABC):
         return decision
 
     def twin_for_tuning(self) -> Strategy | None:
-        """A new strategy with these settings for the tuner's short fits of a model copy in this run's processes (every
-        rank trains, as in this run), or None (the default) where such fits cannot run beside this strategy."""
+        """A new strategy like this one for the tuner's short fits in these processes; None (default): cannot tune."""
         return None
 
     def host_reads(self) -> AbstractContextManager:
