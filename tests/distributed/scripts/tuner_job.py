@@ -56,28 +56,29 @@ def _module_class(base: type) -> type:
     return Project
 
 
-def _lr_cases(tuner: type, lr_finder: type) -> dict[str, tuple[dict, Any, list]]:
-    """name -> (model arguments, what runs before the fit or reads the callback after it, the fit's callbacks)."""
+def _lr_cases(tuner: type, lr_finder: type) -> dict[str, tuple[Any, list, bool]]:
+    """name -> (what runs before the fit or reads the callback after it, the fit's callbacks, Trainer defaults on)."""
     # The loss diverges at the 18th of 24 steps on both ranks (Lightning's ranks each decide alone; ours together).
     lr_callback = lr_finder(min_lr=1e-3, max_lr=30.0, num_training_steps=24, early_stop_threshold=10.0)
     return {
         # No early stop: the whole curve, rank 0's on every rank.
         "lr_find_tuner": (
-            {},
             lambda trainer, model: tuner(trainer).lr_find(
                 model, min_lr=1e-3, max_lr=0.5, num_training=20, early_stop_threshold=None
             ),
             [],
+            False,
         ),
-        "lr_find_callback": ({}, lambda trainer, model: lr_callback.optimal_lr, [lr_callback]),
+        # With the Trainer's defaults (logger, checkpoints, progress bar, summary): the fit's checkpoint only.
+        "lr_find_callback": (lambda trainer, model: lr_callback.optimal_lr, [lr_callback], True),
     }
 
 
-def _trainer(trainer_class: type, out: Path, callbacks: list, devices: int = 2) -> Any:
+def _trainer(trainer_class: type, out: Path, callbacks: list, devices: int = 2, defaults: bool = False) -> Any:
+    quiet = {} if defaults else {"logger": False, "enable_checkpointing": False, "enable_model_summary": False}
     return trainer_class(
-        accelerator="cpu", strategy="ddp" if devices > 1 else "auto", devices=devices, max_epochs=3, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-        default_root_dir=str(out),
+        accelerator="cpu", strategy="ddp" if devices > 1 else "auto", devices=devices, max_epochs=3,
+        enable_progress_bar=defaults, callbacks=callbacks, default_root_dir=str(out), **quiet,
     )  # fmt: skip
 
 
@@ -91,15 +92,16 @@ def _summary(result: Any, trainer: Any, model: Any, out: Path) -> dict[str, Any]
         "model_batch_size": model.batch_size,
         "global_step": trainer.global_step,
         "weights": [p.detach().flatten().tolist() for p in model.parameters()],
-        "leftovers": sorted(p.name for p in out.iterdir() if p.suffix == ".ckpt"),
+        # A sweep's temporary checkpoint left behind, or a checkpoint other than the fit's own (its defaults on).
+        "checkpoints": sorted(p.name for p in out.rglob("*.ckpt")),
     }
 
 
 def _lr_runs(module_class: type, trainer_class: type, cases: dict, out: Path) -> dict[str, Any]:
     found: dict[str, Any] = {}
-    for name, (arguments, tune, callbacks) in cases.items():
-        model = module_class(**arguments)
-        trainer = _trainer(trainer_class, out, callbacks)
+    for name, (tune, callbacks, defaults) in cases.items():
+        model = module_class()
+        trainer = _trainer(trainer_class, out, callbacks, defaults=defaults)
         before = None if callbacks else tune(trainer, model)
         trainer.fit(model)
         found[name] = _summary(tune(trainer, model) if callbacks else before, trainer, model, out)
@@ -149,9 +151,9 @@ def _theirs(out: Path) -> dict[str, Any]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    ours, rank = _ours(out)
+    ours, rank = _ours(out / "phalanx")
     # The processes phalanx started hold LOCAL_RANK, WORLD_SIZE and the process group now: Lightning joins them.
-    theirs = _theirs(out)
+    theirs = _theirs(out / "lightning")
     write_json(out, f"rank{rank}.json", {"phalanx": ours, "lightning": theirs})
 
 
