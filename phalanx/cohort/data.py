@@ -9,7 +9,7 @@ from typing import Any, Callable
 from phalanx.cohort.checkpoint import COHORT_ENTRY
 from phalanx.cohort.wrappers import CohortDataLoader
 from phalanx.strategies.strategy import Strategy
-from phalanx.utilities.seed import worker_init_fn
+from phalanx.utilities.seed import sampler_seed, worker_init_fn
 
 
 class CohortData:
@@ -42,7 +42,7 @@ class CohortData:
 
         sampler_kwargs = self._strategy.distributed_sampler_kwargs
         # The seed the Trainer uses too, so that both shuffle the same way.
-        seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
+        seed = sampler_seed()
         if use_distributed_sampler and sampler_kwargs:
             dataloader = distributed_dataloader(dataloader, training=True, seed=seed, **sampler_kwargs)
         elif use_distributed_sampler and _shuffles_from_the_global_generator(dataloader):

@@ -55,7 +55,15 @@ def seed_everything(seed: int | None = None, workers: bool = False, verbose: boo
 
 
 def _seed_from_environment(verbose: bool) -> int:
-    for name in reversed(SEED_VARIABLES):  # Lightning's name first, as before
+    if not any(os.environ.get(name) for name in SEED_VARIABLES) and verbose:
+        rank_zero_warn("No seed found, seed set to 0")
+    return sampler_seed()
+
+
+def sampler_seed() -> int:
+    """The seed distributed samplers shuffle with: the one ``seed_everything`` left, or one exported by hand under
+    Lightning's ``PL_GLOBAL_SEED`` (read first, as Lightning's samplers do) or ``PHALANX_GLOBAL_SEED``; else 0."""
+    for name in reversed(SEED_VARIABLES):
         value = os.environ.get(name)
         if value:
             try:
@@ -64,8 +72,6 @@ def _seed_from_environment(verbose: bool) -> int:
                 raise ValueError(
                     f"{name}={value!r} is not a valid seed; set it to an int in [0, {_MAX_SEED}]."
                 ) from None
-    if verbose:
-        rank_zero_warn("No seed found, seed set to 0")
     return 0
 
 

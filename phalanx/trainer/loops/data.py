@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from phalanx.trainer.loops.prediction_writing import record_batch_indices
 from phalanx.utilities.checks import is_number
 from phalanx.utilities.exceptions import CheckpointError
-from phalanx.utilities.seed import worker_init_fn
+from phalanx.utilities.seed import sampler_seed, worker_init_fn
 
 if TYPE_CHECKING:
     from phalanx.datamodule import DataModule
@@ -197,7 +197,7 @@ def prepare_dataloader(trainer: Trainer, dataloader: Any, training: bool, record
         # Lazy for import time: only a run that splits its data across processes loads the sampler wrapping.
         from phalanx.data.distributed import distributed_dataloader
 
-        seed = int(os.environ.get("PHALANX_GLOBAL_SEED", "0"))
+        seed = sampler_seed()
         dataloader = distributed_dataloader(
             dataloader, training=training, seed=seed, pad_evaluation=strategy.traits.pads_evaluation, **sampler_kwargs
         )

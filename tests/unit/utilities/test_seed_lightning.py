@@ -139,3 +139,36 @@ def test_cohort_loaders_get_the_worker_init_function_as_fabrics_do(workers):
     assert (set_up(fabric.Fabric(accelerator="cpu", devices=1)) is not None) is workers
     untouched = DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2, num_workers=1, worker_init_fn=print)
     assert Cohort(accelerator="cpu", devices=1).setup_dataloaders(untouched).worker_init_fn is print
+
+
+SAMPLER_ENVIRONMENTS = [
+    pytest.param({}, 0, id="none"),
+    pytest.param({"PL_GLOBAL_SEED": "17"}, 17, id="exported-by-a-lightning-user"),
+    pytest.param({"PHALANX_GLOBAL_SEED": "23"}, 23, id="phalanx-name"),
+    pytest.param({"PL_GLOBAL_SEED": "17", "PHALANX_GLOBAL_SEED": "23"}, 17, id="both-lightnings-first"),
+]
+
+
+@pytest.mark.parametrize(("environment", "expected"), SAMPLER_ENVIRONMENTS)
+def test_distributed_samplers_shuffle_with_the_seed_lightnings_samplers_read(environment, expected, monkeypatch):
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert ours.sampler_seed() == expected
+    if "PHALANX_GLOBAL_SEED" not in environment:  # Lightning reads only its own name
+        data_connector = pytest.importorskip("pytorch_lightning.trainer.connectors.data_connector")
+        dataset = torch.utils.data.TensorDataset(torch.arange(8))
+        loader = torch.utils.data.DataLoader(dataset)
+        sampler = data_connector._get_distributed_sampler(
+            loader, shuffle=True, overfit_batches=0, mode=None, num_replicas=2, rank=0
+        )
+        assert sampler.seed == expected
+
+
+@pytest.mark.parametrize("value", ["", "x", "1.5"])
+def test_a_sampler_seed_that_is_not_an_int_is_refused_by_name(value, monkeypatch):
+    monkeypatch.setenv("PL_GLOBAL_SEED", value)
+    if value == "":
+        assert ours.sampler_seed() == 0  # unset in effect, as for seed_everything
+        return
+    with pytest.raises(ValueError, match=f"PL_GLOBAL_SEED={value!r} is not a valid seed"):
+        ours.sampler_seed()
