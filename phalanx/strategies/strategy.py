@@ -233,6 +233,10 @@ class Strategy(ABC):
         """Combine a decision across processes: True if all (or any, with ``all=False``) processes decided True."""
         return decision
 
+    def twin_for_tuning(self) -> Strategy | None:
+        """A new strategy like this one for the tuner's short fits in these processes; None (default): cannot tune."""
+        return None
+
     def host_reads(self) -> AbstractContextManager:
         """Context for reading device values on the host outside a step (checks at save points); nothing by default."""
         return nullcontext()
