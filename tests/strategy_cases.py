@@ -26,6 +26,9 @@ SUITES = {
 }
 #: Registered built-ins that need torch_xla: the XLA tier (tests/xla) holds them to their promises.
 XLA_TIER = ("single_xla", "xla", "xla_debug", "xla_fsdp", "xla_spmd", "xla_spmd_dp")
+#: Registered built-ins that need a lighthouse and one job per replica group, which the kit does not start yet (issue
+#: 36): tests/distributed/test_fault_tolerant_ddp.py holds them to exact parity with one process instead.
+FAULT_TOLERANT_TIER = ("ddp_ft",)
 
 
 def build(class_name: str, **options: Any) -> Any:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from phalanx.callbacks._lr_sweep import detached_copy
+from phalanx.callbacks._lr_sweep import detached_copy, quiet_trainer
 
 if TYPE_CHECKING:
     from phalanx.trainer.trainer import Trainer
@@ -86,32 +86,21 @@ class BatchSizeSearch:
         """Whether a short fit of a copy of the model at batch size ``size`` runs (False: out of memory)."""
         twin = detached_copy(self.module, self.trainer)
         set_batch_size(twin, self.datamodule, self.name, size)
-        quiet = type(self.trainer)(
-            accelerator=self.trainer.strategy.accelerator or "auto",
-            devices=1,
-            precision=self.trainer.precision,
-            max_steps=self.steps_per_trial,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=self.trainer.default_root_dir,
-            preemption=False,
-        )
+        quiet = quiet_trainer(self.trainer, "batch size finder", max_steps=self.steps_per_trial)
+        strategy, fitted = quiet.strategy, True
         try:
             quiet.fit(twin, **({"datamodule": self.datamodule} if self.datamodule is not None else {}))
         except RuntimeError as error:
             if not _is_oom(error):
                 raise
             log.info(f"Batch size {size} ran out of memory.")
-            return False
+            fitted = False
         finally:
             del twin, quiet
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        return True
+        # A size fits only if it fits on every rank: all ranks then try the same next size (and keep the same result).
+        return strategy.reduce_boolean_decision(fitted, all=True)
 
     def run(self, mode: str, init_val: int, max_trials: int, margin: float, max_val: int) -> int:
         """The batch size found: ``power`` doubles until a failure (or a bound), ``binsearch`` then bisects."""

@@ -13,6 +13,7 @@ from phalanx.callbacks.callback import Callback
 
 if TYPE_CHECKING:
     from phalanx.module import TrainingModule
+    from phalanx.strategies.strategy import Strategy
     from phalanx.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -149,20 +150,23 @@ class _SweepCallback(Callback):
         if not self._steps_batch(trainer, batch_idx):
             return
         loss = outputs if isinstance(outputs, torch.Tensor) else (outputs or {}).get("loss")
+        diverged = False
         if loss is None:  # a skipped step: NaN keeps lr and loss aligned and is left out of the suggestion
             self.result.results["loss"].append(float("nan"))
-            return
-        step = trainer.global_step
-        # Lightning's step output holds the loss divided by the accumulated batches; the curve is of that loss.
-        current = float(loss.item()) / trainer.accumulate_grad_batches
-        self.avg_loss = self.beta * self.avg_loss + (1 - self.beta) * current
-        smoothed = self.avg_loss / (1 - self.beta ** (step + 1))
-        threshold = self.early_stop_threshold
-        if threshold is not None and step > 1 and smoothed > threshold * self.best_loss:
+        else:
+            step = trainer.global_step
+            # Lightning's step output holds the loss divided by the accumulated batches; the curve is of that loss.
+            current = float(loss.item()) / trainer.accumulate_grad_batches
+            self.avg_loss = self.beta * self.avg_loss + (1 - self.beta) * current
+            smoothed = self.avg_loss / (1 - self.beta ** (step + 1))
+            threshold = self.early_stop_threshold
+            diverged = threshold is not None and step > 1 and smoothed > threshold * self.best_loss
+            if smoothed < self.best_loss or step == 1:
+                self.best_loss = smoothed
+            self.result.results["loss"].append(smoothed)
+        # Each rank sees its own losses: all stop at the step where any diverged, or the others would wait for it.
+        if trainer.strategy.reduce_boolean_decision(diverged, all=False):
             trainer.should_stop = True
-        if smoothed < self.best_loss or step == 1:
-            self.best_loss = smoothed
-        self.result.results["loss"].append(smoothed)
 
 
 def check_sweep_arguments(min_lr: float, max_lr: float, num_training: int, mode: str) -> None:
@@ -187,37 +191,65 @@ def run_sweep(
     The copy takes every step, so ``module``, ``trainer`` (its counters, loggers, checkpoints, optimizers) and the
     default root directory are left as they were.
     """
-    if trainer.world_size > 1:
-        raise RuntimeError(
-            f"The learning rate finder runs in one process; this run has {trainer.world_size}. "
-            "Run Tuner(Trainer(devices=1)).lr_find(...) first and pass the rate to the distributed run."
-        )
     twin = detached_copy(module, trainer)
     original = type(twin).configure_optimizers
     twin.configure_optimizers = lambda: _single_optimizer(original(twin), result.lr_min)  # type: ignore[method-assign]
-    quiet = type(trainer)(
-        accelerator=trainer.strategy.accelerator or "auto",
-        devices=1,
-        precision=trainer.precision,
+    quiet = quiet_trainer(
+        trainer,
+        "learning rate finder",
         max_epochs=trainer.max_epochs,
         max_steps=result.num_training,
         limit_train_batches=trainer.limit_train_batches,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         accumulate_grad_batches=trainer.accumulate_grad_batches,
         gradient_clip_val=trainer.gradient_clip_val,
         gradient_clip_algorithm=trainer.gradient_clip_algorithm,
         callbacks=[_SweepCallback(result, early_stop_threshold)],
+    )
+    quiet.fit(twin, **fit_kwargs)
+    # As Lightning: every rank recorded its own losses; rank 0's curve (and so its suggestion) is every rank's.
+    result.results = quiet.strategy.broadcast(result.results)
+    if quiet.global_step < result.num_training:
+        log.info(f"The learning rate finder stopped after {quiet.global_step} steps: the loss diverged.")
+
+
+def tuning_strategy(trainer: Trainer, tool: str) -> Strategy | None:
+    """The strategy of ``tool``'s short fits: None on one process (a one-device Trainer runs them), else the run's
+    strategy's twin (``Strategy.twin_for_tuning``); a RuntimeError naming the strategy where it has none."""
+    if trainer.world_size == 1:
+        return None
+    twin = trainer.strategy.twin_for_tuning()
+    if twin is None:
+        name = type(trainer.strategy).__name__
+        raise RuntimeError(
+            f"The {tool} does not run on {name} with {trainer.world_size} processes: its short fits train a copy of "
+            "the model in these processes, which only DDP started by re-running the script supports (strategy='ddp', "
+            "or torchrun/SLURM). Tune with strategy='ddp' or on one device, then pass the value found to this run."
+        )
+    return twin
+
+
+def quiet_trainer(trainer: Trainer, tool: str, **settings: Any) -> Trainer:
+    """A Trainer like ``trainer`` (accelerator, precision, processes) with ``settings`` and no logger, checkpoints,
+    progress bar, model summary or validation, for ``tool``'s short fits; refused as ``tuning_strategy`` says."""
+    twin = tuning_strategy(trainer, tool)
+    layout: dict[str, Any] = {"devices": 1}
+    if twin is not None:
+        layout = {"strategy": twin, "devices": len(twin.parallel_devices or ()), "num_nodes": trainer.num_nodes}
+    return type(trainer)(
+        accelerator=trainer.strategy.accelerator or "auto",
+        precision=trainer.precision,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=trainer.default_root_dir,
         preemption=False,
+        use_distributed_sampler=trainer.use_distributed_sampler,
+        **layout,
+        **settings,
     )
-    quiet.fit(twin, **fit_kwargs)
-    if quiet.global_step < result.num_training:
-        log.info(f"The learning rate finder stopped after {quiet.global_step} steps: the loss diverged.")
 
 
 def detached_copy(module: Any, trainer: Trainer) -> Any:

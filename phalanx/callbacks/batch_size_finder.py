@@ -11,6 +11,7 @@ from phalanx.callbacks._batch_size_search import (
     find_batch_attribute,
     set_batch_size,
 )
+from phalanx.callbacks._lr_sweep import tuning_strategy
 from phalanx.callbacks.callback import Callback
 
 if TYPE_CHECKING:
@@ -26,8 +27,9 @@ class BatchSizeFinder(Callback):
     tried: on a CPU, which has no out-of-memory error to detect, these bounds decide the result. The batch size is
     read from the model's, its hparams' or the datamodule's ``batch_arg_name`` attribute, which the training
     dataloader must read; the result is set there and kept in ``optimal_batch_size``. Each trial trains a copy of
-    the model on a quiet one-device Trainer, so the model and the Trainer are as before. Refused with several
-    processes and with dataloaders passed to ``fit`` directly (their batch size cannot change).
+    the model on a quiet Trainer (one device, or every rank of a ``ddp`` run, a size fitting only if it fits on every
+    rank), so the model and the Trainer are as before. Refused on strategies that cannot run such fits beside them
+    (spawned processes, sharded models) and with dataloaders passed to ``fit`` directly (their batch size is fixed).
     """
 
     def __init__(
@@ -60,11 +62,7 @@ class BatchSizeFinder(Callback):
                 "The batch size finder cannot change the batch size of dataloaders given to fit directly; "
                 "build them in train_dataloader() of the model or a DataModule, from its batch_size attribute."
             )
-        if trainer.world_size > 1:
-            raise RuntimeError(
-                f"The batch size finder runs in one process; this run has {trainer.world_size}. "
-                "Run Tuner(Trainer(devices=1)).scale_batch_size(...) first and pass the size to the distributed run."
-            )
+        tuning_strategy(trainer, "batch size finder")  # refused here, before any trial, where it cannot run
         find_batch_attribute(pl_module, datamodule, self._batch_arg_name)
         search = BatchSizeSearch(trainer, pl_module, datamodule, self._batch_arg_name, self._steps_per_trial)
         size = search.run(self._mode, self._init_val, self._max_trials, self._margin, self._max_val)

@@ -10,6 +10,7 @@ from phalanx.callbacks._lr_sweep import (
     check_sweep_arguments,
     find_lr_attribute,
     run_sweep,
+    tuning_strategy,
     update_lr,
 )
 from phalanx.callbacks.callback import Callback
@@ -26,7 +27,9 @@ class LearningRateFinder(Callback):
     its optimizer and the Trainer's counters are as before it; with ``update_attr`` the model's ``lr`` or
     ``learning_rate`` (or ``attr_name``) and the optimizer's rates become the suggestion. ``optimal_lr`` holds the
     result (``results``, ``suggestion()``, ``plot()``). The sweep stops early when the smoothed loss exceeds
-    ``early_stop_threshold`` times the best one (None: never). Refused with several processes.
+    ``early_stop_threshold`` times the best one (None: never). On ``ddp`` every rank trains its shard, as in Lightning:
+    all stop when one diverges, and rank 0's curve and suggestion are every rank's. Refused on strategies that cannot
+    run such a fit beside them (spawned processes, sharded models).
     """
 
     def __init__(
@@ -54,6 +57,7 @@ class LearningRateFinder(Callback):
         if trainer.fast_dev_run:
             warnings.warn("The learning rate finder is skipped with fast_dev_run.", stacklevel=2)
             return
+        tuning_strategy(trainer, "learning rate finder")  # refused here, before any work, where it cannot run
         attr_name = find_lr_attribute(pl_module, self._attr_name) if self._update_attr else ""
         if fit_kwargs is None:
             source = trainer._run.data_source

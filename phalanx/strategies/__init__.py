@@ -2,6 +2,7 @@
 
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.deepspeed import DeepSpeedStrategy
+from phalanx.strategies.fault_tolerant import DDPFaultTolerantStrategy, FaultTolerance, start_lighthouse
 from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
@@ -12,8 +13,10 @@ from phalanx.strategies.traits import StrategyTraits
 from phalanx.strategies.xla import SingleDeviceXLAStrategy, XLAFSDPStrategy, XLASPMDStrategy, XLAStrategy
 
 __all__ = [
+    "DDPFaultTolerantStrategy",
     "DDPStrategy",
     "DeepSpeedStrategy",
+    "FaultTolerance",
     "FSDPStrategy",
     "ModelParallelStrategy",
     "ParallelStrategy",
@@ -26,4 +29,5 @@ __all__ = [
     "XLAFSDPStrategy",
     "XLASPMDStrategy",
     "XLAStrategy",
+    "start_lighthouse",
 ]

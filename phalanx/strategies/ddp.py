@@ -241,6 +241,24 @@ class DDPStrategy(ParallelStrategy):
         )
         return optimizer.state_dict() if self.is_global_zero else {}
 
+    def twin_for_tuning(self) -> DDPStrategy | None:
+        """A DDPStrategy with these settings and devices, for processes started by re-running the script (or by
+        torchrun, SLURM, ...); None for spawned or forked workers, where another Trainer would start processes anew."""
+        if self._start_method != "popen":
+            return None
+        twin = DDPStrategy(
+            ddp_comm_state=self._ddp_comm_state,
+            ddp_comm_hook=self._ddp_comm_hook,
+            ddp_comm_wrapper=self._ddp_comm_wrapper,
+            model_averaging_period=self._model_averaging_period,
+            process_group_backend=self._process_group_backend,
+            timeout=self._timeout,
+            **self._ddp_kwargs,
+        )
+        twin.parallel_devices = self.parallel_devices
+        twin.layer_sync = self._layer_sync
+        return twin
+
     def on_exception(self, exception: BaseException) -> None:
         """Stop the processes this one started; explain DDP's unused-parameter error; stay quiet on a peer's failure."""
         if isinstance(exception, RuntimeError) and "Expected to have finished reduction" in str(exception):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.deepspeed import DeepSpeedStrategy
+from phalanx.strategies.fault_tolerant import DDPFaultTolerantStrategy
 from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
@@ -21,6 +22,7 @@ STRATEGY_REGISTRY: Registry[Strategy] = Registry(
 for _strategy in (
     SingleDeviceStrategy,
     DDPStrategy,
+    DDPFaultTolerantStrategy,
     FSDPStrategy,
     ModelParallelStrategy,
     DeepSpeedStrategy,

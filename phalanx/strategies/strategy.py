@@ -52,6 +52,9 @@ class Strategy(ABC):
     #: What ``compile_module`` compiles unless ``compile={"unit": ...}`` says: "model" (the module holding the repeated
     #: blocks, as users compile it by hand) where nothing needs the block boundaries; docs/compile.md has the figures.
     default_compile_unit: ClassVar[CompileUnit] = "model"
+    #: False after an optimizer step that was declined (a fault-tolerance quorum did not commit it): the loops then
+    #: count no step and step no scheduler for it. Strategies that always step leave the class's True.
+    last_step_committed: bool = True
 
     def __init__(
         self,
@@ -229,6 +232,10 @@ class Strategy(ABC):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Combine a decision across processes: True if all (or any, with ``all=False``) processes decided True."""
         return decision
+
+    def twin_for_tuning(self) -> Strategy | None:
+        """A new strategy like this one for the tuner's short fits in these processes; None (default): cannot tune."""
+        return None
 
     def host_reads(self) -> AbstractContextManager:
         """Context for reading device values on the host outside a step (checks at save points); nothing by default."""

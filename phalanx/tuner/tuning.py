@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from phalanx.callbacks._lr_sweep import LRFinderResult
+from phalanx.callbacks._lr_sweep import LRFinderResult, tuning_strategy
 from phalanx.callbacks.batch_size_finder import BatchSizeFinder
 from phalanx.callbacks.lr_finder import LearningRateFinder
 
@@ -15,6 +15,16 @@ if TYPE_CHECKING:
 def _check_method(method: str, tool: str) -> None:
     if method != "fit":
         raise ValueError(f"{tool} tunes for fit only; got method={method!r}, choose 'fit'.")
+
+
+def _in_every_process(trainer: Trainer, tool: str, run: Callable[..., None], *args: Any) -> None:
+    # As Lightning's tuner, which runs inside a fit: with several processes every rank tunes, so the run's launcher
+    # starts them first (once: the fit after reuses them); refused before that where the strategy cannot tune.
+    launcher = trainer.strategy.launcher if tuning_strategy(trainer, tool) is not None else None
+    if launcher is None:
+        run(*args)
+    else:
+        launcher.launch(run, *args)
 
 
 class Tuner:
@@ -52,7 +62,7 @@ class Tuner:
         if hasattr(train_dataloaders, "train_dataloader") and datamodule is None:  # a DataModule passed positionally
             datamodule, train_dataloaders = train_dataloaders, None
         kwargs = {"datamodule": datamodule} if datamodule is not None else {"train_dataloaders": train_dataloaders}
-        finder.lr_find(self._trainer, model, kwargs)
+        _in_every_process(self._trainer, "learning rate finder", finder.lr_find, self._trainer, model, kwargs)
         return finder.optimal_lr
 
     def scale_batch_size(
@@ -78,5 +88,6 @@ class Tuner:
         finder = BatchSizeFinder(mode, steps_per_trial, init_val, max_trials, batch_arg_name, margin, max_val)
         if hasattr(train_dataloaders, "train_dataloader") and datamodule is None:  # a DataModule passed positionally
             datamodule, train_dataloaders = train_dataloaders, None
-        finder.scale_batch_size(self._trainer, model, datamodule, train_dataloaders)
+        trainer, scale = self._trainer, finder.scale_batch_size
+        _in_every_process(trainer, "batch size finder", scale, trainer, model, datamodule, train_dataloaders)
         return None if self._trainer.fast_dev_run else finder.optimal_batch_size

@@ -1,11 +1,14 @@
-"""ModelParallelStrategy: a 2-D device mesh (data parallel x tensor parallel) that the module parallelises itself."""
+"""ModelParallelStrategy: a device mesh (pipeline x data parallel x tensor parallel) that the module parallelises
+itself."""
 
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch import Tensor
+from torch.optim import Optimizer
 
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
@@ -15,10 +18,13 @@ from phalanx.strategies.fsdp._sharded import ShardedStrategyMixin, check_state_d
 from phalanx.strategies.fsdp.strategy import is_sharded
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT, ParallelStrategy
 from phalanx.strategies.parallel_dims import MeshAxis, ParallelDims
+from phalanx.strategies.pipeline import SCHEDULES, PipelineRunner, check_pipeline_options, slice_batch, stages_of_rank
+from phalanx.strategies.pipeline_split import stage_views
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.checks import is_int_at_least
-from phalanx.utilities.dtensor import has_dtensors, has_meta_tensors
+from phalanx.utilities.dtensor import has_dtensors, has_meta_tensors, is_dtensor
 from phalanx.utilities.registry import Registry
 
 MESH_DIMENSIONS = (MeshAxis.DATA.value, MeshAxis.TENSOR.value)
@@ -57,6 +63,11 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
+        *,
+        pipeline_parallel_size: int = 1,
+        pipeline_schedule: str = "1F1B",
+        microbatches: int | None = None,
+        pipeline_stages_per_rank: int | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -73,6 +84,15 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         self._tensor_parallel_size = tensor_parallel_size
         self._state_dict_type = check_state_dict_type("sharded" if save_distributed_checkpoint else "full")
         self._device_mesh: Any = None
+        if not is_int_at_least(pipeline_parallel_size, 1):
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r} must be an int >= 1.")
+        check_pipeline_options(pipeline_schedule, microbatches, pipeline_stages_per_rank)
+        self._pipeline_size: int = pipeline_parallel_size
+        self._pipeline_schedule = pipeline_schedule
+        several = SCHEDULES[pipeline_schedule][1]
+        self._stages_per_rank: int = pipeline_stages_per_rank or (2 if several else 1)
+        self._microbatches: int = microbatches or pipeline_parallel_size * self._stages_per_rank
+        self._pipeline: PipelineRunner | None = None
 
     # ------------------------------------------------------------------ the mesh
     @property
@@ -91,22 +111,25 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         self._device_mesh = mesh
 
     def parallel_dims(self) -> ParallelDims:
-        """The sizes of the mesh's axes; 'auto' for both is one node's processes for tensor parallelism, 'auto' for
-        one is what the other leaves of the world size."""
+        """The sizes of the mesh's axes; 'auto' for both data and tensor sizes is one node's processes for tensor
+        parallelism without a pipeline (the rest of the world size for data parallelism with one), 'auto' for one is
+        what the others leave of the world size."""
         world = self.num_nodes * self.num_processes
-        dp, tp = self._data_parallel_size, self._tensor_parallel_size
+        dp, tp, pp = self._data_parallel_size, self._tensor_parallel_size, self._pipeline_size
         if tp == "auto" and dp == "auto":
-            dp, tp = self.num_nodes, self.num_processes
+            dp, tp = (self.num_nodes, self.num_processes) if pp == 1 else ("auto", 1)
+        axes = (MeshAxis.DATA, MeshAxis.TENSOR) if pp == 1 else (MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.TENSOR)
         try:
             return ParallelDims(
                 world,
+                pipeline=pp,
                 data_shard=-1 if dp == "auto" else int(dp),
                 tensor=-1 if tp == "auto" else int(tp),
-                axes=(MeshAxis.DATA, MeshAxis.TENSOR),
+                axes=axes,
             )
         except ValueError:
             raise ValueError(
-                f"data_parallel_size={self._data_parallel_size!r} x"
+                f"pipeline_parallel_size={pp!r} x data_parallel_size={self._data_parallel_size!r} x"
                 f" tensor_parallel_size={self._tensor_parallel_size!r} must equal the"
                 f" number of processes ({world} = devices {self.num_processes} x num_nodes {self.num_nodes})."
             ) from None
@@ -134,6 +157,12 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         from phalanx.module import TrainingModule
 
         configure_model = getattr(type(model), "configure_model", None)
+        if self._pipeline_size > 1 and not callable(getattr(model, "pipeline_loss", None)):
+            raise TypeError(
+                f"ModelParallelStrategy(pipeline_parallel_size={self._pipeline_size}) needs"
+                f" {type(model).__name__}.pipeline_loss(output, batch): the loss of the last stage's output for a"
+                " micro-batch (docs/pipeline.md)."
+            )
         if configure_model is None or configure_model is TrainingModule.configure_model:
             raise TypeError(
                 f"ModelParallelStrategy needs a TrainingModule whose {type(model).__name__}.configure_model()"
@@ -153,7 +182,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
                 f"data_parallel_size={dp}: gradients must be reduced across the data-parallel ranks. Apply"
                 " fully_shard(module, mesh=self.device_mesh['data_parallel']) in configure_model."
             )
-        if not has_dtensors(module) and self.world_size > 1:
+        if not has_dtensors(module) and self.world_size // self._pipeline_size > 1:
             raise ValueError(
                 "configure_model did not parallelise any parameter with self.device_mesh; the model would be"
                 " replicated without synchronisation."
@@ -167,6 +196,173 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             self._materialize(self._module)
         else:
             self.model_to_device()
+
+    # ------------------------------------------------------------------ the pipeline
+    @property
+    def pipeline_parallel_size(self) -> int:
+        """How many ranks the pipeline's stages are spread over (1: no pipeline)."""
+        return self._pipeline_size
+
+    @property
+    def num_pipeline_stages(self) -> int:
+        """How many stages the model is split into (``pipeline_parallel_size`` x stages per rank)."""
+        return self._pipeline_size * self._stages_per_rank
+
+    @property
+    def pipeline_stages(self) -> tuple[int, ...]:
+        """The stage indices this rank holds (one, or several for virtual-stage schedules); (0,) without a pipeline."""
+        if self._pipeline_size == 1:
+            return (0,)
+        rank = self.parallel_dims().coordinates(self.global_rank)[MeshAxis.PIPELINE]
+        return stages_of_rank(self._pipeline_schedule, rank, self._pipeline_size, self._stages_per_rank)
+
+    def check_setup(self, settings: RunSettings) -> None:
+        """Refuse what a pipeline cannot run: manual optimization."""
+        if self._pipeline_size == 1:
+            return
+        if settings.fitting and not getattr(self._module, "automatic_optimization", True):
+            raise ValueError(
+                "A pipeline runs forward and backward in its schedule: manual optimization is not supported with"
+                " pipeline_parallel_size > 1; use automatic optimization."
+            )
+
+    def _runner(self) -> PipelineRunner:
+        if self._pipeline is None:
+            assert self._module is not None
+            # Several stages per rank: one view of the module per stage (configure_model kept them with keep_stages).
+            modules = stage_views(self._module) if self._stages_per_rank > 1 else [self._module]
+            self._pipeline = PipelineRunner(
+                modules,
+                self.pipeline_stages,
+                self.num_pipeline_stages,
+                self.root_device,
+                self._pipeline_group(),
+                self._pipeline_schedule,
+                self._microbatches,
+            )
+        return self._pipeline
+
+    def _pipeline_group(self) -> Any:
+        return self.device_mesh[MeshAxis.PIPELINE.value].get_group()
+
+    def _last_stage_rank(self) -> int:
+        """The global rank in this rank's pipeline group that holds the last stage (the loss and the output)."""
+        ranks = torch.distributed.get_process_group_ranks(self._pipeline_group())
+        last, schedule, per_rank = self.num_pipeline_stages - 1, self._pipeline_schedule, self._stages_per_rank
+        return next(r for i, r in enumerate(ranks) if last in stages_of_rank(schedule, i, len(ranks), per_rank))
+
+    def _pipeline_inputs(self, batch: Any) -> tuple[tuple[Tensor, ...], int]:
+        module = self._module
+        hook = getattr(module, "pipeline_input", None)
+        inputs = hook(batch) if hook is not None else batch[0] if isinstance(batch, (list, tuple)) else batch
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        size = inputs[0].shape[0]
+        if size % self._microbatches:
+            raise ValueError(
+                f"microbatches={self._microbatches} does not divide the batch of {size} samples; use a batch size that"
+                f" is a multiple of {self._microbatches} (drop_last=True drops a smaller last batch)."
+            )
+        return inputs, size
+
+    def forward_backward(
+        self, batch: Any, batch_idx: int, between: Callable[[Any], Tensor | None], optimizer: Optimizer | None
+    ) -> tuple[Tensor | None, Any]:
+        """The base class's step without a pipeline; with one, the schedule's (below)."""
+        if self._pipeline_size == 1:
+            return super().forward_backward(batch, batch_idx, between, optimizer)
+        return self._pipelined_forward_backward(batch, batch_idx, between, optimizer)
+
+    def _run_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        """The base class's call of a step method; with a pipeline, evaluation steps run it forward only (below)."""
+        if self._pipeline_size == 1 or method == "training_step":
+            return super()._run_step(method, context, *args, **kwargs)
+        return self._pipelined_run_step(method, context, *args, **kwargs)
+
+    def clip_gradients(
+        self,
+        module: torch.nn.Module | None,
+        optimizer: Optimizer,
+        *,
+        max_norm: float | None = None,
+        clip_val: float | None = None,
+    ) -> Tensor | None:
+        """The base class's clipping; with a pipeline, clipping by norm takes one norm over every stage (below)."""
+        if self._pipeline_size == 1:
+            return super().clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
+        return self._pipelined_clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
+
+    def _pipelined_forward_backward(
+        self, batch: Any, batch_idx: int, between: Callable[[Any], Tensor | None], optimizer: Optimizer | None
+    ) -> tuple[Tensor | None, Any]:
+        """With a pipeline: the schedule runs forward and backward over the micro-batches; the loss (their mean)
+        goes from the last stage to every rank of the pipeline, then through ``between``."""
+        inputs, size = self._pipeline_inputs(batch)
+        pipeline_loss: Callable[[Any, Any], Tensor] = self._module.pipeline_loss  # type: ignore[union-attr,assignment]
+        divisor = self._run_settings.accumulate_grad_batches if self._run_settings is not None else 1
+        step = size // self._microbatches
+
+        def loss_fn(output: Any, indices: Tensor) -> Tensor:
+            start = int(indices[0])  # a CPU tensor: no device read
+            # The batch's loss is the micro-batches' mean; the driver's loss divisor (accumulation) applies to it.
+            return pipeline_loss(output, slice_batch(batch, start, start + step, size)) / scale
+
+        scale = self._microbatches * divisor
+        with self.naming_collectives("backward"), self.precision_plugin.train_step_context():
+            loss = self._runner().train(inputs, size, loss_fn) * divisor
+            torch.distributed.broadcast(loss, src=self._last_stage_rank(), group=self._pipeline_group())
+        # The gradients exist already: what ``between`` makes of the loss (the loss divisor, non-finite checks, the
+        # on_before_backward hooks) is applied to a leaf that stands for the loss the schedule backpropagated.
+        output = loss.requires_grad_(True)
+        return between(output), output.detach()
+
+    def _pipelined_run_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        """Evaluation steps with a pipeline: calling the module runs the pipeline forward only, and every rank of the
+        pipeline gets the last stage's output."""
+        module = self._module
+        assert module is not None
+        module.__dict__["forward"] = self._pipelined_forward
+        try:
+            return super()._run_step(method, context, *args, **kwargs)
+        finally:
+            del module.__dict__["forward"]
+
+    def _pipelined_forward(self, *args: Any) -> Any:
+        module = self._module
+        if self.__dict__.get("_in_stage"):
+            return type(module).forward(module, *args)  # type: ignore[union-attr,arg-type]  # the stage's own layers
+        inputs = tuple(args)
+        self._in_stage = True
+        try:
+            output = self._runner().forward(inputs, inputs[0].shape[0])
+        finally:
+            self._in_stage = False
+        box = [output]
+        torch.distributed.broadcast_object_list(box, src=self._last_stage_rank(), group=self._pipeline_group())
+        return move_to_device(box[0], self.root_device)
+
+    def _pipelined_clip_gradients(
+        self,
+        module: torch.nn.Module | None,
+        optimizer: Optimizer,
+        *,
+        max_norm: float | None = None,
+        clip_val: float | None = None,
+    ) -> Tensor | None:
+        """With a pipeline, clipping by norm uses one norm over all stages' gradients."""
+        if clip_val is not None or isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+            # Clipping by value is local; the base refuses bad arguments.
+            return super().clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.root_device)
+        local = local.full_tensor() if is_dtensor(local) else local  # type: ignore[attr-defined]
+        squared = local.double() ** 2
+        torch.distributed.all_reduce(squared, group=self._pipeline_group())
+        total = squared.sqrt().to(local.dtype)
+        if grads and max_norm > 0:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     @classmethod
     def register_strategies(cls, registry: Registry[Strategy]) -> None:

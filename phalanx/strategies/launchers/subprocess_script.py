@@ -81,6 +81,9 @@ class SubprocessScriptLauncher(Launcher):
         os.environ["NODE_RANK"] = str(environment.node_rank())
         os.environ["LOCAL_RANK"] = "0"
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
+        if self.num_processes == 1:
+            # Nothing to re-run on this node: one process per node works from a notebook or `python -c` too.
+            return
         command = script_command()
         for local_rank in range(1, self.num_processes):
             child_environment = {**os.environ, "LOCAL_RANK": str(local_rank), _PARENT_PID: str(os.getpid())}

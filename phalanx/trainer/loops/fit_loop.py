@@ -480,9 +480,10 @@ class FitLoop:
         else:
             self._zero_grad_hook(self.current_epoch, batch_idx, optimizer)
         self._accumulated = 0
-        self.global_step += 1
-        if trainer._run.step_scheduler_configs:
-            step_schedulers(trainer, "step")
+        if strategy.last_step_committed:  # False: a fault-tolerance quorum declined it (no weight changed), no count
+            self.global_step += 1
+            if trainer._run.step_scheduler_configs:
+                step_schedulers(trainer, "step")
 
     def _manual_batch(self, batch: Any, batch_idx: int) -> Any:
         module = self.trainer.strategy.module

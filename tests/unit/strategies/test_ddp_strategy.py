@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from datetime import timedelta
@@ -118,6 +119,27 @@ def test_script_command_reruns_scripts_and_modules(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["-c"])
     with pytest.raises(RuntimeError, match="ddp_notebook"):
         script_command()
+
+
+@pytest.mark.parametrize(("processes", "refused"), [(1, False), (2, True)], ids=["one-process", "two-processes"])
+def test_a_launch_from_python_c_is_refused_only_when_the_script_must_run_again(monkeypatch, processes, refused):
+    # `python -c`, a notebook or a pytest-xdist worker has no script: a single process per node has nothing to re-run.
+    from phalanx.plugins.environments.default import DefaultEnvironment
+    from phalanx.strategies.launchers.subprocess_script import SubprocessScriptLauncher
+
+    fake_main = types.ModuleType("__main__")
+    fake_main.__spec__ = None
+    monkeypatch.setitem(sys.modules, "__main__", fake_main)
+    monkeypatch.setattr(sys, "argv", ["-c"])
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    launcher = SubprocessScriptLauncher(DefaultEnvironment(), num_processes=processes, num_nodes=1)
+    if refused:
+        with pytest.raises(RuntimeError, match="'-c' is not a file"):
+            launcher.launch(lambda: "ran")
+    else:
+        assert launcher.launch(lambda: "ran") == "ran" and launcher.procs == []
+    assert os.environ["WORLD_SIZE"] == str(processes)
 
 
 def test_seed_everything_workers_injects_a_rank_aware_worker_init_fn(monkeypatch):

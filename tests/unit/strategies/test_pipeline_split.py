@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.strategies.pipeline_split import keep_stage, stage_ranges
+from phalanx.strategies.pipeline_split import keep_stage, keep_stages, stage_ranges, stage_views
 
 
 @pytest.mark.parametrize(
@@ -105,3 +105,42 @@ def test_wrong_names_and_stages_are_refused_before_anything_is_removed(arguments
     with pytest.raises(error, match=message):
         keep_stage(module, num_stages=2, **arguments)
     assert [name for name, _ in module.named_parameters()] == before
+
+
+@pytest.mark.parametrize(("again", "refused"), [((1, 2), False), ((0, 2), True), ((1, 3), True)])
+def test_a_split_stays_when_configure_model_runs_again(again, refused):
+    # configure_model runs once per stage of a run (fit, then validate or predict) on the same module.
+    module = Tiny()
+    held = keep_stage(module, "layers", 1, 2, first=["embed"], last=["norm", "head"])
+    names = [name for name, _ in module.named_parameters()]
+    if refused:
+        with pytest.raises(ValueError, match="The module already holds stage 1 of 2"):
+            keep_stage(module, "layers", *again, first=["embed"], last=["norm", "head"])
+    else:
+        assert keep_stage(module, "layers", *again, first=["embed"], last=["norm", "head"]) == held
+    assert [name for name, _ in module.named_parameters()] == names
+
+
+@pytest.mark.parametrize(
+    ("held", "num_stages"), [([(0, 2), (1, 3)], 4), ([(0, 3), (1, 2)], 4), ([(0, 2, 4), (1, 3, 5)], 6)]
+)
+def test_virtual_stages_give_one_view_per_stage_that_chain_into_the_whole_model(held, num_stages):
+    torch.manual_seed(0)
+    whole = Tiny(blocks=6)
+    tokens = torch.randint(0, 11, (4, 6))
+    expected = whole(tokens)
+    views = {}
+    for stages in held:  # one rank per tuple, each holding several stages
+        part = copy.deepcopy(whole)
+        keep_stages(part, "layers", stages, num_stages, first=["embed"], last=["norm", "head"])
+        assert keep_stages(part, "layers", stages, num_stages, first=["embed"], last=["norm", "head"])  # again: kept
+        names = {name for name, _ in part.named_parameters()}
+        for stage, view in zip(stages, stage_views(part)):
+            views[stage] = view
+            # A view shares the rank's parameters (no copy) and holds only its own stage's.
+            assert {name for name, _ in view.named_parameters()} <= names
+            assert all(any(p is q for q in part.parameters()) for p in view.parameters())
+    x = tokens
+    for stage in range(num_stages):
+        x = views[stage](x)
+    torch.testing.assert_close(x, expected, rtol=0, atol=0)

@@ -1,0 +1,7 @@
+"""Fault-tolerant strategies on torchft: replica groups that keep training when one of them dies."""
+
+from phalanx.strategies.fault_tolerant.ddp import DDPFaultTolerantStrategy
+from phalanx.strategies.fault_tolerant.lighthouse import Lighthouse, start_lighthouse
+from phalanx.strategies.fault_tolerant.options import FaultTolerance
+
+__all__ = ["DDPFaultTolerantStrategy", "FaultTolerance", "Lighthouse", "start_lighthouse"]

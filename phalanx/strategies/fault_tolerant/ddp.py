@@ -1,0 +1,265 @@
+"""DDPFaultTolerantStrategy: data parallelism across replica groups that survive each other's failures (torchft)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from phalanx.accelerators.accelerator import Accelerator
+from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
+from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.precision.precision import Precision, evaluates_closure_once
+from phalanx.strategies.ddp import DDPStrategy
+from phalanx.strategies.fault_tolerant.options import FaultTolerance
+from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
+from phalanx.strategies.parallel import DEFAULT_TIMEOUT
+from phalanx.strategies.settings import RunSettings
+from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.registry import Registry
+
+
+class _CommitGate(Optimizer):
+    """Steps the wrapped optimizer only when the replica groups' quorum commits the step (``should_commit``)."""
+
+    def __init__(self, optimizer: Optimizer, manager: Any) -> None:
+        # Optimizer.__init__ is skipped on purpose: the gate owns no parameters, it forwards to ``optim``.
+        self.optim = optimizer
+        self.manager = manager
+        self.committed = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optim.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.optim.load_state_dict(dict(state_dict))
+
+    def step(self) -> None:  # type: ignore[override]
+        # No closure parameter: the precision plugin then runs the closure (forward, backward, gradient all-reduce
+        # across groups) before this, and the commit vote sees that step's errors.
+        self.committed = bool(self.manager.should_commit())
+        if self.committed:
+            self.optim.step()
+
+
+def _average_across_groups(manager: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+    """DDP comm hook: average a gradient bucket over the groups in the quorum; a failure only marks the step."""
+    buffer = bucket.buffer()
+    # False when a peer failed: the Manager has recorded the error, so should_commit() declines this step and the
+    # buffer's (partial) values are never applied.
+    manager.allreduce(buffer).wait()
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+class DDPFaultTolerantStrategy(DDPStrategy):
+    """One DDP replica per replica group; the groups average gradients through torchft and survive each other's loss.
+
+    Each replica group is its own job (one process in this release), started with its group id; a lighthouse forms
+    a quorum of the live groups at every step, and a step's update is applied only when the quorum commits it. A
+    group that (re)joins receives the weights and optimizer state from a healthy peer before it trains.
+    """
+
+    step_collectives = {
+        "forward": "torchft DDP forward",
+        "backward": "gradient all-reduce across replica groups (torchft Manager)",
+        "optimizer_step": "quorum and commit vote across replica groups (torchft Manager)",
+    }
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        fault_tolerance: FaultTolerance | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
+        start_method: str = "popen",
+    ) -> None:
+        if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
+            raise TypeError(
+                f"DDPFaultTolerantStrategy(fault_tolerance=...) takes a FaultTolerance, got"
+                f" {type(fault_tolerance).__name__}."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._torchft = require_torchft("DDPFaultTolerantStrategy (strategy='ddp_ft')")
+        self._fault_tolerance = fault_tolerance
+        self._manager: Any = None
+
+    @property
+    def fault_tolerance(self) -> FaultTolerance:
+        """The options given, else the environment's (REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE)."""
+        if self._fault_tolerance is None:
+            self._fault_tolerance = FaultTolerance.from_environment()
+        return self._fault_tolerance
+
+    @property
+    def manager(self) -> Any:
+        """This group's torchft Manager while fitting (None before setup and after teardown)."""
+        return self._manager
+
+    # ------------------------------------------------------------------ data and ranks
+    @property
+    def is_global_zero(self) -> bool:
+        """Rank 0 of replica group 0: the one process of the run that writes checkpoints."""
+        return self.global_rank == 0 and self.fault_tolerance.replica_group_id == 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """Each process of each replica group reads its own share: replicas = groups x processes per group."""
+        options = self.fault_tolerance
+        return {
+            "num_replicas": options.num_replica_groups * self.world_size,
+            "rank": options.replica_group_id * self.world_size + self.global_rank,
+        }
+
+    # ------------------------------------------------------------------ set-up
+    def check_setup(self, settings: RunSettings) -> None:
+        """Refuse what this release does not run: several processes per group, manual optimization."""
+        options = self.fault_tolerance
+        if self.world_size > 1:
+            raise ValueError(
+                f"DDPFaultTolerantStrategy runs one process per replica group in this release, but replica group"
+                f" {options.replica_group_id} has {self.world_size} (devices x num_nodes). Start one group per process"
+                f" (devices=1, num_nodes=1) with its own REPLICA_GROUP_ID."
+            )
+        module = self._module
+        if settings.fitting and module is not None and not getattr(module, "automatic_optimization", True):
+            raise ValueError(
+                "DDPFaultTolerantStrategy supports automatic optimization only: the quorum starts and commits inside"
+                " the optimizer step it drives. Set automatic_optimization = True."
+            )
+
+    def wrap_module_and_optimizers(self, settings: RunSettings) -> None:
+        """Join the replica groups' quorum service (a torchft Manager), wrap, then check the optimizers."""
+        if settings.fitting and self._manager is None:
+            self._manager = self._make_manager()
+        super().wrap_module_and_optimizers(settings)
+        if not settings.fitting:
+            return
+        if len(self.optimizers) > 1:
+            raise ValueError(
+                f"DDPFaultTolerantStrategy steps one optimizer per step (one commit vote), got {len(self.optimizers)};"
+                f" combine their parameter groups into one optimizer."
+            )
+        for optimizer in self.optimizers:
+            if not evaluates_closure_once(optimizer):
+                raise ValueError(
+                    f"DDPFaultTolerantStrategy cannot step {type(optimizer).__name__}, which re-evaluates its closure"
+                    f" (as LBFGS does): a quorum commits each step once. Use an optimizer such as SGD or AdamW."
+                )
+
+    def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
+        # As torchft.ddp.DistributedDataParallel: a dummy group soaks up DDP's own collectives, buckets are never
+        # rebuilt (a rejoining group must bucket as its peers do), and the gradients go through the Manager. Its hook
+        # is not used: in torchft 0.2.0 it fails an assertion when a peer dies during the all-reduce, killing the
+        # surviving group too, where the Manager only needs the error recorded so that the step is not committed.
+        dummy = self._torchft.process_group.ProcessGroupDummy(0, 1)
+        model = DistributedDataParallel(module, process_group=dummy, find_unused_parameters=True)
+        # DDP checks a hook's annotations against the classes; this module's are strings (postponed evaluation).
+        model.register_comm_hook(self._manager, lambda manager, bucket: _average_across_groups(manager, bucket))
+        return model
+
+    def _make_manager(self) -> Any:
+        torchft, options = self._torchft, self.fault_tolerance
+        group = torchft.process_group.ProcessGroupGloo(timeout=options.step_timeout)
+        if options.transport == "pg":
+            transport = torchft.pg_transport.PGTransport(group, timeout=options.step_timeout, device=self.root_device)
+        else:
+            transport = torchft.http_transport.HTTPTransport(timeout=options.step_timeout, num_chunks=0)
+        return torchft.manager.Manager(
+            pg=group,
+            load_state_dict=self._load_live_state,
+            state_dict=self._live_state,
+            min_replica_size=options.min_replicas,
+            # A (re)joining group loads the peer's state before its first step and takes part in it at once.
+            use_async_quorum=False,
+            timeout=options.step_timeout,
+            quorum_timeout=options.quorum_timeout,
+            connect_timeout=options.connect_timeout,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=options.lighthouse,
+            replica_id=f"phalanx_group_{options.replica_group_id}",
+            checkpoint_transport=transport,
+        )
+
+    def _live_state(self) -> dict[str, Any]:
+        """What a healthy group sends a rejoining one: the weights and the optimizer state."""
+        assert self._module is not None
+        return {"module": self._module.state_dict(), "optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def _load_live_state(self, state: dict[str, Any]) -> None:
+        assert self._module is not None
+        self._module.load_state_dict(state["module"])
+        for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
+
+    # ------------------------------------------------------------------ steps
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: torch.nn.Module | None = None, **kwargs: Any
+    ) -> Any:
+        """Form this step's quorum, run the closure (gradients averaged across groups), step only if committed."""
+        manager = self._manager
+        if manager is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._start_quorum(manager)
+        gate = _CommitGate(optimizer, manager)
+        result = super().optimizer_step(gate, closure, model, **kwargs)
+        self.last_step_committed = gate.committed
+        return result
+
+    def _start_quorum(self, manager: Any) -> None:
+        options = self.fault_tolerance
+        try:
+            manager.start_quorum()
+        except Exception as error:
+            raise TimeoutError(
+                f"Replica group {options.replica_group_id} formed no quorum of at least {options.min_replicas} replica"
+                f" group(s) within quorum_timeout={options.quorum_timeout} at the lighthouse {options.lighthouse}:"
+                f" {error}. Check that the lighthouse runs there and that the other groups were started."
+            ) from error
+
+    def teardown(self) -> None:
+        """Leave the quorum service (stops this group's manager server and state transport), then as DDP."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, registry: Registry[Strategy]) -> None:
+        """Register 'ddp_ft'."""
+        registry.register(
+            "ddp_ft", cls, description="DDP across fault-tolerant replica groups (torchft; pip install 'phalanx[ft]')."
+        )

@@ -1,0 +1,69 @@
+"""One replica group of a fault-tolerant run (strategy='ddp_ft', the Trainer's defaults); writes where it ended.
+
+Usage: python ft_group_job.py OUT_DIR, with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE, MASTER_ADDR and
+MASTER_PORT set. ``reference_fit`` is the same training in one process on the groups' combined batches.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from ddp_common import IndexedRegression, Net, write_json
+from torch.utils.data import DataLoader
+
+import phalanx
+
+BATCH = 4  # per replica group
+STEPS = 4
+SAMPLES = 48  # divisible by BATCH x groups for 2 and 3 groups: every group reads as many batches
+
+
+class MomentumNet(Net):
+    """Net with an optimizer that has state (momentum), which a joining group must receive too."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+def fit(strategy: Any, root: Path, batch_size: int, seed: int = 7) -> tuple[phalanx.Trainer, MomentumNet]:
+    phalanx.seed_everything(seed)
+    model = MomentumNet()
+    trainer = phalanx.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, default_root_dir=str(root)
+    )
+    train = DataLoader(IndexedRegression(n=SAMPLES), batch_size=batch_size)
+    trainer.fit(model, train, DataLoader(IndexedRegression(n=8, seed=1), batch_size=4))
+    return trainer, model
+
+
+def reference_fit(groups: int, root: Path) -> list[list[float]]:
+    """The weights of a plain one-process run whose batches are the groups' batches of each step put together."""
+    # Group g reads samples g, g + groups, ... : at each step the groups together read one contiguous block.
+    _, model = fit("single_device", root, BATCH * groups)
+    return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    group = int(os.environ["REPLICA_GROUP_ID"])
+    # Groups other than 0 start from other weights: they must receive group 0's when the first quorum forms.
+    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, seed=7 + group)
+    write_json(
+        out,
+        f"group{group}.json",
+        {
+            "global_step": trainer.global_step,
+            "seen_train": model.seen_train,
+            "is_global_zero": trainer.is_global_zero,
+            "checkpoints": sorted(p.name for p in (out / f"group{group}").rglob("*.ckpt")),
+            "weights": [p.detach().flatten().tolist() for p in model.parameters()],
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
