@@ -342,8 +342,7 @@ class FitLoop:
         preemption = trainer.preemption
         if preempted := preemption is not None and preemption.requested(trainer, self.total_batches):
             save_preempted(trainer, preemption)
-        # Inline, and run.should_stop rather than trainer.should_stop (a descriptor): this runs after every batch.
-        # stop_now: nonfinite_loss='stop'; should_stop ends training once min_epochs and min_steps are reached.
+        # Inline, run.should_stop not trainer's (a descriptor): every batch. stop_now: nonfinite_loss='stop'.
         at_max_steps = trainer.max_steps != -1 and self.global_step >= trainer.max_steps
         if preempted or run.stop_now or at_max_steps or (run.should_stop and self._stop_allowed()):
             run.stop_now = True
