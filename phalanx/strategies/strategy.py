@@ -347,8 +347,7 @@ class Strategy(ABC):
     def batch_to_device(self, batch: object, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Move a batch to ``device`` (the root device by default) and convert it to the precision's dtype."""
         batch = move_to_device(batch, device or self.root_device)
-        # The plugin itself rather than its property (a Python call) where the step reads it: set after the first read.
-        return (self._precision_plugin or self.precision_plugin).convert_input(batch)
+        return (self._precision_plugin or self.precision_plugin).convert_input(batch)  # the property: first read only
 
     def _run_step(self, method: str, context: AbstractContextManager, *args: Any, **kwargs: Any) -> Any:
         """Call the module's step ``method`` inside ``context``, through the wrapper when there is one."""
@@ -422,8 +421,7 @@ class Strategy(ABC):
         self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
     ) -> Any:
         """Step ``optimizer`` through the precision plugin, which runs ``closure``, then ``before_optimizer_step``."""
-        precision = self._precision_plugin or self.precision_plugin
-        before_step = self._before_optimizer_step()
+        precision, before_step = self._precision_plugin or self.precision_plugin, self._before_optimizer_step()
         module = model if model is not None else self._module
         if not self._names_collectives:
             return precision.optimizer_step(optimizer, model=module, closure=closure, before_step=before_step, **kwargs)
@@ -432,8 +430,7 @@ class Strategy(ABC):
 
     def _before_optimizer_step(self) -> Callable[[Optimizer], None] | None:
         """The run's ``before_optimizer_step`` callback, or None (none given, or before ``setup``)."""
-        settings = self._run_settings
-        return settings.before_optimizer_step if settings is not None else None
+        return self._run_settings.before_optimizer_step if self._run_settings is not None else None
 
     def clip_gradients(
         self,
@@ -522,13 +519,12 @@ class Strategy(ABC):
 
     # ------------------------------------------------------------------ what the loops consult
     _legacy_traits: ClassVar[tuple[str, ...]] = ()
-    _names_collectives: ClassVar[bool] = False
+    _names_collectives: ClassVar[bool] = False  # naming_collectives overridden; else steps skip its empty context
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # Out-of-tree strategies written before ``traits`` override the separate properties: read them for a release.
         cls._legacy_traits = legacy_trait_overrides(cls, Strategy)
-        # Where naming_collectives is the base's empty context, a step skips entering it (three times per step).
         cls._names_collectives = cls.naming_collectives is not Strategy.naming_collectives
 
     @property
