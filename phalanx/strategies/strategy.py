@@ -29,6 +29,7 @@ from phalanx.strategies.traits import StrategyTraits, legacy_trait_overrides
 from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.compile import CompileUnit, compile_in_place, describe_targets
 from phalanx.utilities.init import empty_init_context
+from phalanx.utilities.optimizer_names import state_by_position
 from phalanx.utilities.rank_zero import rank_zero_info
 
 if TYPE_CHECKING:
@@ -488,14 +489,13 @@ class Strategy(ABC):
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Load the optimizers' states from ``checkpoint['optimizer_states']``."""
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
+        if len(states := checkpoint["optimizer_states"]) != len(self.optimizers):
             raise ValueError(
                 f"The checkpoint holds {len(states)} optimizer state(s) but configure_optimizers created"
                 f" {len(self.optimizers)}; resume with the same optimizer configuration."
             )
-        for optimizer, state in zip(self.optimizers, states):
-            optimizer.load_state_dict(state)
+        for optimizer, state in zip(self.optimizers, states):  # a pipeline's states name their parameters
+            optimizer.load_state_dict(state_by_position(optimizer, self._module, state))
 
     def remove_checkpoint(self, filepath: PathLike) -> None:
         """Delete a checkpoint, once (on global rank 0)."""

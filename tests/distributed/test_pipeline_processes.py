@@ -1,6 +1,7 @@
 """Pipeline parallelism on 2 CPU processes (pipeline_parallel_size=2, gloo) against one process on the same batches:
-1F1B with the Trainer's defaults, GPipe with clipping by norm and accumulation, the docs' example; one launched job runs
-every case (``scripts/pipeline_job.py``), one process runs them here."""
+1F1B with the Trainer's defaults, GPipe with clipping by norm and accumulation, the docs' example, and a sharded
+checkpoint that resumes on one process under other strategies; one launched job runs every case
+(``scripts/pipeline_job.py``), one process runs them here."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from phalanx_distributed import SCRIPTS, assert_ok, run_script
 
 sys.path.insert(0, str(SCRIPTS))
 
-from pipeline_common import CASES, loader, run_case  # noqa: E402
+from pipeline_common import CASES, fit_for_checkpoint, loader, run_case  # noqa: E402
+
+from phalanx.cli import main as cli  # noqa: E402
+from phalanx.strategies import ModelParallelStrategy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -83,3 +87,52 @@ def test_the_docs_example_trains_in_two_stages(job):
     _, results = job
     losses = results["docs_example"]
     assert len(losses) == 8 and losses[-1] < losses[0]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Two epochs of ``AdamNet`` on one process, without a break: what every resumed run must reproduce."""
+    trainer, module = fit_for_checkpoint("auto", 1, str(tmp_path_factory.mktemp("whole")), epochs=2)
+    return module.losses, module.state_dict(), trainer.optimizers[0].state_dict()
+
+
+def test_the_pipeline_checkpoint_keys_optimizer_state_by_parameter_name(job, uninterrupted):
+    import torch.distributed.checkpoint as dcp
+
+    out, _ = job
+    saved = dcp.FileSystemReader(str(out / "pipeline.ckpt")).read_metadata().state_dict_metadata
+    names = uninterrupted[1].keys()
+    # Both stages' AdamW moments, under the whole model's names (positions would collide between the stages).
+    assert {key for key in saved if key.startswith("optimizer/")} == {
+        f"optimizer/0/{name}/{entry}" for name in names for entry in ("step", "exp_avg", "exp_avg_sq")
+    }
+
+
+@pytest.mark.parametrize("target", ["single_device", "model_parallel", "consolidated"])
+def test_the_pipeline_checkpoint_resumes_exactly_elsewhere(job, uninterrupted, target, tmp_path):
+    out, _ = job
+    path = out / "pipeline.ckpt"
+    if target == "consolidated":
+        assert cli(["checkpoint", "consolidate", str(path), str(tmp_path / "whole.ckpt")]) == 0
+        path = tmp_path / "whole.ckpt"
+        whole = torch.load(path, weights_only=True)
+        assert whole["state_dict"].keys() == uninterrupted[1].keys() and whole["global_step"] == 2
+    strategy = ModelParallelStrategy() if target == "model_parallel" else "auto"
+    try:
+        trainer, module = fit_for_checkpoint(strategy, 1, str(tmp_path), epochs=2, ckpt_path=str(path))
+    finally:
+        if torch.distributed.is_initialized():  # model_parallel's group of one stays until exit otherwise
+            torch.distributed.destroy_process_group()
+    losses, weights, optimizer_state = uninterrupted
+    # Weights, AdamW's moments and step, and the loop's step all came back: the second epoch is the unbroken run's.
+    assert trainer.global_step == 4
+    assert module.losses == pytest.approx(losses[2:], rel=1e-5, abs=1e-6)
+    for key, value in weights.items():
+        torch.testing.assert_close(
+            module.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}"
+        )
+    resumed = trainer.optimizers[0].state_dict()
+    assert resumed["state"].keys() == optimizer_state["state"].keys()
+    for pid, entries in optimizer_state["state"].items():
+        for entry, value in entries.items():
+            torch.testing.assert_close(resumed["state"][pid][entry], value, rtol=1e-5, atol=1e-6)

@@ -23,6 +23,7 @@ from phalanx.utilities.dtensor import (
     materialize,
 )
 from phalanx.utilities.init import empty_init_context
+from phalanx.utilities.optimizer_names import state_by_position
 
 STATE_DICT_TYPES = ("full", "sharded")
 
@@ -153,8 +154,8 @@ class ShardedStrategyMixin:
                 f"The checkpoint holds {len(states)} optimizer state(s) but configure_optimizers created"
                 f" {len(optimizers)}; resume with the same optimizer configuration."
             )
-        for optimizer, state in zip(optimizers, states):
-            load_optimizer_state(optimizer, state)
+        for optimizer, state in zip(optimizers, states):  # a pipeline's states name their parameters
+            load_optimizer_state(optimizer, state_by_position(optimizer, self._module, state))  # type: ignore[attr-defined]
 
 
 @contextmanager

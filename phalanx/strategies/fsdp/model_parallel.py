@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
+from phalanx.plugins.io.formats.dcp import ELSEWHERE
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.fsdp._sharded import ShardedStrategyMixin, check_state_dict_type
 from phalanx.strategies.fsdp.strategy import is_sharded
@@ -25,6 +26,7 @@ from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.checks import is_int_at_least
 from phalanx.utilities.dtensor import has_dtensors, has_meta_tensors, is_dtensor
+from phalanx.utilities.optimizer_names import state_by_name
 from phalanx.utilities.registry import Registry
 
 MESH_DIMENSIONS = (MeshAxis.DATA.value, MeshAxis.TENSOR.value)
@@ -363,6 +365,39 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The mixin's; with a pipeline (sharded checkpoints), keyed by parameter name and listing every stage's
+        parameters, so that it loads under any other split of the model (see ``_pipelined_optimizer_state``)."""
+        if self._pipeline_size == 1 or self._state_dict_type != "sharded":
+            return super().optimizer_state(optimizer)
+        return self._pipelined_optimizer_state(optimizer)
+
+    def _pipelined_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's state keyed by name, its tensors written by this rank; rank 0 writes the rest of the checkpoint,
+        so every rank learns what the others hold: their parameters' names, plain entries and tensor entries."""
+        local = state_by_name(optimizer, self._module)  # type: ignore[arg-type]
+        outline: dict[str, Any] = {
+            "state": {
+                pid: (
+                    [key for key, value in entries.items() if isinstance(value, Tensor)],
+                    {key: value for key, value in entries.items() if not isinstance(value, Tensor)},
+                )
+                for pid, entries in local["state"].items()
+            },
+            "params": [group["params"] for group in local["param_groups"]],
+        }
+        state, elsewhere = dict(local["state"]), dict[tuple[str, str], None]()
+        params: list[list[str]] = [[] for _ in local["param_groups"]]
+        for part in self.all_gather_object(outline):  # in rank order: the stages' order for the groups' names
+            for pid, (tensors, plain) in part["state"].items():
+                if pid not in local["state"]:
+                    state.setdefault(pid, dict(plain))
+                    elsewhere.update(dict.fromkeys((pid, key) for key in tensors))
+            for names, more in zip(params, part["params"]):
+                names.extend(name for name in more if name not in names)
+        groups = [{**group, "params": names} for group, names in zip(local["param_groups"], params)]
+        return {"state": state, "param_groups": groups, ELSEWHERE: [list(entry) for entry in elsewhere]}
 
     @classmethod
     def register_strategies(cls, registry: Registry[Strategy]) -> None:

@@ -36,8 +36,8 @@ def data() -> TensorDataset:
     return TensorDataset(torch.randn(32, 4, generator=generator), torch.randn(32, 1, generator=generator))
 
 
-def loader() -> DataLoader:
-    return DataLoader(data(), batch_size=8)
+def loader(batch_size: int = 8) -> DataLoader:
+    return DataLoader(data(), batch_size=batch_size)
 
 
 class Block(nn.Module):
@@ -108,4 +108,22 @@ def run_case(name: str, strategy: Any, devices: int, root: str) -> tuple[phalanx
     module = Net()
     trainer = phalanx.Trainer(accelerator="cpu", devices=devices, strategy=strategy, default_root_dir=root, **options)
     trainer.fit(module, loader(), loader())
+    return trainer, module
+
+
+class AdamNet(Net):
+    """``Net`` with an optimizer that keeps a state per parameter (what a resumed run must get back exactly)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def fit_for_checkpoint(strategy: Any, devices: int, root: str, epochs: int, ckpt_path: str | None = None) -> Any:
+    """Fit ``AdamNet`` (seeded) for ``epochs`` epochs of two batches, from ``ckpt_path`` if given."""
+    phalanx.seed_everything(1)
+    module = AdamNet()
+    trainer = phalanx.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, default_root_dir=root, max_epochs=epochs, **QUIET
+    )
+    trainer.fit(module, loader(16), ckpt_path=ckpt_path)
     return trainer, module

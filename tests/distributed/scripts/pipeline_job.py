@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pipeline_common import CASES, loader, run_case
+from pipeline_common import CASES, fit_for_checkpoint, loader, run_case
 
 from phalanx.strategies import ModelParallelStrategy
 
@@ -53,6 +53,11 @@ if __name__ == "__main__":
             torch.save(weights, OUT / f"{name}.pt")
             if predictions is not None:
                 torch.save(torch.cat(predictions), OUT / f"{name}_predictions.pt")
+    # A sharded checkpoint after one epoch of a pipeline (AdamW: a state per parameter), resumed by the test on one
+    # process under other strategies and consolidated into one file.
+    strategy = ModelParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="Interleaved1F1B", microbatches=4)
+    trainer, _ = fit_for_checkpoint(strategy, 2, str(OUT / "checkpoint"), epochs=1)
+    trainer.save_checkpoint(OUT / "pipeline.ckpt")
     # The full example of docs/pipeline.md, in these processes rather than a launch of its own (CI time).
     results["docs_example"] = run_docs_example()
     if trainer.is_global_zero:

@@ -47,6 +47,8 @@ META_FILE = "phalanx_meta.pt"
 _SAVE_ID = "dcp_save_id"
 _MODEL_PREFIX = "model/"
 _OPTIMIZER_PREFIX = "optimizer/"
+#: In an optimizer state keyed by parameter name: the (parameter, entry) tensors that other ranks hold and write.
+ELSEWHERE = "tensors_on_other_ranks"
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -64,11 +66,15 @@ def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Tensor], dic
     if "optimizer_states" in checkpoint:
         optimizer_states = []
         for index, state in enumerate(checkpoint["optimizer_states"]):
+            # A state keyed by name (a pipeline's) sends every tensor through DCP: each rank writes its own stages'.
+            # The tensors other ranks write are listed (by rank 0, which writes this file) under ELSEWHERE.
+            state = dict(state)
+            moved.extend([index, pid, name] for pid, name in state.pop(ELSEWHERE, []))
             per_parameter = {}
             for pid, entries in state["state"].items():
                 kept = {}
                 for name, value in entries.items():
-                    if is_dtensor(value):
+                    if is_dtensor(value) or (isinstance(pid, str) and isinstance(value, Tensor)):
                         tensors[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"] = value
                         moved.append([index, pid, name])
                     else:
@@ -289,6 +295,16 @@ def _checked_metadata(directory: Path, meta: dict[str, Any]) -> Any:
                 f"{directory}: entry {key!r}, listed in {META_FILE}, is {state} {DCP_METADATA_FILE} (damaged, or the"
                 " files come from different checkpoints)."
             )
+    # Rank 0 writes META_FILE and lists its own parameters; a pipeline's other stages are listed in DCP's metadata,
+    # which every rank's save fills.
+    listed = set(meta["sharded_tensors"]["model"])
+    meta["sharded_tensors"]["model"] += sorted(
+        key[len(_MODEL_PREFIX) :]
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(_MODEL_PREFIX)
+        and key[len(_MODEL_PREFIX) :] not in listed
+        and isinstance(entry, TensorStorageMetadata)
+    )
     return metadata
 
 
@@ -364,9 +380,9 @@ def load_into(path: str | os.PathLike, module_state: dict[str, Tensor], optimize
                 i for group in meta["optimizer_states"][index].get("param_groups", []) for i in group.get("params", [])
             ]
             entry = entries[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"]
-            parameter = (
-                parameters[saved_ids.index(pid)] if pid in saved_ids and len(saved_ids) == len(parameters) else None
-            )
+            # A state keyed by name (a pipeline's) may cover other stages: read whole tensors, cut when loaded.
+            same = isinstance(pid, int) and pid in saved_ids and len(saved_ids) == len(parameters)
+            parameter = parameters[saved_ids.index(pid)] if same else None
             if parameter is not None and is_dtensor(parameter) and tuple(entry.size) == tuple(parameter.shape):
                 tensors[f"{_OPTIMIZER_PREFIX}{index}/{pid}/{name}"] = torch.empty_like(
                     parameter, dtype=entry.properties.dtype
