@@ -89,6 +89,13 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         if not is_int_at_least(pipeline_parallel_size, 1):
             raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size!r} must be an int >= 1.")
         check_pipeline_options(pipeline_schedule, microbatches, pipeline_stages_per_rank)
+        if pipeline_parallel_size > 1 and not save_distributed_checkpoint:
+            # Rank 0 alone writes a whole file, and holds only its own stages: the file would lack the others.
+            raise ValueError(
+                f"pipeline_parallel_size={pipeline_parallel_size} needs save_distributed_checkpoint=True: each stage"
+                " writes its own parameters into the sharded directory."
+                " `phalanx checkpoint consolidate` makes one file of that directory."
+            )
         self._pipeline_size: int = pipeline_parallel_size
         self._pipeline_schedule = pipeline_schedule
         several = SCHEDULES[pipeline_schedule][1]

@@ -28,6 +28,11 @@ CPU4 = [torch.device("cpu")] * 4
         ({"microbatches": True}, ValueError, r"microbatches=True must be an int >= 1"),
         ({"pipeline_parallel_size": 0}, ValueError, r"pipeline_parallel_size=0 must be an int >= 1"),
         ({"pipeline_parallel_size": 2.0}, ValueError, r"pipeline_parallel_size=2.0 must be an int >= 1"),
+        (
+            {"pipeline_parallel_size": 2, "save_distributed_checkpoint": False},
+            ValueError,
+            r"pipeline_parallel_size=2 needs save_distributed_checkpoint=True",
+        ),
     ],
     ids=lambda value: str(value)[:40],
 )
