@@ -70,6 +70,10 @@ def _average_across_groups(manager: Any, bucket: Any) -> torch.futures.Future[Te
     return done
 
 
+#: Declined steps in a row after which a group gives up (each one has waited for its quorum and all-reduce already).
+MAX_DECLINED_IN_A_ROW = 10
+
+
 class DDPFaultTolerantStrategy(DDPStrategy):
     """One DDP replica per replica group; the groups average gradients through torchft and survive each other's loss.
 
@@ -118,6 +122,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
         self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
+        self._declined_in_a_row = 0
 
     @property
     def fault_tolerance(self) -> FaultTolerance:
@@ -285,6 +290,14 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         gate = _CommitGate(optimizer, manager)
         result = super().optimizer_step(gate, closure, model, **kwargs)
         self.last_step_committed = gate.committed
+        self._declined_in_a_row = 0 if gate.committed else self._declined_in_a_row + 1
+        if self._declined_in_a_row >= MAX_DECLINED_IN_A_ROW:
+            # The loop trains a declined batch again: a quorum that never commits would otherwise retry it forever.
+            raise RuntimeError(
+                f"The replica groups' quorum declined {self._declined_in_a_row} steps in a row on replica group"
+                f" {self.fault_tolerance.replica_group_id}; each failed in the gradient all-reduce or the commit."
+                " Look at the other groups' logs and the lighthouse for the failing group, then restart this one."
+            )
         return result
 
     def _start_quorum(self, manager: Any) -> None:
