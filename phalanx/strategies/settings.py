@@ -4,7 +4,7 @@ loop)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from torch import nn
 from torch.optim import Optimizer
@@ -44,6 +44,11 @@ class RunSettings:
     #: The optimizers are the caller's own objects (the Cohort's ``setup(module, optimizer)``), not made by a hook: a
     #: strategy whose configuration would build other optimizers refuses, rather than train without the ones given.
     optimizers_given: bool = False
+    #: Where the training loop stands (its counters and data position), read once when a strategy hands it to a peer
+    #: that (re)joins the run (``ddp_ft``); None: the driver has no such loop (the Cohort).
+    loop_position: Callable[[], dict[str, int]] | None = None
+    #: Moves the training loop to a position ``loop_position`` returned, before it reads its first batch.
+    load_loop_position: Callable[[Mapping[str, int]], None] | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -73,7 +78,7 @@ class RunSettings:
         if self.compile_unit is not None and self.compile_unit not in COMPILE_UNITS:
             units = [*COMPILE_UNITS, None]
             raise ValueError(f"RunSettings(compile_unit={self.compile_unit!r}) is not valid; choose one of {units}.")
-        for name in ("configure_optimizers", "before_optimizer_step", "compile"):
+        for name in ("configure_optimizers", "before_optimizer_step", "compile", "loop_position", "load_loop_position"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"RunSettings({name}={value!r}) must be a callable or None.")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from phalanx.optimization import init_optimizers_and_schedulers
 from phalanx.strategies.settings import RunSettings
+from phalanx.trainer.loops.position import load_loop_position, loop_position
 from phalanx.trainer.state import TrainerFn
 from phalanx.utilities.compile import compiler_for, refuse_compiled_in_place, split_unit
 
@@ -32,6 +34,8 @@ def run_settings(trainer: Trainer, source: DataSource) -> RunSettings:
         # A model passed as torch.compile(model) was unwrapped by check_module, which kept its compile context.
         compile=compiler_for(trainer.compile, source.module.__dict__.get("_compiled_with"), "Trainer"),
         compile_unit=None if trainer.compile is None else split_unit(trainer.compile)[1],
+        loop_position=partial(loop_position, trainer.fit_loop) if fitting else None,
+        load_loop_position=partial(load_loop_position, trainer.fit_loop) if fitting else None,
     )
 
 

@@ -1,11 +1,17 @@
-"""strategy='ddp_ft' across real replica groups (one process each) and a lighthouse in this process."""
+"""strategy='ddp_ft' across real replica groups (one process each) and a lighthouse in this process; group 1 is killed
+with SIGKILL mid-run and restarted, and rejoins from group 0's live state."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
+import threading
 from datetime import timedelta
+from pathlib import Path
+from typing import IO
 
 import pytest
 from phalanx_distributed import SCRIPTS, clean_environment, free_port
@@ -13,35 +19,65 @@ from phalanx_distributed import SCRIPTS, clean_environment, free_port
 pytest.importorskip("torchft")
 
 GROUPS = 2
+KILLED = 1  # the group killed ...
+KILL_AFTER = "committed step 1"  # ... once it printed this line
+WAIT_S = 240  # bound on every wait of the fixture: a hang fails the test instead of blocking CI
+
+
+def _start(out: Path, group: int, life: int, lighthouse: str) -> tuple[subprocess.Popen[str], threading.Event, Path]:
+    """Start one life of a replica group; the event is set when it prints KILL_AFTER (its output goes to a log)."""
+    environment = clean_environment(
+        REPLICA_GROUP_ID=str(group),
+        NUM_REPLICA_GROUPS=str(GROUPS),
+        TORCHFT_LIGHTHOUSE=lighthouse,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    command = [sys.executable, str(SCRIPTS / "ft_group_job.py"), str(out)]
+    process = subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+    )
+    seen, log = threading.Event(), out / f"group{group}.life{life}.log"
+
+    def copy(stream: IO[str]) -> None:
+        with log.open("w") as file:
+            for line in stream:
+                file.write(line)
+                file.flush()
+                if line.strip() == KILL_AFTER:
+                    seen.set()
+
+    assert process.stdout is not None
+    threading.Thread(target=copy, args=(process.stdout,), daemon=True).start()
+    return process, seen, log
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """One fault-tolerant run of GROUPS groups (the Trainer's defaults otherwise) and its one-process reference."""
+    """One fault-tolerant run of GROUPS groups (the Trainer's defaults otherwise) in which group KILLED is killed after
+    a committed step and restarted; and the one-process reference of the same committed steps."""
     from phalanx.strategies.fault_tolerant import start_lighthouse
 
     out = tmp_path_factory.mktemp("ddp_ft")
+    # The lighthouse forms quorums of all the groups only: after the kill the survivor's next step waits (bounded by
+    # its quorum_timeout) for the restarted group, so that the rejoin happens before the survivor could finish.
     with start_lighthouse(min_replicas=GROUPS, join_timeout=timedelta(milliseconds=200)) as lighthouse:
-        processes = []
-        for group in range(GROUPS):
-            environment = clean_environment(
-                REPLICA_GROUP_ID=str(group),
-                NUM_REPLICA_GROUPS=str(GROUPS),
-                TORCHFT_LIGHTHOUSE=lighthouse.address,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(free_port()),
-            )
-            log = (out / f"group{group}.log").open("w")
-            command = [sys.executable, str(SCRIPTS / "ft_group_job.py"), str(out)]
-            processes.append(subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT))
+        started = [_start(out, group, 0, lighthouse.address) for group in range(GROUPS)]
+        processes = [process for process, _, _ in started]
         try:
-            codes = [process.wait(timeout=240) for process in processes]
+            killed, seen, first_log = started[KILLED]
+            assert seen.wait(timeout=WAIT_S), f"group {KILLED} never printed {KILL_AFTER!r}: {first_log.read_text()}"
+            killed.send_signal(signal.SIGKILL)
+            killed_code = killed.wait(timeout=WAIT_S)
+            restarted, _, restart_log = _start(out, KILLED, 1, lighthouse.address)
+            processes[KILLED] = restarted
+            codes = [process.wait(timeout=WAIT_S) for process in processes]
         finally:
             for process in processes:
                 if process.poll() is None:
                     process.kill()
                     process.wait(timeout=30)
-    logs = {group: (out / f"group{group}.log").read_text()[-6000:] for group in range(GROUPS)}
+    logs = {log.name: log.read_text()[-6000:] for log in sorted(out.glob("*.log"))}
     assert codes == [0] * GROUPS, f"exit codes {codes}; logs: {logs}"
     sys.path.insert(0, str(SCRIPTS))
     try:
@@ -50,7 +86,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         sys.path.remove(str(SCRIPTS))
     reference = ft_group_job.reference_fit(GROUPS, out / "reference")
     results = [json.loads((out / f"group{group}.json").read_text()) for group in range(GROUPS)]
-    return {"results": results, "reference": reference, "steps": ft_group_job.STEPS, "batch": ft_group_job.BATCH}
+    return {
+        "results": results,
+        "reference": reference,
+        "steps": ft_group_job.STEPS,
+        "batch": ft_group_job.BATCH,
+        "killed_code": killed_code,
+        "restart_log": restart_log.read_text(),
+    }
 
 
 def test_every_group_ends_with_the_weights_of_one_process_on_the_combined_batches(run):
@@ -63,11 +106,21 @@ def test_global_step_counts_the_committed_steps(run):
     assert [result["global_step"] for result in run["results"]] == [run["steps"]] * GROUPS
 
 
-def test_the_groups_read_disjoint_shares_that_cover_the_combined_batches(run):
-    seen = [set(result["seen_train"]) for result in run["results"]]
-    assert all(len(result["seen_train"]) == run["steps"] * run["batch"] for result in run["results"])
-    assert not set.intersection(*seen)
-    assert set.union(*seen) == set(range(run["steps"] * run["batch"] * GROUPS))
+def test_committed_steps_train_each_sample_of_the_groups_shares_once_across_the_kill(run):
+    # The killed group's file holds the batches of both its lives: before the kill, and from the healed position on.
+    committed = [[index for batch in result["committed"] for index in batch] for result in run["results"]]
+    assert [len(indices) for indices in committed] == [run["steps"] * run["batch"]] * GROUPS
+    assert all(len(set(indices)) == len(indices) for indices in committed)
+    assert not set.intersection(*map(set, committed))
+    assert set.union(*map(set, committed)) == set(range(run["steps"] * run["batch"] * GROUPS))
+
+
+def test_the_killed_group_rejoins_from_a_peer_at_its_position(run):
+    assert run["killed_code"] == -signal.SIGKILL
+    healed = re.search(r"healed from a peer \(no checkpoint read\).*continues at global_step=(\d+)", run["restart_log"])
+    assert healed, run["restart_log"][-3000:]
+    assert int(healed.group(1)) >= 1  # the survivor's step, not the fresh process's 0
+    assert "committed step 1\n" not in run["restart_log"]  # it never retrained the steps before its position
 
 
 def test_only_group_zero_writes_checkpoints(run):

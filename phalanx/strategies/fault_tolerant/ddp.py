@@ -21,6 +21,7 @@ from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
+from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.registry import Registry
 
 
@@ -69,6 +70,10 @@ def _average_across_groups(manager: Any, bucket: Any) -> torch.futures.Future[Te
     return done
 
 
+#: Declined steps in a row after which a group gives up (each one has waited for its quorum and all-reduce already).
+MAX_DECLINED_IN_A_ROW = 10
+
+
 class DDPFaultTolerantStrategy(DDPStrategy):
     """One DDP replica per replica group; the groups average gradients through torchft and survive each other's loss.
 
@@ -113,6 +118,11 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._torchft = require_torchft("DDPFaultTolerantStrategy (strategy='ddp_ft')")
         self._fault_tolerance = fault_tolerance
         self._manager: Any = None
+        self._loop_position: Callable[[], dict[str, int]] | None = None
+        self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
+        self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
+        self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
+        self._declined_in_a_row = 0
 
     @property
     def fault_tolerance(self) -> FaultTolerance:
@@ -161,6 +171,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
     def wrap_module_and_optimizers(self, settings: RunSettings) -> None:
         """Join the replica groups' quorum service (a torchft Manager), wrap, then check the optimizers."""
         if settings.fitting and self._manager is None:
+            self._loop_position, self._load_loop_position = settings.loop_position, settings.load_loop_position
             self._manager = self._make_manager()
         super().wrap_module_and_optimizers(settings)
         if not settings.fitting:
@@ -195,7 +206,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
             transport = torchft.pg_transport.PGTransport(group, timeout=options.step_timeout, device=self.root_device)
         else:
             transport = torchft.http_transport.HTTPTransport(timeout=options.step_timeout, num_chunks=0)
-        return torchft.manager.Manager(
+        manager = torchft.manager.Manager(
             pg=group,
             load_state_dict=self._load_live_state,
             state_dict=self._live_state,
@@ -213,6 +224,9 @@ class DDPFaultTolerantStrategy(DDPStrategy):
             replica_id=f"phalanx_group_{options.replica_group_id}",
             checkpoint_transport=transport,
         )
+        # A second state in torchft's live transfer: the loop's counters and data position, loaded after the weights.
+        manager.register_state_dict_fn("loop", self._load_position, self._position)
+        return manager
 
     def _live_state(self) -> dict[str, Any]:
         """What a healthy group sends a rejoining one: the weights and the optimizer state."""
@@ -225,7 +239,43 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
 
+    def _position(self) -> dict[str, int] | None:
+        """What a healthy group sends with its weights: where its loop stands (None without a loop to ask)."""
+        return None if self._loop_position is None else self._loop_position()
+
+    def _load_position(self, position: dict[str, int] | None) -> None:
+        group = self.fault_tolerance.replica_group_id
+        if position is None or self._load_loop_position is None:
+            return
+        if not self._joining:
+            # Mid-run, the loop is inside a batch it already read: only a loop that has not started can move.
+            rank_zero_warn(
+                f"Replica group {group} fell behind its peers and received their weights and optimizer state during"
+                f" a step; its loop counters and data position stay its own (global_step of the peer:"
+                f" {position['global_step']})."
+            )
+            return
+        self._load_loop_position(position)
+        rank_zero_info(
+            f"Replica group {group} healed from a peer (no checkpoint read): weights, optimizer state and loop"
+            f" position received; it continues at global_step={position['global_step']}, epoch {position['epoch']},"
+            f" batch {position['batches_done']}."
+        )
+
     # ------------------------------------------------------------------ steps
+    def on_train_start(self) -> None:
+        """Form the first step's quorum before the loop reads data: a group behind its peers takes their state, its
+        loop's counters and data position included, and then reads its share from the same place."""
+        manager = self._manager
+        if manager is None or self._quorum_open:
+            return
+        self._joining = True
+        try:
+            self._start_quorum(manager)
+        finally:
+            self._joining = False
+        self._quorum_open = True
+
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: torch.nn.Module | None = None, **kwargs: Any
     ) -> Any:
@@ -233,10 +283,21 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         manager = self._manager
         if manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._start_quorum(manager)
+        if self._quorum_open:
+            self._quorum_open = False
+        else:
+            self._start_quorum(manager)
         gate = _CommitGate(optimizer, manager)
         result = super().optimizer_step(gate, closure, model, **kwargs)
         self.last_step_committed = gate.committed
+        self._declined_in_a_row = 0 if gate.committed else self._declined_in_a_row + 1
+        if self._declined_in_a_row >= MAX_DECLINED_IN_A_ROW:
+            # The loop trains a declined batch again: a quorum that never commits would otherwise retry it forever.
+            raise RuntimeError(
+                f"The replica groups' quorum declined {self._declined_in_a_row} steps in a row on replica group"
+                f" {self.fault_tolerance.replica_group_id}; each failed in the gradient all-reduce or the commit."
+                " Look at the other groups' logs and the lighthouse for the failing group, then restart this one."
+            )
         return result
 
     def _start_quorum(self, manager: Any) -> None:
@@ -253,6 +314,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
     def teardown(self) -> None:
         """Leave the quorum service (stops this group's manager server and state transport), then as DDP."""
         manager, self._manager = self._manager, None
+        self._quorum_open = False
         if manager is not None:
             manager.shutdown(wait=False)
         super().teardown()

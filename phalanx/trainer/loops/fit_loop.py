@@ -259,8 +259,7 @@ class FitLoop:
         return False, False
 
     def _end_epoch(self, exhausted: bool, skipped_by_hook: bool) -> None:
-        """After the batch loop: step on what is accumulated, then end the epoch, or leave it open when training
-        stopped inside it."""
+        """After the batch loop: step on what is accumulated, then end the epoch (or leave it open if stopped in it)."""
         trainer = self.trainer
         if self._accumulated and trainer.strategy.module.automatic_optimization:
             self._flush_accumulated()
@@ -419,8 +418,7 @@ class FitLoop:
             return skipped.output
 
     def _closes_window(self) -> bool:
-        """Whether this batch is the last of its accumulation window (every ``accumulate_grad_batches``, and the epoch's
-        last)."""
+        """Whether this batch ends its accumulation window (every ``accumulate_grad_batches``-th, or last)."""
         accumulate = self.trainer.accumulate_grad_batches
         if accumulate == 1:
             return True
@@ -448,7 +446,8 @@ class FitLoop:
             loss, outputs[0] = self._forward_backward(batch, batch_idx)
             return loss
 
-        self._optimizer_step(closure, batch_idx)
+        while not self._optimizer_step(closure, batch_idx) and self.trainer.accumulate_grad_batches == 1:
+            pass  # a quorum declined it (no weight changed): the batch again, so that a committed step trains it once
         return outputs[0]
 
     def _drop_window(self, ends_window: bool) -> None:
@@ -463,7 +462,7 @@ class FitLoop:
         last_loss = self._last_loss
         self._optimizer_step(lambda: last_loss, self.batches_done - 1)
 
-    def _optimizer_step(self, closure: Any, batch_idx: int) -> None:
+    def _optimizer_step(self, closure: Any, batch_idx: int) -> bool:
         trainer = self.trainer
         strategy = trainer.strategy
         optimizer = trainer._run.optimizer
@@ -479,10 +478,11 @@ class FitLoop:
         else:
             self._zero_grad_hook(self.current_epoch, batch_idx, optimizer)
         self._accumulated = 0
-        if strategy.last_step_committed:  # False: a fault-tolerance quorum declined it (no weight changed), no count
+        if committed := strategy.last_step_committed:  # False: a fault-tolerance quorum declined it, no count
             self.global_step += 1
             if trainer._run.step_scheduler_configs:
                 step_schedulers(trainer, "step")
+        return committed
 
     def _manual_batch(self, batch: Any, batch_idx: int) -> Any:
         module = self.trainer.strategy.module

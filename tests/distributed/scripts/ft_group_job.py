@@ -1,11 +1,15 @@
 """One replica group of a fault-tolerant run (strategy='ddp_ft', the Trainer's defaults); writes where it ended.
 
 Usage: python ft_group_job.py OUT_DIR, with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE, MASTER_ADDR and
-MASTER_PORT set. ``reference_fit`` is the same training in one process on the groups' combined batches.
+MASTER_PORT set. Each committed step appends its batch's sample indices to OUT_DIR/group<id>.committed (kept across a
+kill and restart of the group) and prints "committed step N". ``reference_fit`` is the same training in one process on
+the groups' combined batches.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -22,6 +26,19 @@ STEPS = 4
 SAMPLES = 48  # divisible by BATCH x groups for 2 and 3 groups: every group reads as many batches
 
 
+class CommittedBatches(phalanx.Callback):
+    """Records the samples of each batch that a committed step trained on, and says so on stdout (flushed)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # A declined step trains its batch again before this hook: every batch that reaches it was committed.
+        with self.path.open("a") as file:
+            file.write(json.dumps(batch[2].tolist()) + "\n")
+        print(f"committed step {trainer.global_step}", flush=True)
+
+
 class MomentumNet(Net):
     """Net with an optimizer that has state (momentum), which a joining group must receive too."""
 
@@ -29,11 +46,18 @@ class MomentumNet(Net):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
-def fit(strategy: Any, root: Path, batch_size: int, seed: int = 7) -> tuple[phalanx.Trainer, MomentumNet]:
+def fit(
+    strategy: Any, root: Path, batch_size: int, seed: int = 7, callbacks: list[Any] | None = None
+) -> tuple[phalanx.Trainer, MomentumNet]:
     phalanx.seed_everything(seed)
     model = MomentumNet()
     trainer = phalanx.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=STEPS, default_root_dir=str(root)
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        default_root_dir=str(root),
+        callbacks=callbacks,
     )
     train = DataLoader(IndexedRegression(n=SAMPLES), batch_size=batch_size)
     trainer.fit(model, train, DataLoader(IndexedRegression(n=8, seed=1), batch_size=4))
@@ -50,14 +74,18 @@ def reference_fit(groups: int, root: Path) -> list[list[float]]:
 def main() -> None:
     out = Path(sys.argv[1])
     group = int(os.environ["REPLICA_GROUP_ID"])
+    # phalanx says at INFO level when a group healed from a peer; the test reads it in this output.
+    logging.getLogger("phalanx").addHandler(logging.StreamHandler(sys.stdout))
+    logging.getLogger("phalanx").setLevel(logging.INFO)
     # Groups other than 0 start from other weights: they must receive group 0's when the first quorum forms.
-    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, seed=7 + group)
+    committed = CommittedBatches(out / f"group{group}.committed")
+    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, seed=7 + group, callbacks=[committed])
     write_json(
         out,
         f"group{group}.json",
         {
             "global_step": trainer.global_step,
-            "seen_train": model.seen_train,
+            "committed": [json.loads(line) for line in committed.path.read_text().splitlines()],
             "is_global_zero": trainer.is_global_zero,
             "checkpoints": sorted(p.name for p in (out / f"group{group}").rglob("*.ckpt")),
             "weights": [p.detach().flatten().tolist() for p in model.parameters()],

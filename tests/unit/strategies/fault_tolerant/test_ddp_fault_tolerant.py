@@ -124,3 +124,34 @@ def test_gradients_go_through_the_manager_and_a_dead_peer_only_marks_the_step(pe
     assert sum(reduced) == 3 * 4 + 4
     assert all(parameter.grad is not None for parameter in model.parameters())
     assert manager.report_error.called == peer_dies  # should_commit() then declines the step
+
+
+@pytest.mark.parametrize(
+    ("votes", "raises_at"),
+    [
+        ([True] * 12, None),
+        ([False] * 9 + [True] * 3, None),
+        ([False] * 12, 10),
+        ([False] * 5 + [True] + [False] * 6, None),
+    ],
+    ids=["all-committed", "nine-declined-then-committed", "never-committed", "a-commit-resets-the-count"],
+)
+def test_a_quorum_that_keeps_declining_stops_the_group_instead_of_retrying_forever(votes, raises_at):
+    from phalanx.strategies.fault_tolerant.ddp import MAX_DECLINED_IN_A_ROW
+
+    assert MAX_DECLINED_IN_A_ROW == 10
+    manager = MagicMock()
+    manager.should_commit.side_effect = votes
+    strategy = _strategy()
+    strategy._manager = manager
+    strategy._quorum_open = False
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, vote in enumerate(votes, start=1):
+        if raises_at == step:
+            with pytest.raises(RuntimeError, match=f"declined {step} steps in a row on replica group 1"):
+                strategy.optimizer_step(optimizer, lambda: None, model)
+            return
+        strategy.optimizer_step(optimizer, lambda: None, model)
+        assert strategy.last_step_committed is vote
+    assert raises_at is None

@@ -1,4 +1,5 @@
-"""A step the strategy declines (``last_step_committed`` False, as a fault-tolerance quorum may) counts nowhere."""
+"""A step the strategy declines (``last_step_committed`` False, as a fault-tolerance quorum may) counts nowhere, and
+its batch is trained again so that a committed step trains every batch once."""
 
 from __future__ import annotations
 
@@ -29,24 +30,56 @@ class DecliningStrategy(SingleDeviceStrategy):
 
 
 class ScheduledRegressor(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trained: list[int] = []  # the batch index of each training_step call
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.trained.append(batch_idx)
+        return super().training_step(batch, batch_idx)
+
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+def _fit(declined: set[int], batches: int, accumulate: int) -> tuple[Any, DecliningStrategy, ScheduledRegressor]:
+    model = ScheduledRegressor()
+    strategy = DecliningStrategy(declined)
+    trainer = quiet_trainer(
+        strategy=strategy,
+        max_epochs=1,
+        limit_train_batches=batches,
+        num_sanity_val_steps=0,
+        accumulate_grad_batches=accumulate,
+    )
+    train, _ = loaders(n=64, batch_size=8, shuffle=False)
+    trainer.fit(model, train)
+    return trainer, strategy, model
+
+
 @pytest.mark.parametrize(
     ("declined", "batches"),
     [(set(), 6), ({0}, 6), ({1, 3}, 6), ({0, 1, 2, 3, 4, 5}, 6)],
-    ids=["none", "first", "two", "all"],
+    ids=["none", "first", "two", "six in a row"],
 )
-def test_global_step_and_the_scheduler_follow_committed_steps_only(declined, batches):
-    model = ScheduledRegressor()
-    strategy = DecliningStrategy(declined)
-    trainer = quiet_trainer(strategy=strategy, max_epochs=1, limit_train_batches=batches, num_sanity_val_steps=0)
-    train, _ = loaders(n=64, batch_size=8, shuffle=False)
-    trainer.fit(model, train)
-    committed = batches - len(declined)
-    assert strategy.calls == batches
+def test_a_declined_step_trains_its_batch_again_and_counts_once_committed(declined, batches):
+    trainer, strategy, model = _fit(declined, batches, accumulate=1)
+    assert strategy.calls == batches + len(declined)
+    assert sorted(set(model.trained)) == list(range(batches))
+    assert len(model.trained) == batches + len(declined)
+    # Each declined call is followed by the same batch's next call, until one commits.
+    assert all(model.trained[call] == model.trained[call + 1] for call in declined)
+    assert trainer.global_step == batches
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**batches)
+
+
+@pytest.mark.parametrize(("declined", "windows"), [({0}, 3), ({1, 2}, 3)], ids=["first", "two"])
+def test_a_declined_step_of_a_longer_window_is_dropped_and_not_counted(declined, windows):
+    trainer, strategy, model = _fit(declined, 2 * windows, accumulate=2)
+    assert strategy.calls == windows
+    assert model.trained == list(range(2 * windows))
+    committed = windows - len(declined)
     assert trainer.global_step == committed
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**committed)
