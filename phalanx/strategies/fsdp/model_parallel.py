@@ -295,10 +295,55 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         max_norm: float | None = None,
         clip_val: float | None = None,
     ) -> Tensor | None:
-        """The base class's clipping; with a pipeline, clipping by norm takes one norm over every stage (below)."""
-        if self._pipeline_size == 1:
+        """The base class's clipping, except by norm with a pipeline: one norm over every stage's gradients."""
+        by_norm = clip_val is None and isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+        if self._pipeline_size == 1 or not by_norm or max_norm is None or max_norm < 0:
+            # Without a pipeline, or clipping by value (local), or bad arguments (the base refuses them).
             return super().clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
-        return self._pipelined_clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.root_device)
+        local = local.full_tensor() if is_dtensor(local) else local  # type: ignore[attr-defined]
+        squared = local.double() ** 2
+        torch.distributed.all_reduce(squared, group=self._pipeline_group())
+        total = squared.sqrt().to(local.dtype)
+        if grads and max_norm > 0:
+            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The mixin's; with a pipeline (sharded checkpoints), keyed by parameter name and listing every stage's
+        parameters, so that it loads under any other split of the model (see ``_pipelined_optimizer_state``)."""
+        if self._pipeline_size == 1 or self._state_dict_type != "sharded":
+            return super().optimizer_state(optimizer)
+        return self._pipelined_optimizer_state(optimizer)
+
+    def _pipelined_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's state keyed by name, its tensors written by this rank; rank 0 writes the rest of the checkpoint,
+        so every rank learns what the others hold: their parameters' names, plain entries and tensor entries."""
+        local = state_by_name(optimizer, self._module)  # type: ignore[arg-type]
+        outline: dict[str, Any] = {
+            "state": {
+                pid: (
+                    [key for key, value in entries.items() if isinstance(value, Tensor)],
+                    {key: value for key, value in entries.items() if not isinstance(value, Tensor)},
+                )
+                for pid, entries in local["state"].items()
+            },
+            "params": [group["params"] for group in local["param_groups"]],
+        }
+        state, elsewhere = dict(local["state"]), dict[tuple[str, str], None]()
+        params: list[list[str]] = [[] for _ in local["param_groups"]]
+        for part in self.all_gather_object(outline):  # in rank order: the stages' order for the groups' names
+            for pid, (tensors, plain) in part["state"].items():
+                if pid not in local["state"]:
+                    state.setdefault(pid, dict(plain))
+                    elsewhere.update(dict.fromkeys((pid, key) for key in tensors))
+            for names, more in zip(params, part["params"]):
+                names.extend(name for name in more if name not in names)
+        groups = [{**group, "params": names} for group, names in zip(local["param_groups"], params)]
+        return {"state": state, "param_groups": groups, ELSEWHERE: [list(entry) for entry in elsewhere]}
 
     def _pipelined_forward_backward(
         self, batch: Any, batch_idx: int, between: Callable[[Any], Tensor | None], optimizer: Optimizer | None
@@ -349,68 +394,11 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         torch.distributed.broadcast_object_list(box, src=self._last_stage_rank(), group=self._pipeline_group())
         return move_to_device(box[0], self.root_device)
 
-    def _pipelined_clip_gradients(
-        self,
-        module: torch.nn.Module | None,
-        optimizer: Optimizer,
-        *,
-        max_norm: float | None = None,
-        clip_val: float | None = None,
-    ) -> Tensor | None:
-        """With a pipeline, clipping by norm uses one norm over all stages' gradients."""
-        if clip_val is not None or isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
-            # Clipping by value is local; the base refuses bad arguments.
-            return super().clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
-        optimizer = getattr(optimizer, "optimizer", optimizer)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.root_device)
-        local = local.full_tensor() if is_dtensor(local) else local  # type: ignore[attr-defined]
-        squared = local.double() ** 2
-        torch.distributed.all_reduce(squared, group=self._pipeline_group())
-        total = squared.sqrt().to(local.dtype)
-        if grads and max_norm > 0:
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The mixin's; with a pipeline (sharded checkpoints), keyed by parameter name and listing every stage's
-        parameters, so that it loads under any other split of the model (see ``_pipelined_optimizer_state``)."""
-        if self._pipeline_size == 1 or self._state_dict_type != "sharded":
-            return super().optimizer_state(optimizer)
-        return self._pipelined_optimizer_state(optimizer)
-
-    def _pipelined_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's state keyed by name, its tensors written by this rank; rank 0 writes the rest of the checkpoint,
-        so every rank learns what the others hold: their parameters' names, plain entries and tensor entries."""
-        local = state_by_name(optimizer, self._module)  # type: ignore[arg-type]
-        outline: dict[str, Any] = {
-            "state": {
-                pid: (
-                    [key for key, value in entries.items() if isinstance(value, Tensor)],
-                    {key: value for key, value in entries.items() if not isinstance(value, Tensor)},
-                )
-                for pid, entries in local["state"].items()
-            },
-            "params": [group["params"] for group in local["param_groups"]],
-        }
-        state, elsewhere = dict(local["state"]), dict[tuple[str, str], None]()
-        params: list[list[str]] = [[] for _ in local["param_groups"]]
-        for part in self.all_gather_object(outline):  # in rank order: the stages' order for the groups' names
-            for pid, (tensors, plain) in part["state"].items():
-                if pid not in local["state"]:
-                    state.setdefault(pid, dict(plain))
-                    elsewhere.update(dict.fromkeys((pid, key) for key in tensors))
-            for names, more in zip(params, part["params"]):
-                names.extend(name for name in more if name not in names)
-        groups = [{**group, "params": names} for group, names in zip(local["param_groups"], params)]
-        return {"state": state, "param_groups": groups, ELSEWHERE: [list(entry) for entry in elsewhere]}
-
     @classmethod
     def register_strategies(cls, registry: Registry[Strategy]) -> None:
         """Register 'model_parallel'."""
         registry.register(
             "model_parallel",
             cls,
-            description="Tensor parallelism and FSDP on a 2-D DeviceMesh, applied in configure_model.",
+            description="Pipeline, data (FSDP) and tensor parallelism on one DeviceMesh, applied in configure_model.",
         )
