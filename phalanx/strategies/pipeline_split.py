@@ -75,13 +75,7 @@ def keep_stage(
                 f" {stage} of {num_stages}. Build a new module for another split."
             )
         return kept[3]
-    container = module.get_submodule(blocks)
-    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(
-            f"{blocks!r} is a {type(container).__name__}; name the nn.ModuleList or nn.Sequential of repeated blocks."
-        )
-    for name in (*first, *last):
-        module.get_submodule(name)  # an unknown name is refused before anything is removed
+    container = _blocks_container(module, blocks, (*first, *last))
     held = stage_ranges(len(container), num_stages, split_points)[stage]
     for index, key in enumerate(list(container._modules)):
         if index not in held:
@@ -120,13 +114,7 @@ def keep_stages(
                 f" stages {list(stages)} of {num_stages}. Build a new module for another split."
             )
         return list(kept[3])
-    container = module.get_submodule(blocks)
-    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(
-            f"{blocks!r} is a {type(container).__name__}; name the nn.ModuleList or nn.Sequential of repeated blocks."
-        )
-    for name in (*first, *last):
-        module.get_submodule(name)  # an unknown name is refused before anything is removed
+    container = _blocks_container(module, blocks, (*first, *last))
     ranges = [stage_ranges(len(container), num_stages, split_points)[stage] for stage in stages]
     for index, key in enumerate(list(container._modules)):
         if not any(index in held for held in ranges):
@@ -188,3 +176,16 @@ def _set_submodule(module: nn.Module, name: str, value: nn.Module | None, copy_p
         setattr(parent, child, None)
     else:
         parent._modules[child] = value
+
+
+def _blocks_container(module: nn.Module, blocks: str, kept_names: Sequence[str]) -> nn.ModuleList | nn.Sequential:
+    """The container of repeated blocks named ``blocks``, after checking that every name in ``kept_names`` exists (an
+    unknown name is refused before anything is removed)."""
+    container = module.get_submodule(blocks)
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(
+            f"{blocks!r} is a {type(container).__name__}; name the nn.ModuleList or nn.Sequential of repeated blocks."
+        )
+    for name in kept_names:
+        module.get_submodule(name)
+    return container
