@@ -287,6 +287,18 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             return super().forward_backward(batch, batch_idx, between, optimizer)
         return self._pipelined_forward_backward(batch, batch_idx, between, optimizer)
 
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """The base class's backward; refused with a pipeline, whose schedule runs every backward itself."""
+        if self._pipeline_size > 1:
+            raise RuntimeError(
+                f"ModelParallelStrategy(pipeline_parallel_size={self._pipeline_size}) runs backward inside its pipeline"
+                " schedule, so a loss computed outside it cannot be backpropagated."
+                " Run each step through the strategy's forward_backward with a TrainingModule that defines"
+                " pipeline_loss, by calling cohort.forward_backward(batch, batch_idx) in a Cohort loop;"
+                " the Trainer does so itself."
+            )
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def _run_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """The base class's call of a step method; with a pipeline, evaluation steps run it forward only (below)."""
         if self._pipeline_size == 1 or method == "training_step":
