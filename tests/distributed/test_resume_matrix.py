@@ -4,7 +4,8 @@ device) and on 2 processes (ddp, fsdp, model_parallel, DeepSpeed stage 1, 2 and 
 uninterrupted run ends: weights, Adam's moments and step, the global step, the samples seen and the loss at each step
 after the resume. Pipelines join on their own cells: a checkpoint written under pipeline_parallel_size=2 resumes on one
 device, under ddp, fsdp and model_parallel without a pipeline, and ddp, fsdp and one-process checkpoints, and a
-pipeline's with two stages per rank, resume under pipeline_parallel_size=2 with one stage per rank.
+pipeline's with two stages per rank, resume under pipeline_parallel_size=2 with one stage per rank; so does a pipeline's
+checkpoint found in the run's checkpoint folder by ``ckpt_path="auto"``.
 
 One 2-process launch (scripts/resume_matrix_job.py) writes the sources and runs every 2-process cell; the
 single-device column runs in this process. Skipped when deepspeed is not installed.

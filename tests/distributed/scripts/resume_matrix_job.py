@@ -15,11 +15,12 @@ whole job (its output names the cell).
 The pipeline layouts (ModelParallelStrategy with pipeline_parallel_size=2: "pp" one stage per rank with 1F1B, "pp_v"
 two virtual stages per rank with Interleaved1F1B) join as sources and a target on their own cells (``CELLS``): the pp
 checkpoint resumes without a pipeline (single device, ddp, fsdp, model_parallel), and the ddp, fsdp, one-process and
-pp_v checkpoints resume under pp.
+pp_v checkpoints resume under pp, and so does the pp checkpoint found by ``ckpt_path="auto"`` ("pp_auto").
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,10 @@ PIPELINES = {"pp": "1F1B", "pp_v": "Interleaved1F1B"}
 CELLS = [
     *((source, target) for source in ALL_SOURCES for target in ["single", *TARGETS]),
     *(("pp", target) for target in ["single", "ddp", "fsdp", "model_parallel"]),
-    *((source, "pp") for source in ["ddp", "fsdp", "one", "pp_v"]),
+    *((source, "pp") for source in ["ddp", "fsdp", "one", "pp_v", "pp_auto"]),
 ]
+#: Not a file: the pp checkpoint found by ``ckpt_path="auto"`` in the run's checkpoint folder.
+AUTO = "pp_auto"
 
 
 class Indexed(Dataset):
@@ -279,8 +282,19 @@ def main() -> None:
         for source in [source for source, cell_target in CELLS if cell_target == target]:
             # A failing cell fails the job: an error caught on one rank only would leave the other in a collective.
             print(f"resume matrix: {source} -> {target}", flush=True)
-            model, trainer = fit(target, 2, STEPS, out / "two", ckpt_path=out / f"src_{source}.ckpt")
+            if source == AUTO:
+                model, trainer = resume_auto(out)
+            else:
+                model, trainer = fit(target, 2, STEPS, out / "two", ckpt_path=out / f"src_{source}.ckpt")
             record(out / f"{source}__{target}.pt", model, trainer)
+
+
+def resume_auto(out: Path) -> tuple[Any, Any]:
+    """Resume pp with ``ckpt_path="auto"``: the pp checkpoint (a sharded directory) in the run's checkpoint folder."""
+    root = out / AUTO
+    if torch.distributed.get_rank() == 0:  # rank 0 alone looks for it, and tells the others what it found
+        shutil.copytree(out / "src_pp.ckpt", root / "checkpoints" / "saved.ckpt")
+    return fit("pp", 2, STEPS, root, ckpt_path="auto")
 
 
 if __name__ == "__main__":
