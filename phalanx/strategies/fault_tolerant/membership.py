@@ -55,7 +55,5 @@ class QuorumMembership:
                 f" replica groups {members}."
             )
         if joined:
-            rank_zero_info(
-                f"Replica group(s) {joined} joined the quorum (quorum {quorum_id}): replica groups {members} train"
-                f" together."
-            )
+            together = f"replica groups {members} train together"
+            rank_zero_info(f"Replica group(s) {joined} joined the quorum (quorum {quorum_id}): {together}.")
