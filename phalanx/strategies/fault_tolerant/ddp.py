@@ -22,6 +22,7 @@ from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
+from phalanx.utilities import distributed
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.registry import Registry
 
@@ -285,8 +286,11 @@ class DDPFaultTolerantStrategy(DDPStrategy):
             # torchft spreads a first quorum's state transfers over the groups by rank in the group (rank r copies
             # from group r mod groups): the processes of one group may have received different groups' weights.
             assert self._module is not None
-            for tensor in self._module.state_dict().values():
-                torch.distributed.broadcast(tensor, src=0)
+            with distributed.naming_collective_failures(
+                "broadcast(weights inside the replica group)", self.global_rank, self._timeout
+            ):
+                for tensor in self._module.state_dict().values():
+                    torch.distributed.broadcast(tensor, src=0)
 
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: torch.nn.Module | None = None, **kwargs: Any
