@@ -1,5 +1,6 @@
 """Pipeline parallelism on 2 CPU processes (pipeline_parallel_size=2, gloo) against one process on the same batches:
-1F1B with the Trainer's defaults, GPipe with clipping by norm and accumulation, the docs' example, and a sharded
+1F1B with the Trainer's defaults, GPipe with clipping by norm and accumulation, every virtual-stage schedule
+(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), the docs' example, and a sharded
 checkpoint that resumes on one process under other strategies; one launched job runs every case
 (``scripts/pipeline_job.py``), one process runs them here."""
 
@@ -19,6 +20,7 @@ from pipeline_common import CASES, fit_for_checkpoint, loader, run_case  # noqa:
 
 from phalanx.cli import main as cli  # noqa: E402
 from phalanx.strategies import ModelParallelStrategy  # noqa: E402
+from phalanx.strategies.pipeline import SCHEDULES, V_SCHEDULES  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -58,7 +60,9 @@ def test_two_stages_train_like_one_process(job, one_process, name):
         torch.testing.assert_close(gathered[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
     # Each rank holds only its stage's parameters: the two together are the whole model, each byte once.
     whole = sum(value.numel() * value.element_size() for value in weights.values())
-    assert result["stages"] == ([[0, 2], [1, 3]] if name == "Interleaved1F1B" else [[0], [1]])
+    schedule = CASES[name][0]
+    looped, v_shaped = SCHEDULES[schedule][1], schedule in V_SCHEDULES
+    assert result["stages"] == ([[0, 3], [1, 2]] if v_shaped else [[0, 2], [1, 3]] if looped else [[0], [1]])
     assert sum(result["bytes"]) == whole and all(0 < part < whole for part in result["bytes"])
 
 

@@ -120,6 +120,11 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         several = SCHEDULES[pipeline_schedule][1]
         self._stages_per_rank: int = pipeline_stages_per_rank or (2 if several else 1)
         self._microbatches: int = microbatches or pipeline_parallel_size * self._stages_per_rank
+        if pipeline_schedule == "DualPipeV" and self._microbatches < (stages := self.num_pipeline_stages):
+            raise ValueError(
+                f"pipeline_schedule='DualPipeV' needs microbatches >= its {stages} stages, got {microbatches}."
+                f" Use microbatches >= {stages}, or 'ZBVZeroBubble' (the same V placement)."
+            )
         self._pipeline: PipelineRunner | None = None
 
     # ------------------------------------------------------------------ the mesh

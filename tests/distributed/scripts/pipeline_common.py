@@ -21,6 +21,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Two virtual stages per rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (one block each).
     "Interleaved1F1B": ("Interleaved1F1B", {"max_epochs": 1, "limit_val_batches": 1}),
+    # The other virtual-stage schedules, two batches each; ZBVZeroBubble and DualPipeV place the stages in a V.
+    **{
+        schedule: (schedule, {"max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 1})
+        for schedule in ("LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    },
 }
 #: pp=2 composed with dp=2 or tp=2 on 4 processes (``parallel_dims_job.py``): one epoch of 4 batches of 8 samples,
 #: clipped by norm at every step (one norm over every stage and shard).

@@ -24,6 +24,12 @@ CPU4 = [torch.device("cpu")] * 4
         ({"pipeline_schedule": "LoopedBFS", "pipeline_stages_per_rank": 1}, ValueError, "runs virtual stages"),
         ({"pipeline_schedule": "1F1B", "pipeline_stages_per_rank": 2}, ValueError, "runs one stage per rank"),
         ({"pipeline_schedule": "ZBVZeroBubble", "pipeline_stages_per_rank": 3}, ValueError, "exactly 2 stages"),
+        ({"pipeline_schedule": "DualPipeV", "pipeline_stages_per_rank": 3}, ValueError, "exactly 2 stages"),
+        (
+            {"pipeline_schedule": "DualPipeV", "pipeline_parallel_size": 2, "microbatches": 3},
+            ValueError,
+            r"'DualPipeV' needs microbatches >= its 4 stages, got 3",
+        ),
         ({"microbatches": 0}, ValueError, r"microbatches=0 must be an int >= 1"),
         ({"microbatches": True}, ValueError, r"microbatches=True must be an int >= 1"),
         ({"pipeline_parallel_size": 0}, ValueError, r"pipeline_parallel_size=0 must be an int >= 1"),
@@ -94,6 +100,7 @@ def test_the_mesh_gains_the_pipeline_axis_and_stages_read_the_same_data(pp, dp, 
         ("Interleaved1F1B", 2, 2, [(0, 2), (1, 3)]),
         ("LoopedBFS", 2, 3, [(0, 2, 4), (1, 3, 5)]),
         ("ZBVZeroBubble", 2, 2, [(0, 3), (1, 2)]),
+        ("DualPipeV", 4, 2, [(0, 7), (1, 6), (2, 5), (3, 4)]),
     ],
 )
 def test_the_stages_each_rank_holds(schedule, size, per_rank, expected):
