@@ -56,6 +56,15 @@ def _local_norm(groups: list[list[Tensor]]) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+def _refuse_loss_scaling(plugin: Precision | None, pipeline_size: int) -> None:
+    if pipeline_size > 1 and getattr(plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"A precision plugin with a GradScaler ('16-mixed') cannot run with pipeline_parallel_size={pipeline_size}:"
+            " the schedule runs the backward itself, outside the scaler, and each stage would decide alone whether to"
+            " skip a step. Use precision='bf16-mixed' or '32-true'."
+        )
+
+
 class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     """Tensor and data parallelism on a DeviceMesh named ("data_parallel", "tensor_parallel").
 
@@ -116,6 +125,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
                 " `phalanx checkpoint consolidate` makes one file of that directory."
             )
         self._pipeline_size: int = pipeline_parallel_size
+        _refuse_loss_scaling(self._precision_plugin, pipeline_parallel_size)
         self._pipeline_schedule = pipeline_schedule
         several = SCHEDULES[pipeline_schedule][1]
         self._stages_per_rank: int = pipeline_stages_per_rank or (2 if several else 1)
@@ -126,6 +136,17 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
                 f" Use microbatches >= {stages}, or 'ZBVZeroBubble' (the same V placement)."
             )
         self._pipeline: PipelineRunner | None = None
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision plugin (FSDPPrecision); with a pipeline, one that scales the loss (a GradScaler) is refused
+        when it is set (by the Trainer at its construction)."""
+        return Strategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        _refuse_loss_scaling(precision_plugin, getattr(self, "_pipeline_size", 1))  # the base's __init__ sets it first
+        Strategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ the mesh
     @property

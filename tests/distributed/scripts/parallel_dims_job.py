@@ -44,6 +44,7 @@ class ComposedNet(Net):
     def __init__(self, inner: str) -> None:
         super().__init__()
         self.inner = inner
+        self.hooks = None  # gradients are DTensors here: test_pipeline_processes.py checks the hooks
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard

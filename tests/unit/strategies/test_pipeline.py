@@ -3,8 +3,10 @@ holds, and how a batch is cut into micro-batches."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections import namedtuple
+from typing import Any
 
 import pytest
 import torch
@@ -173,3 +175,34 @@ def test_a_pipeline_strategy_pickles_with_its_pipeline_options():
     strategy = pickle.loads(pickle.dumps(ModelParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="GPipe")))
     assert strategy.pipeline_parallel_size == 2 and strategy.num_pipeline_stages == 2
     assert type(strategy).forward_backward is not Strategy.forward_backward
+
+
+def _plugin(precision: str, scaler: bool) -> Any:
+    from phalanx.plugins.precision.fsdp import FSDPPrecision
+
+    return FSDPPrecision(precision, "cpu", scaler=torch.amp.GradScaler("cpu") if scaler else None)
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "precision", "scaler", "refused"),
+    [
+        (2, "16-mixed", True, True),  # the schedule's backward runs outside the GradScaler
+        (2, "bf16-mixed", False, False),
+        (2, "32-true", False, False),
+        (1, "16-mixed", True, False),  # without a pipeline the scaler scales the backward as usual
+    ],
+)
+@pytest.mark.parametrize("given", ["to the strategy", "to the Trainer"])
+def test_loss_scaling_is_refused_with_a_pipeline_when_the_plugin_is_given(pipeline, precision, scaler, refused, given):
+    plugin = _plugin(precision, scaler)
+    with (
+        pytest.raises(ValueError, match=r"GradScaler \('16-mixed'\) cannot run with pipeline_parallel_size=2")
+        if (refused)
+        else contextlib.nullcontext()
+    ):
+        if given == "to the strategy":
+            strategy = ModelParallelStrategy(pipeline_parallel_size=pipeline, precision_plugin=plugin)
+        else:
+            strategy = ModelParallelStrategy(pipeline_parallel_size=pipeline)
+            phalanx.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], logger=False)
+        assert strategy.precision_plugin is plugin
