@@ -96,6 +96,16 @@ def order_keys(module: nn.Module) -> dict[str, tuple[tuple[int, int], ...]]:
     return keys
 
 
+def groups_in_order(parts: list[list[list[tuple[str, Any]]]]) -> list[list[str]]:
+    """Each parameter group's names over several ranks' ``parts`` (per group, (name, ``order_keys`` key) pairs), in
+    the whole model's order; a name listed by several ranks (data-parallel replicas of a stage) counts once."""
+    merged: list[dict[str, Any]] = [{} for _ in parts[0]] if parts else []
+    for part in parts:
+        for found, group in zip(merged, part):
+            found.update(group)
+    return [sorted(found, key=found.__getitem__) for found in merged]
+
+
 def name_positions(state: dict[str, Any], group_names: list[list[str]]) -> dict[str, Any]:
     """A state keyed by position, written for the whole model, keyed by name instead: ``group_names`` lists each
     parameter group's parameters of the whole model in the order the optimizer held them."""

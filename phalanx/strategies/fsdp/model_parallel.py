@@ -28,6 +28,7 @@ from phalanx.utilities.checks import is_int_at_least
 from phalanx.utilities.dtensor import has_dtensors, has_meta_tensors, is_dtensor
 from phalanx.utilities.optimizer_names import (
     check_state_shapes,
+    groups_in_order,
     is_keyed_by_name,
     name_positions,
     order_keys,
@@ -408,11 +409,7 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         keys = order_keys(module)
         names = {id(parameter): name for name, parameter in module.named_parameters()}
         local = [[(names[id(p)], keys[names[id(p)]]) for p in group["params"]] for group in optimizer.param_groups]
-        merged: list[dict[str, Any]] = [{} for _ in local]
-        for part in self.all_gather_object(local):  # data-parallel replicas of a stage list the same names
-            for found, group in zip(merged, part):
-                found.update(group)
-        named = name_positions(state, [sorted(found, key=found.__getitem__) for found in merged])
+        named = name_positions(state, groups_in_order(self.all_gather_object(local)))
         check_state_shapes(optimizer, module, named)
         return named
 

@@ -13,6 +13,7 @@ from torch import nn
 from phalanx.strategies.pipeline_split import keep_stages
 from phalanx.utilities.optimizer_names import (
     check_state_shapes,
+    groups_in_order,
     is_keyed_by_name,
     name_positions,
     order_keys,
@@ -138,11 +139,12 @@ def _stages(ranks: list[tuple[int, ...]], num_stages: int) -> list[nn.Module]:
 
 
 def _whole_order(parts: list[nn.Module], group_of: dict[str, int], groups: int) -> list[list[str]]:
-    found: dict[str, tuple] = {}
-    for part in parts:
-        found.update(order_keys(part))
-    ordered = sorted(found, key=found.__getitem__)
-    return [[name for name in ordered if group_of[name] == g] for g in range(groups)]
+    # What each rank sends (per group, its names with their order keys), and what they make together.
+    listed = []
+    for part in [*parts, parts[0]]:  # a data-parallel replica of the first stage lists its names again
+        keys = order_keys(part)
+        listed.append([[(name, key) for name, key in keys.items() if group_of[name] == g] for g in range(groups)])
+    return groups_in_order(listed)
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
