@@ -17,6 +17,7 @@ from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision, evaluates_closure_once
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
+from phalanx.strategies.fault_tolerant.semi_sync import SemiSyncGroup
 from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
@@ -123,6 +124,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
         self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
         self._declined_in_a_row = 0
+        self._semi_sync: SemiSyncGroup | None = None  # torchft's LocalSGD or DiLoCo, with FaultTolerance(semi_sync=...)
 
     @property
     def fault_tolerance(self) -> FaultTolerance:
@@ -167,6 +169,12 @@ class DDPFaultTolerantStrategy(DDPStrategy):
                 "DDPFaultTolerantStrategy supports automatic optimization only: the quorum starts and commits inside"
                 " the optimizer step it drives. Set automatic_optimization = True."
             )
+        if options.semi_sync is not None and settings.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"FaultTolerance(semi_sync=...) synchronises every sync_every optimizer steps and supports"
+                f" accumulate_grad_batches=1 only, got {settings.accumulate_grad_batches}. Raise sync_every instead"
+                f" (or the batch size)."
+            )
 
     def wrap_module_and_optimizers(self, settings: RunSettings) -> None:
         """Join the replica groups' quorum service (a torchft Manager), wrap, then check the optimizers."""
@@ -187,6 +195,12 @@ class DDPFaultTolerantStrategy(DDPStrategy):
                     f"DDPFaultTolerantStrategy cannot step {type(optimizer).__name__}, which re-evaluates its closure"
                     f" (as LBFGS does): a quorum commits each step once. Use an optimizer such as SGD or AdamW."
                 )
+        semi_sync = self.fault_tolerance.semi_sync
+        if semi_sync is not None and self._semi_sync is None:
+            assert self._module is not None
+            self._semi_sync = SemiSyncGroup(
+                self._torchft.local_sgd, self._manager, self._module, self.optimizers[0], semi_sync
+            )
 
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
         # As torchft.ddp.DistributedDataParallel: a dummy group soaks up DDP's own collectives, buckets are never
@@ -196,7 +210,8 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         dummy = self._torchft.process_group.ProcessGroupDummy(0, 1)
         model = DistributedDataParallel(module, process_group=dummy, find_unused_parameters=True)
         # DDP checks a hook's annotations against the classes; this module's are strings (postponed evaluation).
-        model.register_comm_hook(self._manager, lambda manager, bucket: _average_across_groups(manager, bucket))
+        if self.fault_tolerance.semi_sync is None:  # semi-synchronous groups keep their gradients to themselves
+            model.register_comm_hook(self._manager, lambda manager, bucket: _average_across_groups(manager, bucket))
         return model
 
     def _make_manager(self) -> Any:
@@ -241,7 +256,12 @@ class DDPFaultTolerantStrategy(DDPStrategy):
 
     def _position(self) -> dict[str, int] | None:
         """What a healthy group sends with its weights: where its loop stands (None without a loop to ask)."""
-        return None if self._loop_position is None else self._loop_position()
+        if self._loop_position is None:
+            return None
+        if self._semi_sync is not None and self._semi_sync.stepping is not None:
+            # Semi-synchronous groups synchronise after the optimizer step: the joining group starts at the next one.
+            return {key: value + 1 if key != "epoch" else value for key, value in self._semi_sync.stepping.items()}
+        return self._loop_position()
 
     def _load_position(self, position: dict[str, int] | None) -> None:
         group = self.fault_tolerance.replica_group_id
@@ -274,15 +294,25 @@ class DDPFaultTolerantStrategy(DDPStrategy):
             self._start_quorum(manager)
         finally:
             self._joining = False
+        if self._semi_sync is not None:
+            self._semi_sync.join()  # the groups' next quorum forms at their next synchronisation
+            return
         self._quorum_open = True
 
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: torch.nn.Module | None = None, **kwargs: Any
     ) -> Any:
         """Form this step's quorum, run the closure (gradients averaged across groups), step only if committed."""
-        manager = self._manager
+        manager, semi_sync = self._manager, self._semi_sync
         if manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if semi_sync is not None:
+            # Every step is local; torchft's hooks on the optimizer synchronise the groups every sync_every steps.
+            semi_sync.stepping = None if self._loop_position is None else self._loop_position()
+            try:
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+            finally:
+                semi_sync.stepping = None
         if self._quorum_open:
             self._quorum_open = False
         else:
@@ -315,6 +345,9 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         """Leave the quorum service (stops this group's manager server and state transport), then as DDP."""
         manager, self._manager = self._manager, None
         self._quorum_open = False
+        if self._semi_sync is not None:
+            self._semi_sync.close()
+            self._semi_sync = None
         if manager is not None:
             manager.shutdown(wait=False)
         super().teardown()
