@@ -27,8 +27,10 @@ SUITES = {
 #: Registered built-ins that need torch_xla: the XLA tier (tests/xla) holds them to their promises.
 XLA_TIER = ("single_xla", "xla", "xla_debug", "xla_fsdp", "xla_spmd", "xla_spmd_dp")
 #: Registered built-ins that need a lighthouse and one job per replica group, which the kit does not start yet (issue
-#: 36): tests/distributed/test_fault_tolerant_ddp.py holds them to exact parity with one process instead.
+#: 36): tests/distributed/test_fault_tolerant_ddp.py holds them to exact parity with one process instead. Their rows
+#: (below) promise what their suites run with one replica group in the test's process (the resume matrix).
 FAULT_TOLERANT_TIER = ("ddp_ft",)
+TORCHFT = "torchft"
 
 
 def build(class_name: str, **options: Any) -> Any:
@@ -108,6 +110,7 @@ CASES = (
         kit=(_kit(partial(build, "ModelParallelStrategy"), 2, NO_SYNC, "model_parallel-2"),),  # tensor parallel
         sharded=True,
     ),
+    StrategyCase("ddp_ft", "DDPFaultTolerantStrategy", frozenset({"resume"}), needs=TORCHFT),
     StrategyCase("deepspeed", "DeepSpeedStrategy", frozenset({"defaults"}), needs=DEEPSPEED),
     *(
         StrategyCase(

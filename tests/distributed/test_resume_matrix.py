@@ -1,10 +1,12 @@
 """Resume anywhere: checkpoints written on 2 CPU processes as one file (ddp), a sharded FSDP directory and DeepSpeed
-ZeRO-1 / ZeRO-2 / ZeRO-3 directories, and one file written on 1 process, resume with ``ckpt_path=`` on 1 process (single
-device) and on 2 processes (ddp, fsdp, model_parallel, DeepSpeed stage 1, 2 and 3), each ending where the target's
-uninterrupted run ends: weights, Adam's moments and step, the global step and the samples seen after the resume.
+ZeRO-1 / ZeRO-2 / ZeRO-3 directories, and files written on 1 process (single device, and a ddp_ft replica group), resume
+with ``ckpt_path=`` on 1 process (single device, one ddp_ft replica group) and on 2 processes (ddp, fsdp,
+model_parallel, DeepSpeed stage 1, 2 and 3), each ending where the target's uninterrupted run ends: weights, Adam's
+moments and step, the global step and the samples seen after the resume.
 
 One 2-process launch (scripts/resume_matrix_job.py) writes the sources and runs every 2-process cell; the
-single-device column runs in this process. Skipped when deepspeed is not installed.
+one-process columns run in this process (ddp_ft's with a lighthouse here: a replica group is its own job, so one group
+adds no launch). Skipped when deepspeed or torchft is not installed.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
+pytest.importorskip("torchft")  # the ddp_ft rows
 
 from phalanx_distributed import SCRIPTS, assert_ok, clean_environment, run_script  # noqa: E402
 from strategy_cases import promising  # noqa: E402
@@ -29,6 +32,8 @@ sys.path.insert(0, str(SCRIPTS))
 
 from resume_matrix_job import (  # noqa: E402
     ALL_SOURCES,
+    COLUMN_SOURCES,
+    ONE_PROCESS_TARGETS,
     SAVE_AT,
     STEPS,
     TARGETS,
@@ -41,17 +46,22 @@ from resume_matrix_job import (  # noqa: E402
 # test_sharded's tolerance (a strategy against one process); Adam's moments (exp_avg_sq is ~1e-5 here) a finer atol.
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 MOMENT_TOLERANCE = dict(rtol=1e-4, atol=1e-7)
-CELLS = [(source, target) for source in ALL_SOURCES for target in ["single", *TARGETS]]
+CELLS = [
+    (source, target)
+    for source in ALL_SOURCES
+    for target in [*ONE_PROCESS_TARGETS.values(), *TARGETS]
+    if source in COLUMN_SOURCES.get(target, ALL_SOURCES)
+]
 #: What each target runs as (tests/strategy_cases.py): the strategy class, and whether the module's parameters are
-#: sharded DTensors. The job resumes on every 2-process row that promises 'resume'; 'single' is single_device's row.
+#: sharded DTensors. The job resumes on every 2-process row that promises 'resume'; 'single' is single_device's row,
+#: 'ddp_ft' one replica group of ddp_ft, both in this process.
 TARGET_KINDS = {
-    ("single" if row.name == "single_device" else row.name): (row.strategy_class, row.sharded)
-    for row in promising("resume")
+    ONE_PROCESS_TARGETS.get(row.name, row.name): (row.strategy_class, row.sharded) for row in promising("resume")
 }
 
 
 def test_the_job_resumes_on_every_strategy_that_promises_it():
-    assert ["single", *TARGETS] == list(TARGET_KINDS)
+    assert sorted([*ONE_PROCESS_TARGETS.values(), *TARGETS]) == sorted(TARGET_KINDS)
 
 
 @pytest.fixture(scope="module")
