@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping
@@ -22,6 +23,7 @@ from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
+from phalanx.strategies.traits import StrategyTraits
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.registry import Registry
 
@@ -137,6 +139,17 @@ class DDPFaultTolerantStrategy(DDPStrategy):
     def manager(self) -> Any:
         """This group's torchft Manager while fitting (None before setup and after teardown)."""
         return self._manager
+
+    def declare_traits(self) -> StrategyTraits:
+        """As DDP's, and the Cohort is not offered: its loop steps without the quorum this strategy starts in the
+        Trainer's hooks."""
+        return dataclasses.replace(
+            super().declare_traits(),
+            cohort_unsupported=(
+                "DDPFaultTolerantStrategy forms each step's quorum in the Trainer's on_train_start and optimizer_step;"
+                " the Cohort's loop runs the gradient all-reduce before any quorum. Use it with the Trainer."
+            ),
+        )
 
     # ------------------------------------------------------------------ data and ranks
     @property
