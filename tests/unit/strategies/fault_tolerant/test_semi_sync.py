@@ -12,6 +12,7 @@ from phalanx_testing import Regressor, regression_data
 from torch.utils.data import DataLoader
 
 import phalanx
+from phalanx.plugins.environments.default import DefaultEnvironment
 from phalanx.strategies import DDPFaultTolerantStrategy, FaultTolerance, RunSettings, SemiSync
 
 pytest.importorskip("torchft")
@@ -48,12 +49,25 @@ def test_fault_tolerance_takes_a_semi_sync_or_none():
         FaultTolerance(0, 1, semi_sync={"algorithm": "local_sgd"})  # type: ignore[arg-type]
 
 
-def test_gradient_accumulation_is_refused_with_semi_sync():
-    options = FaultTolerance(0, 1, semi_sync=SemiSync("local_sgd", 2))
-    strategy = DDPFaultTolerantStrategy(fault_tolerance=options)
+@pytest.mark.parametrize(
+    ("world_size", "accumulate", "message"),
+    [
+        (1, 2, r"accumulate_grad_batches=1 only, got 2. Raise sync_every instead"),
+        (2, 1, r"one process per replica group in this release, but replica group 0 has 2"),
+    ],
+    ids=["accumulation", "two-processes-per-group"],
+)
+def test_what_semi_sync_does_not_run_is_refused(world_size, accumulate, message):
+    environment = DefaultEnvironment()
+    environment.set_world_size(world_size)
+    strategy = DDPFaultTolerantStrategy(
+        cluster_environment=environment,
+        parallel_devices=[torch.device("cpu")] * world_size,
+        fault_tolerance=FaultTolerance(0, 1, semi_sync=SemiSync("local_sgd", 2)),
+    )
     strategy.connect(Regressor())
-    with pytest.raises(ValueError, match=r"accumulate_grad_batches=1 only, got 2. Raise sync_every instead"):
-        strategy.check_setup(RunSettings(accumulate_grad_batches=2))
+    with pytest.raises(ValueError, match=message):
+        strategy.check_setup(RunSettings(accumulate_grad_batches=accumulate))
 
 
 BATCH, STEPS, SYNC_EVERY = 8, 4, 2
