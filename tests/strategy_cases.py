@@ -26,9 +26,11 @@ SUITES = {
 }
 #: Registered built-ins that need torch_xla: the XLA tier (tests/xla) holds them to their promises.
 XLA_TIER = ("single_xla", "xla", "xla_debug", "xla_fsdp", "xla_spmd", "xla_spmd_dp")
-#: Registered built-ins that need a lighthouse and one job per replica group, which the kit does not start yet (issue
-#: 36): tests/distributed/test_fault_tolerant_ddp.py holds them to exact parity with one process instead.
-FAULT_TOLERANT_TIER = ("ddp_ft",)
+#: Registered built-ins that need a lighthouse and one job per replica group and have no kit run yet (issue 36).
+#: ddp_ft has its rows: one replica group of one process, a lighthouse in that process (``build_one_replica_group``);
+#: tests/distributed/test_fault_tolerant_ddp.py holds it to exact parity with one process across several groups.
+FAULT_TOLERANT_TIER: tuple[str, ...] = ()
+TORCHFT = "torchft"
 
 
 def build(class_name: str, **options: Any) -> Any:
@@ -39,10 +41,27 @@ def build(class_name: str, **options: Any) -> Any:
     return getattr(phalanx.strategies, class_name)(**options)
 
 
+_LIGHTHOUSE: list[Any] = []  # the lighthouse of a kit rank that builds ddp_ft (one per process, kept while it lives)
+
+
+def build_one_replica_group() -> Any:
+    """``DDPFaultTolerantStrategy`` as replica group 0 of 1, with a lighthouse started in this (kit rank's) process."""
+    from datetime import timedelta
+
+    from phalanx.strategies import DDPFaultTolerantStrategy, FaultTolerance
+    from phalanx.strategies.fault_tolerant import start_lighthouse
+
+    if not _LIGHTHOUSE:  # one group: its quorum forms at once (short join and tick times)
+        ticks = {"join_timeout": timedelta(milliseconds=20), "quorum_tick": timedelta(milliseconds=10)}
+        _LIGHTHOUSE.append(start_lighthouse(min_replicas=1, **ticks))
+    return DDPFaultTolerantStrategy(fault_tolerance=FaultTolerance(0, 1, lighthouse=_LIGHTHOUSE[0].address))
+
+
 @dataclass(frozen=True)
 class KitRun:
     """One conformance run: how each rank builds the strategy (picklable), on how many processes, and the checks
-    that have nothing to verify there (skipped through every driver that has them)."""
+    that have nothing to verify there (skipped through every driver that has them; a driver's name: all its checks,
+    the driver not being offered for the strategy)."""
 
     make: Callable[[], Any]
     processes: int
@@ -107,6 +126,11 @@ CASES = (
         frozenset({"conformance", "defaults", "resume", "checkpoint_io", "clip_norm", "compile"}),
         kit=(_kit(partial(build, "ModelParallelStrategy"), 2, NO_SYNC, "model_parallel-2"),),  # tensor parallel
         sharded=True,
+    ),
+    StrategyCase(
+        "ddp_ft", "DDPFaultTolerantStrategy", frozenset({"conformance", "resume"}),
+        kit=(_kit(build_one_replica_group, 1, {*NO_SYNC, "cohort"}, "ddp_ft-1"),),  # the Cohort: not offered
+        needs=TORCHFT,
     ),
     StrategyCase("deepspeed", "DeepSpeedStrategy", frozenset({"defaults"}), needs=DEEPSPEED),
     *(

@@ -39,6 +39,7 @@ from phalanx.cohort.metrics import CohortLogging, LoggerWorkerState, attach, res
 from phalanx.cohort.plain_checkpoint import load_before_setup, save_before_setup
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
 from phalanx.cohort.setup_checks import (
+    check_cohort_offered,
     check_optimizer,
     check_optimizers_given,
     check_path,
@@ -277,6 +278,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._module = CohortModule(strategy, BackwardGuard(reason) if reason is not None else None)
 
     def _check_module(self, module: Any, method: str) -> None:
+        check_cohort_offered(self._strategy)
         if isinstance(module, CohortModule):
             raise ValueError(f"Cohort.{method}: this module was already set up by a Cohort; pass the plain module.")
         if self._module is not None:

@@ -15,6 +15,13 @@ from phalanx.cohort.wrappers import unwrap_optimizer
 from phalanx.strategies.strategy import Strategy
 
 
+def check_cohort_offered(strategy: Strategy) -> None:
+    """Refuse a strategy whose traits say that the Cohort cannot drive it (``cohort_unsupported``), with the reason."""
+    reason = strategy.traits.cohort_unsupported
+    if reason is not None:
+        raise ValueError(f"The Cohort cannot drive {type(strategy).__name__}: {reason}")
+
+
 def check_optimizers_given(strategy: Strategy, optimizers: tuple[Any, ...]) -> None:
     """Refuse ``cohort.setup(module)`` without optimizers where the strategy builds one engine from both."""
     if optimizers or not strategy.traits.wraps_module_with_optimizers:

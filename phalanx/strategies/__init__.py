@@ -2,7 +2,7 @@
 
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.deepspeed import DeepSpeedStrategy
-from phalanx.strategies.fault_tolerant import DDPFaultTolerantStrategy, FaultTolerance, start_lighthouse
+from phalanx.strategies.fault_tolerant import DDPFaultTolerantStrategy, FaultTolerance, SemiSync, start_lighthouse
 from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
@@ -21,6 +21,7 @@ __all__ = [
     "ModelParallelStrategy",
     "ParallelStrategy",
     "RunSettings",
+    "SemiSync",
     "STRATEGY_REGISTRY",
     "SingleDeviceStrategy",
     "SingleDeviceXLAStrategy",

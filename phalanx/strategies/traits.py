@@ -35,10 +35,14 @@ class StrategyTraits:
     allows_inference_mode: bool = True
     #: ``setup`` needs the optimizers together with the module (one engine holds both, as DeepSpeed's).
     wraps_module_with_optimizers: bool = False
+    #: Why the Cohort cannot drive this strategy (None: it can): the Cohort refuses it saying so, and the conformance
+    #: kit reports its Cohort checks as not offered, with this reason.
+    cohort_unsupported: str | None = None
 
 
-#: The names of the flags, which were separate ``Strategy`` properties before ``Strategy.traits``.
-TRAIT_NAMES: tuple[str, ...] = tuple(field.name for field in fields(StrategyTraits))
+#: The names of the flags (True or False), which were separate ``Strategy`` properties before ``Strategy.traits``;
+#: ``cohort_unsupported`` is a reason (text or None), newer than those properties.
+TRAIT_NAMES: tuple[str, ...] = tuple(field.name for field in fields(StrategyTraits) if field.type == "bool")
 
 
 def legacy_trait_overrides(cls: type, base: type) -> tuple[str, ...]:
@@ -84,6 +88,11 @@ def check_traits(strategy: Any) -> None:
                 f"{cls.__name__}.declare_traits() declares {name}={shown(value)}; a trait is True or False (a string"
                 f" or a number would count as True or False by accident)."
             )
+    if declared.cohort_unsupported is not None and not isinstance(declared.cohort_unsupported, str):
+        raise TypeError(
+            f"{cls.__name__}.declare_traits() declares cohort_unsupported={shown(declared.cohort_unsupported)}; it is"
+            f" None (the Cohort can drive the strategy) or the reason it cannot, as text."
+        )
     for name in strategy._legacy_traits:
         value = getattr(strategy, name)
         if not isinstance(value, bool):

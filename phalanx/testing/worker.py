@@ -136,6 +136,11 @@ def _cohort_checks(rank: int, spec: WorkerSpec, results: RankResults) -> None:
     from phalanx.testing import cohort_driver, training
 
     checks, processes, directory = spec.checks["cohort"], spec.processes, Path(spec.directory)
+    reason = training.built_strategy(spec.make_strategy).traits.cohort_unsupported
+    if reason is not None:
+        for check in checks:
+            results.record("cohort", check, SKIPPED, f"the Cohort is not offered for this strategy: {reason}")
+        return
     resume = "checkpoint" in checks
     results.started("cohort: loop")
     first = cohort_driver.run_loop(

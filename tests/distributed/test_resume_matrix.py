@@ -1,14 +1,16 @@
 """Resume anywhere: checkpoints written on 2 CPU processes as one file (ddp), a sharded FSDP directory and DeepSpeed
-ZeRO-1 / ZeRO-2 / ZeRO-3 directories, and one file written on 1 process, resume with ``ckpt_path=`` on 1 process (single
-device) and on 2 processes (ddp, fsdp, model_parallel, DeepSpeed stage 1, 2 and 3), each ending where the target's
-uninterrupted run ends: weights, Adam's moments and step, the global step, the samples seen and the loss at each step
-after the resume. Pipelines join on their own cells: a checkpoint written under pipeline_parallel_size=2 resumes on one
-device, under ddp, fsdp and model_parallel without a pipeline, and ddp, fsdp and one-process checkpoints, and a
-pipeline's with two stages per rank, resume under pipeline_parallel_size=2 with one stage per rank; so does a pipeline's
-checkpoint found in the run's checkpoint folder by ``ckpt_path="auto"``.
+ZeRO-1 / ZeRO-2 / ZeRO-3 directories, and files written on 1 process (single device, and a ddp_ft replica group), resume
+with ``ckpt_path=`` on 1 process (single device, one ddp_ft replica group) and on 2 processes (ddp, fsdp,
+model_parallel, DeepSpeed stage 1, 2 and 3), each ending where the target's uninterrupted run ends: weights, Adam's
+moments and step, the global step, the samples seen and the loss at each step after the resume. Pipelines join on
+their own cells: a checkpoint written under pipeline_parallel_size=2 resumes on one device, under ddp, fsdp and
+model_parallel without a pipeline, and ddp, fsdp and one-process checkpoints, and a pipeline's with two stages per
+rank, resume under pipeline_parallel_size=2 with one stage per rank; so does a pipeline's checkpoint found in the
+run's checkpoint folder by ``ckpt_path="auto"``.
 
 One 2-process launch (scripts/resume_matrix_job.py) writes the sources and runs every 2-process cell; the
-single-device column runs in this process. Skipped when deepspeed is not installed.
+one-process columns run in this process (ddp_ft's with a lighthouse here: a replica group is its own job, so one group
+adds no launch). Skipped when deepspeed or torchft is not installed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 pytest.importorskip("deepspeed")
+pytest.importorskip("torchft")  # the ddp_ft rows
 
 from phalanx_distributed import SCRIPTS, assert_ok, clean_environment, run_script  # noqa: E402
 from strategy_cases import promising  # noqa: E402
@@ -33,6 +36,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from resume_matrix_job import (  # noqa: E402
     CELLS,
+    ONE_PROCESS_TARGETS,
     SAVE_AT,
     STEPS,
     TARGETS,
@@ -46,17 +50,17 @@ from resume_matrix_job import (  # noqa: E402
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 MOMENT_TOLERANCE = dict(rtol=1e-4, atol=1e-7)
 #: What each target runs as (tests/strategy_cases.py): the strategy class, and whether the module's parameters are
-#: sharded DTensors. The job resumes on every 2-process row that promises 'resume'; 'single' is single_device's row.
+#: sharded DTensors. The job resumes on every 2-process row that promises 'resume'; 'single' is single_device's row,
+#: 'ddp_ft' one replica group of ddp_ft, both in this process.
 TARGET_KINDS = {
-    ("single" if row.name == "single_device" else row.name): (row.strategy_class, row.sharded)
-    for row in promising("resume")
+    ONE_PROCESS_TARGETS.get(row.name, row.name): (row.strategy_class, row.sharded) for row in promising("resume")
 }
 #: A pipeline of two stages on two processes (no data parallelism): each rank holds whole tensors of its stages.
 PIPELINE_KINDS = {"pp": ("ModelParallelStrategy", False)}
 
 
 def test_the_job_resumes_on_every_strategy_that_promises_it():
-    assert ["single", *TARGETS] == list(TARGET_KINDS)
+    assert sorted([*ONE_PROCESS_TARGETS.values(), *TARGETS]) == sorted(TARGET_KINDS)
     assert {target for _, target in CELLS} == {*TARGET_KINDS, *PIPELINE_KINDS}
 
 

@@ -3,5 +3,6 @@
 from phalanx.strategies.fault_tolerant.ddp import DDPFaultTolerantStrategy
 from phalanx.strategies.fault_tolerant.lighthouse import Lighthouse, start_lighthouse
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
+from phalanx.strategies.fault_tolerant.semi_sync import SemiSync
 
-__all__ = ["DDPFaultTolerantStrategy", "FaultTolerance", "Lighthouse", "start_lighthouse"]
+__all__ = ["DDPFaultTolerantStrategy", "FaultTolerance", "Lighthouse", "SemiSync", "start_lighthouse"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping
@@ -18,10 +19,12 @@ from phalanx.plugins.precision.precision import Precision, evaluates_closure_onc
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
+from phalanx.strategies.fault_tolerant.semi_sync import SemiSyncGroup
 from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
+from phalanx.strategies.traits import StrategyTraits
 from phalanx.utilities import distributed
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.registry import Registry
@@ -130,6 +133,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
         self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
         self._declined_in_a_row = 0
+        self._semi_sync: SemiSyncGroup | None = None  # torchft's LocalSGD or DiLoCo, with FaultTolerance(semi_sync=...)
         #: Which replica groups the latest quorum had (set when fitting starts); it logs who left and who joined.
         self.membership: QuorumMembership | None = None
 
@@ -144,6 +148,17 @@ class DDPFaultTolerantStrategy(DDPStrategy):
     def manager(self) -> Any:
         """This group's torchft Manager while fitting (None before setup and after teardown)."""
         return self._manager
+
+    def declare_traits(self) -> StrategyTraits:
+        """As DDP's, and the Cohort is not offered: its loop steps without the quorum this strategy starts in the
+        Trainer's hooks."""
+        return dataclasses.replace(
+            super().declare_traits(),
+            cohort_unsupported=(
+                "DDPFaultTolerantStrategy forms each step's quorum in the Trainer's on_train_start and optimizer_step;"
+                " the Cohort's loop runs the gradient all-reduce before any quorum. Use it with the Trainer."
+            ),
+        )
 
     # ------------------------------------------------------------------ data and ranks
     @property
@@ -162,12 +177,27 @@ class DDPFaultTolerantStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ set-up
     def check_setup(self, settings: RunSettings) -> None:
-        """Refuse what this release does not run: manual optimization."""
+        """Refuse what this release does not run: manual optimization; with semi_sync, gradient accumulation and
+        several processes per group."""
         module = self._module
         if settings.fitting and module is not None and not getattr(module, "automatic_optimization", True):
             raise ValueError(
                 "DDPFaultTolerantStrategy supports automatic optimization only: the quorum starts and commits inside"
                 " the optimizer step it drives. Set automatic_optimization = True."
+            )
+        if self.fault_tolerance.semi_sync is None:
+            return
+        if settings.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"FaultTolerance(semi_sync=...) synchronises every sync_every optimizer steps and supports"
+                f" accumulate_grad_batches=1 only, got {settings.accumulate_grad_batches}. Raise sync_every instead"
+                f" (or the batch size)."
+            )
+        if self.world_size > 1:
+            raise ValueError(
+                f"FaultTolerance(semi_sync=...) runs one process per replica group in this release, but replica group"
+                f" {self.fault_tolerance.replica_group_id} has {self.world_size} (devices x num_nodes). Start each"
+                f" group with devices=1 and num_nodes=1, or drop semi_sync."
             )
 
     def wrap_module_and_optimizers(self, settings: RunSettings) -> None:
@@ -189,6 +219,12 @@ class DDPFaultTolerantStrategy(DDPStrategy):
                     f"DDPFaultTolerantStrategy cannot step {type(optimizer).__name__}, which re-evaluates its closure"
                     f" (as LBFGS does): a quorum commits each step once. Use an optimizer such as SGD or AdamW."
                 )
+        semi_sync = self.fault_tolerance.semi_sync
+        if semi_sync is not None and self._semi_sync is None:
+            assert self._module is not None
+            self._semi_sync = SemiSyncGroup(
+                self._torchft.local_sgd, self._manager, self._module, self.optimizers[0], semi_sync
+            )
 
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
         # As torchft.ddp.DistributedDataParallel: a dummy group soaks up DDP's own collectives (one process per group),
@@ -200,8 +236,9 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         group = None if self.world_size > 1 else self._torchft.process_group.ProcessGroupDummy(0, 1)
         model = DistributedDataParallel(module, process_group=group, find_unused_parameters=True)
         # DDP checks a hook's annotations against the classes; this module's are strings (postponed evaluation).
-        state = (self._manager, self.world_size)
-        model.register_comm_hook(state, lambda state, bucket: _average_across_groups(state[0], state[1], bucket))
+        if self.fault_tolerance.semi_sync is None:  # semi-synchronous groups average gradients inside the group only
+            state = (self._manager, self.world_size)
+            model.register_comm_hook(state, lambda state, bucket: _average_across_groups(state[0], state[1], bucket))
         return model
 
     def _make_manager(self) -> Any:
@@ -248,7 +285,12 @@ class DDPFaultTolerantStrategy(DDPStrategy):
 
     def _position(self) -> dict[str, int] | None:
         """What a healthy group sends with its weights: where its loop stands (None without a loop to ask)."""
-        return None if self._loop_position is None else self._loop_position()
+        if self._loop_position is None:
+            return None
+        if self._semi_sync is not None and self._semi_sync.stepping is not None:
+            # Semi-synchronous groups synchronise after the optimizer step: the joining group starts at the next one.
+            return {key: value + 1 if key != "epoch" else value for key, value in self._semi_sync.stepping.items()}
+        return self._loop_position()
 
     def _load_position(self, position: dict[str, int] | None) -> None:
         group = self.fault_tolerance.replica_group_id
@@ -281,6 +323,9 @@ class DDPFaultTolerantStrategy(DDPStrategy):
             self._start_quorum(manager)
         finally:
             self._joining = False
+        if self._semi_sync is not None:
+            self._semi_sync.join()  # the groups' next quorum forms at their next synchronisation
+            return
         self._quorum_open = True
         if self.world_size > 1:
             # torchft spreads a first quorum's state transfers over the groups by rank in the group (rank r copies
@@ -296,9 +341,16 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self, optimizer: Optimizer, closure: Callable[[], Any], model: torch.nn.Module | None = None, **kwargs: Any
     ) -> Any:
         """Form this step's quorum, run the closure (gradients averaged across groups), step only if committed."""
-        manager = self._manager
+        manager, semi_sync = self._manager, self._semi_sync
         if manager is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if semi_sync is not None:
+            # Every step is local; torchft's hooks on the optimizer synchronise the groups every sync_every steps.
+            semi_sync.stepping = None if self._loop_position is None else self._loop_position()
+            try:
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
+            finally:
+                semi_sync.stepping = None
         if self._quorum_open:
             self._quorum_open = False
         else:
@@ -331,6 +383,9 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         """Leave the quorum service (stops this group's manager server and state transport), then as DDP."""
         manager, self._manager = self._manager, None
         self._quorum_open = False
+        if self._semi_sync is not None:
+            self._semi_sync.close()
+            self._semi_sync = None
         if manager is not None:
             manager.shutdown(wait=False)
         super().teardown()

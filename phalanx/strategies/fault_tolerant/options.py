@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Mapping
 
+from phalanx.strategies.fault_tolerant.semi_sync import SemiSync
 from phalanx.utilities.messages import shown
 
 #: How a rejoining replica group receives the live state from a healthy peer (torchft's checkpoint transports).
@@ -49,6 +50,8 @@ class FaultTolerance:
     connect_timeout: timedelta = field(default_factory=lambda: timedelta(seconds=60))
     #: How a rejoining group receives the live state: "http" (torchft's HTTP server) or "pg" (its process group).
     transport: str = "http"
+    #: Synchronise the groups every N steps with torchft's LocalSGD or DiLoCo instead of at every step (None).
+    semi_sync: SemiSync | None = None
 
     def __post_init__(self) -> None:
         _check_count("num_replica_groups", self.num_replica_groups, 1)
@@ -74,6 +77,11 @@ class FaultTolerance:
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"FaultTolerance(transport={shown(self.transport)}) is not valid; choose one of {TRANSPORTS}."
+            )
+        if self.semi_sync is not None and not isinstance(self.semi_sync, SemiSync):
+            raise TypeError(
+                f"FaultTolerance(semi_sync=...) takes a SemiSync(algorithm, sync_every, outer_optimizer) or None, got"
+                f" {type(self.semi_sync).__name__}."
             )
 
     @classmethod

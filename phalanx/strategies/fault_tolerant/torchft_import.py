@@ -18,6 +18,7 @@ class _TorchFT:
         self.process_group: ModuleType = importlib.import_module("torchft.process_group")
         self.http_transport: ModuleType = importlib.import_module("torchft.checkpointing.http_transport")
         self.pg_transport: ModuleType = importlib.import_module("torchft.checkpointing.pg_transport")
+        self.local_sgd: ModuleType = importlib.import_module("torchft.local_sgd")
         self.LighthouseServer: Any = importlib.import_module("torchft._torchft").LighthouseServer
 
 

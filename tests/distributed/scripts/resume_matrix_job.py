@@ -4,12 +4,14 @@ resumed on every strategy.
 Usage: python resume_matrix_job.py OUT   (phalanx starts the second process itself)
 
 On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds1,ds2,ds3,pp,pp_v}.ckpt (after SAVE_AT steps;
-OUT/src_one.ckpt was written on 1 process by ``write_one_process_sources`` before the launch), runs each target
+OUT/src_one.ckpt and OUT/src_ft.ckpt, of a ddp_ft replica group, were written on 1 process by
+``write_one_process_sources`` before the launch), runs each target
 strategy uninterrupted for STEPS steps (OUT/ref_{target}.pt) and resumes every source on every 2-process target to
 STEPS (OUT/{source}__{target}.pt); OUT/src_{ds1,ds2,ds3}.pt is the DeepSpeed runs' state at the save. Each
 .pt holds, by parameter name, the weights, Adam's state, the global step and the sample indices each rank saw (rank 0
 writes it; every rank takes part in gathering). ``run_one`` is the single-device column (called in the test's own
-process); a cell of it that fails writes its error to OUT/{source}__single.error. A failing 2-process cell fails the
+process), and so is ``ddp_ft``'s (one replica group, a lighthouse in this process); a cell of these that fails writes
+its error to OUT/{source}__{single,ddp_ft}.error. A failing 2-process cell fails the
 whole job (its output names the cell).
 
 The pipeline layouts (ModelParallelStrategy with pipeline_parallel_size=2: "pp" one stage per rank with 1F1B, "pp_v"
@@ -20,8 +22,11 @@ pp_v checkpoints resume under pp, and so does the pp checkpoint found by ``ckpt_
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +48,21 @@ SOURCES = {
     "ds3": "deepspeed_stage_3",
 }
 #: Written on 1 process (by the test, before the 2-process launch): checkpoints also change world size upwards.
-ONE_PROCESS_SOURCES = {"one": "auto"}
+ONE_PROCESS_SOURCES = {"one": "auto", "ft": "ddp_ft"}
 ALL_SOURCES = [*SOURCES, *ONE_PROCESS_SOURCES]
-#: Every 2-process strategy that promises to resume any checkpoint (tests/strategy_cases.py); single_device runs in the
-#: test's own process.
-TARGETS = [name for name in names("resume") if name != "single_device"]
+#: Run in the test's own process: single_device, and ddp_ft as one replica group of one process (each group is its own
+#: job, with its own launch: one group keeps the matrix to one launch).
+ONE_PROCESS_TARGETS = {"single_device": "single", "ddp_ft": "ddp_ft"}
+#: Every 2-process strategy that promises to resume any checkpoint (tests/strategy_cases.py).
+TARGETS = [name for name in names("resume") if name not in ONE_PROCESS_TARGETS]
 #: Pipeline layouts on 2 processes (pipeline_parallel_size=2, no data parallelism): name -> schedule.
 PIPELINES = {"pp": "1F1B", "pp_v": "Interleaved1F1B"}
-#: Every (source, target) cell: each source on every strategy, and the pipeline's cells: its checkpoint without a
+#: Every (source, target) cell: each source on every strategy; ddp_ft's column resumes the sources of its family (ddp,
+#: fsdp, one process, itself), whose runs cost a quorum a step; the pipeline's cells: its checkpoint without a
 #: pipeline, other layouts' checkpoints under it, and two virtual stages per rank to one.
 CELLS = [
     *((source, target) for source in ALL_SOURCES for target in ["single", *TARGETS]),
+    *((source, "ddp_ft") for source in ["ddp", "fsdp", "one", "ft"]),
     *(("pp", target) for target in ["single", "ddp", "fsdp", "model_parallel"]),
     *((source, "pp") for source in ["ddp", "fsdp", "one", "pp_v", "pp_auto"]),
 ]
@@ -127,7 +136,41 @@ class MatrixMLP(phalanx.TrainingModule):
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
+@contextlib.contextmanager
+def replica_group() -> Any:
+    """A lighthouse and the store address of one replica group (group 0 of 1) for ``strategy_for("ddp_ft")``."""
+    from phalanx.strategies.fault_tolerant import start_lighthouse
+
+    saved = {key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    try:
+        # Each fit is a new replica of one group: a short join timeout lets its quorum form at once.
+        with start_lighthouse(
+            min_replicas=1, join_timeout=timedelta(milliseconds=20), quorum_tick=timedelta(milliseconds=10)
+        ) as lighthouse:
+            os.environ["TORCHFT_LIGHTHOUSE"] = lighthouse.address
+            yield
+    finally:
+        os.environ.pop("TORCHFT_LIGHTHOUSE", None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def strategy_for(name: str) -> Any:
+    if name == "ddp_ft":
+        import socket
+
+        from phalanx.strategies import DDPFaultTolerantStrategy, FaultTolerance
+
+        # A fresh store port for each fit: the last fit's torchft Manager may still hold the previous one.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        options = FaultTolerance(0, 1, lighthouse=os.environ["TORCHFT_LIGHTHOUSE"])
+        return DDPFaultTolerantStrategy(fault_tolerance=options)
     if name == "fsdp_sharded":
         from phalanx.strategies import FSDPStrategy
 
@@ -169,6 +212,12 @@ def fit(strategy: str, devices: int, steps: int, root: Path, ckpt_path: Any = No
     loader = DataLoader(Indexed(), batch_size=GLOBAL_BATCH // data_parallel, shuffle=False)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     return model, trainer
+
+
+def release() -> None:
+    """End a one-process ddp_ft run's process group (its own process would end), so that the next fit starts one."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | None:
@@ -251,22 +300,29 @@ def record(path: Path, model: MatrixMLP, trainer: phalanx.Trainer) -> None:
 
 def write_one_process_sources(out: Path) -> None:
     """The sources written on 1 process (run before the launch, whose cells resume them on 2)."""
-    for source, strategy in ONE_PROCESS_SOURCES.items():
-        _, trainer = fit(strategy, 1, SAVE_AT, out / "one")
-        trainer.save_checkpoint(out / f"src_{source}.ckpt")
+    with replica_group():
+        for source, strategy in ONE_PROCESS_SOURCES.items():
+            _, trainer = fit(strategy, 1, SAVE_AT, out / "one")
+            trainer.save_checkpoint(out / f"src_{source}.ckpt")
+            release()
 
 
 def run_one(out: Path) -> None:
-    """The single-device column: the uninterrupted run and a resume from every source."""
-    model, trainer = fit("auto", 1, STEPS, out / "one")
-    record(out / "ref_single.pt", model, trainer)
-    for source in [source for source, target in CELLS if target == "single"]:
-        try:
-            model, trainer = fit("auto", 1, STEPS, out / "one", ckpt_path=out / f"src_{source}.ckpt")
-        except Exception as error:  # the test reports which cell failed and why
-            (out / f"{source}__single.error").write_text(f"{type(error).__name__}: {error}")
-            continue
-        record(out / f"{source}__single.pt", model, trainer)
+    """The one-process columns (single device, one ddp_ft replica group): the uninterrupted run and a resume from every
+    source of its cells."""
+    with replica_group():
+        for strategy, column in (("auto", "single"), ("ddp_ft", "ddp_ft")):
+            model, trainer = fit(strategy, 1, STEPS, out / "one")
+            record(out / f"ref_{column}.pt", model, trainer)
+            release()
+            for source in [source for source, target in CELLS if target == column]:
+                try:
+                    model, trainer = fit(strategy, 1, STEPS, out / "one", ckpt_path=out / f"src_{source}.ckpt")
+                    record(out / f"{source}__{column}.pt", model, trainer)
+                except Exception as error:  # the test reports which cell failed and why
+                    (out / f"{source}__{column}.error").write_text(f"{type(error).__name__}: {error}")
+                finally:
+                    release()
 
 
 def main() -> None:

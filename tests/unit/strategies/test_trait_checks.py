@@ -94,3 +94,18 @@ def test_a_deprecated_property_agreeing_with_declare_traits_or_overriding_a_pare
     overriding = _old_style(FSDPStrategy, flag, not getattr(FSDPStrategy().traits, flag))
     assert getattr(overriding.traits, flag) is not getattr(FSDPStrategy().traits, flag)
     check_traits(overriding)
+
+
+@pytest.mark.parametrize("value", [0, True, b"reason", ["reason"]], ids=repr)
+@pytest.mark.parametrize("driver", list(DRIVERS))
+def test_cohort_unsupported_is_none_or_a_reason_as_text(driver: str, value: Any) -> None:
+    strategy = _declaring(lambda traits: dataclasses.replace(traits, cohort_unsupported=value))
+    with pytest.raises(TypeError, match=r"declares cohort_unsupported=.*None \(the Cohort can drive the strategy\)"):
+        DRIVERS[driver](strategy)
+
+
+def test_the_cohort_refuses_a_strategy_it_cannot_drive_with_the_reason_and_the_trainer_takes_it() -> None:
+    strategy = _declaring(lambda traits: dataclasses.replace(traits, cohort_unsupported="its quorum needs the Trainer"))
+    with pytest.raises(ValueError, match=r"The Cohort cannot drive Declaring: its quorum needs the Trainer"):
+        phalanx.Cohort(accelerator="cpu", strategy=strategy).setup(torch.nn.Linear(2, 1))
+    assert DRIVERS["Trainer"](strategy).strategy is strategy
