@@ -18,13 +18,15 @@ from phalanx.strategies.fsdp.strategy import ONE_PROCESS_NOTICE
 from phalanx.testing.step_counts import StepCounts, StepWindow, count_fit, count_loop
 
 WARMUP, STEPS = 2, 4
-# What phalanx's step may add to the loop's aten ops: the 'warn' check's running sum of the losses (one add_) and the
-# detach of the loss for it and for the loop's records.
-EXTRA_OPS = 4
-# Python calls phalanx's step adds to the loop's (its hooks, strategy and precision plugin layers): counted 42, 60 and
-# 74 on 2026-11-29 (issue 37; before: 73, 89, 106), plus a few calls of slack because FSDP's own count moves between
-# runs (77 was seen in a CI run): a change that adds calls to the step must lower another or say why.
-EXTRA_CALLS = {"single_device": 45, "ddp": 63, "fsdp": 80}
+# What phalanx's step may add to the loop's aten ops: the 'warn' check's running sum of the losses (one add_) and one
+# detach of the loss, shared by that check and the loop's records (2.3 counted on 2026-11-29, the 0.3 being the
+# logger's occasional read).
+EXTRA_OPS = 3
+# Python calls phalanx's step adds to the loop's (its hooks, strategy and precision plugin layers): counted 43, 61 and
+# 75-84 on 2026-11-29 (issue 37; before: 73, 89, 106), plus a few calls of slack; FSDP's own count moves by up to 10
+# between runs of the same code (torch's hooks), hence its wider margin. A change that adds calls to the step must
+# lower another or say why.
+EXTRA_CALLS = {"single_device": 46, "ddp": 64, "fsdp": 90}
 LOOP_OF = {"single_device": "none", "ddp": "ddp", "fsdp": "fsdp"}
 
 
