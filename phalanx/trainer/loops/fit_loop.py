@@ -384,7 +384,7 @@ class FitLoop:
             return None, output
         for hook in self._after_backward_hooks:
             hook()
-        self._last_loss = loss = loss.detach()
+        self._last_loss = loss = self.nonfinite.detach(loss)  # reuses the non-finite record's detach of this loss
         self._accumulated += 1
         return loss, output
 
