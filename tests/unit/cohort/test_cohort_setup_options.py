@@ -96,9 +96,11 @@ def test_move_to_device_takes_true_or_false(value):
 ADAM_SECTION = {"optimizer": {"type": "Adam", "params": {"lr": 0.5, "torch_adam": True}}}
 STEP_SCHEDULER = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_num_steps": 2}}}
 
-# One Cohort on DeepSpeed in a process of its own (DeepSpeed keeps its process groups in module state, which a test
-# process could not hand on clean): prints "refused: <message>" or "stepped: <whether the weights moved>".
-_ONE_SETUP = """
+# Cohorts on DeepSpeed in a process of their own (DeepSpeed keeps its process groups in module state, which a test
+# process could not hand on clean), one per config in turn: one process, so that DeepSpeed is imported and its
+# process group started once for every case. Prints one line per config: "refused: <message>" or "stepped: <whether
+# the weights moved>".
+_SETUPS = """
 import json, sys, warnings
 import torch
 from torch import nn
@@ -106,42 +108,42 @@ import phalanx
 from phalanx.strategies import DeepSpeedStrategy
 
 warnings.filterwarnings("ignore")
-config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1, **json.loads(sys.argv[1])}
-strategy = DeepSpeedStrategy(config=config, parallel_devices=[torch.device("cpu")])
-cohort = phalanx.Cohort(accelerator="cpu", strategy=strategy)
-cohort.launch()
-module = nn.Linear(2, 1)
-try:
-    model, optimizer = cohort.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
-except ValueError as error:
-    print("refused:", error)
-    sys.exit(0)
-before = module.weight.detach().clone()
-cohort.backward(model(torch.ones(1, 2)).sum())
-optimizer.step()
-print("stepped:", not torch.equal(module.weight.detach(), before))
+for sections in json.loads(sys.argv[1]):
+    config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1, **sections}
+    strategy = DeepSpeedStrategy(config=config, parallel_devices=[torch.device("cpu")])
+    cohort = phalanx.Cohort(accelerator="cpu", strategy=strategy)
+    cohort.launch()
+    module = nn.Linear(2, 1)
+    try:
+        model, optimizer = cohort.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    except ValueError as error:
+        print("refused:", error, flush=True)
+        continue
+    before = module.weight.detach().clone()
+    cohort.backward(model(torch.ones(1, 2)).sum())
+    optimizer.step()
+    print("stepped:", not torch.equal(module.weight.detach(), before), flush=True)
 """
 
+#: Each config's sections, by name, and what cohort.setup must do under it.
+CASES = {
+    "optimizer section": (ADAM_SECTION, "refused"),
+    "optimizer and scheduler sections": ({**ADAM_SECTION, **STEP_SCHEDULER}, "refused"),
+    "scheduler section": (STEP_SCHEDULER, "stepped: True"),
+    "neither": ({}, "stepped: True"),
+}
 
-@pytest.mark.parametrize(
-    ("sections", "outcome"),
-    [
-        (ADAM_SECTION, "refused"),
-        ({**ADAM_SECTION, **STEP_SCHEDULER}, "refused"),
-        (STEP_SCHEDULER, "stepped: True"),
-        ({}, "stepped: True"),
-    ],
-    ids=["optimizer section", "optimizer and scheduler sections", "scheduler section", "neither"],
-)
-def test_an_optimizer_passed_with_a_deepspeed_config_that_names_one_is_refused_not_dropped(sections, outcome, tmp_path):
-    """DeepSpeed would build the config's optimizer and never step the one a Fabric user passed."""
+
+def test_an_optimizer_passed_with_a_deepspeed_config_that_names_one_is_refused_not_dropped(tmp_path):
+    """DeepSpeed would build the config's optimizer and never step the one a Fabric user passed. One test runs the
+    whole table in one process (a test per case would start DeepSpeed once per case, or per xdist worker)."""
     pytest.importorskip("deepspeed")
     environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     environment["PYTHONPATH"] = os.pathsep.join([str(ROOT), environment.get("PYTHONPATH", "")])
-    script = tmp_path / "one_setup.py"  # a file: the launcher re-runs a script, never `python -c`
-    script.write_text(_ONE_SETUP)
+    script = tmp_path / "setups.py"  # a file: the launcher re-runs a script, never `python -c`
+    script.write_text(_SETUPS)
     finished = subprocess.run(
-        [sys.executable, str(script), json.dumps(sections)],
+        [sys.executable, str(script), json.dumps([sections for sections, _ in CASES.values()])],
         capture_output=True,
         text=True,
         env=environment,
@@ -149,8 +151,10 @@ def test_an_optimizer_passed_with_a_deepspeed_config_that_names_one_is_refused_n
         timeout=900,  # a hang bound: the first DeepSpeed run on a machine compiles its shared-memory op (minutes)
     )
     assert finished.returncode == 0, finished.stderr[-3000:]
-    line = next((line for line in finished.stdout.splitlines() if line.startswith(("refused:", "stepped:"))), "")
-    assert line.startswith(outcome), finished.stdout[-3000:]
-    if outcome == "refused":
-        assert "the DeepSpeed config has an 'optimizer' section too" in line
-        assert "Remove the 'optimizer' section from the config" in line
+    lines = [line for line in finished.stdout.splitlines() if line.startswith(("refused:", "stepped:"))]
+    assert len(lines) == len(CASES), finished.stdout[-3000:]
+    for (name, (_, outcome)), line in zip(CASES.items(), lines):
+        assert line.startswith(outcome), f"{name}: {line}"
+        if outcome == "refused":
+            assert "the DeepSpeed config has an 'optimizer' section too" in line, name
+            assert "Remove the 'optimizer' section from the config" in line, name
