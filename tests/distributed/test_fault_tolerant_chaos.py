@@ -13,6 +13,7 @@ import os
 import random
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,12 +21,15 @@ from phalanx_distributed import SCRIPTS
 
 pytest.importorskip("torchft")
 
-sys.path.insert(0, str(SCRIPTS))
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path[:0] = [str(SCRIPTS), str(BENCH)]
 try:
+    import bench_fault_tolerance
     import ft_chaos
     import ft_chaos_job
 finally:
     sys.path.remove(str(SCRIPTS))
+    sys.path.remove(str(BENCH))
 
 STEPS = int(os.environ.get("PHALANX_CHAOS_STEPS", "60"))
 KILLS = int(os.environ.get("PHALANX_CHAOS_KILLS", "3"))
@@ -122,3 +126,19 @@ def test_a_kill_during_a_save_leaves_only_complete_checkpoints(run):
     assert saved
     for path in saved:
         assert torch.load(path, weights_only=False)["global_step"] > 0, path
+
+
+def test_the_bench_times_each_restart_that_healed_and_committed_by_part(run):
+    # bench/bench_fault_tolerance.py reads the same journals; its smoke test runs the ddp baseline only.
+    summary = bench_fault_tolerance.summarize_ft(run["out"], run["chaos"], batch=4)
+    healed = sum(
+        1
+        for lives in run["lives"].values()
+        for life in lives[1:]
+        if {"transfer end", "commit"} <= {record["event"] for record in life}
+    )
+    assert len(summary["restarts"]) == healed
+    for parts in summary["restarts"]:
+        named = [parts[name] for name, _ in bench_fault_tolerance.PARTS]
+        assert min(named) >= 0 and abs(sum(named) - parts["total"]) < 1e-6, parts
+    assert summary["samples_per_s"] > 0 and summary["kills"] == KILLS

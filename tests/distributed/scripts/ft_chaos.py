@@ -55,7 +55,9 @@ class _Life:
             for line in stream:
                 file.write(line)
                 file.flush()
-                if line.startswith("committed step "):
+                if line.startswith("ready"):
+                    self.milestones.add("ready")
+                elif line.startswith("committed step "):
                     self.committed = int(line.split()[-1])
                 elif line.startswith("milestone "):
                     self.milestones.add(line[len("milestone ") :].strip())
@@ -63,6 +65,7 @@ class _Life:
 
 def _start(out: Path, group: int, life: int, lighthouse: str, job_args: list[str]) -> _Life:
     environment = clean_environment(
+        PHALANX_CHAOS_GO=str(out / "go"),
         REPLICA_GROUP_ID=str(group),
         NUM_REPLICA_GROUPS="3",
         TORCHFT_LIGHTHOUSE=lighthouse,
@@ -101,7 +104,7 @@ class _StepPlan:
 
 
 class _TimePlan:
-    """Kills a random group every ``every_s`` seconds (uniform between the two) once training runs."""
+    """Kills a random group every ``every_s`` seconds (uniform between the two) once training runs (for the bench)."""
 
     def __init__(self, rng: random.Random, every_s: tuple[float, float], kills: int, steps: int) -> None:
         self.rng, self.every_s, self.kills, self.steps = rng, every_s, kills, steps
@@ -109,7 +112,8 @@ class _TimePlan:
 
     def victim(self, lives: list[_Life], last: int | None) -> int | None:
         done = max(life.committed for life in lives)
-        if self.kills <= 0 or done < 1 or done >= self.steps - 5:
+        # None in the last third: a group restarted then might only come up after its peers finished.
+        if self.kills <= 0 or done < 1 or done >= self.steps * 2 // 3:
             return None
         if self.next is None:
             self.next = time.monotonic() + self.rng.uniform(*self.every_s)
@@ -144,7 +148,8 @@ def run_chaos(
     arguments = [str(steps), *job_args]
     # min_replicas=3: while a group is down the others wait (bounded by their quorum_timeout) for its restart, so that
     # no share of the data is skipped and every sample is trained once. Below 3 the others train on without it.
-    with start_lighthouse(min_replicas=min_replicas, join_timeout=timedelta(milliseconds=100)) as lighthouse:
+    join = timedelta(milliseconds=100 if min_replicas == 3 else 1000)  # below 3: time for a restarted group to join
+    with start_lighthouse(min_replicas=min_replicas, join_timeout=join) as lighthouse:
         lives = [_start(out, group, 0, lighthouse.address, arguments) for group in range(3)]
         chaos.starts += [{"group": life.group, "life": 0, "time": life.started} for life in lives]
         last: int | None = None
@@ -152,6 +157,8 @@ def run_chaos(
             while any(life.process.poll() is None for life in lives):
                 if time.monotonic() - begin > deadline_s:
                     raise TimeoutError(f"the chaos run (seed {seed}) did not finish within {deadline_s} s")
+                if all("ready" in life.milestones for life in lives):
+                    (out / "go").touch()  # the first lives set up: they form their first quorum together
                 group = plan.victim(lives, last)
                 if group is not None and lives[group].process.poll() is None:
                     victim, done = lives[group], max(life.committed for life in lives)

@@ -56,6 +56,16 @@ class Journal(phalanx.Callback):
             file.write(json.dumps(record) + "\n")
             file.flush()
 
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        # With a lighthouse that commits steps without every group, the first lives start training together: a group
+        # slower to set up would otherwise find its peers done. A restarted life finds the file already there.
+        go = os.environ.get("PHALANX_CHAOS_GO")
+        if go:
+            print("ready", flush=True)
+            deadline = time.monotonic() + 600
+            while not Path(go).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         step, epoch, indices = trainer.global_step, trainer.current_epoch, batch[2].tolist()
         self.write({"event": "attempt", "step": step, "epoch": epoch, "indices": indices})
