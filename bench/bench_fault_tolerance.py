@@ -4,8 +4,9 @@ restarted whole by torchrun, resuming with ``ckpt_path="auto"``) under the same 
 
 Three replica groups of one process (``ddp_ft``) or one 3-process ``ddp`` job, an MLP of two ``--hidden`` layers,
 ``--batch`` samples per process and step, SGD with momentum, CPU and gloo, one thread per process. A failure is a
-SIGKILL of a random process every ``--fail-every`` seconds once training runs (none in the last third of the steps:
-a group restarted after its peers finished has nobody to heal from). For ``ddp_ft`` the lighthouse commits steps
+SIGKILL of a random process every ``--fail-every`` seconds once training runs, postponed until a step was committed
+since the previous failure (none in the last third of the steps: a group restarted after its peers finished has
+nobody to heal from). For ``ddp_ft`` the lighthouse commits steps
 with 2 of the 3 groups, so the survivors train on while the killed group restarts (its share of those steps is
 skipped); ``ddp`` loses every step since its last save (every ``--save-every`` steps) and restarts every process.
 Committed samples/s: the samples of the steps the run kept, over the time from its first to its last step.

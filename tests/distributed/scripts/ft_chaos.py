@@ -109,18 +109,21 @@ class _TimePlan:
     def __init__(self, rng: random.Random, every_s: tuple[float, float], kills: int, steps: int) -> None:
         self.rng, self.every_s, self.kills, self.steps = rng, every_s, kills, steps
         self.next: float | None = None
+        self.done_at_kill = 0
 
     def victim(self, lives: list[_Life], last: int | None) -> int | None:
         done = max(life.committed for life in lives)
-        # None in the last third: a group restarted then might only come up after its peers finished.
-        if self.kills <= 0 or done < 1 or done >= self.steps * 2 // 3:
+        # None in the last third: a group restarted then might only come up after its peers finished. None before a
+        # step committed since the last kill: where restarts take longer than the interval, kills of groups still
+        # restarting would leave too few groups for any quorum, and the run would never end.
+        if self.kills <= 0 or done <= self.done_at_kill or done >= self.steps * 2 // 3:
             return None
         if self.next is None:
             self.next = time.monotonic() + self.rng.uniform(*self.every_s)
         if time.monotonic() < self.next:
             return None
         self.kills -= 1
-        self.next = time.monotonic() + self.rng.uniform(*self.every_s)
+        self.next, self.done_at_kill = time.monotonic() + self.rng.uniform(*self.every_s), done
         return self.rng.randrange(3)
 
 

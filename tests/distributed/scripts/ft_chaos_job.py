@@ -18,6 +18,8 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from datetime import timedelta  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, Iterable  # noqa: E402
 
@@ -27,8 +29,10 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import phalanx  # noqa: E402
+from phalanx.strategies import DDPFaultTolerantStrategy, FaultTolerance  # noqa: E402
 
 GROUPS = 3
+WAIT = timedelta(seconds=180)  # every wait of a group (quorum, step, connect); the test's deadline bounds the run
 BATCHES = 10  # per group and epoch
 SEED = 7  # every life of every group starts from these weights, so that any group may be the first quorum's source
 #: What the torchft and phalanx logs say when a life forms its quorum, starts and ends receiving a peer's state.
@@ -133,8 +137,10 @@ def main() -> None:
     root = out / f"group{group}"
     # Group 0 saves every few steps, so that some kills land during a save.
     saves = phalanx.callbacks.ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=5, save_top_k=-1)
+    # A loaded machine can take most of a minute to restart a group, while its peers wait for it: generous bounds.
+    options = replace(FaultTolerance.from_environment(), quorum_timeout=WAIT, step_timeout=WAIT, connect_timeout=WAIT)
     trainer = phalanx.Trainer(
-        strategy="ddp_ft",
+        strategy=DDPFaultTolerantStrategy(fault_tolerance=options),
         accelerator="cpu",
         devices=1,
         max_steps=steps,
