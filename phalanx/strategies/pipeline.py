@@ -21,9 +21,10 @@ SCHEDULES: dict[str, tuple[str, bool]] = {
     "LoopedBFS": ("ScheduleLoopedBFS", True),
     "InterleavedZeroBubble": ("ScheduleInterleavedZeroBubble", True),
     "ZBVZeroBubble": ("ScheduleZBVZeroBubble", True),
+    "DualPipeV": ("ScheduleDualPipeV", True),
 }
 #: Schedules whose two stages per rank are placed in a V (rank r holds stages r and 2 * size - 1 - r).
-V_SCHEDULES = frozenset({"ZBVZeroBubble"})
+V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
 
 
 def check_pipeline_options(schedule: Any, microbatches: Any, stages_per_rank: Any) -> None:
@@ -71,6 +72,29 @@ def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
     return batch
 
 
+_STAGE_CLASS: list[type] = []
+
+
+def _stage_class() -> type:
+    """``PipelineStage``, except that a rank's two adjacent stages of a V schedule hand no gradients to each other when
+    the schedule runs forward only: torch 2.13's ``eval`` of ``ZBVZeroBubble`` and ``DualPipeV`` still runs that
+    hand-over, and fails on it ("can't steal_bwd_input if this stage doesn't have backward")."""
+    if not _STAGE_CLASS:
+        # Lazy for import time: the pipelining package loads only in jobs that run a pipeline.
+        from torch.distributed.pipelining import PipelineStage
+
+        class ForwardOnlySafeStage(PipelineStage):
+            def get_local_bwd_output(self, mb_index: int) -> Any:
+                return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+            def set_local_bwd_input(self, next_stage_bwd_outputs: Any, mb_index: int) -> None:
+                if self.has_backward:
+                    super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+        _STAGE_CLASS.append(ForwardOnlySafeStage)
+    return _STAGE_CLASS[0]
+
+
 def _signature(inputs: tuple[Tensor, ...]) -> tuple[Any, ...]:
     return tuple((tuple(value.shape), value.dtype) for value in inputs)
 
@@ -116,7 +140,7 @@ class PipelineRunner:
             from torch.distributed import pipelining
 
             stages = [
-                pipelining.PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+                _stage_class()(module, index, self.num_stages, self.device, group=self.group)
                 for module, index in zip(self.modules, self.stage_indices)
             ]
             cls = getattr(pipelining, SCHEDULES[name][0])
@@ -149,6 +173,8 @@ class PipelineRunner:
     def forward(self, inputs: tuple[Tensor, ...], batch_size: int) -> Any:
         """Run the batch forward only (GPipe order); the last stage's output on the rank that holds it, else None."""
         microbatches = self.microbatches if batch_size % self.microbatches == 0 else 1
-        name = "GPipe" if not SCHEDULES[self.schedule_name][1] else self.schedule_name
+        # One stage per rank: GPipe. A V placement: ZBVZeroBubble, which (unlike DualPipeV) takes any micro-batch count.
+        name = self.schedule_name if SCHEDULES[self.schedule_name][1] else "GPipe"
+        name = "ZBVZeroBubble" if name in V_SCHEDULES else name
         schedule = self._schedule(("eval", microbatches, *_signature(inputs)), name, microbatches, None)
         return schedule.eval(*(inputs if self.holds_first else ()))

@@ -16,11 +16,12 @@ class LossFinitenessSum:
     def __init__(self) -> None:
         self._sum: Tensor | None = None
         self.recorded = 0  # losses recorded since the last read
+        self._detached: tuple[Tensor | None, Tensor | None] = (None, None)  # the last recorded loss, and its detach
 
     def record(self, loss: Tensor) -> None:
         """Add ``loss`` (any shape) into the sum on its device, without reading it."""
         if loss.requires_grad:
-            loss = loss.detach()
+            self._detached = (loss, loss := loss.detach())
         if loss.ndim:
             loss = loss.sum()
         total = self._sum
@@ -35,6 +36,13 @@ class LossFinitenessSum:
             total = self._sum = torch.zeros((), dtype=dtype, device=loss.device)
         total.add_(loss)
         self.recorded += 1
+
+    def detached(self, loss: Tensor) -> Tensor:
+        """``loss.detach()``, reusing the detach that ``record`` made of this same loss: a driver that records the loss
+        and keeps it detached pays one detach op per batch, not two."""
+        recorded, detached = self._detached
+        self._detached = (None, None)  # holds no graph past the batch
+        return detached if recorded is loss and detached is not None else loss.detach()
 
     def read(self) -> bool | None:
         """Read the sum on the host (a sync: call it where the loop syncs anyway) and start a new window.

@@ -1,5 +1,6 @@
 """Layouts described by ParallelDims on 4 CPU processes: hybrid sharding on 2 x 2 (the case where neither axis has
-size 1) and ModelParallel on 2 x 2 train like one process on the same 16 samples a step."""
+size 1), ModelParallel on 2 x 2, and a pipeline of 2 stages composed with data (pp=2 x dp=2) or tensor parallelism
+(pp=2 x tp=2) train like one process on the same global batches; one launched job runs every layout."""
 
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ def one_process():
     return module.losses, module.state_dict()
 
 
+@pytest.fixture(scope="module")
+def one_process_net():
+    from pipeline_common import COMPOSED, QUIET, Net, loader
+
+    phalanx.seed_everything(1)
+    module = Net()
+    phalanx.Trainer(accelerator="cpu", devices=1, **QUIET, **COMPOSED).fit(module, loader(8))
+    return module.losses, module.state_dict()
+
+
 @pytest.mark.parametrize(
     ("name", "mesh", "samplers"),
     [
@@ -61,3 +72,42 @@ def test_a_2x2_layout_trains_like_one_process(job, one_process, name, mesh, samp
     # Every rank holds only its shards of the model (shard groups of 2 in both layouts).
     whole = sum(value.numel() for value in single_weights.values())
     assert all(numel < whole for numel in result["local_numel"])
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "samplers"),
+    [("pp_dp", [2, 2, 1], [[2, 0], [2, 1], [2, 0], [2, 1]]), ("pp_tp", [2, 1, 2], [[1, 0]] * 4)],
+)
+def test_a_pipeline_composed_with_data_or_tensor_parallelism_trains_like_one_process(
+    job, one_process_net, name, shape, samplers
+):
+    out, results = job
+    single_losses, single_weights = one_process_net
+    result = results[name]
+    assert result["mesh"] == [["pipeline_parallel", "data_parallel", "tensor_parallel"], shape]
+    # Samplers split the data over the data-parallel ranks only: both stages of a replica read the same batches.
+    assert [[s["num_replicas"], s["rank"]] for s in result["sampler"]] == samplers
+    assert result["stages"] == [[0], [0], [1], [1]]
+    # Every rank logs its replica's loss (broadcast from the last stage); the replicas' mean is one process's loss.
+    first_of: dict[int, int] = {}  # a replica's (data-parallel rank's) first global rank
+    for rank, (_, replica) in enumerate(samplers):
+        first_of.setdefault(replica, rank)
+    assert all(result["losses"][rank] == result["losses"][first_of[s[1]]] for rank, s in enumerate(samplers))
+    replicas = [result["losses"][rank] for rank in first_of.values()]
+    assert [sum(step) / len(step) for step in zip(*replicas)] == pytest.approx(single_losses, rel=1e-5, abs=1e-6)
+    # The weights after every step were clipped by one norm over all stages and shards: one process's weights.
+    weights = torch.load(out / f"{name}.pt", weights_only=True)
+    assert weights.keys() == single_weights.keys()
+    for key, value in single_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+    # Each rank holds its stage's parameters only, and of those its data or tensor shard.
+    held = [set(numel) for numel in result["local_numel"]]
+    assert held[0] == held[1] and held[2] == held[3] and not held[0] & held[2] and held[0] | held[2] == weights.keys()
+    for rank, numel in enumerate(result["local_numel"]):
+        for key, count in numel.items():
+            whole = single_weights[key]
+            if name == "pp_dp":  # every parameter's rows are dealt to the two data-parallel ranks as torch.chunk does
+                rows = torch.arange(whole.shape[0]).chunk(2)
+                assert count == (len(rows[rank % 2]) if rank % 2 < len(rows) else 0) * whole[0].numel()
+            else:  # the blocks' linear layers are split over the tensor axis; the rest is replicated
+                assert count == (whole.numel() // 2 if ".linear." in key else whole.numel())

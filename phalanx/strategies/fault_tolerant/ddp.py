@@ -16,11 +16,13 @@ from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision, evaluates_closure_once
 from phalanx.strategies.ddp import DDPStrategy
+from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
 from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
+from phalanx.utilities import distributed
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.registry import Registry
 
@@ -59,9 +61,14 @@ class _CommitGate(Optimizer):
             self.optim.step()
 
 
-def _average_across_groups(manager: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+def _average_across_groups(manager: Any, group_size: int, bucket: Any) -> torch.futures.Future[Tensor]:
     """DDP comm hook: average a gradient bucket over the groups in the quorum; a failure only marks the step."""
     buffer = bucket.buffer()
+    if group_size > 1:
+        # Several processes per group: first their average inside the group (torch's process group of this job, which
+        # the group's launcher ends as a whole when one of its processes dies), then across the groups.
+        torch.distributed.all_reduce(buffer)
+        buffer.div_(group_size)
     # False when a peer failed: the Manager has recorded the error, so should_commit() declines this step and the
     # buffer's (partial) values are never applied.
     manager.allreduce(buffer).wait()
@@ -123,6 +130,8 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
         self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
         self._declined_in_a_row = 0
+        #: Which replica groups the latest quorum had (set when fitting starts); it logs who left and who joined.
+        self.membership: QuorumMembership | None = None
 
     @property
     def fault_tolerance(self) -> FaultTolerance:
@@ -153,14 +162,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ set-up
     def check_setup(self, settings: RunSettings) -> None:
-        """Refuse what this release does not run: several processes per group, manual optimization."""
-        options = self.fault_tolerance
-        if self.world_size > 1:
-            raise ValueError(
-                f"DDPFaultTolerantStrategy runs one process per replica group in this release, but replica group"
-                f" {options.replica_group_id} has {self.world_size} (devices x num_nodes). Start one group per process"
-                f" (devices=1, num_nodes=1) with its own REPLICA_GROUP_ID."
-            )
+        """Refuse what this release does not run: manual optimization."""
         module = self._module
         if settings.fitting and module is not None and not getattr(module, "automatic_optimization", True):
             raise ValueError(
@@ -189,19 +191,24 @@ class DDPFaultTolerantStrategy(DDPStrategy):
                 )
 
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
-        # As torchft.ddp.DistributedDataParallel: a dummy group soaks up DDP's own collectives, buckets are never
-        # rebuilt (a rejoining group must bucket as its peers do), and the gradients go through the Manager. Its hook
+        # As torchft.ddp.DistributedDataParallel: a dummy group soaks up DDP's own collectives (one process per group),
+        # buckets are never rebuilt (a rejoining group must bucket as its peers do), and the gradients go through the
+        # Manager. Its hook
         # is not used: in torchft 0.2.0 it fails an assertion when a peer dies during the all-reduce, killing the
         # surviving group too, where the Manager only needs the error recorded so that the step is not committed.
-        dummy = self._torchft.process_group.ProcessGroupDummy(0, 1)
-        model = DistributedDataParallel(module, process_group=dummy, find_unused_parameters=True)
+        # Several processes per group keep the group's own process group: DDP then starts them from rank 0's weights.
+        group = None if self.world_size > 1 else self._torchft.process_group.ProcessGroupDummy(0, 1)
+        model = DistributedDataParallel(module, process_group=group, find_unused_parameters=True)
         # DDP checks a hook's annotations against the classes; this module's are strings (postponed evaluation).
-        model.register_comm_hook(self._manager, lambda manager, bucket: _average_across_groups(manager, bucket))
+        state = (self._manager, self.world_size)
+        model.register_comm_hook(state, lambda state, bucket: _average_across_groups(state[0], state[1], bucket))
         return model
 
     def _make_manager(self) -> Any:
         torchft, options = self._torchft, self.fault_tolerance
         group = torchft.process_group.ProcessGroupGloo(timeout=options.step_timeout)
+        self.membership = QuorumMembership(options.replica_group_id)
+        self.membership.watch(group)
         if options.transport == "pg":
             transport = torchft.pg_transport.PGTransport(group, timeout=options.step_timeout, device=self.root_device)
         else:
@@ -275,6 +282,15 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         finally:
             self._joining = False
         self._quorum_open = True
+        if self.world_size > 1:
+            # torchft spreads a first quorum's state transfers over the groups by rank in the group (rank r copies
+            # from group r mod groups): the processes of one group may have received different groups' weights.
+            assert self._module is not None
+            with distributed.naming_collective_failures(
+                "broadcast(weights inside the replica group)", self.global_rank, self._timeout
+            ):
+                for tensor in self._module.state_dict().values():
+                    torch.distributed.broadcast(tensor, src=0)
 
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: torch.nn.Module | None = None, **kwargs: Any

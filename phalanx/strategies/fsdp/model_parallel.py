@@ -37,6 +37,34 @@ def _check_size(name: str, value: Any) -> None:
         raise ValueError(f"{name}={value!r} must be 'auto' or an int >= 1.")
 
 
+def _by_mesh(params: list[Tensor]) -> list[list[Tensor]]:
+    """``params`` grouped by the mesh they are DTensors on (plain tensors in one group): torch's norm and clipping
+    refuse plain tensors beside DTensors, or DTensors of several meshes, in one call."""
+    groups: dict[Any, list[Tensor]] = {}
+    for param in params:
+        groups.setdefault(param.device_mesh if is_dtensor(param) else None, []).append(param)  # type: ignore[attr-defined]
+    return list(groups.values())
+
+
+def _local_norm(groups: list[list[Tensor]]) -> Tensor:
+    """The 2-norm of this stage's gradients as a plain tensor; DTensors' norms are reduced over their own mesh (the
+    tensor or data parallel ranks of the stage)."""
+    norms = []
+    for params in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
+        norms.append((norm.full_tensor() if is_dtensor(norm) else norm).float())  # type: ignore[attr-defined]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _refuse_loss_scaling(plugin: Precision | None, pipeline_size: int) -> None:
+    if pipeline_size > 1 and getattr(plugin, "scaler", None) is not None:
+        raise ValueError(
+            f"A precision plugin with a GradScaler ('16-mixed') cannot run with pipeline_parallel_size={pipeline_size}:"
+            " the schedule runs the backward itself, outside the scaler, and each stage would decide alone whether to"
+            " skip a step. Use precision='bf16-mixed' or '32-true'."
+        )
+
+
 class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
     """Tensor and data parallelism on a DeviceMesh named ("data_parallel", "tensor_parallel").
 
@@ -97,11 +125,28 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
                 " `phalanx checkpoint consolidate` makes one file of that directory."
             )
         self._pipeline_size: int = pipeline_parallel_size
+        _refuse_loss_scaling(self._precision_plugin, pipeline_parallel_size)
         self._pipeline_schedule = pipeline_schedule
         several = SCHEDULES[pipeline_schedule][1]
         self._stages_per_rank: int = pipeline_stages_per_rank or (2 if several else 1)
         self._microbatches: int = microbatches or pipeline_parallel_size * self._stages_per_rank
+        if pipeline_schedule == "DualPipeV" and self._microbatches < (stages := self.num_pipeline_stages):
+            raise ValueError(
+                f"pipeline_schedule='DualPipeV' needs microbatches >= its {stages} stages, got {microbatches}."
+                f" Use microbatches >= {stages}, or 'ZBVZeroBubble' (the same V placement)."
+            )
         self._pipeline: PipelineRunner | None = None
+
+    @property
+    def precision_plugin(self) -> Precision:
+        """The precision plugin (FSDPPrecision); with a pipeline, one that scales the loss (a GradScaler) is refused
+        when it is set (by the Trainer at its construction)."""
+        return Strategy.precision_plugin.fget(self)  # type: ignore[attr-defined]
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        _refuse_loss_scaling(precision_plugin, getattr(self, "_pipeline_size", 1))  # the base's __init__ sets it first
+        Strategy.precision_plugin.fset(self, precision_plugin)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ the mesh
     @property
@@ -301,14 +346,12 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             # Without a pipeline, or clipping by value (local), or bad arguments (the base refuses them).
             return super().clip_gradients(module, optimizer, max_norm=max_norm, clip_val=clip_val)
         optimizer = getattr(optimizer, "optimizer", optimizer)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.root_device)
-        local = local.full_tensor() if is_dtensor(local) else local  # type: ignore[attr-defined]
+        groups = _by_mesh([p for group in optimizer.param_groups for p in group["params"] if p.grad is not None])
+        local = _local_norm(groups) if groups else torch.zeros((), device=self.root_device)
         squared = local.double() ** 2
         torch.distributed.all_reduce(squared, group=self._pipeline_group())
         total = squared.sqrt().to(local.dtype)
-        if grads and max_norm > 0:
-            params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        for params in groups if max_norm > 0 else ():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
 

@@ -33,7 +33,6 @@ _IN_BATCHES = "batches"  # inside the batch loop: skip `batches_done` batches an
 _BATCH_END = "batch_end"  # in on_train_batch_end: skip the batches, then do that batch's validation check
 _VALIDATED = "validated"  # batches and epoch-end validation done: step epoch schedulers, run on_train_epoch_end
 _ENDED = "ended"  # on_train_epoch_end is running or ran: the next epoch starts fresh
-_NO_LOSS: tuple[None, None] = (None, None)  # no loss detached by the non-finite record in this batch
 
 
 class FitLoop:
@@ -59,7 +58,6 @@ class FitLoop:
         self._restored: dict[str, Any] | None = None
         self._last_validated_at = -1
         self._last_loss: Tensor | None = None
-        self._detached_loss: tuple[Tensor | None, Tensor | None] = _NO_LOSS
         self._accumulated = 0  # backward passes since the last optimizer step
         self._skip_window = False  # a non-finite loss was seen in this accumulation window ('skip'): no step at its end
         self._forward_only = False  # this epoch runs training_step only (skip_backward)
@@ -386,10 +384,7 @@ class FitLoop:
             return None, output
         for hook in self._after_backward_hooks:
             hook()
-        # The non-finite record detached this loss already: one detach op per step instead of two.
-        backpropagated, detached = self._detached_loss
-        self._detached_loss = _NO_LOSS
-        self._last_loss = loss = detached if backpropagated is loss else loss.detach()
+        self._last_loss = loss = self.nonfinite.detach(loss)  # reuses the non-finite record's detach of this loss
         self._accumulated += 1
         return loss, output
 
@@ -404,9 +399,7 @@ class FitLoop:
             loss = loss / self.trainer._run.loss_divisor
         nonfinite = self.nonfinite
         if not nonfinite.checks_every_step:
-            detached = loss.detach()
-            nonfinite.record(detached)
-            self._detached_loss = (loss, detached)
+            nonfinite.record(loss)
         elif not nonfinite.all_finite(loss):
             nonfinite.act(loss, self._batch_idx)
             raise SkippedBatch(output)

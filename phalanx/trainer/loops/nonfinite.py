@@ -49,6 +49,8 @@ class NonFiniteLossCheck:
         #: 'warn': add the loss into a running sum on its device, without reading it (one small kernel per batch);
         #: nothing in the other modes, or once the warning was given.
         self.record: Callable[[Tensor], None] = self._finite.record if self.mode == "warn" else _ignore
+        #: ``loss.detach()``; after ``record(loss)``, the detached copy the record made (one detach op per batch).
+        self.detach: Callable[[Tensor], Tensor] = self._finite.detached if self.mode == "warn" else Tensor.detach
 
     def report(self) -> None:
         """'warn': read the sum (called where the loop already reads values on the host) and warn once per fit."""
@@ -68,7 +70,7 @@ class NonFiniteLossCheck:
                 UserWarning,
                 stacklevel=2,
             )
-            self.mode, self.record = "warned", _ignore  # once per fit: stop summing
+            self.mode, self.record, self.detach = "warned", _ignore, Tensor.detach  # once per fit: stop summing
             return
         self._window_start = end
 

@@ -1,5 +1,5 @@
-"""Hybrid sharding on a 2 x 2 mesh and ModelParallel on 2 x 2, 4 CPU processes (gloo), for
-tests/distributed/test_parallel_dims_processes.py.
+"""Hybrid sharding on a 2 x 2 mesh, ModelParallel on 2 x 2, and a pipeline of 2 stages composed with data or tensor
+parallelism (pp=2 x dp=2, pp=2 x tp=2), 4 CPU processes (gloo), for tests/distributed/test_parallel_dims_processes.py.
 
 Usage: python parallel_dims_job.py OUT   (phalanx starts the other three processes itself)
 """
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pipeline_common import COMPOSED, QUIET, Net
+from pipeline_common import loader as pipeline_loader
 from sharded_common import MLP, loader, quiet
 
 import phalanx
@@ -33,6 +35,54 @@ class ParallelMLP(MLP):
         plan = {"0.linear": ColwiseParallel(), "1.linear": RowwiseParallel()}
         parallelize_module(self.blocks, mesh["tensor_parallel"], plan)
         fully_shard(self, mesh=mesh["data_parallel"])
+
+
+class ComposedNet(Net):
+    """``Net`` in two pipeline stages, each stage sharded over the data axis or its blocks split over the tensor
+    axis."""
+
+    def __init__(self, inner: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.hooks = None  # gradients are DTensors here: test_pipeline_processes.py checks the hooks
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        super().configure_model()  # keeps this rank's stage
+        mesh = self.device_mesh
+        if self.inner == "tensor":
+            plan = {f"{key}.linear": ColwiseParallel(output_layouts=Replicate()) for key in self.blocks._modules}
+            parallelize_module(self.blocks, mesh["tensor_parallel"], plan)
+        else:
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh["data_parallel"])
+            fully_shard(self, mesh=mesh["data_parallel"])
+
+
+def fit_pipeline(name: str, inner: str, replicas: int, **sizes: int) -> dict[str, Any]:
+    """Fit ``ComposedNet`` (seeded as one process's ``Net``) in 2 stages x ``sizes``; the rest as ``fit``."""
+    phalanx.seed_everything(1)
+    module = ComposedNet(inner)
+    strategy = ModelParallelStrategy(pipeline_parallel_size=2, microbatches=2, **sizes)
+    trainer = phalanx.Trainer(accelerator="cpu", devices=4, strategy=strategy, **QUIET, **COMPOSED)
+    trainer.fit(module, pipeline_loader(8 // replicas))
+    mesh = trainer.strategy.device_mesh
+    local = {n: p.to_local().numel() if is_dtensor(p) else p.numel() for n, p in module.named_parameters()}
+    weights: dict[str, torch.Tensor] = {}
+    for part in trainer.strategy.all_gather_object(full_module_state(module, keep=True)):
+        weights.update(part)
+    if trainer.is_global_zero:
+        torch.save(weights, OUT / f"{name}.pt")
+    return {
+        "losses": trainer.strategy.all_gather_object(module.losses),
+        "mesh": [list(mesh.mesh_dim_names), list(mesh.shape)],
+        "local_numel": trainer.strategy.all_gather_object(local),
+        "sampler": trainer.strategy.all_gather_object(trainer.strategy.distributed_sampler_kwargs),
+        "stages": trainer.strategy.all_gather_object(list(trainer.strategy.pipeline_stages)),
+    }
 
 
 def fit(name: str, strategy: Any, module: MLP, replicas: int) -> dict[str, Any]:
@@ -58,5 +108,7 @@ if __name__ == "__main__":
     phalanx.seed_everything(7)
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
     results["model_parallel"] = fit("model_parallel", strategy, ParallelMLP(), 2)
+    results["pp_dp"] = fit_pipeline("pp_dp", "data", 2, data_parallel_size=2)
+    results["pp_tp"] = fit_pipeline("pp_tp", "tensor", 1, tensor_parallel_size=2)
     if torch.distributed.get_rank() == 0:
         (OUT / "results.json").write_text(json.dumps(results))

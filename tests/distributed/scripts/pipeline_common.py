@@ -21,7 +21,23 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Two virtual stages per rank: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3 (one block each).
     "Interleaved1F1B": ("Interleaved1F1B", {"max_epochs": 1, "limit_val_batches": 1}),
+    # The other virtual-stage schedules, two batches each; ZBVZeroBubble and DualPipeV place the stages in a V.
+    **{
+        schedule: (schedule, {"max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 1})
+        for schedule in ("LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    },
+    # bfloat16 autocast around the schedule: one process's losses within bfloat16's precision (micro-batches round
+    # differently from the whole batch).
+    "bf16_1F1B": (
+        "1F1B",
+        {"max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 1, "precision": "bf16-mixed"},
+    ),
 }
+#: How close each case comes to one process (relative); float32 cases: 1e-5.
+TOLERANCE = {"bf16_1F1B": 2e-2}
+#: pp=2 composed with dp=2 or tp=2 on 4 processes (``parallel_dims_job.py``): one epoch of 4 batches of 8 samples,
+#: clipped by norm at every step (one norm over every stage and shard).
+COMPOSED = {"max_epochs": 1, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
 QUIET = {
     "logger": False,
     "enable_checkpointing": False,
@@ -61,6 +77,8 @@ class Net(phalanx.TrainingModule):
         self.blocks = nn.ModuleList(Block(8) for _ in range(4))
         self.head: nn.Module | None = nn.Linear(8, 1)
         self.losses: list[float] = []
+        #: [hook, the loss it received, the squared norm of this rank's gradients then (None: none yet)] per call.
+        self.hooks: list[list[Any]] | None = []
 
     def configure_model(self) -> None:
         strategy = self.trainer.strategy
@@ -89,6 +107,21 @@ class Net(phalanx.TrainingModule):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss.detach()))
         self.log("train_loss", loss.detach(), prog_bar=True)
+
+    def _record(self, hook: str, loss: torch.Tensor | None = None) -> None:
+        if self.hooks is not None:
+            grads = [p.grad.double() for p in self.parameters() if p.grad is not None]
+            squared = float(sum((grad**2).sum() for grad in grads)) if grads else None
+            self.hooks.append([hook, None if loss is None else float(loss.detach()), squared])
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self._record("on_before_backward", loss)
+
+    def on_after_backward(self) -> None:
+        self._record("on_after_backward")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self._record("on_before_optimizer_step")
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]))

@@ -44,6 +44,7 @@ if __name__ == "__main__":
         local_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         results[name] = {
             "losses": trainer.strategy.all_gather_object(module.losses),
+            "hooks": trainer.strategy.all_gather_object(module.hooks),
             "metrics": trainer.strategy.all_gather_object(metrics),
             "bytes": trainer.strategy.all_gather_object(local_bytes),
             "stages": trainer.strategy.all_gather_object(list(trainer.strategy.pipeline_stages)),

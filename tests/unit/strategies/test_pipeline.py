@@ -3,8 +3,10 @@ holds, and how a batch is cut into micro-batches."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections import namedtuple
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +26,12 @@ CPU4 = [torch.device("cpu")] * 4
         ({"pipeline_schedule": "LoopedBFS", "pipeline_stages_per_rank": 1}, ValueError, "runs virtual stages"),
         ({"pipeline_schedule": "1F1B", "pipeline_stages_per_rank": 2}, ValueError, "runs one stage per rank"),
         ({"pipeline_schedule": "ZBVZeroBubble", "pipeline_stages_per_rank": 3}, ValueError, "exactly 2 stages"),
+        ({"pipeline_schedule": "DualPipeV", "pipeline_stages_per_rank": 3}, ValueError, "exactly 2 stages"),
+        (
+            {"pipeline_schedule": "DualPipeV", "pipeline_parallel_size": 2, "microbatches": 3},
+            ValueError,
+            r"'DualPipeV' needs microbatches >= its 4 stages, got 3",
+        ),
         ({"microbatches": 0}, ValueError, r"microbatches=0 must be an int >= 1"),
         ({"microbatches": True}, ValueError, r"microbatches=True must be an int >= 1"),
         ({"pipeline_parallel_size": 0}, ValueError, r"pipeline_parallel_size=0 must be an int >= 1"),
@@ -94,6 +102,7 @@ def test_the_mesh_gains_the_pipeline_axis_and_stages_read_the_same_data(pp, dp, 
         ("Interleaved1F1B", 2, 2, [(0, 2), (1, 3)]),
         ("LoopedBFS", 2, 3, [(0, 2, 4), (1, 3, 5)]),
         ("ZBVZeroBubble", 2, 2, [(0, 3), (1, 2)]),
+        ("DualPipeV", 4, 2, [(0, 7), (1, 6), (2, 5), (3, 4)]),
     ],
 )
 def test_the_stages_each_rank_holds(schedule, size, per_rank, expected):
@@ -166,3 +175,34 @@ def test_a_pipeline_strategy_pickles_with_its_pipeline_options():
     strategy = pickle.loads(pickle.dumps(ModelParallelStrategy(pipeline_parallel_size=2, pipeline_schedule="GPipe")))
     assert strategy.pipeline_parallel_size == 2 and strategy.num_pipeline_stages == 2
     assert type(strategy).forward_backward is not Strategy.forward_backward
+
+
+def _plugin(precision: str, scaler: bool) -> Any:
+    from phalanx.plugins.precision.fsdp import FSDPPrecision
+
+    return FSDPPrecision(precision, "cpu", scaler=torch.amp.GradScaler("cpu") if scaler else None)
+
+
+@pytest.mark.parametrize(
+    ("pipeline", "precision", "scaler", "refused"),
+    [
+        (2, "16-mixed", True, True),  # the schedule's backward runs outside the GradScaler
+        (2, "bf16-mixed", False, False),
+        (2, "32-true", False, False),
+        (1, "16-mixed", True, False),  # without a pipeline the scaler scales the backward as usual
+    ],
+)
+@pytest.mark.parametrize("given", ["to the strategy", "to the Trainer"])
+def test_loss_scaling_is_refused_with_a_pipeline_when_the_plugin_is_given(pipeline, precision, scaler, refused, given):
+    plugin = _plugin(precision, scaler)
+    with (
+        pytest.raises(ValueError, match=r"GradScaler \('16-mixed'\) cannot run with pipeline_parallel_size=2")
+        if (refused)
+        else contextlib.nullcontext()
+    ):
+        if given == "to the strategy":
+            strategy = ModelParallelStrategy(pipeline_parallel_size=pipeline, precision_plugin=plugin)
+        else:
+            strategy = ModelParallelStrategy(pipeline_parallel_size=pipeline)
+            phalanx.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], logger=False)
+        assert strategy.precision_plugin is plugin
