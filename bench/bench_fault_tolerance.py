@@ -7,8 +7,9 @@ Three replica groups of one process (``ddp_ft``) or one 3-process ``ddp`` job, a
 SIGKILL of a random process every ``--fail-every`` seconds once training runs, postponed until a step was committed
 since the previous failure (none in the last third of the steps: a group restarted after its peers finished has
 nobody to heal from). For ``ddp_ft`` the lighthouse commits steps
-with 2 of the 3 groups, so the survivors train on while the killed group restarts (its share of those steps is
-skipped); ``ddp`` loses every step since its last save (every ``--save-every`` steps) and restarts every process.
+with all 3 groups (``--min-replicas 3``, as the chaos tier: the survivors wait for the restart, every sample is
+trained once) or with 2 (the survivors train on, the killed group's share of those steps is skipped); ``ddp``
+loses every step since its last save (every ``--save-every`` steps) and restarts every process.
 Committed samples/s: the samples of the steps the run kept, over the time from its first to its last step.
 Usage: python bench/bench_fault_tolerance.py [--steps 1500] [--fail-every 30] [--hidden 512] [--batch 128]
 """
@@ -85,7 +86,7 @@ def run_ft(out: Path, args: argparse.Namespace, failures: bool) -> dict[str, Any
         deadline_s=args.deadline,
         job_args=(str(args.hidden), str(args.batch)),
         kill_every_s=every,
-        min_replicas=2,
+        min_replicas=args.min_replicas,
     )
     return summarize_ft(out, chaos, args.batch)
 
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--save-every", type=int, default=50, help="steps between the ddp baseline's checkpoints")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--min-replicas", type=int, default=3, help="groups a ddp_ft step commits with (2: no wait)")
     parser.add_argument("--max-kills", type=int, default=10_000, help="at most this many failures per run")
     parser.add_argument("--deadline", type=float, default=1800.0, help="seconds any one run may take")
     parser.add_argument("--modes", default="ft_free,ft_failures,ddp", help="the runs to make, of the default's")
