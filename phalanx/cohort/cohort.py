@@ -91,6 +91,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._environment_ready = False
         self._module: CohortModule | None = None
         self._parameter_names: dict[int, str] = {}
+        self._removed_names: set[str] = set()
         self._optimizer_steps = 0
         self._last_loss: Tensor | None = None
 
@@ -257,6 +258,9 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             # created on the device, sharded where the strategy shards (DeepSpeed ZeRO-3).
             with strategy.tensor_init_context(), strategy.model_sharded_context():
                 configure_model()
+            # A pipeline stage keeps only its layers: optimizers made before setup drop the others' parameters.
+            kept = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+            self._removed_names = set(self._parameter_names.values()) - kept
         strategy.connect(module)
         refuse_compiled_in_place(module, self._compile, "Cohort")
         compiler = compiler_for(self._compile, compiled_with, "Cohort")
@@ -301,7 +305,11 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         for group in optimizer.param_groups:
             new_params = []
             for parameter in group["params"]:
-                new = by_name.get(self._parameter_names.get(id(parameter), ""), parameter)
+                name = self._parameter_names.get(id(parameter), "")
+                if name in self._removed_names:  # configure_model removed it (another pipeline stage's)
+                    optimizer.state.pop(parameter, None)
+                    continue
+                new = by_name.get(name, parameter)
                 replaced[parameter] = new
                 new_params.append(new)
             group["params"] = new_params

@@ -1,6 +1,7 @@
 """phalanx.Cohort on 2 CPU processes beyond test_cohort_processes.py: accumulation (DDP, DeepSpeed stages 1-3),
 generator states on resume, logging, model_parallel and DeepSpeed stages 1 and 3, each against Trainer.fit on the same
-strategy. Two jobs (scripts/cohort_strategies_job.py): 'ddp' and 'deepspeed'."""
+strategy; a pipeline of two stages through cohort.forward_backward against one process. Two jobs
+(scripts/cohort_strategies_job.py): 'ddp' and 'deepspeed'."""
 
 from __future__ import annotations
 
@@ -118,6 +119,66 @@ def test_fsdp_cpu_offload_matches_the_trainer_and_its_checkpoint_loads_in_both(d
     assert result["max_difference_to_trainer"] == 0.0
     assert result["trainer_resumed_global_step"] == 12
     assert result["loaded"] == [0.0, 10]
+
+
+@pytest.fixture(scope="module")
+def one_process_pipeline():
+    """The job's pipeline loop on one process, in plain PyTorch: the whole model, the loss of the whole batch."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from pipeline_common import AdamNet, loader
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    import phalanx
+
+    phalanx.seed_everything(1)
+    module = AdamNet()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    losses, batches = [], list(loader(8))
+    for batch in batches:
+        loss = module.pipeline_loss(module(batch[0]), batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    with torch.no_grad():
+        predictions = module(batches[0][0])
+    return losses, module.state_dict(), predictions
+
+
+def test_a_cohort_loop_over_two_pipeline_stages_trains_like_one_process(ddp_job, one_process_pipeline):
+    out, result = ddp_job
+    pipeline, tensors = result["pipeline"], torch.load(out / "pipeline.pt", weights_only=True)
+    losses, weights, predictions = one_process_pipeline
+    for rank_losses in pipeline["losses"]:  # the batch's loss reaches every rank of the pipeline
+        assert rank_losses == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    assert pipeline["steps"] == len(losses)
+    assert tensors["weights"].keys() == weights.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(
+            tensors["weights"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    torch.testing.assert_close(tensors["predictions"], predictions, rtol=1e-5, atol=1e-6)
+    # Each rank holds (and optimizes) only its stage: the optimizer made over the whole model was cut down by setup.
+    whole = sum(value.numel() for value in weights.values())
+    assert sum(pipeline["held"]) == whole and all(0 < held < whole for held in pipeline["held"])
+    # The schedule runs every backward: cohort.backward is refused, naming what to call instead.
+    assert "cohort.forward_backward(batch, batch_idx)" in pipeline["refusal"]
+
+
+def test_a_cohort_checkpoint_of_pipeline_stages_goes_on_as_the_unbroken_run(ddp_job):
+    out, result = ddp_job
+    pipeline, tensors = result["pipeline"], torch.load(out / "pipeline.pt", weights_only=True)
+    save_at = len(pipeline["losses"][0]) - len(pipeline["resumed"][0])
+    for rank_resumed, rank_losses in zip(pipeline["resumed"], pipeline["losses"]):
+        assert rank_resumed == pytest.approx(rank_losses[save_at:], rel=1e-6, abs=1e-7)
+    for name, value in tensors["weights"].items():
+        torch.testing.assert_close(
+            tensors["resumed"][name], value, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    # The example of docs/pipeline.md ran in the same processes (its asserts too): three epochs of four batches.
+    example = pipeline["docs_example"]
+    assert len(example) == 12 and example[-1] < example[0]
 
 
 @pytest.mark.parametrize("strategy", ["deepspeed_stage_2_offload", "deepspeed_stage_3_offload"])

@@ -1,7 +1,11 @@
 """Resume anywhere: checkpoints written on 2 CPU processes as one file (ddp), a sharded FSDP directory and DeepSpeed
 ZeRO-1 / ZeRO-2 / ZeRO-3 directories, and one file written on 1 process, resume with ``ckpt_path=`` on 1 process (single
 device) and on 2 processes (ddp, fsdp, model_parallel, DeepSpeed stage 1, 2 and 3), each ending where the target's
-uninterrupted run ends: weights, Adam's moments and step, the global step and the samples seen after the resume.
+uninterrupted run ends: weights, Adam's moments and step, the global step, the samples seen and the loss at each step
+after the resume. Pipelines join on their own cells: a checkpoint written under pipeline_parallel_size=2 resumes on one
+device, under ddp, fsdp and model_parallel without a pipeline, and ddp, fsdp and one-process checkpoints, and a
+pipeline's with two stages per rank, resume under pipeline_parallel_size=2 with one stage per rank; so does a pipeline's
+checkpoint found in the run's checkpoint folder by ``ckpt_path="auto"``.
 
 One 2-process launch (scripts/resume_matrix_job.py) writes the sources and runs every 2-process cell; the
 single-device column runs in this process. Skipped when deepspeed is not installed.
@@ -28,7 +32,7 @@ from phalanx.cli import main as phalanx_cli  # noqa: E402
 sys.path.insert(0, str(SCRIPTS))
 
 from resume_matrix_job import (  # noqa: E402
-    ALL_SOURCES,
+    CELLS,
     SAVE_AT,
     STEPS,
     TARGETS,
@@ -41,17 +45,19 @@ from resume_matrix_job import (  # noqa: E402
 # test_sharded's tolerance (a strategy against one process); Adam's moments (exp_avg_sq is ~1e-5 here) a finer atol.
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 MOMENT_TOLERANCE = dict(rtol=1e-4, atol=1e-7)
-CELLS = [(source, target) for source in ALL_SOURCES for target in ["single", *TARGETS]]
 #: What each target runs as (tests/strategy_cases.py): the strategy class, and whether the module's parameters are
 #: sharded DTensors. The job resumes on every 2-process row that promises 'resume'; 'single' is single_device's row.
 TARGET_KINDS = {
     ("single" if row.name == "single_device" else row.name): (row.strategy_class, row.sharded)
     for row in promising("resume")
 }
+#: A pipeline of two stages on two processes (no data parallelism): each rank holds whole tensors of its stages.
+PIPELINE_KINDS = {"pp": ("ModelParallelStrategy", False)}
 
 
 def test_the_job_resumes_on_every_strategy_that_promises_it():
     assert ["single", *TARGETS] == list(TARGET_KINDS)
+    assert {target for _, target in CELLS} == {*TARGET_KINDS, *PIPELINE_KINDS}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,7 @@ def test_a_checkpoint_resumes_on_every_strategy_like_the_uninterrupted_run(matri
     error = matrix / f"{source}__{target}.error"
     assert not error.exists(), f"{source} -> {target}: {error.read_text() if error.exists() else ''}"
     resumed, reference = _load(matrix / f"{source}__{target}.pt"), _load(matrix / f"ref_{target}.pt")
-    strategy, sharded = TARGET_KINDS[target]
+    strategy, sharded = {**TARGET_KINDS, **PIPELINE_KINDS}[target]
     assert resumed["strategy"] == reference["strategy"] == strategy
     assert bool(resumed["dtensor_parameters"]) is sharded  # FSDP and ModelParallel really hold shards
     assert resumed["global_step"] == reference["global_step"] == STEPS
@@ -90,6 +96,7 @@ def test_a_checkpoint_resumes_on_every_strategy_like_the_uninterrupted_run(matri
     assert len(resumed["seen"]) == len(reference["seen"])
     for rank, seen in enumerate(resumed["seen"]):
         assert seen == reference["seen"][rank][SAVE_AT:], f"rank {rank}"
+    assert resumed["losses"] == pytest.approx(reference["losses"][SAVE_AT:], rel=1e-5, abs=1e-7)  # the loss curve
     _assert_close(resumed["weights"], reference["weights"], "weight")
     for key in ("exp_avg", "exp_avg_sq"):
         _assert_close(

@@ -26,7 +26,14 @@ from phalanx.strategies.strategy import Strategy
 from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.checks import is_int_at_least
 from phalanx.utilities.dtensor import has_dtensors, has_meta_tensors, is_dtensor
-from phalanx.utilities.optimizer_names import state_by_name
+from phalanx.utilities.optimizer_names import (
+    check_state_shapes,
+    groups_in_order,
+    is_keyed_by_name,
+    name_positions,
+    order_keys,
+    state_by_name,
+)
 from phalanx.utilities.registry import Registry
 
 MESH_DIMENSIONS = (MeshAxis.DATA.value, MeshAxis.TENSOR.value)
@@ -326,6 +333,18 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
             return super().forward_backward(batch, batch_idx, between, optimizer)
         return self._pipelined_forward_backward(batch, batch_idx, between, optimizer)
 
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """The base class's backward; refused with a pipeline, whose schedule runs every backward itself."""
+        if self._pipeline_size > 1:
+            raise RuntimeError(
+                f"ModelParallelStrategy(pipeline_parallel_size={self._pipeline_size}) runs backward inside its pipeline"
+                " schedule, so a loss computed outside it cannot be backpropagated."
+                " Run each step through the strategy's forward_backward with a TrainingModule that defines"
+                " pipeline_loss, by calling cohort.forward_backward(batch, batch_idx) in a Cohort loop;"
+                " the Trainer does so itself."
+            )
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def _run_step(self, method: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """The base class's call of a step method; with a pipeline, evaluation steps run it forward only (below)."""
         if self._pipeline_size == 1 or method == "training_step":
@@ -361,6 +380,38 @@ class ModelParallelStrategy(ShardedStrategyMixin, ParallelStrategy):
         if self._pipeline_size == 1 or self._state_dict_type != "sharded":
             return super().optimizer_state(optimizer)
         return self._pipelined_optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """The mixin's; with a pipeline, each rank takes its stages' tensors from a checkpoint of the whole model (its
+        own stages' tensors must all be there when ``strict``)."""
+        if self._pipeline_size > 1:
+            live = self._module.state_dict()  # type: ignore[union-attr]
+            checkpoint = {**checkpoint, "state_dict": {k: v for k, v in checkpoint["state_dict"].items() if k in live}}
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """The mixin's; with a pipeline, a state keyed by position (written without a pipeline, for the whole model)
+        is keyed by name first, the stages naming their parameters together (see ``_name_positions``)."""
+        states = checkpoint.get("optimizer_states")
+        if self._pipeline_size > 1 and isinstance(states, list) and len(states) == len(self.optimizers):
+            named = [
+                state if is_keyed_by_name(state) else self._name_positions(optimizer, state)
+                for optimizer, state in zip(self.optimizers, states)
+            ]
+            checkpoint = {**checkpoint, "optimizer_states": named}
+        super().load_optimizer_state_dict(checkpoint)
+
+    def _name_positions(self, optimizer: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+        """``state``'s positions named: every rank lists its groups' parameters with their place in the whole model
+        (``order_keys``), and each group's names, sorted by that place, are the positions in order."""
+        module = self._module
+        assert module is not None
+        keys = order_keys(module)
+        names = {id(parameter): name for name, parameter in module.named_parameters()}
+        local = [[(names[id(p)], keys[names[id(p)]]) for p in group["params"]] for group in optimizer.param_groups]
+        named = name_positions(state, groups_in_order(self.all_gather_object(local)))
+        check_state_shapes(optimizer, module, named)
+        return named
 
     def _pipelined_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's state keyed by name, its tensors written by this rank; rank 0 writes the rest of the checkpoint,

@@ -8,7 +8,9 @@ MODE 'ddp': 2 ranks started by Cohort('ddp').launch(); the same processes then r
   - logging: self.log / cohort.log / cohort.log_dict into a CSVLogger (rank zero writes);
   - model_parallel: a tensor-parallel TransformerBlock through the Cohort against Trainer.fit, save -> load, and the
     Trainer resuming the Cohort's sharded checkpoint;
-  - fsdp_cpu_offload: the plain loop against Trainer.fit, the Trainer and a fresh Cohort loading its checkpoint.
+  - fsdp_cpu_offload: the plain loop against Trainer.fit, the Trainer and a fresh Cohort loading its checkpoint;
+  - pipeline: a loop through cohort.forward_backward over two pipeline stages, and the Cohort example of
+    docs/pipeline.md (cohort_pipeline.py).
 MODE 'deepspeed': stages 1 and 3 against Trainer.fit (and the Trainer resuming the Cohort's checkpoint); stages 1, 2
   and 3 with accumulation against Trainer.fit(accumulate_grad_batches=2); deepspeed_stage_{2,3}_offload against
   Trainer.fit.
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cohort_pipeline import run_pipeline
 from ddp_common import IndexedRegression, Net
 from sharded_common import TransformerBlock, sequences
 from torch import nn
@@ -333,6 +336,7 @@ def run_ddp(out: Path) -> dict[str, Any]:
     result["logging"] = logging_run(out)
     result["model_parallel"] = run_model_parallel(out)
     result["fsdp_cpu_offload"] = parity_and_resume("fsdp_cpu_offload", out)
+    result["pipeline"] = run_pipeline(out)
     return result
 
 

@@ -3,7 +3,7 @@ resumed on every strategy.
 
 Usage: python resume_matrix_job.py OUT   (phalanx starts the second process itself)
 
-On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds1,ds2,ds3}.ckpt (after SAVE_AT steps;
+On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds1,ds2,ds3,pp,pp_v}.ckpt (after SAVE_AT steps;
 OUT/src_one.ckpt was written on 1 process by ``write_one_process_sources`` before the launch), runs each target
 strategy uninterrupted for STEPS steps (OUT/ref_{target}.pt) and resumes every source on every 2-process target to
 STEPS (OUT/{source}__{target}.pt); OUT/src_{ds1,ds2,ds3}.pt is the DeepSpeed runs' state at the save. Each
@@ -11,10 +11,16 @@ STEPS (OUT/{source}__{target}.pt); OUT/src_{ds1,ds2,ds3}.pt is the DeepSpeed run
 writes it; every rank takes part in gathering). ``run_one`` is the single-device column (called in the test's own
 process); a cell of it that fails writes its error to OUT/{source}__single.error. A failing 2-process cell fails the
 whole job (its output names the cell).
+
+The pipeline layouts (ModelParallelStrategy with pipeline_parallel_size=2: "pp" one stage per rank with 1F1B, "pp_v"
+two virtual stages per rank with Interleaved1F1B) join as sources and a target on their own cells (``CELLS``): the pp
+checkpoint resumes without a pipeline (single device, ddp, fsdp, model_parallel), and the ddp, fsdp, one-process and
+pp_v checkpoints resume under pp, and so does the pp checkpoint found by ``ckpt_path="auto"`` ("pp_auto").
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,9 +31,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import phalanx
+from phalanx.strategies.pipeline_split import keep_stages
 
 STEPS, SAVE_AT = 12, 5  # 8 steps an epoch: the save is mid-epoch and the resumed run crosses an epoch boundary
-SAMPLES, GLOBAL_BATCH, FEATURES, WIDTH = 64, 8, 16, 64
+SAMPLES, GLOBAL_BATCH, FEATURES, WIDTH, BLOCKS = 64, 8, 16, 32, 4
 SOURCES = {
     "ddp": "ddp",
     "fsdp": "fsdp_sharded",
@@ -41,6 +48,17 @@ ALL_SOURCES = [*SOURCES, *ONE_PROCESS_SOURCES]
 #: Every 2-process strategy that promises to resume any checkpoint (tests/strategy_cases.py); single_device runs in the
 #: test's own process.
 TARGETS = [name for name in names("resume") if name != "single_device"]
+#: Pipeline layouts on 2 processes (pipeline_parallel_size=2, no data parallelism): name -> schedule.
+PIPELINES = {"pp": "1F1B", "pp_v": "Interleaved1F1B"}
+#: Every (source, target) cell: each source on every strategy, and the pipeline's cells: its checkpoint without a
+#: pipeline, other layouts' checkpoints under it, and two virtual stages per rank to one.
+CELLS = [
+    *((source, target) for source in ALL_SOURCES for target in ["single", *TARGETS]),
+    *(("pp", target) for target in ["single", "ddp", "fsdp", "model_parallel"]),
+    *((source, "pp") for source in ["ddp", "fsdp", "one", "pp_v", "pp_auto"]),
+]
+#: Not a file: the pp checkpoint found by ``ckpt_path="auto"`` in the run's checkpoint folder.
+AUTO = "pp_auto"
 
 
 class Indexed(Dataset):
@@ -57,32 +75,49 @@ class Indexed(Dataset):
 
 
 class MatrixMLP(phalanx.TrainingModule):
-    """A small MLP without dropout, Adam; records the sample indices of each training batch."""
+    """A small MLP of repeated blocks without dropout, Adam; records the sample indices of each training batch and the
+    loss. Under a pipeline each rank keeps its stages' blocks (the head on the last stage)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(FEATURES, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh())
-        self.head = nn.Linear(WIDTH, 1)
+        self.net = nn.Sequential(
+            *(nn.Sequential(nn.Linear(FEATURES if i == 0 else WIDTH, WIDTH), nn.Tanh()) for i in range(BLOCKS))
+        )
+        self.head: nn.Module | None = nn.Linear(WIDTH, 1)
         self.seen: list[list[int]] = []
+        self.losses: list[float] = []
 
     def configure_model(self) -> None:
+        strategy = self.trainer.strategy
+        if getattr(strategy, "pipeline_parallel_size", 1) > 1:
+            keep_stages(self, "net", strategy.pipeline_stages, strategy.num_pipeline_stages, last=["head"])
+            return
         mesh = self.device_mesh
         if mesh is None or mesh.mesh_dim_names != ("data_parallel", "tensor_parallel"):
             return  # only ModelParallel leaves the parallelisation to the module
         from torch.distributed.fsdp import fully_shard
 
-        for layer in (*self.net, self.head):
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh["data_parallel"])
+        for block in (*self.net, self.head):
+            fully_shard(block, mesh=mesh["data_parallel"])
         fully_shard(self, mesh=mesh["data_parallel"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.net(x))
+        x = self.net(x)
+        return self.head(x) if self.head is not None else x
+
+    def pipeline_loss(self, output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return nn.functional.mse_loss(output, batch[1])
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.seen.append([int(i) for i in batch[2]])  # here, not in training_step: a pipeline does not call that
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y, index = batch
-        self.seen.append([int(i) for i in index])
-        return nn.functional.mse_loss(self(x), y)
+        x, y, _ = batch
+        return self.pipeline_loss(self(x), batch)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss.detach()))
 
     def on_train_end(self) -> None:
         engine = self.trainer.strategy.model  # DeepSpeed's engine, released after fit
@@ -101,6 +136,10 @@ def strategy_for(name: str) -> Any:
         from phalanx.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    if name in PIPELINES:
+        from phalanx.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(pipeline_parallel_size=2, pipeline_schedule=PIPELINES[name])
     return name
 
 
@@ -125,7 +164,9 @@ def fit(strategy: str, devices: int, steps: int, root: Path, ckpt_path: Any = No
     trainer = make_trainer(strategy, devices, steps, root)
     # Not shuffled: a DistributedSampler deals sample i to rank i % 2, so every world size trains on the same global
     # batches (a shuffled single-device order would come from the saving run's RNG state, another world size's).
-    loader = DataLoader(Indexed(), batch_size=GLOBAL_BATCH // devices, shuffle=False)
+    # A pipeline's two stages read the same batches: the whole global batch.
+    data_parallel = 1 if strategy in PIPELINES else devices
+    loader = DataLoader(Indexed(), batch_size=GLOBAL_BATCH // data_parallel, shuffle=False)
     trainer.fit(model, loader, ckpt_path=ckpt_path)
     return model, trainer
 
@@ -147,6 +188,9 @@ def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | N
         base = optimizer.optimizer
         steps = {float(entry["step"]) for entry in base.state.values()}
         engine_steps = model.engine_steps
+    elif getattr(strategy, "pipeline_parallel_size", 1) > 1:
+        weights, moments, steps = _pipeline_state(model, trainer)
+        engine_steps = None
     else:
         from phalanx.utilities.dtensor import full_module_state, full_optimizer_state
 
@@ -177,7 +221,26 @@ def full_state(model: MatrixMLP, trainer: phalanx.Trainer) -> dict[str, Any] | N
         "global_step": trainer.global_step,
         "engine_steps": engine_steps,  # DeepSpeed's own count of steps and samples (its schedules and logs read it)
         "seen": seen,
+        "losses": model.losses,  # rank 0's loss at each step after the resume
     }
+
+
+def _pipeline_state(model: MatrixMLP, trainer: phalanx.Trainer) -> tuple[dict, dict, set]:
+    """A pipeline's weights and Adam's state: each rank holds its stages' parameters (plain tensors), gathered here."""
+    from phalanx.utilities.optimizer_names import state_by_name
+
+    local = state_by_name(trainer.optimizers[0], model)["state"]
+    weights: dict[str, torch.Tensor] = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    for part, state in trainer.strategy.all_gather_object(
+        ({name: value.detach().float() for name, value in model.named_parameters()}, local)
+    ):
+        weights.update(part)
+        moments.update(
+            {name: {key: entries[key] for key in ("exp_avg", "exp_avg_sq")} for name, entries in state.items()}
+        )
+    steps = {float(entries["step"]) for entries in local.values()}
+    return weights, moments, steps
 
 
 def record(path: Path, model: MatrixMLP, trainer: phalanx.Trainer) -> None:
@@ -197,7 +260,7 @@ def run_one(out: Path) -> None:
     """The single-device column: the uninterrupted run and a resume from every source."""
     model, trainer = fit("auto", 1, STEPS, out / "one")
     record(out / "ref_single.pt", model, trainer)
-    for source in ALL_SOURCES:
+    for source in [source for source, target in CELLS if target == "single"]:
         try:
             model, trainer = fit("auto", 1, STEPS, out / "one", ckpt_path=out / f"src_{source}.ckpt")
         except Exception as error:  # the test reports which cell failed and why
@@ -208,19 +271,30 @@ def run_one(out: Path) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    for source, strategy in SOURCES.items():
+    for source, strategy in {**SOURCES, **{name: name for name in PIPELINES}}.items():
         model, trainer = fit(strategy, 2, SAVE_AT, out / "two")
         trainer.save_checkpoint(out / f"src_{source}.ckpt")
         if source.startswith("ds"):  # what `phalanx checkpoint consolidate` must reproduce
             record(out / f"src_{source}.pt", model, trainer)
-    for target in TARGETS:
+    for target in [*TARGETS, "pp"]:
         model, trainer = fit(target, 2, STEPS, out / "two")
         record(out / f"ref_{target}.pt", model, trainer)
-        for source in ALL_SOURCES:
+        for source in [source for source, cell_target in CELLS if cell_target == target]:
             # A failing cell fails the job: an error caught on one rank only would leave the other in a collective.
             print(f"resume matrix: {source} -> {target}", flush=True)
-            model, trainer = fit(target, 2, STEPS, out / "two", ckpt_path=out / f"src_{source}.ckpt")
+            if source == AUTO:
+                model, trainer = resume_auto(out)
+            else:
+                model, trainer = fit(target, 2, STEPS, out / "two", ckpt_path=out / f"src_{source}.ckpt")
             record(out / f"{source}__{target}.pt", model, trainer)
+
+
+def resume_auto(out: Path) -> tuple[Any, Any]:
+    """Resume pp with ``ckpt_path="auto"``: the pp checkpoint (a sharded directory) in the run's checkpoint folder."""
+    root = out / AUTO
+    if torch.distributed.get_rank() == 0:  # rank 0 alone looks for it, and tells the others what it found
+        shutil.copytree(out / "src_pp.ckpt", root / "checkpoints" / "saved.ckpt")
+    return fit("pp", 2, STEPS, root, ckpt_path="auto")
 
 
 if __name__ == "__main__":

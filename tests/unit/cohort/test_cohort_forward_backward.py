@@ -77,3 +77,42 @@ def test_what_forward_backward_cannot_run_is_refused(module, error, message):
     batch = (torch.randn(2, 4), torch.randn(2, 1))
     with pytest.raises(error, match=message):
         cohort.forward_backward(batch)
+
+
+class OneStage(Regressor):
+    """Keeps part of itself in configure_model, as a pipeline stage does (keep_stage removes the other stages' blocks
+    and sets the parts only other stages hold to None)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra: nn.Module | None = nn.Linear(4, 4)
+
+    def configure_model(self) -> None:
+        self.extra = None
+        del self.net._modules["3"]  # a numbered block another stage holds
+        self.net.append(nn.AdaptiveAvgPool1d(1))  # no parameters: (batch, 16) -> (batch, 1)
+
+
+def _whole_model_groups(module: nn.Module, grouped: bool) -> Any:
+    named = list(module.named_parameters())
+    if not grouped:
+        return [p for _, p in named]
+    return [{"params": [p for _, p in named if p.dim() > 1]}, {"params": [p for _, p in named if p.dim() <= 1]}]
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["one_group", "two_groups"])
+@pytest.mark.parametrize("call", ["setup", "setup_module"])
+def test_an_optimizer_made_over_the_whole_model_keeps_what_configure_model_kept(call, grouped):
+    cohort = phalanx.Cohort(accelerator="cpu", devices=1)
+    module = OneStage()
+    optimizer = torch.optim.AdamW(_whole_model_groups(module, grouped), lr=0.1)
+    if call == "setup":
+        _, optimizer = cohort.setup(module, optimizer)
+    else:
+        cohort.setup_module(module)
+        optimizer = cohort.setup_optimizers(optimizer)
+    kept = [p for group in optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in kept} == {id(p) for p in module.parameters()} and len(kept) == 2
+    cohort.forward_backward((torch.randn(2, 4), torch.randn(2, 1)))
+    optimizer.step()  # only the kept parameters have state
+    assert {id(p) for p in optimizer.state} == {id(p) for p in module.parameters()}

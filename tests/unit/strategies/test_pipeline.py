@@ -177,6 +177,13 @@ def test_a_pipeline_strategy_pickles_with_its_pipeline_options():
     assert type(strategy).forward_backward is not Strategy.forward_backward
 
 
+def test_backward_outside_the_schedule_is_refused_naming_the_step_to_call():
+    loss = torch.ones((), requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"cohort\.forward_backward\(batch, batch_idx\) in a Cohort loop"):
+        ModelParallelStrategy(pipeline_parallel_size=2).backward(loss, None)
+    assert loss.grad is None
+
+
 def _plugin(precision: str, scaler: bool) -> Any:
     from phalanx.plugins.precision.fsdp import FSDPPrecision
 
