@@ -72,7 +72,8 @@ def test_the_schedule_killed_groups_and_every_group_finished(run):
     chaos = run["chaos"]
     assert chaos.kills, f"no kill landed (seed {chaos.seed}): the run outpaced the schedule"
     assert [result["global_step"] for result in run["results"]] == [STEPS] * 3
-    assert len(chaos.kills) == KILLS
+    # Every planned kill landed, or came due only in the last steps (where a restarted group would find no peer).
+    assert len(chaos.kills) + chaos.skipped == KILLS
     # Each kill ended a life that had started (its journal opened) and the restarted life took over its group.
     assert all(len(run["lives"][kill["group"]]) > kill["life"] for kill in chaos.kills)
 

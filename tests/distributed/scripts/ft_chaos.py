@@ -34,6 +34,7 @@ class Chaos:
     starts: list[dict[str, Any]] = field(default_factory=list)
     codes: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    skipped: int = 0  # planned kills left out because they came due in the last steps
 
 
 class _Life:
@@ -80,26 +81,38 @@ class _StepPlan:
     while it forms its first quorum and receives a peer's state."""
 
     def __init__(self, rng: random.Random, steps: int, kills: int) -> None:
-        self.rng = rng
+        self.rng, self.steps = rng, steps
         thresholds = sorted(rng.sample(range(2, max(steps - 5, 3)), k=min(kills, max(steps - 7, 1))))
-        self.plan = [(at, rng.uniform(0.0, 0.3), rng.random() < 0.3) for at in thresholds]
+        # The delay after the threshold is a fraction of one step's duration (measured as the run goes), not seconds:
+        # on a fast machine a fixed 0.3 s spanned dozens of steps and could land after the groups had finished.
+        self.plan = [(at, rng.random(), rng.random() < 0.3) for at in thresholds]
         self.armed: float | None = None
+        self.skipped = 0  # kills due after the last steps had started: a restarted group would find no peer left
+        self._done, self._done_at, self._step_s = 0, time.monotonic(), 0.05
 
     def victim(self, lives: list[_Life], last: int | None) -> int | None:
         """The group to kill now, or None."""
+        done = max(life.committed for life in lives)
+        if done > self._done:
+            now = time.monotonic()
+            self._step_s = (now - self._done_at) / (done - self._done)
+            self._done, self._done_at = done, now
         if not self.plan:
             return None
-        at, delay, during_heal = self.plan[0]
+        at, fraction, during_heal = self.plan[0]
         if during_heal and last is not None:
             ready = "quorum" in lives[last].milestones
         else:
-            ready = max(life.committed for life in lives) >= at
+            ready = done >= at
         if ready and self.armed is None:
-            self.armed = time.monotonic() + delay
+            self.armed = time.monotonic() + fraction * self._step_s
         if self.armed is None or time.monotonic() < self.armed:
             return None
         self.plan.pop(0)
         self.armed = None
+        if done >= self.steps - 3:
+            self.skipped += 1
+            return None
         return last if during_heal and last is not None else self.rng.randrange(3)
 
 
@@ -179,6 +192,7 @@ def run_chaos(
                     life.process.kill()
                     life.process.wait(timeout=30)
     chaos.seconds = time.monotonic() - begin
+    chaos.skipped = getattr(plan, "skipped", 0)
     if chaos.codes != [0, 0, 0]:
         logs = {log.name: log.read_text()[-4000:] for log in sorted(out.glob("*.log"))}
         raise AssertionError(f"chaos run (seed {seed}): exit codes {chaos.codes}, kills {chaos.kills}; logs: {logs}")
