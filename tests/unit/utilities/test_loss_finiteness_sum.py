@@ -50,3 +50,34 @@ def test_a_recorded_loss_and_its_kept_copy_cost_one_detach_op():
         watch.detached(loss)
     detaches = [event for event in profile.events() if event.name == "aten::detach"]
     assert len(detaches) == 1
+
+
+def test_a_recorded_loss_runs_no_device_operation_until_a_fold():
+    watch = LossFinitenessSum()
+    weight = torch.ones(2, requires_grad=True)
+    losses = [(weight * 3).sum() for _ in range(LossFinitenessSum.FOLD_EVERY - 1)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for loss in losses:
+            watch.record(loss)
+    names = {event.name for event in profile.events() if event.name.startswith("aten::")}
+    assert not names & {"aten::add_", "aten::stack", "aten::sum", "aten::zeros"}, names
+
+
+@pytest.mark.parametrize("bad_at", [None, 0, 5, LossFinitenessSum.FOLD_EVERY - 1, LossFinitenessSum.FOLD_EVERY, 150])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_window_longer_than_a_fold_finds_a_nonfinite_loss_wherever_it_is(bad_at, bad):
+    watch = LossFinitenessSum()
+    for index in range(2 * LossFinitenessSum.FOLD_EVERY + 30):
+        watch.record(torch.tensor(bad if index == bad_at else 1.0))
+    assert watch.recorded == 2 * LossFinitenessSum.FOLD_EVERY + 30
+    assert watch.read() is (bad_at is None)
+    watch.record(torch.tensor(2.0))  # the next window starts clean
+    assert watch.read() is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_finite_16_bit_losses_whose_sum_overflows_their_dtype_stay_finite(dtype):
+    watch = LossFinitenessSum()
+    for _ in range(LossFinitenessSum.FOLD_EVERY + 3):
+        watch.record(torch.tensor(60000.0, dtype=dtype))  # 64 of them overflow float16 (max 65504)
+    assert watch.read() is True
