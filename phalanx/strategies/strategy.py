@@ -364,7 +364,11 @@ class Strategy(ABC):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``training_step`` under the precision's context."""
-        context = (self._precision_plugin or self.precision_plugin).train_step_context()
+        precision = self._precision_plugin or self.precision_plugin
+        if self._plain_run_step and precision._plain_forward and (self._model is None or self._model is self._module):
+            # No context to enter, no wrapper to go through, no collective naming: the module's own step, directly.
+            return self._module.training_step(*args, **kwargs)  # type: ignore[union-attr]  # None: as _run_step
+        context = precision.train_step_context()
         if not self._names_collectives:
             return self._run_step("training_step", context, *args, **kwargs)
         with self.naming_collectives("forward"):
@@ -404,6 +408,10 @@ class Strategy(ABC):
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Run backward on the loss through the precision plugin."""
         precision = self._precision_plugin or self.precision_plugin
+        if self._plain_backward_hooks and precision._plain_backward_hooks and not self._names_collectives:
+            # pre_backward and post_backward of both are the base's pass-throughs: four calls per step for nothing.
+            precision.backward(closure_loss, self._module, optimizer, *args, **kwargs)
+            return closure_loss
         self.pre_backward(closure_loss)
         closure_loss = precision.pre_backward(closure_loss, self._module)
         if not self._names_collectives:
@@ -422,7 +430,11 @@ class Strategy(ABC):
         self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
     ) -> Any:
         """Step ``optimizer`` through the precision plugin, which runs ``closure``, then ``before_optimizer_step``."""
-        precision, before_step = self._precision_plugin or self.precision_plugin, self._before_optimizer_step()
+        precision = self._precision_plugin or self.precision_plugin
+        if self._plain_before_step:  # _before_optimizer_step's body, without a call per step
+            before_step = self._run_settings.before_optimizer_step if self._run_settings is not None else None
+        else:
+            before_step = self._before_optimizer_step()
         module = model if model is not None else self._module
         if not self._names_collectives:
             return precision.optimizer_step(optimizer, model=module, closure=closure, before_step=before_step, **kwargs)
@@ -520,12 +532,21 @@ class Strategy(ABC):
     # ------------------------------------------------------------------ what the loops consult
     _legacy_traits: ClassVar[tuple[str, ...]] = ()
     _names_collectives: ClassVar[bool] = False  # naming_collectives overridden; else steps skip its empty context
+    # Which step methods a subclass left as the base's, so that a step skips the layers that would do nothing there.
+    _plain_run_step: ClassVar[bool] = True  # _run_step and naming_collectives
+    _plain_backward_hooks: ClassVar[bool] = True  # pre_backward and post_backward
+    _plain_before_step: ClassVar[bool] = True  # _before_optimizer_step
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # Out-of-tree strategies written before ``traits`` override the separate properties: read them for a release.
         cls._legacy_traits = legacy_trait_overrides(cls, Strategy)
         cls._names_collectives = cls.naming_collectives is not Strategy.naming_collectives
+        cls._plain_run_step = not cls._names_collectives and cls._run_step is Strategy._run_step
+        cls._plain_backward_hooks = (
+            cls.pre_backward is Strategy.pre_backward and cls.post_backward is Strategy.post_backward
+        )
+        cls._plain_before_step = cls._before_optimizer_step is Strategy._before_optimizer_step
 
     @property
     def traits(self) -> StrategyTraits:

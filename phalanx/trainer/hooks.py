@@ -12,13 +12,15 @@ from phalanx.callbacks.early_stopping import EarlyStopping
 from phalanx.callbacks.model_checkpoint import Checkpoint
 from phalanx.datamodule import DataModule
 from phalanx.module import TrainingModule
+from phalanx.plugins.precision.precision import Precision
+from phalanx.strategies.strategy import Strategy
 from phalanx.trainer.profiling import profiled_hooks, records
 from phalanx.trainer.state import TrainerFn
+from phalanx.utilities.apply import move_to_device
 from phalanx.utilities.exceptions import MisconfigurationError
 from phalanx.utilities.rank_zero import rank_zero_warn
 
 if TYPE_CHECKING:
-    from phalanx.strategies.strategy import Strategy
     from phalanx.trainer.trainer import Trainer
 
 # Hooks that callbacks and the module share; callbacks receive (trainer, module, *args).
@@ -85,6 +87,8 @@ class HookTable:
         self._table: dict[str, tuple[Callable[..., Any], ...]] = {}
         #: ``move_batch(batch, dataloader_idx=0)``: the strategy's move, or the batch transfer hooks around it.
         self.move_batch: Callable[..., Any] = _not_built
+        #: ``move_train_batch(batch)``: the same, for the fit loop (no dataloader_idx).
+        self.move_train_batch: Callable[..., Any] = _not_built
         #: Whether the run's module overrides ``configure_gradient_clipping`` (decided once per run, not per step).
         self.clipping_overridden = False
         self._warned: set[tuple[str, str]] = set()
@@ -106,6 +110,7 @@ class HookTable:
         if records(trainer.profiler):  # only then: the unprofiled loops call the hooks themselves
             self._table = profiled_hooks(self._table, trainer.profiler, module)
         self.move_batch = _batch_mover(trainer.strategy, module, trainer.datamodule, self._warn_once)
+        self.move_train_batch = _train_batch_mover(trainer.strategy, self.move_batch)
         self.clipping_overridden = overrides_gradient_clipping(module)
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_step_hooks(module)
@@ -227,6 +232,18 @@ def _data_hook(
             )
         return getattr(datamodule, name)
     return getattr(module, name) if in_module else None
+
+
+def _train_batch_mover(strategy: Strategy, move_batch: Callable[..., Any]) -> Callable[..., Any]:
+    """``move_batch`` for the fit loop: ``move_to_device`` itself where the strategy's move is the base's unchanged
+    ``batch_to_device`` and the precision converts no input (two calls less per batch)."""
+    plain = (
+        isinstance(move_batch, partial)
+        and move_batch.func == strategy.batch_to_device
+        and type(strategy).batch_to_device is Strategy.batch_to_device
+        and type(strategy.precision_plugin).convert_input is Precision.convert_input
+    )
+    return partial(move_to_device, device=move_batch.keywords["device"]) if plain else move_batch  # type: ignore[attr-defined]
 
 
 def _batch_mover(

@@ -36,8 +36,13 @@ class LossFinitenessSum:
 
     def _fold(self) -> None:
         pending, self._pending = self._pending, []
-        if not pending:
-            return
+        if pending:
+            # A read can come inside inference mode (a checkpoint saved at validation's end): the sum made or updated
+            # there must stay a normal tensor, which later folds may update in place.
+            with torch.inference_mode(False):
+                self._add(pending)
+
+    def _add(self, pending: list[Tensor]) -> None:
         total = self._sum
         if total is None:
             # A float32 or float64 loss is summed in its own dtype (no conversion op; only losses near the dtype's

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -39,10 +39,29 @@ def evaluates_closure_once(optimizer: Optimizer) -> bool:
     return known
 
 
+def _inherits(cls: type, *names: str) -> bool:
+    """Whether ``cls`` still has ``Precision``'s own version of each method ``names``."""
+    return all(getattr(cls, name) is getattr(Precision, name) for name in names)
+
+
 class Precision:
     """Float32 training; subclasses change dtypes, autocast and loss scaling."""
 
     precision: str = "32-true"
+    # Set for each subclass: which step methods are still the base's pass-throughs, so that the strategy's step can
+    # skip calling them (a call each per step, for nothing, on the plain float32 path).
+    #: train_step_context and forward_context are the base's (no context around training_step).
+    _plain_forward: ClassVar[bool] = True
+    #: pre_backward and post_backward are the base's (they return the loss as is).
+    _plain_backward_hooks: ClassVar[bool] = True
+    #: _after_closure is the base's (it only runs ``before_step``).
+    _plain_after_closure: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._plain_forward = _inherits(cls, "train_step_context", "forward_context")
+        cls._plain_backward_hooks = _inherits(cls, "pre_backward", "post_backward")
+        cls._plain_after_closure = _inherits(cls, "_after_closure")
 
     def convert_module(self, module: ModuleT) -> ModuleT:
         """Convert the module's parameters and buffers to this precision."""
@@ -123,10 +142,14 @@ class Precision:
         **kwargs: Any,
     ) -> Any:
         """Step ``optimizer``: ``closure`` (passed on, for LBFGS-like optimizers), then ``before_step``, the update."""
-        if evaluates_closure_once(optimizer):
+        once = _CLOSURE_ONCE.get(type(optimizer))  # evaluates_closure_once's cache, read here: every step
+        if once or (once is None and evaluates_closure_once(optimizer)):
             # Same result as optimizer.step(closure=...) for these optimizers, without its per-step overhead.
             result = closure()
-            self._after_closure(optimizer, before_step)
+            if not self._plain_after_closure:
+                self._after_closure(optimizer, before_step)
+            elif before_step is not None:
+                before_step(optimizer)
             optimizer.step(**kwargs)
             return result
         return optimizer.step(closure=self._wrap_closure(optimizer, closure, before_step), **kwargs)

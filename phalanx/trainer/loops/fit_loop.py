@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from torch import Tensor
 
+from phalanx.strategies.strategy import Strategy
 from phalanx.trainer.assignment import TrainerSetting
 from phalanx.trainer.loops.data import iterate_from
 from phalanx.trainer.loops.evaluation_loop import run_validation_during_fit
@@ -69,6 +70,11 @@ class FitLoop:
         self._zero_grad_hook: Callable[..., Any] | None = None
         self._step_handle: Any = None
         self._release_grads: Callable[[], Any] | None = None
+        self._module: Any = None  # the strategy's module, read once per fit
+        self._single_process = True  # world size 1: a preemption needs no agreement, only the flag (set by run())
+        self._batch: Any = None  # the batch being trained on, for _forward_backward (the optimizer's closure)
+        self._batch_idx = 0
+        self._output: Any = None  # what training_step returned for it
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -115,7 +121,9 @@ class FitLoop:
         self._after_backward_hooks = hooks["on_after_backward"]
         self._before_zero_grad_hooks = hooks["on_before_zero_grad"]
         self._prepare_module_hooks()
-        self._module_attrs = trainer.strategy.module.__dict__  # once per fit rather than a property call per step
+        self._module = trainer.strategy.module
+        self._module_attrs = self._module.__dict__  # once per fit rather than a property call per step
+        self._single_process = trainer.strategy.world_size == 1
         restored, self._restored = self._restored, None
         self.nonfinite = NonFiniteLossCheck(trainer, self.global_step)
         self._warned_early_stop = False  # _forward_only stays: on_train_start may have set it (a resume inside it)
@@ -223,7 +231,13 @@ class FitLoop:
         metrics = trainer._metrics
         num_batches = self.num_batches
         run_batch = self._automatic_batch if strategy.module.automatic_optimization else self._manual_batch
-        move_batch = hooks.move_batch
+        # The strategy's own hook, unless it is the base's empty one (a call per batch for nothing).
+        strategy_batch_start = (
+            strategy.on_train_batch_start
+            if type(strategy).on_train_batch_start is not Strategy.on_train_batch_start
+            else None
+        )
+        move_batch = hooks.move_train_batch
         loggers = trainer.loggers
         log_every = trainer.log_every_n_steps  # 0: barebones, no step logging
         stop = False
@@ -236,7 +250,8 @@ class FitLoop:
             batch = move_batch(batch)
             results.new_batch(batch)
             skip_rest = bool(batch_start_hooks) and any([hook(batch, batch_idx) == -1 for hook in batch_start_hooks])
-            strategy.on_train_batch_start(batch, batch_idx)  # after the module and callbacks, as in Lightning
+            if strategy_batch_start is not None:
+                strategy_batch_start(batch, batch_idx)  # after the module and callbacks, as in Lightning
             if skip_rest:
                 return True, True
             output = run_batch(batch, batch_idx)
@@ -339,7 +354,9 @@ class FitLoop:
         if self._step_pending and self.batches_done < self.num_batches:  # the epoch's last: after its validation
             self.batches_stepped, self._step_pending = self.batches_stepped + 1, False  # _count_stepped, inline
         preemption = trainer.preemption
-        if preempted := preemption is not None and preemption.requested(trainer, self.total_batches):
+        # One process without a signal: requested() would only read that flag (no agreement to take part in).
+        asked = preemption is not None and (preemption.received is not None or not self._single_process)
+        if preempted := asked and preemption.requested(trainer, self.total_batches):
             save_preempted(trainer, preemption)
         # Inline, run.should_stop not trainer's (a descriptor): every batch. stop_now: nonfinite_loss='stop'.
         at_max_steps = trainer.max_steps != -1 and self.global_step >= trainer.max_steps
@@ -374,19 +391,22 @@ class FitLoop:
         trainer.state.stage = RunningStage.TRAINING
 
     # ------------------------------------------------------------------ one batch
-    def _forward_backward(self, batch: Any, batch_idx: int) -> tuple[Tensor | None, Any]:
-        trainer, strategy = self.trainer, self.trainer.strategy
+    def _forward_backward(self) -> Tensor | None:
+        """Forward and backward on ``self._batch`` (set by the caller); the optimizer's closure: returns the loss and
+        keeps training_step's output in ``self._output``."""
+        trainer = self.trainer
         # nn.Module.__setattr__ costs microseconds per call; this plain attribute needs none of its checks.
         self._module_attrs["_current_fx"] = "training_step"
-        self._batch_idx = batch_idx  # for _loss_to_backpropagate's non-finite report
-        loss, output = strategy.forward_backward(batch, batch_idx, self._loss_to_backpropagate, trainer._run.optimizer)
+        loss, self._output = trainer.strategy.forward_backward(
+            self._batch, self._batch_idx, self._loss_to_backpropagate, trainer._run.optimizer
+        )
         if loss is None:
-            return None, output
+            return None
         for hook in self._after_backward_hooks:
             hook()
         self._last_loss = loss = self.nonfinite.detach(loss)  # reuses the non-finite record's detach of this loss
         self._accumulated += 1
-        return loss, output
+        return loss
 
     def _loss_to_backpropagate(self, output: Any) -> Tensor | None:
         if self._skip_window:
@@ -408,9 +428,19 @@ class FitLoop:
         return loss
 
     def _automatic_batch(self, batch: Any, batch_idx: int) -> Any:
+        self._batch, self._batch_idx = batch, batch_idx  # for the closure, and _loss_to_backpropagate's report
         try:
-            return self._forward_backward_step(batch, batch_idx)
+            if self.trainer.accumulate_grad_batches != 1:
+                return self._forward_backward_step()
+            # Every batch steps (read per batch: a callback may change accumulate_grad_batches at any time). A
+            # quorum that declines the step (no weight changed) gets the batch again, so that a committed step trains
+            # it once.
+            while not self._optimizer_step(self._forward_backward, batch_idx):
+                pass
+            output, self._output, self._batch = self._output, None, None  # _take_output, inline: every batch
+            return output
         except SkippedBatch as skipped:
+            self._take_output()
             if self._forward_only and self.batches_done + 1 == self.num_batches:
                 # Lightning's SWA epoch ends with an optimizer step without gradients: it changes no weight, but counts.
                 self.global_step += 1
@@ -429,26 +459,24 @@ class FitLoop:
         """Whether the optimizer steps after this batch (every batch with a strategy that accumulates itself)."""
         return self._closes_window() or self.trainer.strategy.traits.handles_gradient_accumulation
 
-    def _forward_backward_step(self, batch: Any, batch_idx: int) -> Any:
-        if self.trainer.accumulate_grad_batches != 1 and not self._closes_window():
+    def _forward_backward_step(self) -> Any:
+        """A batch of an accumulation window (``accumulate_grad_batches`` > 1): backward only, or the window's step."""
+        if not self._closes_window():
             strategy = self.trainer.strategy
             with strategy.block_backward_sync():
-                if not strategy.traits.handles_gradient_accumulation:
-                    return self._forward_backward(batch, batch_idx)[1]
-                # The strategy (DeepSpeed) steps every batch and learns from this context that the window goes on.
-                return self._step_on(batch, batch_idx)
-        return self._step_on(batch, batch_idx)
+                if strategy.traits.handles_gradient_accumulation:
+                    # The strategy (DeepSpeed) steps every batch and learns from this context that the window goes on.
+                    self._optimizer_step(self._forward_backward, self._batch_idx)
+                else:
+                    self._forward_backward()
+                return self._take_output()
+        self._optimizer_step(self._forward_backward, self._batch_idx)
+        return self._take_output()
 
-    def _step_on(self, batch: Any, batch_idx: int) -> Any:
-        outputs: list[Any] = [None]
-
-        def closure() -> Tensor | None:
-            loss, outputs[0] = self._forward_backward(batch, batch_idx)
-            return loss
-
-        while not self._optimizer_step(closure, batch_idx) and self.trainer.accumulate_grad_batches == 1:
-            pass  # a quorum declined it (no weight changed): the batch again, so that a committed step trains it once
-        return outputs[0]
+    def _take_output(self) -> Any:
+        # The loop holds no output (nor its graph) past the batch.
+        output, self._output, self._batch = self._output, None, None
+        return output
 
     def _drop_window(self, ends_window: bool) -> None:
         # A non-finite loss: the gradients of its accumulation window are dropped and no optimizer step is taken
@@ -468,9 +496,9 @@ class FitLoop:
         optimizer = trainer._run.optimizer
         step_hook = self._step_hook
         if step_hook is None:
-            strategy.optimizer_step(optimizer, closure, strategy.module)
+            strategy.optimizer_step(optimizer, closure, self._module)
         else:
-            call_step_hook(step_hook, self._step_handle, closure, self.current_epoch, batch_idx, strategy.module)
+            call_step_hook(step_hook, self._step_handle, closure, self.current_epoch, batch_idx, self._module)
         for hook in self._before_zero_grad_hooks:
             hook(optimizer)
         if self._zero_grad_hook is None:

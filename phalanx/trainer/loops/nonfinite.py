@@ -31,9 +31,9 @@ def _ignore(loss: Tensor) -> None:
 class NonFiniteLossCheck:
     """Watches the training loss of one ``fit``.
 
-    'warn' keeps each loss for a running sum on the device (summed 64 at a time, not one operation per batch) and reads
-    it only where the loop reads values on the host anyway (every ``log_every_n_steps`` optimizer steps, at epoch ends and checkpoint saves): it never synchronises
-    a step.
+    'warn' keeps each loss for a running sum on the device (summed 64 at a time, not one operation per batch) and
+    reads it only where the loop reads values on the host anyway (every ``log_every_n_steps`` optimizer steps, at epoch
+    ends and checkpoint saves): it never synchronises a step.
     'skip', 'stop' and 'raise' read every loss on the host (and agree across processes), i.e. synchronise every step.
     """
 

@@ -81,3 +81,17 @@ def test_finite_16_bit_losses_whose_sum_overflows_their_dtype_stay_finite(dtype)
     for _ in range(LossFinitenessSum.FOLD_EVERY + 3):
         watch.record(torch.tensor(60000.0, dtype=dtype))  # 64 of them overflow float16 (max 65504)
     assert watch.read() is True
+
+
+def test_a_read_inside_inference_mode_leaves_a_sum_that_later_windows_can_update():
+    # The Trainer reads the sum where it saves a checkpoint, which may be at the end of a validation run (inference
+    # mode); the next training window adds to the same sum outside it.
+    watch = LossFinitenessSum()
+    for _ in range(3):
+        watch.record(torch.tensor(1.0))
+        with torch.inference_mode():
+            assert watch.read() is True
+    for _ in range(LossFinitenessSum.FOLD_EVERY + 1):
+        watch.record(torch.tensor(1.0))
+    watch.record(torch.tensor(math.nan))
+    assert watch.read() is False
