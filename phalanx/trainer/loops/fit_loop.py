@@ -70,7 +70,6 @@ class FitLoop:
         self._zero_grad_hook: Callable[..., Any] | None = None
         self._step_handle: Any = None
         self._release_grads: Callable[[], Any] | None = None
-        self._module: Any = None  # the strategy's module, read once per fit
         self._single_process = True  # world size 1: a preemption needs no agreement, only the flag (set by run())
         self._batch: Any = None  # the batch being trained on, for _forward_backward (the optimizer's closure)
         self._batch_idx = 0
@@ -121,8 +120,7 @@ class FitLoop:
         self._after_backward_hooks = hooks["on_after_backward"]
         self._before_zero_grad_hooks = hooks["on_before_zero_grad"]
         self._prepare_module_hooks()
-        self._module = trainer.strategy.module
-        self._module_attrs = self._module.__dict__  # once per fit rather than a property call per step
+        self._module_attrs = trainer.strategy.module.__dict__  # once per fit rather than a property call per step
         self._single_process = trainer.strategy.world_size == 1
         restored, self._restored = self._restored, None
         self.nonfinite = NonFiniteLossCheck(trainer, self.global_step)
@@ -496,9 +494,9 @@ class FitLoop:
         optimizer = trainer._run.optimizer
         step_hook = self._step_hook
         if step_hook is None:
-            strategy.optimizer_step(optimizer, closure, self._module)
+            strategy.optimizer_step(optimizer, closure, strategy.module)
         else:
-            call_step_hook(step_hook, self._step_handle, closure, self.current_epoch, batch_idx, self._module)
+            call_step_hook(step_hook, self._step_handle, closure, self.current_epoch, batch_idx, strategy.module)
         for hook in self._before_zero_grad_hooks:
             hook(optimizer)
         if self._zero_grad_hook is None:
