@@ -14,7 +14,7 @@ _WARNED = object()  # the watch once it has warned: nothing more is recorded
 
 
 def record_loss(cohort: Any, loss: Tensor) -> None:
-    """Keep ``loss`` for the Cohort's device-side sum (summed in batches: no kernel per backward, never a host read)."""
+    """Add ``loss`` into the Cohort's device-side sum (one small kernel per backward, never a host read)."""
     watch = cohort.__dict__.setdefault("_loss_watch", None)
     if watch is _WARNED:
         return

@@ -31,9 +31,9 @@ def _ignore(loss: Tensor) -> None:
 class NonFiniteLossCheck:
     """Watches the training loss of one ``fit``.
 
-    'warn' keeps each loss for a running sum on the device (summed 64 at a time, not one operation per batch) and
-    reads it only where the loop reads values on the host anyway (every ``log_every_n_steps`` optimizer steps, at epoch
-    ends and checkpoint saves): it never synchronises a step.
+    'warn' adds one device-side operation per batch (a running sum) and reads it only where the loop reads values on the
+    host anyway (every ``log_every_n_steps`` optimizer steps, at epoch ends and checkpoint saves): it never synchronises
+    a step.
     'skip', 'stop' and 'raise' read every loss on the host (and agree across processes), i.e. synchronise every step.
     """
 
@@ -46,7 +46,7 @@ class NonFiniteLossCheck:
         # Plain attributes, not a property and a method around the sum's: the fit loop reads them for every batch.
         #: Whether each loss is read on the host (and the decision agreed on by every process).
         self.checks_every_step = self.mode in ("skip", "stop", "raise")
-        #: 'warn': keep the loss for a running sum on its device, without reading it (no kernel per batch);
+        #: 'warn': add the loss into a running sum on its device, without reading it (one small kernel per batch);
         #: nothing in the other modes, or once the warning was given.
         self.record: Callable[[Tensor], None] = self._finite.record if self.mode == "warn" else _ignore
         #: ``loss.detach()``; after ``record(loss)``, the detached copy the record made (one detach op per batch).
