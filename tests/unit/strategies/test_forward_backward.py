@@ -93,3 +93,79 @@ def test_a_strategy_that_owns_both_halves_trains_like_the_default_step(tmp_path)
     for a, b in zip(parameters_of(default), parameters_of(owned)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert trainer.callback_metrics["val_loss"].isfinite()
+
+
+# The step's pass-through layers (issue 37): the base strategy and precision skip the ones a subclass left alone, and
+# call every one a subclass overrides. (owner, method) -> the step that must call it.
+PASS_THROUGHS = [
+    ("strategy", "_run_step"),
+    ("strategy", "pre_backward"),
+    ("strategy", "post_backward"),
+    ("strategy", "_before_optimizer_step"),
+    ("precision", "train_step_context"),
+    ("precision", "forward_context"),
+    ("precision", "pre_backward"),
+    ("precision", "post_backward"),
+    ("precision", "_after_closure"),
+]
+
+
+def _counting(base: type, name: str, calls: list[str]) -> type:
+    def counted(self, *args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return getattr(base, name)(self, *args, **kwargs)
+
+    return type(f"Counting{base.__name__}", (base,), {name: counted})
+
+
+def _one_step(strategy: SingleDeviceStrategy) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    module = Regressor()
+    strategy.connect(module)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    batch = (torch.randn(8, 4), torch.randn(8, 1))
+
+    def closure() -> torch.Tensor:
+        loss, _ = strategy.forward_backward(batch, 0, lambda output: output, optimizer)
+        return loss
+
+    strategy.optimizer_step(optimizer, closure)
+    return [parameter.detach().clone() for parameter in module.parameters()]
+
+
+@pytest.mark.parametrize(("owner", "name"), PASS_THROUGHS)
+def test_an_overridden_pass_through_layer_of_the_step_is_called_and_the_step_is_unchanged(owner, name):
+    from phalanx.plugins.precision.precision import Precision
+
+    calls: list[str] = []
+    if owner == "strategy":
+        strategy = _counting(SingleDeviceStrategy, name, calls)(torch.device("cpu"))
+    else:
+        strategy = SingleDeviceStrategy("cpu", precision_plugin=_counting(Precision, name, calls)())
+    weights = _one_step(strategy)
+    assert calls.count(name) >= 1, calls
+    assert all(torch.equal(a, b) for a, b in zip(weights, _one_step(SingleDeviceStrategy("cpu"))))
+
+
+def test_the_plain_step_calls_none_of_the_pass_through_layers():
+    import sys
+
+    from phalanx.plugins.precision.precision import Precision
+
+    plain = {
+        getattr(SingleDeviceStrategy if owner == "strategy" else Precision, name).__code__
+        for owner, name in PASS_THROUGHS
+    }
+    seen: list[str] = []
+
+    def spy(frame, event, arg):
+        if event == "call" and frame.f_code in plain:
+            seen.append(frame.f_code.co_name)
+
+    strategy = SingleDeviceStrategy("cpu")
+    sys.setprofile(spy)
+    try:
+        _one_step(strategy)
+    finally:
+        sys.setprofile(None)
+    assert seen == [], seen
