@@ -32,8 +32,8 @@ def hsdp_ft(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         import ft_multi_process_job as job
     finally:
         sys.path.remove(str(SCRIPTS))
-    run["initial"] = {path.name: json.loads(path.read_text()) for path in sorted(out.glob("group*.initial.json"))}
-    run["reference"] = job.reference_fit(out, run["initial"]["group0.rank0.initial.json"])
+    run["initial"] = {path.name: json.loads(path.read_text()) for path in sorted(out.glob("initial.group*.json"))}
+    run["reference"] = job.reference_fit(out, run["initial"]["initial.group0.rank0.json"])
     run["steps"] = job.committed_steps(out)
     run["results"] = {path.name: json.loads(path.read_text()) for path in sorted(out.glob("group*.rank?.json"))}
     run["max_steps"], run["batch"], run["job"], run["out"] = job.STEPS, job.BATCH, job, out

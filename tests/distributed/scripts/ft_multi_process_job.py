@@ -75,7 +75,7 @@ class Steered(phalanx.Callback):
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         # The weights every group trains from once the first quorum synchronised them (before any update).
         if trainer.global_step == 0:
-            write_json(self.out, f"group{self.group}.rank{trainer.global_rank}.initial.json", full_weights(module))
+            write_json(self.out, f"initial.group{self.group}.rank{trainer.global_rank}.json", full_weights(module))
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # A declined step trains its batch again before this hook: every batch that reaches it was committed.
