@@ -231,8 +231,11 @@ def test_a_composed_pipeline_checkpoint_consolidates_and_resumes_on_one_process(
     assert cli(["checkpoint", "consolidate", str(directory), str(tmp_path / "whole.ckpt")]) == 0
     whole = torch.load(tmp_path / "whole.ckpt", weights_only=True)
     assert whole["global_step"] == 4
-    # The consolidated weights are the ones the job gathered from its ranks after the fit that wrote the directory.
+    # The consolidated weights and AdamW's state (keyed by name) are what the job gathered from its ranks after the fit
+    # that wrote the directory.
     assert_close_tensors(whole["state_dict"], torch.load(out / f"{name}.pt", weights_only=True), "consolidated")
+    (state,) = [optimizer["state"] for optimizer in whole["optimizer_states"]]
+    assert_close_optimizer(state, torch.load(out / f"{name}.optimizer.pt", weights_only=True))
     # Resumed on one process, the second epoch is the unbroken run's: losses, weights and AdamW's state.
     losses, (_, (weights, optimizer)) = one_process_net
     resumed_losses, ends = fit_one_process(epochs=2, ckpt_path=directory)
