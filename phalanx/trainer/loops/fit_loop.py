@@ -71,9 +71,8 @@ class FitLoop:
         self._step_handle: Any = None
         self._release_grads: Callable[[], Any] | None = None
         self._single_process = True  # world size 1: a preemption needs no agreement, only the flag (set by run())
-        self._batch: Any = None  # the batch being trained on, for _forward_backward (the optimizer's closure)
-        self._batch_idx = 0
-        self._output: Any = None  # what training_step returned for it
+        # The batch being trained on, its index and what training_step returned: _forward_backward's (the closure's).
+        self._batch, self._batch_idx, self._output = None, 0, None
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -229,12 +228,9 @@ class FitLoop:
         metrics = trainer._metrics
         num_batches = self.num_batches
         run_batch = self._automatic_batch if strategy.module.automatic_optimization else self._manual_batch
-        # The strategy's own hook, unless it is the base's empty one (a call per batch for nothing).
-        strategy_batch_start = (
-            strategy.on_train_batch_start
-            if type(strategy).on_train_batch_start is not Strategy.on_train_batch_start
-            else None
-        )
+        strategy_batch_start = strategy.on_train_batch_start  # None where it is the base's empty one: no call per batch
+        if getattr(strategy_batch_start, "__func__", None) is Strategy.on_train_batch_start:
+            strategy_batch_start = None
         move_batch = hooks.move_train_batch
         loggers = trainer.loggers
         log_every = trainer.log_every_n_steps  # 0: barebones, no step logging
