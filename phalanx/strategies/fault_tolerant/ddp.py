@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping
@@ -24,7 +23,6 @@ from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.traits import StrategyTraits
 from phalanx.utilities import distributed
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.registry import Registry
@@ -131,7 +129,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._loop_position: Callable[[], dict[str, int]] | None = None
         self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
-        self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
+        self._quorum_open = False  # the step in progress has its quorum (on_train_start's, a forward's or its own)
         self._declined_in_a_row = 0
         self._semi_sync: SemiSyncGroup | None = None  # torchft's LocalSGD or DiLoCo, with FaultTolerance(semi_sync=...)
         #: Which replica groups the latest quorum had (set when fitting starts); it logs who left and who joined.
@@ -148,17 +146,6 @@ class DDPFaultTolerantStrategy(DDPStrategy):
     def manager(self) -> Any:
         """This group's torchft Manager while fitting (None before setup and after teardown)."""
         return self._manager
-
-    def declare_traits(self) -> StrategyTraits:
-        """As DDP's, and the Cohort is not offered: its loop steps without the quorum this strategy starts in the
-        Trainer's hooks."""
-        return dataclasses.replace(
-            super().declare_traits(),
-            cohort_unsupported=(
-                "DDPFaultTolerantStrategy forms each step's quorum in the Trainer's on_train_start and optimizer_step;"
-                " the Cohort's loop runs the gradient all-reduce before any quorum. Use it with the Trainer."
-            ),
-        )
 
     # ------------------------------------------------------------------ data and ranks
     @property
@@ -235,6 +222,10 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         # Several processes per group keep the group's own process group: DDP then starts them from rank 0's weights.
         group = None if self.world_size > 1 else self._torchft.process_group.ProcessGroupDummy(0, 1)
         model = DistributedDataParallel(module, process_group=group, find_unused_parameters=True)
+        if self.fault_tolerance.semi_sync is None:  # (semi-synchronous groups form no quorum per step)
+            # A hand-written loop (the Cohort) runs forward and backward before its optimizer step: the quorum forms
+            # before the forward whose backward all-reduces, as torchft's own loop forms it at zero_grad.
+            model.register_forward_pre_hook(self._quorum_before_forward)
         # DDP checks a hook's annotations against the classes; this module's are strings (postponed evaluation).
         if self.fault_tolerance.semi_sync is None:  # semi-synchronous groups average gradients inside the group only
             state = (self._manager, self.world_size)
@@ -305,10 +296,13 @@ class DDPFaultTolerantStrategy(DDPStrategy):
             )
             return
         self._load_loop_position(position)
+        if "epoch" in position and "batches_done" in position:  # the Trainer's loop
+            where = f", epoch {position['epoch']}, batch {position['batches_done']}"
+        else:  # a hand-written loop's counters (the Cohort's start_training)
+            where = "".join(f", {key}={value}" for key, value in position.items() if key != "global_step")
         rank_zero_info(
             f"Replica group {group} healed from a peer (no checkpoint read): weights, optimizer state and loop"
-            f" position received; it continues at global_step={position['global_step']}, epoch {position['epoch']},"
-            f" batch {position['batches_done']}."
+            f" position received; it continues at global_step={position['global_step']}{where}."
         )
 
     # ------------------------------------------------------------------ steps
@@ -351,12 +345,14 @@ class DDPFaultTolerantStrategy(DDPStrategy):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
             finally:
                 semi_sync.stepping = None
-        if self._quorum_open:
-            self._quorum_open = False
-        else:
+        if not self._quorum_open:
             self._start_quorum(manager)
+        self._quorum_open = True  # the closure's forward finds it formed
         gate = _CommitGate(optimizer, manager)
-        result = super().optimizer_step(gate, closure, model, **kwargs)
+        try:
+            result = super().optimizer_step(gate, closure, model, **kwargs)
+        finally:
+            self._quorum_open = False
         self.last_step_committed = gate.committed
         self._declined_in_a_row = 0 if gate.committed else self._declined_in_a_row + 1
         if self._declined_in_a_row >= MAX_DECLINED_IN_A_ROW:
@@ -367,6 +363,14 @@ class DDPFaultTolerantStrategy(DDPStrategy):
                 " Look at the other groups' logs and the lighthouse for the failing group, then restart this one."
             )
         return result
+
+    def _quorum_before_forward(self, model: DistributedDataParallel, args: Any) -> None:
+        # Only a forward whose backward all-reduces: not evaluation (no grad), not no_sync's accumulation micro-batches.
+        if self._quorum_open or self._manager is None or not torch.is_grad_enabled():
+            return
+        if model.require_backward_grad_sync:
+            self._start_quorum(self._manager)
+            self._quorum_open = True
 
     def _start_quorum(self, manager: Any) -> None:
         options = self.fault_tolerance
