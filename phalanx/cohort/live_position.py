@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
@@ -34,15 +35,21 @@ class LivePosition:
     what a healthy process sends a joining one, and where a joining one writes what it received."""
 
     def __init__(self, cohort: Cohort) -> None:
-        self._cohort = cohort
+        # Weak: the strategy keeps these methods in its RunSettings, and a deep copy of the module must not reach
+        # the Cohort (its last loss is no graph leaf: torch cannot copy it).
+        self._cohort = weakref.ref(cohort)
         self.position: dict[str, int] = {}
 
     def read(self) -> dict[str, int]:
         """The counters as they stand now (read by the strategy when a peer asks for them)."""
-        return {"global_step": self._cohort._optimizer_steps, **self.position}
+        cohort = self._cohort()
+        return {"global_step": 0 if cohort is None else cohort._optimizer_steps, **self.position}
 
     def load(self, received: Mapping[str, int]) -> None:
         """Take a healthy peer's counters into the user's dict (in place: the loop reads them from there)."""
         received = dict(received)
-        self._cohort._optimizer_steps = int(received.pop("global_step", self._cohort._optimizer_steps))
+        step = received.pop("global_step", None)
+        cohort = self._cohort()
+        if cohort is not None and isinstance(step, int):
+            cohort._optimizer_steps = step
         self.position.update({key: value for key, value in received.items() if key in self.position})
