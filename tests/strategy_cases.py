@@ -130,7 +130,7 @@ CASES = (
         sharded=True,
     ),
     StrategyCase(
-        "ddp_ft", "DDPFaultTolerantStrategy", frozenset({"conformance", "resume"}),
+        "ddp_ft", "DDPFaultTolerantStrategy", frozenset({"conformance", "defaults", "resume"}),
         kit=(_kit(build_one_replica_group, 1, NO_SYNC, "ddp_ft-1"),),
         needs=TORCHFT,
     ),
