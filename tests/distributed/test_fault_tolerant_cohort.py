@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import IO
@@ -62,6 +63,14 @@ def _start(
     return process, seen, log
 
 
+def _wait_for(seen: threading.Event, process: subprocess.Popen[str]) -> None:
+    """Until ``seen`` is set, the process ends (a failed job: no need to wait on) or WAIT_S pass."""
+    deadline = time.monotonic() + WAIT_S
+    while not seen.wait(timeout=1.0) and process.poll() is None and time.monotonic() < deadline:
+        pass
+    seen.wait(timeout=1.0)  # its output's last lines may still be on their way to the log
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """One Cohort run of GROUPS groups in which group KILLED is killed after a committed step and restarted; and the
@@ -77,7 +86,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         processes = [process for process, _, _ in started] + [restarted]
         try:
             killed, seen, first_log = started[KILLED]
-            assert seen.wait(timeout=WAIT_S), f"group {KILLED} never printed {KILL_AFTER!r}: {first_log.read_text()}"
+            _wait_for(seen, killed)
+            assert seen.is_set(), f"group {KILLED} never printed {KILL_AFTER!r}: {first_log.read_text()}"
             killed.send_signal(signal.SIGKILL)
             killed.wait(timeout=WAIT_S)
             assert restarted.stdin is not None
