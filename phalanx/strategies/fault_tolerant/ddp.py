@@ -19,6 +19,7 @@ from phalanx.plugins.precision.precision import Precision, evaluates_closure_onc
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
+from phalanx.strategies.fault_tolerant.process_group import cross_group_gloo
 from phalanx.strategies.fault_tolerant.semi_sync import SemiSyncGroup
 from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
@@ -243,7 +244,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
 
     def _make_manager(self) -> Any:
         torchft, options = self._torchft, self.fault_tolerance
-        group = torchft.process_group.ProcessGroupGloo(timeout=options.step_timeout)
+        group = cross_group_gloo(torchft, options.connect_timeout, options.step_timeout)
         self.membership = QuorumMembership(options.replica_group_id)
         self.membership.watch(group)
         if options.transport == "pg":
