@@ -29,7 +29,9 @@ XLA_TIER = ("single_xla", "xla", "xla_debug", "xla_fsdp", "xla_spmd", "xla_spmd_
 #: Registered built-ins that need a lighthouse and one job per replica group and have no kit run yet (issue 36).
 #: ddp_ft has its rows: one replica group of one process, a lighthouse in that process (``build_one_replica_group``);
 #: tests/distributed/test_fault_tolerant_ddp.py holds it to exact parity with one process across several groups.
-FAULT_TOLERANT_TIER: tuple[str, ...] = ()
+#: hsdp_ft has no kit run yet: tests/distributed/test_fault_tolerant_hsdp.py holds it (2 groups x 2 processes, a kill,
+#: a heal) to exact parity with one process on the committed batches.
+FAULT_TOLERANT_TIER: tuple[str, ...] = ("hsdp_ft",)
 TORCHFT = "torchft"
 
 

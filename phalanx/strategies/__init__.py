@@ -2,7 +2,13 @@
 
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.deepspeed import DeepSpeedStrategy
-from phalanx.strategies.fault_tolerant import DDPFaultTolerantStrategy, FaultTolerance, SemiSync, start_lighthouse
+from phalanx.strategies.fault_tolerant import (
+    DDPFaultTolerantStrategy,
+    FaultTolerance,
+    HSDPFaultTolerantStrategy,
+    SemiSync,
+    start_lighthouse,
+)
 from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.parallel import ParallelStrategy
 from phalanx.strategies.registry import STRATEGY_REGISTRY
@@ -18,6 +24,7 @@ __all__ = [
     "DeepSpeedStrategy",
     "FaultTolerance",
     "FSDPStrategy",
+    "HSDPFaultTolerantStrategy",
     "ModelParallelStrategy",
     "ParallelStrategy",
     "RunSettings",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.deepspeed import DeepSpeedStrategy
-from phalanx.strategies.fault_tolerant import DDPFaultTolerantStrategy
+from phalanx.strategies.fault_tolerant import DDPFaultTolerantStrategy, HSDPFaultTolerantStrategy
 from phalanx.strategies.fsdp import FSDPStrategy, ModelParallelStrategy
 from phalanx.strategies.single_device import SingleDeviceStrategy
 from phalanx.strategies.strategy import Strategy
@@ -24,6 +24,7 @@ for _strategy in (
     DDPStrategy,
     DDPFaultTolerantStrategy,
     FSDPStrategy,
+    HSDPFaultTolerantStrategy,
     ModelParallelStrategy,
     DeepSpeedStrategy,
     SingleDeviceXLAStrategy,

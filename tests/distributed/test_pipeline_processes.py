@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def one_process(tmp_path_factory):
         trainer, module = run_case(name, "auto", 1, str(root / name))
         predictions = torch.cat(trainer.predict(module, loader())) if name == "defaults_1F1B" else None
         metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
-        found[name] = (module.losses, metrics, module.state_dict(), predictions, module.hooks)
+        found[name] = (module.losses, metrics, module.state_dict(), predictions, module.hooks, module.validation_losses)
     return found
 
 
@@ -103,11 +104,21 @@ def test_defaults_log_and_checkpoint_the_whole_model(job, one_process):
     import torch.distributed.checkpoint as dcp
 
     out, results = job
-    log_dir = results["defaults_1F1B"]["log_dir"]
+    result = results["defaults_1F1B"]
+    log_dir = result["log_dir"]
+    # The Trainer's defaults were on: CSV logger, progress bar, checkpoints in the log folder, a 2-batch sanity check.
+    assert result["defaults"] == ["CSVLogger", "TQDMProgressBar", f"{log_dir}/checkpoints", 2]
+    # The sanity check ran through the pipeline forward on both ranks: one process's two losses, before training.
+    single = one_process["defaults_1F1B"][5]
+    assert [call[0] for call in single] == [True, True, False, False]
+    for calls in result["validation"]:
+        assert [call[0] for call in calls] == [call[0] for call in single]
+        assert [call[1] for call in calls] == pytest.approx([call[1] for call in single], rel=1e-5)
     rows = list(csv.DictReader(open(f"{log_dir}/metrics.csv")))
     val = [float(row["val_loss"]) for row in rows if row.get("val_loss")]
     assert val == pytest.approx([one_process["defaults_1F1B"][1]["val_loss"]], rel=1e-5)
     (checkpoint,) = (out / "defaults_1F1B").rglob("*.ckpt")
+    assert checkpoint.parent == Path(log_dir) / "checkpoints"  # the default folder, under the logger's version
     saved = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     # Both stages wrote their parameters, under the whole model's names.
     assert {f"model/{key}" for key in one_process["defaults_1F1B"][2]} <= set(saved)

@@ -211,23 +211,28 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         super().wrap_module_and_optimizers(settings)
         if not settings.fitting:
             return
-        if len(self.optimizers) > 1:
-            raise ValueError(
-                f"DDPFaultTolerantStrategy steps one optimizer per step (one commit vote), got {len(self.optimizers)};"
-                f" combine their parameter groups into one optimizer."
-            )
-        for optimizer in self.optimizers:
-            if not evaluates_closure_once(optimizer):
-                raise ValueError(
-                    f"DDPFaultTolerantStrategy cannot step {type(optimizer).__name__}, which re-evaluates its closure"
-                    f" (as LBFGS does): a quorum commits each step once. Use an optimizer such as SGD or AdamW."
-                )
+        self._check_optimizers()
         semi_sync = self.fault_tolerance.semi_sync
         if semi_sync is not None and self._semi_sync is None:
             assert self._module is not None
             self._semi_sync = SemiSyncGroup(
                 self._torchft.local_sgd, self._manager, self._module, self.optimizers[0], semi_sync
             )
+
+    def _check_optimizers(self) -> None:
+        """One optimizer (one commit vote per step) that evaluates its closure once."""
+        name = type(self).__name__
+        if len(self.optimizers) > 1:
+            raise ValueError(
+                f"{name} steps one optimizer per step (one commit vote), got {len(self.optimizers)};"
+                f" combine their parameter groups into one optimizer."
+            )
+        for optimizer in self.optimizers:
+            if not evaluates_closure_once(optimizer):
+                raise ValueError(
+                    f"{name} cannot step {type(optimizer).__name__}, which re-evaluates its closure"
+                    f" (as LBFGS does): a quorum commits each step once. Use an optimizer such as SGD or AdamW."
+                )
 
     def _wrap(self, module: torch.nn.Module) -> DistributedDataParallel:
         # As torchft.ddp.DistributedDataParallel: a dummy group soaks up DDP's own collectives (one process per group),
@@ -334,11 +339,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         manager = self._manager
         if manager is None or self._quorum_open:
             return
-        self._joining = True
-        try:
-            self._start_quorum(manager)
-        finally:
-            self._joining = False
+        self._join_first_quorum(manager)
         if self._semi_sync is not None:
             self._semi_sync.join()  # the groups' next quorum forms at their next synchronisation
             return
@@ -367,12 +368,26 @@ class DDPFaultTolerantStrategy(DDPStrategy):
                 return super().optimizer_step(optimizer, closure, model, **kwargs)
             finally:
                 semi_sync.stepping = None
+        step = super().optimizer_step
+        return self._committed_step(manager, optimizer, lambda gate: step(gate, closure, model, **kwargs))
+
+    def _join_first_quorum(self, manager: Any) -> None:
+        """Form the first quorum while the loop has not read data: a received loop position applies."""
+        self._joining = True
+        try:
+            self._start_quorum(manager)
+        finally:
+            self._joining = False
+
+    def _committed_step(self, manager: Any, optimizer: Optimizer, step: Callable[[Optimizer], Any]) -> Any:
+        """Form this step's quorum (unless on_train_start did), run ``step`` with the optimizer behind a commit gate,
+        and count declined steps in a row."""
         if self._quorum_open:
             self._quorum_open = False
         else:
             self._start_quorum(manager)
         gate = _CommitGate(optimizer, manager)
-        result = super().optimizer_step(gate, closure, model, **kwargs)
+        result = step(gate)
         self.last_step_committed = gate.committed
         self._declined_in_a_row = 0 if gate.committed else self._declined_in_a_row + 1
         if self._declined_in_a_row >= MAX_DECLINED_IN_A_ROW:

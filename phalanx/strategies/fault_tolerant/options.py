@@ -95,9 +95,11 @@ class FaultTolerance:
         ]
         if missing:
             raise ValueError(
-                f"strategy='ddp_ft' without a FaultTolerance(...) reads the replica group from the environment, but"
+                f"strategy='ddp_ft' or 'hsdp_ft' without a FaultTolerance(...) reads the replica group from the"
+                f" environment, but"
                 f" {missing} are not set. Set REPLICA_GROUP_ID and NUM_REPLICA_GROUPS (and TORCHFT_LIGHTHOUSE) in"
-                f" each group's launch command, or pass DDPFaultTolerantStrategy(fault_tolerance=FaultTolerance(...))."
+                f" each group's launch command, or pass the strategy's class (DDPFaultTolerantStrategy or"
+                f" HSDPFaultTolerantStrategy) fault_tolerance=FaultTolerance(...)."
             )
         values: dict[str, object] = {}
         for name in ("replica_group_id", "num_replica_groups"):

@@ -38,6 +38,16 @@ class MomentumNet(Net):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+def full_weights(model: torch.nn.Module) -> list[list[float]]:
+    """Every parameter whole, flattened (a sharded one gathered from the group's processes: a collective)."""
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return [p.detach().flatten().tolist() for p in whole]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _wait_for(path: Path) -> None:
     deadline = time.monotonic() + WAIT_S
     while not path.exists():
@@ -62,6 +72,11 @@ class Steered(phalanx.Callback):
         self._say(trainer, "ready")
         _wait_for(self.out / "start")
 
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        # The weights every group trains from once the first quorum synchronised them (before any update).
+        if trainer.global_step == 0:
+            write_json(self.out, f"initial.group{self.group}.rank{trainer.global_rank}.json", full_weights(module))
+
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # A declined step trains its batch again before this hook: every batch that reaches it was committed.
         path = self.out / f"group{self.group}.rank{trainer.global_rank}.committed"
@@ -75,9 +90,20 @@ class Steered(phalanx.Callback):
             _wait_for(self.out / f"go{self.group}")
 
 
-def fit(strategy: Any, root: Path, train: DataLoader, steps: int, seed: int, **trainer_kwargs: Any) -> Any:
+def fit(
+    strategy: Any,
+    root: Path,
+    train: DataLoader,
+    steps: int,
+    seed: int,
+    initial: list[list[float]] | None = None,
+    **trainer_kwargs: Any,
+) -> Any:
     phalanx.seed_everything(seed)
     model = MomentumNet()
+    with torch.no_grad():
+        for parameter, values in zip(model.parameters(), initial or []):
+            parameter.copy_(torch.tensor(values).view_as(parameter))
     trainer = phalanx.Trainer(
         strategy=strategy, accelerator="cpu", max_steps=steps, default_root_dir=str(root), **trainer_kwargs
     )
@@ -95,11 +121,12 @@ def committed_steps(out: Path) -> list[list[int]]:
     return [sorted(steps[step]) for step in sorted(steps)]
 
 
-def reference_fit(out: Path) -> list[list[float]]:
-    """The weights of a plain one-process run whose batches are the committed steps' samples put together."""
+def reference_fit(out: Path, initial: list[list[float]] | None = None) -> list[list[float]]:
+    """The weights of a plain one-process run whose batches are the committed steps' samples put together, from
+    ``initial`` weights (else the seed's)."""
     batches = committed_steps(out)
     train = DataLoader(IndexedRegression(n=SAMPLES), batch_sampler=batches)
-    _, model = fit("single_device", out / "reference", train, len(batches), seed=7, devices=1)
+    _, model = fit("single_device", out / "reference", train, len(batches), seed=7, initial=initial, devices=1)
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
@@ -121,7 +148,11 @@ def main() -> None:
         {
             "global_step": trainer.global_step,
             "is_global_zero": trainer.is_global_zero,
-            "weights": [p.detach().flatten().tolist() for p in model.parameters()],
+            "weights": full_weights(model),
+            # What this process holds: the parameters' local bytes (its shard, when sharded) and the model's.
+            "local_bytes": sum(_local(p).numel() * p.element_size() for p in model.parameters()),
+            "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "checkpoints": sorted(str(p) for p in (out / f"group{group}").rglob("*.ckpt")),
         },
     )
 

@@ -77,6 +77,7 @@ class Net(phalanx.TrainingModule):
         self.blocks = nn.ModuleList(Block(8) for _ in range(4))
         self.head: nn.Module | None = nn.Linear(8, 1)
         self.losses: list[float] = []
+        self.validation_losses: list[list[Any]] = []
         #: [hook, the loss it received, the squared norm of this rank's gradients then (None: none yet)] per call.
         self.hooks: list[list[Any]] | None = []
 
@@ -124,7 +125,10 @@ class Net(phalanx.TrainingModule):
         self._record("on_before_optimizer_step")
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", nn.functional.mse_loss(self(batch[0]), batch[1]))
+        loss = nn.functional.mse_loss(self(batch[0]), batch[1])
+        # [whether the sanity check runs, the loss]: the sanity check's outputs are logged nowhere else.
+        self.validation_losses.append([self.trainer.sanity_checking, float(loss)])
+        self.log("val_loss", loss)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0])

@@ -49,6 +49,14 @@ if __name__ == "__main__":
             "bytes": trainer.strategy.all_gather_object(local_bytes),
             "stages": trainer.strategy.all_gather_object(list(trainer.strategy.pipeline_stages)),
             "log_dir": trainer.log_dir,
+            "validation": trainer.strategy.all_gather_object(module.validation_losses),
+            # What was on: the default logger, progress bar, checkpoint folder and sanity check (defaults_1F1B).
+            "defaults": [
+                type(trainer.logger).__name__,
+                type(trainer.progress_bar_callback).__name__,
+                trainer.checkpoint_callback.dirpath if trainer.checkpoint_callback else None,
+                trainer.num_sanity_val_steps,
+            ],
         }
         if trainer.is_global_zero:
             torch.save(weights, OUT / f"{name}.pt")

@@ -31,7 +31,7 @@ CHANGED: dict[str, set[str]] = {
         name: DEEPSPEED for name in ("deepspeed", "deepspeed_stage_1", "deepspeed_stage_2", "deepspeed_stage_2_offload")
     },
     **{name: ZERO3 for name in ("deepspeed_stage_3", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme")},
-    **{name: SHARDED for name in ("fsdp", "fsdp_cpu_offload", "model_parallel")},
+    **{name: SHARDED for name in ("fsdp", "fsdp_cpu_offload", "model_parallel", "hsdp_ft")},
     **{name: XLA for name in ("single_xla", "xla", "xla_debug", "xla_spmd", "xla_spmd_dp")},
     "xla_fsdp": XLA | {"restore_checkpoint_after_setup"},
     "hivemind": {"handles_gradient_accumulation", "wraps_module_with_optimizers"},
@@ -40,7 +40,7 @@ DEFAULTS = StrategyTraits()
 
 
 #: The strategies the Cohort cannot drive (``StrategyTraits.cohort_unsupported`` holds the reason, as text).
-COHORT_UNSUPPORTED = {"ddp_ft"}
+COHORT_UNSUPPORTED = {"ddp_ft", "hsdp_ft"}
 
 
 def _expected(changed: set[str]) -> dict[str, bool]:
