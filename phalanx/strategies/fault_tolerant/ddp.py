@@ -18,6 +18,7 @@ from phalanx.plugins.precision.precision import Precision, evaluates_closure_onc
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
+from phalanx.strategies.fault_tolerant.process_group import cross_group_gloo
 from phalanx.strategies.fault_tolerant.semi_sync import SemiSyncGroup
 from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
@@ -128,6 +129,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._manager: Any = None
         self._loop_position: Callable[[], dict[str, int]] | None = None
         self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
+        self._catch_up: Callable[[Mapping[str, int]], bool] | None = None
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
         self._quorum_open = False  # the step in progress has its quorum (on_train_start's, a forward's or its own)
         self._declined_in_a_row = 0
@@ -191,6 +193,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         """Join the replica groups' quorum service (a torchft Manager), wrap, then check the optimizers."""
         if settings.fitting and self._manager is None:
             self._loop_position, self._load_loop_position = settings.loop_position, settings.load_loop_position
+            self._catch_up = settings.catch_up_loop_position
             self._manager = self._make_manager()
         super().wrap_module_and_optimizers(settings)
         if not settings.fitting:
@@ -239,7 +242,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
 
     def _make_manager(self) -> Any:
         torchft, options = self._torchft, self.fault_tolerance
-        group = torchft.process_group.ProcessGroupGloo(timeout=options.step_timeout)
+        group = cross_group_gloo(torchft, options.connect_timeout, options.step_timeout)
         self.membership = QuorumMembership(options.replica_group_id)
         self.membership.watch(group)
         if options.transport == "pg":
@@ -293,12 +296,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         if position is None or self._load_loop_position is None:
             return
         if not self._joining:
-            # Mid-run, the loop is inside a batch it already read: only a loop that has not started can move.
-            rank_zero_warn(
-                f"Replica group {group} fell behind its peers and received their weights and optimizer state during"
-                f" a step; its loop counters and data position stay its own (global_step of the peer:"
-                f" {position['global_step']})."
-            )
+            self._catch_up_during_step(position)
             return
         self._load_loop_position(position)
         if "epoch" in position and "batches_done" in position:  # the Trainer's loop
@@ -308,6 +306,24 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         rank_zero_info(
             f"Replica group {group} healed from a peer (no checkpoint read): weights, optimizer state and loop"
             f" position received; it continues at global_step={position['global_step']}{where}."
+        )
+
+    def _catch_up_during_step(self, position: dict[str, int]) -> None:
+        """A group left out of quorums while alive (slow, not dead) received its peers' state inside a step: it takes
+        their counters too, so that it counts and ends as they do (not a step behind, waiting for a quorum alone)."""
+        group, step = self.fault_tolerance.replica_group_id, position["global_step"]
+        if self._semi_sync is None and self._catch_up is not None and self._catch_up(position):
+            rank_zero_info(
+                f"Replica group {group} fell behind its peers (left out of a quorum) and took their weights, optimizer"
+                f" state and loop counters during a step: it continues at global_step={step}, epoch"
+                f" {position['epoch']}, batch {position['batches_done']}; the batch it had read trains in this step,"
+                f" and its share of the steps it missed is skipped."
+            )
+            return
+        # The loop is inside a batch of another epoch: its data position cannot move there.
+        rank_zero_warn(
+            f"Replica group {group} fell behind its peers and received their weights and optimizer state during a"
+            f" step; its loop counters and data position stay its own (global_step of the peer: {step})."
         )
 
     # ------------------------------------------------------------------ steps
