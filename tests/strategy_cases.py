@@ -43,20 +43,22 @@ def build(class_name: str, **options: Any) -> Any:
     return getattr(phalanx.strategies, class_name)(**options)
 
 
-_LIGHTHOUSE: list[Any] = []  # the lighthouse of a kit rank that builds ddp_ft (one per process, kept while it lives)
+_LIGHTHOUSES: list[Any] = []  # the lighthouses of a kit rank that builds ddp_ft (kept while the process lives)
 
 
 def build_one_replica_group() -> Any:
-    """``DDPFaultTolerantStrategy`` as replica group 0 of 1, with a lighthouse started in this (kit rank's) process."""
+    """``DDPFaultTolerantStrategy`` as replica group 0 of 1, with a lighthouse of its own started in this (kit rank's)
+    process: a Cohort never tears its strategy down, so the manager of an earlier Cohort run in this process still
+    heartbeats to its lighthouse, which would then wait for that group too."""
     from datetime import timedelta
 
     from phalanx.strategies import DDPFaultTolerantStrategy, FaultTolerance
     from phalanx.strategies.fault_tolerant import start_lighthouse
 
-    if not _LIGHTHOUSE:  # one group: its quorum forms at once (short join and tick times)
-        ticks = {"join_timeout": timedelta(milliseconds=20), "quorum_tick": timedelta(milliseconds=10)}
-        _LIGHTHOUSE.append(start_lighthouse(min_replicas=1, **ticks))
-    return DDPFaultTolerantStrategy(fault_tolerance=FaultTolerance(0, 1, lighthouse=_LIGHTHOUSE[0].address))
+    # One group: its quorum forms at once (short join and tick times).
+    ticks = {"join_timeout": timedelta(milliseconds=20), "quorum_tick": timedelta(milliseconds=10)}
+    _LIGHTHOUSES.append(start_lighthouse(min_replicas=1, **ticks))
+    return DDPFaultTolerantStrategy(fault_tolerance=FaultTolerance(0, 1, lighthouse=_LIGHTHOUSES[-1].address))
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,8 @@ CASES = (
         sharded=True,
     ),
     StrategyCase(
-        "ddp_ft", "DDPFaultTolerantStrategy", frozenset({"conformance", "resume"}),
-        kit=(_kit(build_one_replica_group, 1, {*NO_SYNC, "cohort"}, "ddp_ft-1"),),  # the Cohort: not offered
+        "ddp_ft", "DDPFaultTolerantStrategy", frozenset({"conformance", "defaults", "resume"}),
+        kit=(_kit(build_one_replica_group, 1, NO_SYNC, "ddp_ft-1"),),
         needs=TORCHFT,
     ),
     StrategyCase("deepspeed", "DeepSpeedStrategy", frozenset({"defaults"}), needs=DEEPSPEED),

@@ -35,6 +35,7 @@ from phalanx.cohort.checkpoint import StateFilter, build_checkpoint, optimizer_i
 from phalanx.cohort.data import CohortData
 from phalanx.cohort.guards import record_loss, report_nonfinite
 from phalanx.cohort.habits import CohortHabits, check_norm_arguments, raise_if_nonfinite, resolve_callbacks
+from phalanx.cohort.live_position import LivePosition, check_position
 from phalanx.cohort.metrics import CohortLogging, LoggerWorkerState, attach, resolve_loggers, share_logger_states
 from phalanx.cohort.plain_checkpoint import load_before_setup, save_before_setup
 from phalanx.cohort.raw import load_raw, refuse_plain_state_dict
@@ -42,9 +43,11 @@ from phalanx.cohort.setup_checks import (
     check_cohort_offered,
     check_optimizer,
     check_optimizers_given,
+    check_parameters_known,
     check_path,
     check_placement,
     is_training_module,
+    rebind,
 )
 from phalanx.cohort.step import forward_backward
 from phalanx.cohort.wrappers import CohortModule, unwrap_optimizer, wrap_optimizer
@@ -95,6 +98,7 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         self._removed_names: set[str] = set()
         self._optimizer_steps = 0
         self._last_loss: Tensor | None = None
+        self._live = LivePosition(self)
 
     # ------------------------------------------------------------------ who and where
     @property
@@ -109,8 +113,15 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
 
     @property
     def global_step(self) -> int:
-        """Optimizer steps taken by the first optimizer (saved as a checkpoint's ``global_step``)."""
+        """Optimizer steps taken by the first optimizer (saved as a checkpoint's ``global_step``); committed ones only
+        under a fault-tolerant strategy."""
         return self._optimizer_steps
+
+    @property
+    def last_step_committed(self) -> bool:
+        """Whether the latest ``optimizer.step()`` changed the weights: False where a fault-tolerant strategy's quorum
+        declined it (nothing changed anywhere; train the batch again or go on)."""
+        return self._strategy.last_step_committed
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on global rank 0 only."""
@@ -191,11 +202,11 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
             id(parameter): name for name, parameter in module.named_parameters(remove_duplicate=False)
         }
         for index, optimizer in enumerate(originals):
-            self._check_parameters_known(optimizer, index)
+            check_parameters_known(optimizer, index, self._parameter_names)
 
         def make_optimizers(set_up: nn.Module) -> tuple[list[Optimizer], list[Any]]:
             for optimizer in originals:
-                self._rebind(optimizer, set_up)
+                rebind(optimizer, set_up, self._parameter_names, self._removed_names, self._strategy)
             return list(originals), []
 
         self._setup_strategy(module, make_optimizers if originals else None, compiled_with)
@@ -237,8 +248,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         live = {id(parameter) for parameter in set_up.parameters()}
         for index, optimizer in enumerate(originals):
             if any(id(p) not in live for group in optimizer.param_groups for p in group["params"]):
-                self._check_parameters_known(optimizer, index)
-                self._rebind(optimizer, set_up)
+                check_parameters_known(optimizer, index, self._parameter_names)
+                rebind(optimizer, set_up, self._parameter_names, self._removed_names, self._strategy)
         self._strategy.optimizers = originals
         self._strategy.setup_precision_plugin()
         wrapped = [wrap_optimizer(optimizer, self._optimizer_step) for optimizer in self._strategy.optimizers]
@@ -272,6 +283,8 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
                 compile=compiler,
                 compile_unit=None if self._compile is None else split_unit(self._compile)[1],
                 optimizers_given=make_optimizers is not None,
+                loop_position=self._live.read,
+                load_loop_position=self._live.load,
             )
         )
         reason = slip_reason(strategy)
@@ -289,49 +302,26 @@ class Cohort(CohortData, CohortHabits, DeviceProperties, CohortLogging):
         if not isinstance(module, nn.Module):
             raise TypeError(f"Cohort.{method}(module) takes a torch.nn.Module, got {type(module).__name__}.")
 
-    def _check_parameters_known(self, optimizer: Optimizer, index: int) -> None:
-        for group_index, group in enumerate(optimizer.param_groups):
-            for parameter in group["params"]:
-                if id(parameter) not in self._parameter_names:
-                    raise ValueError(
-                        f"Cohort.setup: optimizers[{index}].param_groups[{group_index}] holds a parameter (shape"
-                        f" {list(parameter.shape)}) that is"
-                        " not a parameter of the module being set up; build the optimizer from module.parameters()."
-                    )
-
-    def _rebind(self, optimizer: Optimizer, set_up: nn.Module) -> None:
-        """Point ``optimizer`` at ``set_up``'s parameters of the same names (the same objects unless the strategy
-        replaced them)."""
-        by_name = dict(set_up.named_parameters(remove_duplicate=False))
-        replaced: dict[Tensor, Tensor] = {}
-        for group in optimizer.param_groups:
-            new_params = []
-            for parameter in group["params"]:
-                name = self._parameter_names.get(id(parameter), "")
-                if name in self._removed_names:  # configure_model removed it (another pipeline stage's)
-                    optimizer.state.pop(parameter, None)
-                    continue
-                new = by_name.get(name, parameter)
-                replaced[parameter] = new
-                new_params.append(new)
-            group["params"] = new_params
-        if any(old is not new for old, new in replaced.items()) and any(optimizer.state.values()):
-            # Saved per-parameter state (momentum, ...) has the whole parameter's shape, the new parameters are shards.
-            raise ValueError(
-                f"Cohort.setup: {type(self._strategy).__name__} replaces the module's parameters, "
-                f"but the {type(optimizer).__name__} already holds per-parameter state; "
-                "set up an optimizer that has not stepped yet, and load its state with cohort.load."
-            )
-
     def _optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any] | None) -> Any:
         if closure is None:
             # The backward already ran (cohort.backward); precision plugins read a None result as a skipped batch.
             last_loss = self._last_loss
             closure = lambda: last_loss  # noqa: E731
         result = self._strategy.optimizer_step(optimizer, closure, model=self._strategy.model)
-        if self._strategy.optimizers and unwrap_optimizer(self._strategy.optimizers[0]) is optimizer:
+        first = self._strategy.optimizers and unwrap_optimizer(self._strategy.optimizers[0]) is optimizer
+        if first and self._strategy.last_step_committed:
             self._optimizer_steps += 1
         return result
+
+    def start_training(self, position: dict[str, int] | None = None) -> None:
+        """Call after ``setup``, before the loop reads data. ``position`` (your loop's counters, e.g. ``{"step": 0}``)
+        is what this process sends, with ``global_step``, to a peer that (re)joins; a strategy that heals joining
+        processes from a live peer (``ddp_ft``) forms its first quorum here, and a process that joins a running job
+        receives the peer's weights, optimizer state, ``global_step`` and counters (written into ``position``)."""
+        if self._module is None:
+            raise RuntimeError("Cohort.start_training needs a set-up module: call cohort.setup(...) first.")
+        self._live.position = check_position(position)
+        self._strategy.on_train_start()
 
     # ------------------------------------------------------------------ the step
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:

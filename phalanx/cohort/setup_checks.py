@@ -1,5 +1,5 @@
-"""What the Cohort checks before the strategy sees its arguments: Fabric's ``move_to_device=``, the module given alone
-to a strategy that needs its optimizer too (DeepSpeed), the optimizers' and paths' types."""
+"""What the Cohort checks before the strategy sees its arguments (Fabric's ``move_to_device=``, the module given alone
+to a strategy that needs its optimizer too, the optimizers' and paths' types), and how it rebinds the optimizers."""
 
 from __future__ import annotations
 
@@ -81,3 +81,42 @@ def is_training_module(module: nn.Module) -> bool:
 
 def _on(device: torch.device, target: torch.device) -> bool:
     return device.type == target.type and (target.index is None or device.index in (None, target.index))
+
+
+def check_parameters_known(optimizer: Optimizer, index: int, names: dict[int, str]) -> None:
+    """Refuse an optimizer holding a parameter that is not one of the module's (``names``: by ``id``)."""
+    for group_index, group in enumerate(optimizer.param_groups):
+        for parameter in group["params"]:
+            if id(parameter) not in names:
+                raise ValueError(
+                    f"Cohort.setup: optimizers[{index}].param_groups[{group_index}] holds a parameter (shape"
+                    f" {list(parameter.shape)}) that is"
+                    " not a parameter of the module being set up; build the optimizer from module.parameters()."
+                )
+
+
+def rebind(
+    optimizer: Optimizer, set_up: nn.Module, names: dict[int, str], removed: set[str], strategy: Strategy
+) -> None:
+    """Point ``optimizer`` at ``set_up``'s parameters of the same names (the same objects unless the strategy
+    replaced them); parameters named in ``removed`` (another pipeline stage's) are dropped."""
+    by_name = dict(set_up.named_parameters(remove_duplicate=False))
+    replaced: dict[torch.Tensor, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        new_params = []
+        for parameter in group["params"]:
+            name = names.get(id(parameter), "")
+            if name in removed:  # configure_model removed it (another pipeline stage's)
+                optimizer.state.pop(parameter, None)
+                continue
+            new = by_name.get(name, parameter)
+            replaced[parameter] = new
+            new_params.append(new)
+        group["params"] = new_params
+    if any(old is not new for old, new in replaced.items()) and any(optimizer.state.values()):
+        # Saved per-parameter state (momentum, ...) has the whole parameter's shape, the new parameters are shards.
+        raise ValueError(
+            f"Cohort.setup: {type(strategy).__name__} replaces the module's parameters, "
+            f"but the {type(optimizer).__name__} already holds per-parameter state; "
+            "set up an optimizer that has not stepped yet, and load its state with cohort.load."
+        )

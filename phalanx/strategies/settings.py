@@ -49,6 +49,8 @@ class RunSettings:
     loop_position: Callable[[], dict[str, int]] | None = None
     #: Moves the training loop to a position ``loop_position`` returned, before it reads its first batch.
     load_loop_position: Callable[[Mapping[str, int]], None] | None = None
+    #: Inside an optimizer step, takes the counters of a peer's ``loop_position`` (same epoch, ahead); False: could not.
+    catch_up_loop_position: Callable[[Mapping[str, int]], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -78,7 +80,8 @@ class RunSettings:
         if self.compile_unit is not None and self.compile_unit not in COMPILE_UNITS:
             units = [*COMPILE_UNITS, None]
             raise ValueError(f"RunSettings(compile_unit={self.compile_unit!r}) is not valid; choose one of {units}.")
-        for name in ("configure_optimizers", "before_optimizer_step", "compile", "loop_position", "load_loop_position"):
+        callables = ("configure_optimizers", "before_optimizer_step", "compile", "loop_position")
+        for name in (*callables, "load_loop_position", "catch_up_loop_position"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"RunSettings({name}={value!r}) must be a callable or None.")

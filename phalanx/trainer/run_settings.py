@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.optimization import init_optimizers_and_schedulers
 from phalanx.strategies.settings import RunSettings
-from phalanx.trainer.loops.position import load_loop_position, loop_position
+from phalanx.trainer.loops.position import catch_up_loop_position, load_loop_position, loop_position
 from phalanx.trainer.state import TrainerFn
 from phalanx.utilities.compile import compiler_for, refuse_compiled_in_place, split_unit
 
@@ -36,6 +36,7 @@ def run_settings(trainer: Trainer, source: DataSource) -> RunSettings:
         compile_unit=None if trainer.compile is None else split_unit(trainer.compile)[1],
         loop_position=partial(loop_position, trainer.fit_loop) if fitting else None,
         load_loop_position=partial(load_loop_position, trainer.fit_loop) if fitting else None,
+        catch_up_loop_position=partial(catch_up_loop_position, trainer.fit_loop) if fitting else None,
     )
 
 

@@ -24,7 +24,9 @@ KILL_AFTER = "committed step 1"  # ... once it printed this line
 WAIT_S = 240  # bound on every wait of the fixture: a hang fails the test instead of blocking CI
 
 
-def _start(out: Path, group: int, life: int, lighthouse: str) -> tuple[subprocess.Popen[str], threading.Event, Path]:
+def _start(
+    out: Path, group: int, life: int, lighthouse: str, **extra: str
+) -> tuple[subprocess.Popen[str], threading.Event, Path]:
     """Start one life of a replica group; the event is set when it prints KILL_AFTER (its output goes to a log)."""
     environment = clean_environment(
         REPLICA_GROUP_ID=str(group),
@@ -33,6 +35,7 @@ def _start(out: Path, group: int, life: int, lighthouse: str) -> tuple[subproces
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
     )
+    environment.update(extra)
     command = [sys.executable, str(SCRIPTS / "ft_group_job.py"), str(out)]
     process = subprocess.Popen(
         command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
@@ -126,3 +129,49 @@ def test_the_killed_group_rejoins_from_a_peer_at_its_position(run):
 def test_only_group_zero_writes_checkpoints(run):
     assert [result["is_global_zero"] for result in run["results"]] == [True] + [False] * (GROUPS - 1)
     assert run["results"][0]["checkpoints"] and not any(result["checkpoints"] for result in run["results"][1:])
+
+
+MISSED = 2  # steps group 0 commits while group 1 is stalled (alive)
+
+
+@pytest.fixture(scope="module")
+def slow_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """3 groups, quorums of any 2 or more (the lighthouse wants more than half of the live groups): group 1 stalls while
+    groups 0 and 2 commit MISSED steps without it, then all go on (scripts/ft_group_job.py's SlowGroup)."""
+    from phalanx.strategies.fault_tolerant import start_lighthouse
+
+    out = tmp_path_factory.mktemp("ddp_ft_slow")
+    # A quorum forms without a heartbeating group that did not ask within the join timeout (the stalled one).
+    with start_lighthouse(min_replicas=1, join_timeout=timedelta(seconds=2)) as lighthouse:
+        slow = {"PHALANX_FT_SLOW": str(MISSED), "NUM_REPLICA_GROUPS": "3"}
+        processes = [_start(out, group, 0, lighthouse.address, **slow)[0] for group in range(3)]
+        try:
+            codes = [process.wait(timeout=WAIT_S) for process in processes]
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=30)
+    logs = {log.name: log.read_text()[-6000:] for log in sorted(out.glob("*.log"))}
+    assert codes == [0, 0, 0], f"exit codes {codes}; logs: {logs}"
+    return {"results": [json.loads((out / f"group{group}.json").read_text()) for group in range(3)], "logs": logs}
+
+
+def test_a_slow_group_takes_its_peers_loop_position_and_ends_with_them(slow_run):
+    fast, slow, other = slow_run["results"]
+    assert fast["global_step"] == slow["global_step"] == other["global_step"] == 6
+    # Group 1 trained MISSED steps fewer (its share of the steps it missed is skipped): in the first epoch (4 batches
+    # a group) the batch before its stall and the one in hand, which trained in the peers' step; it ended that epoch
+    # with them, and read the next one from its start.
+    assert [len(fast["committed"]), len(slow["committed"]), len(other["committed"])] == [6, 6 - MISSED, 6]
+    first_epoch = slow["committed"][: 4 - MISSED]
+    assert len({index for batch in first_epoch for index in batch}) == 4 * (4 - MISSED)
+    assert slow["committed"][4 - MISSED :] == first_epoch
+    caught_up = re.search(
+        r"took their weights, optimizer state and loop counters.*global_step=(\d+)",
+        slow_run["logs"]["group1.life0.log"],
+    )
+    assert caught_up and int(caught_up.group(1)) == 1 + MISSED, slow_run["logs"]["group1.life0.log"][-3000:]
+    # Every step after the catch-up had all groups: they end with the same weights (none trained on alone at the end).
+    for got, want in zip(slow["weights"], fast["weights"]):
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from datetime import timedelta
 from typing import Any, Callable, Mapping
@@ -19,12 +18,12 @@ from phalanx.plugins.precision.precision import Precision, evaluates_closure_onc
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
+from phalanx.strategies.fault_tolerant.process_group import cross_group_gloo
 from phalanx.strategies.fault_tolerant.semi_sync import SemiSyncGroup
 from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
-from phalanx.strategies.traits import StrategyTraits
 from phalanx.utilities import distributed
 from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from phalanx.utilities.registry import Registry
@@ -130,8 +129,9 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._manager: Any = None
         self._loop_position: Callable[[], dict[str, int]] | None = None
         self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
+        self._catch_up: Callable[[Mapping[str, int]], bool] | None = None
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
-        self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
+        self._quorum_open = False  # the step in progress has its quorum (on_train_start's, a forward's or its own)
         self._declined_in_a_row = 0
         self._semi_sync: SemiSyncGroup | None = None  # torchft's LocalSGD or DiLoCo, with FaultTolerance(semi_sync=...)
         #: Which replica groups the latest quorum had (set when fitting starts); it logs who left and who joined.
@@ -148,17 +148,6 @@ class DDPFaultTolerantStrategy(DDPStrategy):
     def manager(self) -> Any:
         """This group's torchft Manager while fitting (None before setup and after teardown)."""
         return self._manager
-
-    def declare_traits(self) -> StrategyTraits:
-        """As DDP's, and the Cohort is not offered: its loop steps without the quorum this strategy starts in the
-        Trainer's hooks."""
-        return dataclasses.replace(
-            super().declare_traits(),
-            cohort_unsupported=(
-                "DDPFaultTolerantStrategy forms each step's quorum in the Trainer's on_train_start and optimizer_step;"
-                " the Cohort's loop runs the gradient all-reduce before any quorum. Use it with the Trainer."
-            ),
-        )
 
     # ------------------------------------------------------------------ data and ranks
     @property
@@ -204,6 +193,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         """Join the replica groups' quorum service (a torchft Manager), wrap, then check the optimizers."""
         if settings.fitting and self._manager is None:
             self._loop_position, self._load_loop_position = settings.loop_position, settings.load_loop_position
+            self._catch_up = settings.catch_up_loop_position
             self._manager = self._make_manager()
         super().wrap_module_and_optimizers(settings)
         if not settings.fitting:
@@ -240,6 +230,10 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         # Several processes per group keep the group's own process group: DDP then starts them from rank 0's weights.
         group = None if self.world_size > 1 else self._torchft.process_group.ProcessGroupDummy(0, 1)
         model = DistributedDataParallel(module, process_group=group, find_unused_parameters=True)
+        if self.fault_tolerance.semi_sync is None:  # (semi-synchronous groups form no quorum per step)
+            # A hand-written loop (the Cohort) runs forward and backward before its optimizer step: the quorum forms
+            # before the forward whose backward all-reduces, as torchft's own loop forms it at zero_grad.
+            model.register_forward_pre_hook(self._quorum_before_forward)
         # DDP checks a hook's annotations against the classes; this module's are strings (postponed evaluation).
         if self.fault_tolerance.semi_sync is None:  # semi-synchronous groups average gradients inside the group only
             state = (self._manager, self.world_size)
@@ -248,7 +242,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
 
     def _make_manager(self) -> Any:
         torchft, options = self._torchft, self.fault_tolerance
-        group = torchft.process_group.ProcessGroupGloo(timeout=options.step_timeout)
+        group = cross_group_gloo(torchft, options.connect_timeout, options.step_timeout)
         self.membership = QuorumMembership(options.replica_group_id)
         self.membership.watch(group)
         if options.transport == "pg":
@@ -302,18 +296,34 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         if position is None or self._load_loop_position is None:
             return
         if not self._joining:
-            # Mid-run, the loop is inside a batch it already read: only a loop that has not started can move.
-            rank_zero_warn(
-                f"Replica group {group} fell behind its peers and received their weights and optimizer state during"
-                f" a step; its loop counters and data position stay its own (global_step of the peer:"
-                f" {position['global_step']})."
-            )
+            self._catch_up_during_step(position)
             return
         self._load_loop_position(position)
+        if "epoch" in position and "batches_done" in position:  # the Trainer's loop
+            where = f", epoch {position['epoch']}, batch {position['batches_done']}"
+        else:  # a hand-written loop's counters (the Cohort's start_training)
+            where = "".join(f", {key}={value}" for key, value in position.items() if key != "global_step")
         rank_zero_info(
             f"Replica group {group} healed from a peer (no checkpoint read): weights, optimizer state and loop"
-            f" position received; it continues at global_step={position['global_step']}, epoch {position['epoch']},"
-            f" batch {position['batches_done']}."
+            f" position received; it continues at global_step={position['global_step']}{where}."
+        )
+
+    def _catch_up_during_step(self, position: dict[str, int]) -> None:
+        """A group left out of quorums while alive (slow, not dead) received its peers' state inside a step: it takes
+        their counters too, so that it counts and ends as they do (not a step behind, waiting for a quorum alone)."""
+        group, step = self.fault_tolerance.replica_group_id, position["global_step"]
+        if self._semi_sync is None and self._catch_up is not None and self._catch_up(position):
+            rank_zero_info(
+                f"Replica group {group} fell behind its peers (left out of a quorum) and took their weights, optimizer"
+                f" state and loop counters during a step: it continues at global_step={step}, epoch"
+                f" {position['epoch']}, batch {position['batches_done']}; the batch it had read trains in this step,"
+                f" and its share of the steps it missed is skipped."
+            )
+            return
+        # The loop is inside a batch of another epoch: its data position cannot move there.
+        rank_zero_warn(
+            f"Replica group {group} fell behind its peers and received their weights and optimizer state during a"
+            f" step; its loop counters and data position stay its own (global_step of the peer: {step})."
         )
 
     # ------------------------------------------------------------------ steps
@@ -364,14 +374,16 @@ class DDPFaultTolerantStrategy(DDPStrategy):
             self._joining = False
 
     def _committed_step(self, manager: Any, optimizer: Optimizer, step: Callable[[Optimizer], Any]) -> Any:
-        """Form this step's quorum (unless on_train_start did), run ``step`` with the optimizer behind a commit gate,
-        and count declined steps in a row."""
-        if self._quorum_open:
-            self._quorum_open = False
-        else:
+        """Form this step's quorum (unless on_train_start or a training forward did), run ``step`` with the optimizer
+        behind a commit gate, and count declined steps in a row."""
+        if not self._quorum_open:
             self._start_quorum(manager)
+        self._quorum_open = True  # the closure's forward finds it formed
         gate = _CommitGate(optimizer, manager)
-        result = step(gate)
+        try:
+            result = step(gate)
+        finally:
+            self._quorum_open = False
         self.last_step_committed = gate.committed
         self._declined_in_a_row = 0 if gate.committed else self._declined_in_a_row + 1
         if self._declined_in_a_row >= MAX_DECLINED_IN_A_ROW:
@@ -382,6 +394,14 @@ class DDPFaultTolerantStrategy(DDPStrategy):
                 " Look at the other groups' logs and the lighthouse for the failing group, then restart this one."
             )
         return result
+
+    def _quorum_before_forward(self, model: DistributedDataParallel, args: Any) -> None:
+        # Only a forward whose backward all-reduces: not evaluation (no grad), not no_sync's accumulation micro-batches.
+        if self._quorum_open or self._manager is None or not torch.is_grad_enabled():
+            return
+        if model.require_backward_grad_sync:
+            self._start_quorum(self._manager)
+            self._quorum_open = True
 
     def _start_quorum(self, manager: Any) -> None:
         options = self.fault_tolerance

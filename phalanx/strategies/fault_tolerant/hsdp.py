@@ -63,6 +63,7 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
     _make_manager: Callable[..., Any] = DDPFaultTolerantStrategy._make_manager
     _position: Callable[..., Any] = DDPFaultTolerantStrategy._position
     _load_position: Callable[..., Any] = DDPFaultTolerantStrategy._load_position
+    _catch_up_during_step: Callable[..., Any] = DDPFaultTolerantStrategy._catch_up_during_step
     _start_quorum: Callable[..., Any] = DDPFaultTolerantStrategy._start_quorum
     _join_first_quorum: Callable[..., Any] = DDPFaultTolerantStrategy._join_first_quorum
     _committed_step: Callable[..., Any] = DDPFaultTolerantStrategy._committed_step
@@ -110,6 +111,8 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
         self._manager: Any = None
         self._loop_position: Callable[[], dict[str, int]] | None = None
         self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
+        # None: a slow group keeps its own loop counters (a warning says so); ddp_ft's catch-up is untested here.
+        self._catch_up: Callable[[Mapping[str, int]], bool] | None = None
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
         self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
         self._declined_in_a_row = 0

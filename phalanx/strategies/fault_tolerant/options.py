@@ -44,9 +44,11 @@ class FaultTolerance:
     lighthouse: str = "http://localhost:29510"
     #: How long forming a quorum may wait for the replica groups (at the start of each step).
     quorum_timeout: timedelta = field(default_factory=lambda: timedelta(seconds=60))
-    #: How long one step's cross-group work may wait: the gradient all-reduce, the commit vote, a state transfer.
+    #: How long one step's cross-group work may wait: each collective (the gradient all-reduce), the commit vote, a
+    #: state transfer.
     step_timeout: timedelta = field(default_factory=lambda: timedelta(seconds=60))
-    #: How long connecting to the lighthouse and to the group's manager may wait.
+    #: How long connecting may wait: to the lighthouse, to a group's manager, and the groups' rendezvous when a new
+    #: quorum forms (a group that dies during it is given up after this, and the step is declined).
     connect_timeout: timedelta = field(default_factory=lambda: timedelta(seconds=60))
     #: How a rejoining group receives the live state: "http" (torchft's HTTP server) or "pg" (its process group).
     transport: str = "http"

@@ -42,3 +42,21 @@ def load_loop_position(loop: FitLoop, position: Mapping[str, int]) -> None:
     loop.batches_stepped = position["batches_stepped"]
     # The fit loop then goes on inside the epoch at batches_done (FitLoop.run); the epoch was not opened here yet.
     loop.phase, loop._step_pending, loop._epoch_open, loop._epoch_start_rng = _IN_BATCHES, False, False, None
+
+
+def catch_up_loop_position(loop: FitLoop, position: Mapping[str, int]) -> bool:
+    """Inside an optimizer step, take a peer's counters (``loop_position`` of a group ahead in the same epoch): the
+    step then counts as the peer's, and the loop ends the epoch with the peer. Returns whether ``loop`` moved.
+
+    The data already read is not read again: the batch in hand trains in the peer's step, and the epoch's last batches
+    (as many as steps were missed) are not read, the share a group loses for each quorum it missed.
+    """
+    window = loop._accumulated  # the window's earlier batches, which loop_position leaves out of the peer's count
+    behind = position["batches_done"] - (loop.batches_done - window)
+    if position["epoch"] != loop.current_epoch or behind < 0 or position["global_step"] < loop.global_step:
+        return False
+    loop.global_step = position["global_step"]
+    loop.batches_done = position["batches_done"] + window
+    loop.total_batches = position["total_batches"] + window
+    loop.batches_stepped = position["batches_stepped"]
+    return True

@@ -35,8 +35,8 @@ import phalanx
 from phalanx.callbacks import ModelCheckpoint
 
 TRAIN, VAL, TEST, PREDICT, BATCH = 64, 32, 32, 20, 8
-#: Strategies run on one process; the others on two.
-ONE_PROCESS = {"single_device"}
+#: Strategies run on one process; the others on two (ddp_ft: one replica group of one process).
+ONE_PROCESS = {"single_device", "ddp_ft"}
 #: Rows that pass no ``strategy=``: the default ('auto') picks it from ``devices``.
 AUTO = {"single_device", "ddp"}
 
@@ -146,8 +146,23 @@ def predictions(outputs: Any) -> list[float]:
     return values
 
 
+def start_replica_group() -> Any:
+    """For ddp_ft: a lighthouse in this process, and the environment of replica group 0 of 1 that strategy="ddp_ft"
+    reads (as a user's launch command sets it)."""
+    from datetime import timedelta
+
+    from phalanx.strategies.fault_tolerant import start_lighthouse
+
+    # One group: its quorum forms at once; a finished fit's group is forgotten within a second.
+    times = {"join_timeout": timedelta(milliseconds=20), "quorum_tick": timedelta(milliseconds=10)}
+    lighthouse = start_lighthouse(min_replicas=1, heartbeat_timeout=timedelta(seconds=1), **times)
+    os.environ.update(REPLICA_GROUP_ID="0", NUM_REPLICA_GROUPS="1", TORCHFT_LIGHTHOUSE=lighthouse.address)
+    return lighthouse
+
+
 def main() -> None:
     name, out = sys.argv[1], sys.argv[2]
+    lighthouse = start_replica_group() if name == "ddp_ft" else None
     module_type = TensorParallelTierModule if name == "model_parallel" else TierModule
     phalanx.seed_everything(3)
     report: list[dict[str, Any]] = []
@@ -182,6 +197,8 @@ def main() -> None:
     payload = {"global_rank": a.global_rank, "world_size": a.world_size, "stages": report}
     payload["strategy"] = type(a.strategy).__name__
     (Path(out) / f"report_{os.getpid()}.json").write_text(json.dumps(payload))
+    if lighthouse is not None:
+        lighthouse.shutdown()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ import phalanx  # noqa: E402
 from phalanx.strategies import DDPFaultTolerantStrategy, FaultTolerance  # noqa: E402
 
 GROUPS = 3
-WAIT = timedelta(seconds=180)  # every wait of a group (quorum, step, connect); the test's deadline bounds the run
+WAIT = timedelta(seconds=180)  # a group's quorum and step waits; the test's deadline bounds the run
+#: Connecting, and the groups' rendezvous at a quorum change: a group killed inside it holds its peers this long (it was
+#: WAIT: 180 s stalls, about 2 runs in 5 on a loaded machine). Localhost connects in well under a second.
+CONNECT = timedelta(seconds=20)
 BATCHES = 10  # per group and epoch
 SEED = 7  # every life of every group starts from these weights, so that any group may be the first quorum's source
 #: What the torchft and phalanx logs say when a life forms its quorum, starts and ends receiving a peer's state.
@@ -138,7 +141,9 @@ def main() -> None:
     # Group 0 saves every few steps, so that some kills land during a save.
     saves = phalanx.callbacks.ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=5, save_top_k=-1)
     # A loaded machine can take most of a minute to restart a group, while its peers wait for it: generous bounds.
-    options = replace(FaultTolerance.from_environment(), quorum_timeout=WAIT, step_timeout=WAIT, connect_timeout=WAIT)
+    options = replace(
+        FaultTolerance.from_environment(), quorum_timeout=WAIT, step_timeout=WAIT, connect_timeout=CONNECT
+    )
     trainer = phalanx.Trainer(
         strategy=DDPFaultTolerantStrategy(fault_tolerance=options),
         accelerator="cpu",

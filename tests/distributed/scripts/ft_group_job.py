@@ -3,7 +3,7 @@
 Usage: python ft_group_job.py OUT_DIR, with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE, MASTER_ADDR and
 MASTER_PORT set. Each committed step appends its batch's sample indices to OUT_DIR/group<id>.committed (kept across a
 kill and restart of the group) and prints "committed step N". ``reference_fit`` is the same training in one process on
-the groups' combined batches.
+the groups' combined batches. PHALANX_FT_SLOW=N stalls group 1 (alive) while groups 0 and 2 commit N steps without it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import phalanx
 
 BATCH = 4  # per replica group
 STEPS = 4
+SLOW_STEPS = 6  # with PHALANX_FT_SLOW (3 groups: 4 batches an epoch): group 1 catches up inside the first epoch
 SAMPLES = 48  # divisible by BATCH x groups for 2 and 3 groups: every group reads as many batches
 
 
@@ -39,6 +41,40 @@ class CommittedBatches(phalanx.Callback):
         print(f"committed step {trainer.global_step}", flush=True)
 
 
+class SlowGroup(phalanx.Callback):
+    """PHALANX_FT_SLOW=MISSED (3 groups): group 1 stalls before its step 1 (alive, heartbeating) while groups 0 and 2
+    commit MISSED steps without it; they wait at their step 1 + MISSED (bounded) until group 1 is awake again, so that
+    group 1's next quorum finds them ahead of it (in a real run: a group descheduled for a while, then back)."""
+
+    def __init__(self, out: Path, group: int, missed: int) -> None:
+        self.out, self.group, self.missed = out, group, missed
+
+    def _wait_for(self, ready: Any, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"group {self.group} waited 120 s for {what}")
+            time.sleep(0.05)
+
+    def on_sanity_check_end(self, trainer: Any, module: Any) -> None:
+        # Both groups' managers are up before either forms its first quorum: that quorum has both.
+        (self.out / f"ready{self.group}").touch()
+        groups = int(os.environ["NUM_REPLICA_GROUPS"])
+        self._wait_for(lambda: all((self.out / f"ready{g}").exists() for g in range(groups)), "the other groups")
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        committed = self.out / "group0.committed"
+
+        def ahead() -> bool:
+            return committed.exists() and len(committed.read_text().splitlines()) >= 1 + self.missed
+
+        if self.group == 1 and trainer.global_step == 1 and not (self.out / "awake").exists():
+            self._wait_for(ahead, f"group 0 to commit {self.missed} steps alone")
+            (self.out / "awake").touch()
+        if self.group != 1 and trainer.global_step == 1 + self.missed:
+            self._wait_for((self.out / "awake").exists, "group 1 to wake")
+
+
 class MomentumNet(Net):
     """Net with an optimizer that has state (momentum), which a joining group must receive too."""
 
@@ -47,7 +83,12 @@ class MomentumNet(Net):
 
 
 def fit(
-    strategy: Any, root: Path, batch_size: int, seed: int = 7, callbacks: list[Any] | None = None
+    strategy: Any,
+    root: Path,
+    batch_size: int,
+    seed: int = 7,
+    callbacks: list[Any] | None = None,
+    max_steps: int = STEPS,
 ) -> tuple[phalanx.Trainer, MomentumNet]:
     phalanx.seed_everything(seed)
     model = MomentumNet()
@@ -55,7 +96,7 @@ def fit(
         strategy=strategy,
         accelerator="cpu",
         devices=1,
-        max_steps=STEPS,
+        max_steps=max_steps,
         default_root_dir=str(root),
         callbacks=callbacks,
     )
@@ -79,7 +120,12 @@ def main() -> None:
     logging.getLogger("phalanx").setLevel(logging.INFO)
     # Groups other than 0 start from other weights: they must receive group 0's when the first quorum forms.
     committed = CommittedBatches(out / f"group{group}.committed")
-    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, seed=7 + group, callbacks=[committed])
+    callbacks: list[Any] = [committed]
+    missed = int(os.environ.get("PHALANX_FT_SLOW", "0"))
+    if missed:
+        callbacks.append(SlowGroup(out, group, missed))
+    steps = SLOW_STEPS if missed else STEPS
+    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, 7 + group, callbacks, steps)
     write_json(
         out,
         f"group{group}.json",

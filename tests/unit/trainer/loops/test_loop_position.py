@@ -100,3 +100,52 @@ def test_the_position_sent_names_the_first_batch_of_the_step_being_taken(accumul
 def test_a_position_without_its_integer_counters_is_refused(broken):
     with pytest.raises(ValueError, match="needs the integer counters"):
         _fit(broken, max_steps=2)
+
+
+class CatchingUpStrategy(JoiningStrategy):
+    """At its optimizer step number ``at``, takes ``peer`` (a position ahead) as ddp_ft does when it healed mid-run."""
+
+    def __init__(self, at: int, peer: dict[str, int]) -> None:
+        super().__init__(None)
+        self.at, self.peer = at, peer
+        self.caught_up: bool | None = None
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if len(self.reported) == self.at:
+            assert self.settings.catch_up_loop_position is not None
+            self.caught_up = self.settings.catch_up_loop_position(self.peer)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("at", "behind", "accumulate"),
+    [(1, 1, 1), (2, 2, 1), (0, 1, 2)],
+    ids=["one step behind", "two steps behind", "one step behind, accumulating 2"],
+)
+def test_a_group_behind_its_peers_takes_their_counters_inside_a_step(at, behind, accumulate):
+    # Its loop goes on with the peer's counters: the epoch ends with the peer's, the run ends at max_steps with
+    # `behind` fewer steps trained here (the batches not read are the epoch's last ones).
+    peer = _position(at + behind, 0, (at + behind) * accumulate)
+    model, strategy = RecordingRegressor(), CatchingUpStrategy(at, peer)
+    trainer = quiet_trainer(strategy=strategy, max_steps=8 // accumulate, limit_train_batches=BATCHES,
+                            num_sanity_val_steps=0, accumulate_grad_batches=accumulate)  # fmt: skip
+    trainer.fit(model, loaders(n=64, batch_size=8, shuffle=False)[0])
+    assert strategy.caught_up is True
+    steps = 8 // accumulate
+    assert trainer.global_step == steps and len(strategy.reported) == steps - behind
+    assert strategy.reported[at + 1] == _position(at + behind + 1, 0, (at + behind + 1) * accumulate)
+    first_epoch = [batch for epoch, batch in model.trained if epoch == 0]
+    read = (at + 1) * accumulate  # up to the catch-up's step, then from the peer's next batch to the epoch's end
+    assert first_epoch == [*range(read), *range(read + behind * accumulate, BATCHES)]
+    assert [batch for epoch, batch in model.trained if epoch == 1] == list(range(len(model.trained) - len(first_epoch)))
+
+
+@pytest.mark.parametrize(
+    "peer", [_position(7, 1, 1), _position(0, 0, 0)], ids=["a peer in another epoch", "a peer behind this group"]
+)
+def test_a_position_the_loop_cannot_take_inside_a_step_leaves_it_unchanged(peer):
+    model, strategy = RecordingRegressor(), CatchingUpStrategy(2, peer)
+    trainer = quiet_trainer(strategy=strategy, max_steps=8, limit_train_batches=BATCHES, num_sanity_val_steps=0)
+    trainer.fit(model, loaders(n=64, batch_size=8, shuffle=False)[0])
+    assert strategy.caught_up is False
+    assert strategy.reported == [_position(step, step // BATCHES, step % BATCHES) for step in range(8)]
