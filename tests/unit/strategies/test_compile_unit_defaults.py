@@ -50,7 +50,7 @@ class Net(phalanx.TrainingModule):
 
 
 #: The measured choices (docs/compile.md): the whole model unless block boundaries carry the sharding hooks.
-BLOCKS = {"fsdp", "fsdp_cpu_offload", "model_parallel"}
+BLOCKS = {"fsdp", "fsdp_cpu_offload", "hsdp_ft", "model_parallel"}
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGY_REGISTRY.available()))

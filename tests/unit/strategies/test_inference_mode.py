@@ -16,7 +16,7 @@ from phalanx.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy, Strategy
 ALLOWS = {
     **{name: True for name in STRATEGY_REGISTRY.available() if name.startswith("ddp") or name == "single_device"},
     **{name: not name.startswith("deepspeed_stage_3") for name in STRATEGY_REGISTRY.available() if "deepspeed" in name},
-    **{name: False for name in ("fsdp", "fsdp_cpu_offload", "model_parallel")},
+    **{name: False for name in ("fsdp", "fsdp_cpu_offload", "hsdp_ft", "model_parallel")},
     **{name: False for name in ("single_xla", "xla", "xla_debug", "xla_fsdp", "xla_spmd", "xla_spmd_dp")},
 }
 #: Registered by the integrations under tests/ (not phalanx's own).
