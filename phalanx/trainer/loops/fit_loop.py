@@ -233,7 +233,6 @@ class FitLoop:
             strategy_batch_start = None
         move_batch = hooks.move_train_batch
         loggers = trainer.loggers
-        log_every = trainer.log_every_n_steps  # 0: barebones, no step logging
         stop = False
         while not stop and self.batches_done < num_batches:
             try:
@@ -259,7 +258,9 @@ class FitLoop:
             self._step_pending = stepped = no_window or not self._accumulating()
             for hook in batch_end_hooks:
                 hook(output, batch, batch_idx)
-            # As in Lightning: every log_every_n_steps optimizer steps (not batches), or when a stop is requested.
+            # As in Lightning: every log_every_n_steps optimizer steps (not batches), or when a stop is requested. Read
+            # at every step, as Lightning does, so that a callback's assignment counts at once (0: barebones).
+            log_every = trainer.log_every_n_steps
             if log_every and stepped and ((self.batches_stepped + 1) % log_every == 0 or trainer._run.should_stop):
                 if loggers:
                     metrics.log_step()
