@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
     from phalanx.cohort.cohort import Cohort
@@ -37,7 +37,7 @@ class LivePosition:
     def __init__(self, cohort: Cohort) -> None:
         # Weak: the strategy keeps these methods in its RunSettings, and a deep copy of the module must not reach
         # the Cohort (its last loss is no graph leaf: torch cannot copy it).
-        self._cohort = weakref.ref(cohort)
+        self._cohort: Callable[[], Cohort | None] = weakref.ref(cohort)
         self.position: dict[str, int] = {}
 
     def read(self) -> dict[str, int]:
@@ -53,3 +53,24 @@ class LivePosition:
         if cohort is not None and isinstance(step, int):
             cohort._optimizer_steps = step
         self.position.update({key: value for key, value in received.items() if key in self.position})
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LivePosition:
+        # A copy keeps pointing at the same Cohort, weakly (see __init__): copying it would copy the Cohort.
+        copied = LivePosition.__new__(LivePosition)
+        copied._cohort, copied.position = self._cohort, dict(self.position)
+        return copied
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A weak reference cannot be pickled; spawned processes receive the Cohort pickled, this with it. The Cohort
+        # goes in strongly here (pickle's memo makes it the same object as the one being pickled).
+        return {"cohort": self._cohort(), "position": self.position}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        cohort = state["cohort"]
+        self._cohort = weakref.ref(cohort) if cohort is not None else _gone
+        self.position = state["position"]
+
+
+def _gone() -> None:
+    """What a weak reference returns once its Cohort is gone (a Cohort pickled after it was collected)."""
+    return None
