@@ -131,8 +131,10 @@ def test_an_honest_peer_refuses_a_poisoners_contribution(tmp_path: Path, attack:
         assert not insane, f"the honest peer's weights reached {insane[:5]}:\n{log[-3000:]}"
         if refused in log:
             break
-        # The pair never averaged together (matchmaking missed its deadline on a loaded machine): nothing was tried.
-        assert "Averaged gradients with 2 peers" not in log, f"an averaged round went unchecked:\n{log[-3000:]}"
+        # No refusal: the poisoned contribution never reached the honest peer. Either the pair never averaged together
+        # (matchmaking missed its deadline on a loaded machine), or it did but hivemind dropped the poisoner's parts
+        # (a sender too slow mid-round is excluded and the round still reports 2 peers). An unrefused poisoned round
+        # would have sent the weights past SANE (1e4 or NaN per element), which the assertion above checks.
     lines = [line for line in log.splitlines() if refused in line]
     assert lines, f"the attack never reached the honest peer in {ATTEMPTS} attempts:\n{log[-3000:]}"
     assert any(cause in line for line in lines), lines
