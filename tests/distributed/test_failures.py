@@ -17,6 +17,24 @@ def _no_process_left(marker: str) -> bool:
     return not processes_with_marker(marker)
 
 
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """(strategy, rank) -> a job in which that rank killed itself at step 3, its marker, when it ended and the file
+    holding when the rank died: each such job runs once, for both tests that read it."""
+    jobs: dict[tuple[str, int], tuple] = {}
+
+    def get(strategy: str, failing_rank: int) -> tuple:
+        if (strategy, failing_rank) not in jobs:
+            marker, stamp = f"marker-{uuid.uuid4().hex}", tmp_path_factory.mktemp("killed") / "killed_at"
+            environment = clean_environment(KILL_STAMP=str(stamp))
+            args = (strategy, str(failing_rank), "kill", "120", marker)
+            job = run_script("failing_job.py", *args, env=environment, timeout=60)
+            jobs[strategy, failing_rank] = (job, marker, time.time(), stamp)
+        return jobs[strategy, failing_rank]
+
+    return get
+
+
 # The collective timeout is 120 s here: the job must end because phalanx stops it, not because torch gives up.
 @pytest.mark.parametrize(
     ("strategy", "failing_rank", "mode"),
@@ -29,9 +47,12 @@ def _no_process_left(marker: str) -> bool:
         ("ddp_fork", 1, "kill"),
     ],
 )
-def test_a_failing_rank_stops_the_whole_job(strategy, failing_rank, mode):
-    marker = f"marker-{uuid.uuid4().hex}"
-    job = run_script("failing_job.py", strategy, str(failing_rank), mode, "120", marker, timeout=60)
+def test_a_failing_rank_stops_the_whole_job(killed, strategy, failing_rank, mode):
+    if mode == "kill":
+        job, marker, _, _ = killed(strategy, failing_rank)
+    else:
+        marker = f"marker-{uuid.uuid4().hex}"
+        job = run_script("failing_job.py", strategy, str(failing_rank), mode, "120", marker, timeout=60)
     assert job.returncode != 0
     assert job.seconds < 30, f"the job took {job.seconds:.1f} s to stop"
     assert _no_process_left(marker)
@@ -93,19 +114,8 @@ def test_a_rank_that_starts_later_than_the_collective_timeout_still_joins():
 
 
 @pytest.mark.parametrize(("strategy", "failing_rank"), [("ddp", 1), ("ddp", 0), ("ddp_fork", 1)])
-def test_a_killed_rank_ends_the_job_within_seconds_with_no_process_left(tmp_path, strategy, failing_rank):
-    marker, stamp = f"marker-{uuid.uuid4().hex}", tmp_path / "killed_at"
-    job = run_script(
-        "failing_job.py",
-        strategy,
-        str(failing_rank),
-        "kill",
-        "120",
-        marker,
-        env=clean_environment(KILL_STAMP=str(stamp)),
-        timeout=60,
-    )
-    ended = time.time()
+def test_a_killed_rank_ends_the_job_within_seconds_with_no_process_left(killed, strategy, failing_rank):
+    job, marker, ended, stamp = killed(strategy, failing_rank)
     assert job.returncode != 0
     # A liveness bound, generous for a loaded machine: without the launcher's watch the job would wait for the timeout.
     assert ended - float(stamp.read_text()) < 5.0, (
