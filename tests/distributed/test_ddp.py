@@ -81,11 +81,17 @@ def test_predictions_come_back_in_dataset_order(features):
     assert rank1["predictions"] == rank0["predictions"]
 
 
-def test_same_weights_as_a_hand_written_ddp_script_and_close_to_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The hand-written DDP script's weights after its 50 steps: one run serves every test that compares with it."""
+    path = tmp_path_factory.mktemp("reference_ddp") / "reference.pt"
+    assert_ok(run_script("reference_ddp.py", str(path)))
+    return torch.load(path, weights_only=True)
+
+
+def test_same_weights_as_a_hand_written_ddp_script_and_close_to_one_process(tmp_path, reference):
     assert_ok(run_script("ddp_parity.py", str(tmp_path / "phalanx.pt")))
-    assert_ok(run_script("reference_ddp.py", str(tmp_path / "reference.pt")))
     ours = torch.load(tmp_path / "phalanx.pt", weights_only=True)
-    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
     assert all(torch.equal(a, b) for a, b in zip(ours, reference))
 
     # One process on the union of both ranks' batches (batch 16, the same permutation) ends at the same point.
@@ -110,13 +116,11 @@ def test_same_weights_as_a_hand_written_ddp_script_and_close_to_one_process(tmp_
 
 
 @pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
-def test_spawned_and_forked_ranks_train_like_ddp_and_a_hand_written_script(tmp_path, strategy):
+def test_spawned_and_forked_ranks_train_like_ddp_and_a_hand_written_script(tmp_path, strategy, reference):
     # Spawned workers receive the module through shared memory: each rank must step its own copy, or every update
     # lands world_size times (the weights would differ from the reference by far more than rounding).
     assert_ok(run_script("ddp_parity.py", str(tmp_path / "ours.pt"), strategy))
-    assert_ok(run_script("reference_ddp.py", str(tmp_path / "reference.pt")))
     ours = torch.load(tmp_path / "ours.pt", weights_only=True)
-    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
     assert all(torch.equal(a, b) for a, b in zip(ours, reference))
 
 
