@@ -64,16 +64,37 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint_loadable(
 KILLED_SAVE = Path(__file__).parent / "scripts" / "killed_save_job.py"
 
 
-def _fit_killed(dirpath: Path, io: str, save_last: str, point: str) -> None:
+@pytest.fixture(scope="module")
+def killed_fits(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str], tuple[Path, int, str]]:
+    """(IO, SAVE_LAST, POINT) of each killed fit below -> its folder, its exit status and its output.
+
+    The fits are independent single processes that mostly import torch: they run at once, on every core."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), os.getcwd()]))}
-    done = subprocess.run(
-        [sys.executable, str(KILLED_SAVE), str(dirpath), io, save_last, point],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert done.returncode == -signal.SIGKILL, (done.returncode, done.stdout, done.stderr[-3000:])
+    logs = tmp_path_factory.mktemp("killed_fit_logs")  # files, not pipes: no job waits on a full pipe meanwhile
+    started: dict[tuple[str, str, str], tuple[Path, subprocess.Popen, Any]] = {}
+    try:
+        for key in KILLED_FITS:
+            folder, log = tmp_path_factory.mktemp("_".join(key)), (logs / f"{'_'.join(key)}.log").open("w")
+            command = [sys.executable, str(KILLED_SAVE), str(folder), *key]
+            started[key] = (folder, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+        results = {}
+        for key, (folder, process, log) in started.items():
+            process.wait(timeout=300)
+            results[key] = (folder, process.returncode, Path(log.name).read_text())
+        return results
+    finally:
+        for _, process, log in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+            log.close()
+
+
+def _fit_killed(killed_fits: dict, io: str, save_last: str, point: str) -> Path:
+    """The folder of the fit whose save at step 4 was killed at ``point``, once its process is known killed."""
+    folder, returncode, output = killed_fits[io, save_last, point]
+    assert returncode == -signal.SIGKILL, (returncode, output[-3000:])
+    return folder
 
 
 def _visible(dirpath: Path) -> list[str]:
@@ -115,25 +136,29 @@ KILL_POINTS = [
 ]
 
 
+SAVE_LASTS = ["true", "link"]
+KILLED_FITS = [("sync", "none", point) for point, _, _ in KILL_POINTS] + [("async", s, "written") for s in SAVE_LASTS]
+
+
 @pytest.mark.parametrize(("point", "after_kill", "after_next_run"), KILL_POINTS, ids=[p[0] for p in KILL_POINTS])
-def test_a_killed_save_leaves_no_incomplete_file_under_a_final_name(tmp_path, point, after_kill, after_next_run):
-    _fit_killed(tmp_path, "sync", "none", point)
-    assert _visible(tmp_path) == after_kill  # an incomplete save shows nothing under its final name
+def test_a_killed_save_leaves_no_incomplete_file_under_a_final_name(killed_fits, point, after_kill, after_next_run):
+    folder = _fit_killed(killed_fits, "sync", "none", point)
+    assert _visible(folder) == after_kill  # an incomplete save shows nothing under its final name
     for name in after_kill:
         step = int(name.split("step=")[1].split(".")[0])
-        assert torch.load(tmp_path / name, weights_only=True)["global_step"] == step  # every visible file is whole
-    assert _resumed_fit(tmp_path, str(tmp_path / STEP.format(2))) == 2
+        assert torch.load(folder / name, weights_only=True)["global_step"] == step  # every visible file is whole
+    assert _resumed_fit(folder, str(folder / STEP.format(2))) == 2
     # The killed save's claim and temporaries were reclaimed: its name was free again (no -v1) unless written.
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(after_next_run)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(after_next_run)
 
 
-@pytest.mark.parametrize("save_last", ["true", "link"])
-def test_a_save_killed_in_the_background_keeps_last_at_the_previous_complete_checkpoint(tmp_path, save_last):
-    _fit_killed(tmp_path, "async", save_last, "written")
-    assert _visible(tmp_path) == sorted([STEP.format(2), "last.ckpt"])
-    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
-    assert _resumed_fit(tmp_path, "last", save_last=True if save_last == "true" else "link") == 2  # newest complete
-    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 6
+@pytest.mark.parametrize("save_last", SAVE_LASTS)
+def test_a_save_killed_in_the_background_keeps_last_at_the_previous_complete_checkpoint(killed_fits, save_last):
+    folder = _fit_killed(killed_fits, "async", save_last, "written")
+    assert _visible(folder) == sorted([STEP.format(2), "last.ckpt"])
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 2
+    assert _resumed_fit(folder, "last", save_last=True if save_last == "true" else "link") == 2  # newest complete
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 6
 
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
