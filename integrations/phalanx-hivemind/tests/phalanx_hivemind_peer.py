@@ -6,7 +6,8 @@ swarm step it reaches: the step, the parameters right after it, the number of pe
 it trained since the previous record. It stops at the first batch after ``--stop-file`` appears, at swarm step
 ``--swarm-steps``, ``--more-steps`` after its first, or after ``--max-seconds``. ``--poison`` makes it an attacker
 (test_hivemind_trust.py): every gradient one value, its parameters one value after each batch, or the state it serves
-to joiners tampered with.
+to joiners tampered with. ``--peers-from`` joins the peer whose record file it names once that file holds its
+addresses: a second peer started beside the first then imports and builds while the first does.
 """
 
 from __future__ import annotations
@@ -150,12 +151,23 @@ def _poisoning(module: phalanx.TrainingModule, attack: str) -> phalanx.Callback:
     raise ValueError(f"unknown attack {attack!r}")
 
 
+def _addresses_in(path: Path, deadline: float) -> list[str]:
+    """The addresses another peer wrote as the first line of its record file (waiting until that line is whole)."""
+    while time.time() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if "\n" in text:
+            return json.loads(text.split("\n", 1)[0])["addresses"]
+        time.sleep(0.1)
+    raise TimeoutError(f"{path} held no addresses before the deadline")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--name", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--run-id", default="phalanx_test")
     parser.add_argument("--initial-peers", default="")
+    parser.add_argument("--peers-from", type=Path, default=None, help="join the peer whose record file this is")
     parser.add_argument("--target-batch-size", type=int, default=256)
     parser.add_argument("--swarm-steps", type=int, default=1000)
     parser.add_argument("--step-sleep", type=float, default=0.02)
@@ -183,10 +195,14 @@ def main() -> None:
     true_map = torch.randn(8, 1, generator=torch.Generator().manual_seed(123))
     x = torch.randn(4096, 8, generator=generator)
     data = TensorDataset(x, x @ true_map + 0.01 * torch.randn(4096, 1, generator=generator))
+    deadline = time.time() + args.max_seconds
+    initial_peers = [peer for peer in args.initial_peers.split(",") if peer]
+    if args.peers_from is not None:
+        initial_peers += _addresses_in(args.peers_from, deadline)
     strategy = HivemindStrategy(
         target_batch_size=args.target_batch_size,
         run_id=args.run_id,
-        initial_peers=[peer for peer in args.initial_peers.split(",") if peer],
+        initial_peers=initial_peers,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         matchmaking_time=args.matchmaking_time,
         averaging_timeout=args.averaging_timeout,
@@ -194,7 +210,6 @@ def main() -> None:
         verbose=True,  # hivemind's per-round status lines: the test reads which rounds a peer averaged alone
         **json.loads(args.options),
     )
-    deadline = time.time() + args.max_seconds
     callbacks = [] if args.poison is None else [_poisoning(module, args.poison)]
     recorder = Recorder(args.out / f"{args.name}.jsonl", args.swarm_steps, deadline, args.stop_file, args.go_file)
     recorder.more_steps = args.more_steps

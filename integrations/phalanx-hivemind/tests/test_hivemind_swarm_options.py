@@ -24,6 +24,9 @@ torch = pytest.importorskip("torch")
 
 PEER_SCRIPT = Path(__file__).with_name("phalanx_hivemind_peer.py")
 STEPS = 6  # swarm steps both peers take together (slow enough for each to see the other in the DHT)
+# hivemind waits this long for a group twice a swarm step (the gradients, then the parameters): with the peer's 3 s each
+# step took 6 s, nearly all of it waiting. 1.5 s leaves its requests (0.6 of it: 0.9 s) room on a loaded machine.
+MATCHMAKING_SECONDS = 1.5
 WAIT_SECONDS = 120
 ATTEMPTS = 2  # runs of a pair whose steps hivemind reports as averaged alone before the test gives up
 SOLO_ROUND_LINES = ("Proceeding with local gradients", "Averaging gradients failed", "Peer is out of sync")
@@ -58,6 +61,7 @@ def _wait(what: str, condition, processes: dict[str, subprocess.Popen], workdir:
 def _run_pair(workdir: Path, options: dict, scheduler: bool) -> dict[str, dict[int, dict]]:
     base = [sys.executable, str(PEER_SCRIPT), "--out", str(workdir), "--options", json.dumps(options)]
     base += ["--swarm-steps", str(STEPS), "--max-seconds", str(WAIT_SECONDS), "--target-batch-size", "512"]
+    base += ["--matchmaking-time", str(MATCHMAKING_SECONDS)]
     base += [] if scheduler else ["--no-scheduler"]
     processes: dict[str, subprocess.Popen] = {}
 
@@ -67,9 +71,9 @@ def _run_pair(workdir: Path, options: dict, scheduler: bool) -> dict[str, dict[i
         processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     try:
+        # Both at once: B imports and builds while A does, and joins A once A has written its addresses.
         start("a", "--data-seed", "1")
-        _wait("a's address", lambda: bool(_records(workdir / "a.jsonl")), processes, workdir)
-        start("b", "--data-seed", "2", "--initial-peers", ",".join(_records(workdir / "a.jsonl")[0]["addresses"]))
+        start("b", "--data-seed", "2", "--peers-from", str(workdir / "a.jsonl"))
         ready = lambda: all(any(r.get("ready") for r in _records(workdir / f"{n}.jsonl")) for n in "ab")  # noqa: E731
         _wait("both peers to be ready", ready, processes, workdir)
         (workdir / "go").touch()  # both start at swarm step 0, together
