@@ -40,6 +40,9 @@ CATCH_UP = 1
 PEER_SECONDS = 240  # each peer stops by itself after this long, whatever happened
 WAIT_SECONDS = 120  # the longest the test waits for any one event (a missed averaging round costs 10 s)
 PARAM_ATOL = 1e-5  # hivemind adds the averaged deltas in float32: peers agree to rounding, not always bitwise
+# hivemind waits this long for a group twice a swarm step (the gradients, then the parameters): with the peer's 3 s a
+# step of two or three peers took 6 s, nearly all of it waiting. 1.5 s leaves its requests (0.9 s) room under load.
+MATCHMAKING_SECONDS = 1.5
 
 
 class Swarm:
@@ -55,7 +58,7 @@ class Swarm:
     def start(self, name: str, *args: str) -> None:
         log = (self.workdir / f"{name}.log").open("w")
         command = [sys.executable, str(PEER_SCRIPT), "--name", name, "--out", str(self.workdir)]
-        command += ["--max-seconds", str(PEER_SECONDS), *args]
+        command += ["--max-seconds", str(PEER_SECONDS), "--matchmaking-time", str(MATCHMAKING_SECONDS), *args]
         # A session of its own: killing the group also ends the peer's p2pd daemon and averager processes.
         self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
