@@ -19,6 +19,7 @@ from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
 from phalanx.strategies.fault_tolerant.process_group import cross_group_gloo
+from phalanx.strategies.fault_tolerant.schedulers import load_scheduler_states, scheduler_states
 from phalanx.strategies.fault_tolerant.semi_sync import SemiSyncGroup
 from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
@@ -130,6 +131,9 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._loop_position: Callable[[], dict[str, int]] | None = None
         self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
         self._catch_up: Callable[[Mapping[str, int]], bool] | None = None
+        self._callback_states: Callable[[], dict[str, Any]] | None = None
+        self._load_callback_states: Callable[[Mapping[str, Any]], None] | None = None
+        self._callbacks_received: int | None = None  # how many callbacks' states the latest heal loaded
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
         self._quorum_open = False  # the step in progress has its quorum (on_train_start's, a forward's or its own)
         self._declined_in_a_row = 0
@@ -194,6 +198,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         if settings.fitting and self._manager is None:
             self._loop_position, self._load_loop_position = settings.loop_position, settings.load_loop_position
             self._catch_up = settings.catch_up_loop_position
+            self._take_callback_states(settings)
             self._manager = self._make_manager()
         super().wrap_module_and_optimizers(settings)
         if not settings.fitting:
@@ -267,20 +272,51 @@ class DDPFaultTolerantStrategy(DDPStrategy):
             replica_id=f"phalanx_group_{options.replica_group_id}",
             checkpoint_transport=transport,
         )
-        # A second state in torchft's live transfer: the loop's counters and data position, loaded after the weights.
+        # More states in torchft's live transfer, loaded in this order after the weights: the callbacks' states, then
+        # the loop's counters and data position (whose loading logs what the group received).
+        manager.register_state_dict_fn("callbacks", self._load_callbacks, self._callbacks)
         manager.register_state_dict_fn("loop", self._load_position, self._position)
         return manager
 
     def _live_state(self) -> dict[str, Any]:
-        """What a healthy group sends a rejoining one: the weights and the optimizer state."""
+        """What a healthy group sends a rejoining one: the weights, the optimizer and the LR schedulers' states."""
         assert self._module is not None
-        return {"module": self._module.state_dict(), "optimizers": [o.state_dict() for o in self.optimizers]}
+        return {
+            "module": self._module.state_dict(),
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": scheduler_states(self.lr_scheduler_configs),
+        }
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
         assert self._module is not None
         self._module.load_state_dict(state["module"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
+        load_scheduler_states(self.lr_scheduler_configs, state.get("schedulers"))
+
+    def _take_callback_states(self, settings: RunSettings) -> None:
+        """Keep the driver's functions that read and load its callbacks' states (None: it has no callbacks)."""
+        self._callback_states, self._load_callback_states = settings.callback_states, settings.load_callback_states
+
+    def _callbacks(self) -> dict[str, Any] | None:
+        """What a healthy group sends with its weights: its callbacks' states, as a checkpoint stores them."""
+        return None if self._callback_states is None else self._callback_states()
+
+    def _load_callbacks(self, states: dict[str, Any] | None) -> None:
+        if states is not None and self._load_callback_states is not None:
+            self._load_callback_states(states)
+            self._callbacks_received = len(states)
+
+    def _received(self, last: str | None = None) -> str:
+        """What this group loaded from a peer, as a phrase for the log: the weights, the optimizer state, the LR
+        schedulers' and the callbacks' states (where there are), and ``last``."""
+        parts = ["weights", "optimizer state"]
+        if self.lr_scheduler_configs:
+            parts.append(f"the state of {len(self.lr_scheduler_configs)} learning-rate scheduler(s)")
+        if self._callbacks_received is not None:
+            parts.append(f"the states of {self._callbacks_received} callback(s)")
+        parts += [last] if last else []
+        return ", ".join(parts[:-1]) + f" and {parts[-1]}"
 
     def _position(self) -> dict[str, int] | None:
         """What a healthy group sends with its weights: where its loop stands (None without a loop to ask)."""
@@ -304,8 +340,8 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         else:  # a hand-written loop's counters (the Cohort's start_training)
             where = "".join(f", {key}={value}" for key, value in position.items() if key != "global_step")
         rank_zero_info(
-            f"Replica group {group} healed from a peer (no checkpoint read): weights, optimizer state and loop"
-            f" position received; it continues at global_step={position['global_step']}{where}."
+            f"Replica group {group} healed from a peer (no checkpoint read): {self._received('loop position')}"
+            f" received; it continues at global_step={position['global_step']}{where}."
         )
 
     def _catch_up_during_step(self, position: dict[str, int]) -> None:
@@ -314,16 +350,16 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         group, step = self.fault_tolerance.replica_group_id, position["global_step"]
         if self._semi_sync is None and self._catch_up is not None and self._catch_up(position):
             rank_zero_info(
-                f"Replica group {group} fell behind its peers (left out of a quorum) and took their weights, optimizer"
-                f" state and loop counters during a step: it continues at global_step={step}, epoch"
+                f"Replica group {group} fell behind its peers (left out of a quorum) and took their"
+                f" {self._received('loop counters')} during a step: it continues at global_step={step}, epoch"
                 f" {position['epoch']}, batch {position['batches_done']}; the batch it had read trains in this step,"
                 f" and its share of the steps it missed is skipped."
             )
             return
         # The loop is inside a batch of another epoch: its data position cannot move there.
         rank_zero_warn(
-            f"Replica group {group} fell behind its peers and received their weights and optimizer state during a"
-            f" step; its loop counters and data position stay its own (global_step of the peer: {step})."
+            f"Replica group {group} fell behind its peers and received their {self._received()} during"
+            f" a step; its loop counters and data position stay its own (global_step of the peer: {step})."
         )
 
     # ------------------------------------------------------------------ steps

@@ -17,6 +17,7 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.fault_tolerant.ddp import DDPFaultTolerantStrategy
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
+from phalanx.strategies.fault_tolerant.schedulers import load_scheduler_states, scheduler_states
 from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
 from phalanx.strategies.fsdp._fsdp1_arguments import HYBRID_STRATEGIES
 from phalanx.strategies.fsdp.strategy import FSDPStrategy
@@ -64,6 +65,10 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
     _position: Callable[..., Any] = DDPFaultTolerantStrategy._position
     _load_position: Callable[..., Any] = DDPFaultTolerantStrategy._load_position
     _catch_up_during_step: Callable[..., Any] = DDPFaultTolerantStrategy._catch_up_during_step
+    _take_callback_states: Callable[..., Any] = DDPFaultTolerantStrategy._take_callback_states
+    _callbacks: Callable[..., Any] = DDPFaultTolerantStrategy._callbacks
+    _load_callbacks: Callable[..., Any] = DDPFaultTolerantStrategy._load_callbacks
+    _received: Callable[..., Any] = DDPFaultTolerantStrategy._received
     _start_quorum: Callable[..., Any] = DDPFaultTolerantStrategy._start_quorum
     _join_first_quorum: Callable[..., Any] = DDPFaultTolerantStrategy._join_first_quorum
     _committed_step: Callable[..., Any] = DDPFaultTolerantStrategy._committed_step
@@ -113,6 +118,9 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
         self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
         # None: a slow group keeps its own loop counters (a warning says so); ddp_ft's catch-up is untested here.
         self._catch_up: Callable[[Mapping[str, int]], bool] | None = None
+        self._callback_states: Callable[[], dict[str, Any]] | None = None
+        self._load_callback_states: Callable[[Mapping[str, Any]], None] | None = None
+        self._callbacks_received: int | None = None  # how many callbacks' states the latest heal loaded
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
         self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
         self._declined_in_a_row = 0
@@ -164,6 +172,7 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
 
         if settings.fitting and self._manager is None:
             self._loop_position, self._load_loop_position = settings.loop_position, settings.load_loop_position
+            self._take_callback_states(settings)
             self._manager = self._make_manager()
         super().wrap_module_and_optimizers(settings)
         if not settings.fitting:
@@ -178,7 +187,8 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
     # ------------------------------------------------------------------ live state, shard by shard
     def _live_state(self) -> dict[str, Any]:
         """What this process sends the process with its rank in a rejoining group: its shards of the weights and of
-        the optimizer state (plain tensors: the receiver puts them back on its own mesh)."""
+        the optimizer state (plain tensors: the receiver puts them back on its own mesh), and the LR schedulers'
+        states (whole on every process)."""
         assert self._module is not None
         optimizers = []
         for optimizer in self.optimizers:
@@ -188,7 +198,8 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
             ]
             local = {pid: {key: _local(v) for key, v in entries.items()} for pid, entries in state["state"].items()}
             optimizers.append({"state": local, "param_groups": state["param_groups"], "sharded": sharded})
-        return {"module": {k: _local(v) for k, v in self._module.state_dict().items()}, "optimizers": optimizers}
+        module = {k: _local(v) for k, v in self._module.state_dict().items()}
+        return {"module": module, "optimizers": optimizers, "schedulers": scheduler_states(self.lr_scheduler_configs)}
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
         from torch.distributed.tensor import DTensor  # lazy for import time: loaded with FSDP's modules
@@ -206,6 +217,7 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
                     entries[pid][key], param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
                 )
             optimizer.load_state_dict({"state": entries, "param_groups": received["param_groups"]})
+        load_scheduler_states(self.lr_scheduler_configs, state.get("schedulers"))
 
     # ------------------------------------------------------------------ steps
     def on_train_start(self) -> None:
