@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 from phalanx_testing import Regressor, loaders, quiet_trainer
 
 import phalanx
@@ -95,7 +96,9 @@ def test_a_joining_driver_takes_the_callback_states_of_its_peer(
     assert peer.strategy.settings.callback_states is not None
     sent = peer.strategy.settings.callback_states()
     # The same entries as the "callbacks" entry of the peer's checkpoint: one serialisation.
-    assert sent.keys() == peer._checkpoint_connector.dump()["callbacks"].keys() == {peer_callback.state_key}
+    peer.save_checkpoint(tmp_path / "peer.ckpt")
+    saved = torch.load(tmp_path / "peer.ckpt", weights_only=False)["callbacks"]
+    assert sent.keys() == saved.keys() == {peer_callback.state_key}
     fresh = attributes(make(tmp_path))
     assert attributes(peer_callback) != fresh  # the peer's state is not a new callback's
     joining_callback = make(tmp_path)
