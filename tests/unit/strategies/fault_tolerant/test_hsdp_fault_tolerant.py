@@ -104,6 +104,7 @@ def _sharded(seed: int, scheduler_steps: int = 0) -> tuple[HSDPFaultTolerantStra
     optimizer.step()  # momentum buffers exist, as DTensors like the parameters
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     for _ in range(scheduler_steps):
+        optimizer.step()
         scheduler.step()
     strategy = _strategy()
     strategy.connect(module)
