@@ -1,8 +1,10 @@
 """strategy='ddp_ft' across real replica groups (one process each) and a lighthouse in this process; group 1 is killed
-with SIGKILL mid-run and restarted, and rejoins from group 0's live state."""
+with SIGKILL mid-run and restarted, and rejoins from group 0's live state: weights, optimizer state, LR scheduler state,
+callbacks' states and loop position."""
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 from datetime import timedelta
@@ -60,6 +62,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "reference": ft_group_job.reference_fit(GROUPS, out / "reference"),
         "steps": ft_group_job.STEPS,
         "batch": ft_group_job.BATCH,
+        "lr_step": ft_group_job.LR_STEP,
         "killed_code": killed_code,
         "restart_log": restarted.log.read_text(),
     }
@@ -69,6 +72,32 @@ def test_every_group_ends_with_the_weights_of_one_process_on_the_combined_batche
     for group, result in enumerate(run["results"]):
         for got, want in zip(result["weights"], run["reference"]):
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6, f"group {group} differs from the reference"
+
+
+def test_every_group_ends_on_the_schedule_of_the_committed_steps(run):
+    # StepLR(step_size=LR_STEP, gamma=0.5) from Net's lr=0.05, stepped once per committed step on every group.
+    final = [result["final_state"] for result in run["results"]]
+    for state in final:
+        assert state["scheduler"]["last_epoch"] == run["steps"], state
+        assert state["lr"] == pytest.approx(0.05 * 0.5 ** (run["steps"] // run["lr_step"])), state
+    assert all(state["scheduler"] == final[0]["scheduler"] for state in final[1:]), final
+
+
+def test_the_restarted_group_steps_at_its_peers_learning_rate_from_the_heal_on(run):
+    survivor, restarted = (result["states"] for result in run["results"])
+    assert restarted and set(restarted) <= set(survivor), (sorted(restarted), sorted(survivor))
+    for step, state in restarted.items():
+        assert (state["lr"], state["scheduler"]) == (survivor[step]["lr"], survivor[step]["scheduler"]), step
+
+
+def test_the_restarted_group_receives_its_peers_callback_states(run):
+    survivor, restarted = (result["states"] for result in run["results"])
+    healed_at = min(restarted, key=int)
+    want, got = survivor[healed_at], restarted[healed_at]
+    # The peer had validated and saved by then: these are not the states of a group that just started.
+    assert want["best_k_models"] and want["best_score"] is not None and math.isfinite(want["best_score"]), want
+    for key in ("wait_count", "best_score", "best_model_score", "best_k_models"):
+        assert got[key] == want[key], (key, got, want)
 
 
 def test_global_step_counts_the_committed_steps(run):
@@ -86,9 +115,15 @@ def test_committed_steps_train_each_sample_of_the_groups_shares_once_across_the_
 
 def test_the_killed_group_rejoins_from_a_peer_at_its_position(run):
     assert run["killed_code"] == -signal.SIGKILL
-    healed = re.search(r"healed from a peer \(no checkpoint read\).*continues at global_step=(\d+)", run["restart_log"])
+    healed = re.search(
+        r"healed from a peer \(no checkpoint read\): weights, optimizer state, the state of 1 learning-rate"
+        r" scheduler\(s\), the states of (\d+) callback\(s\) and loop position received; it continues at"
+        r" global_step=(\d+)",
+        run["restart_log"],
+    )
     assert healed, run["restart_log"][-3000:]
-    assert int(healed.group(1)) >= 1  # the survivor's step, not the fresh process's 0
+    assert int(healed.group(1)) >= 2  # at least EarlyStopping's and the top-k ModelCheckpoint's
+    assert int(healed.group(2)) >= 1  # the survivor's step, not the fresh process's 0
     assert "committed step 1\n" not in run["restart_log"]  # it never retrained the steps before its position
 
 
@@ -130,10 +165,12 @@ def test_a_slow_group_takes_its_peers_loop_position_and_ends_with_them(slow_run)
     assert len({index for batch in first_epoch for index in batch}) == 4 * (4 - MISSED)
     assert slow["committed"][4 - MISSED :] == first_epoch
     caught_up = re.search(
-        r"took their weights, optimizer state and loop counters.*global_step=(\d+)",
+        r"took their weights, optimizer state, .* and loop counters during a step.*global_step=(\d+)",
         slow_run["logs"]["group1.life0.log"],
     )
     assert caught_up and int(caught_up.group(1)) == 1 + MISSED, slow_run["logs"]["group1.life0.log"][-3000:]
     # Every step after the catch-up had all groups: they end with the same weights (none trained on alone at the end).
     for got, want in zip(slow["weights"], fast["weights"]):
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6
+    # It took their scheduler's state too: it steps the learning rate of the committed steps, not of its own steps.
+    assert slow["final_state"]["scheduler"] == fast["final_state"]["scheduler"] == other["final_state"]["scheduler"]
