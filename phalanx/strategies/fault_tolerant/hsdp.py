@@ -60,7 +60,6 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
     manager = DDPFaultTolerantStrategy.manager
     is_global_zero = DDPFaultTolerantStrategy.is_global_zero
     distributed_sampler_kwargs = DDPFaultTolerantStrategy.distributed_sampler_kwargs
-    _make_manager: Callable[..., Any] = DDPFaultTolerantStrategy._make_manager
     _position: Callable[..., Any] = DDPFaultTolerantStrategy._position
     _load_position: Callable[..., Any] = DDPFaultTolerantStrategy._load_position
     _catch_up_during_step: Callable[..., Any] = DDPFaultTolerantStrategy._catch_up_during_step
@@ -174,6 +173,19 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
         for sub in self._module.modules():
             if isinstance(sub, FSDPModule):
                 sub.set_all_reduce_hook(lambda shard: _average_shard_across_groups(manager, shard))
+
+    def _make_manager(self) -> Any:
+        """ddp_ft's Manager, made on the group's rank 0 before the other ranks make theirs.
+
+        torchft's Manager on a rank other than 0 reads rank 0's manager address from the group's store. The store
+        outlives a fit (the process group stays until the process ends), so a second fit in the same processes found
+        the first fit's address there, of a manager shut down at its teardown, whenever it got there before rank 0
+        wrote the new one: its quorum then failed after connect_timeout.
+        """
+        make = DDPFaultTolerantStrategy._make_manager
+        manager = make(self) if self.global_rank == 0 else None
+        self.barrier("torchft Manager started on the replica group's rank 0")
+        return manager if manager is not None else make(self)
 
     # ------------------------------------------------------------------ live state, shard by shard
     def _live_state(self) -> dict[str, Any]:

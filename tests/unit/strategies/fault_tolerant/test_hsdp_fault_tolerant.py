@@ -3,6 +3,8 @@ process sends a rejoining one (its shards as plain tensors, put back on the rece
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -120,3 +122,46 @@ def test_the_live_state_goes_as_plain_shards_and_lands_on_the_receivers_mesh():
     for got_param, want_param in zip(received_module.parameters(), sent_module.parameters(), strict=True):
         got, want = got_state[got_param]["momentum_buffer"], want_state[want_param]["momentum_buffer"]
         assert got.placements == want.placements and torch.equal(got.full_tensor(), want.full_tensor())
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_the_other_ranks_make_their_manager_after_rank_zero_wrote_its_address(monkeypatch, world_size):
+    # torchft's Manager: rank 0 writes its manager's address to the group's store, the other ranks read it there. The
+    # store still holds the address of an earlier fit's manager (shut down): a rank that reads before rank 0 wrote the
+    # new one would reach no manager. Rank 0's write here waits until every other rank has moved on (made its manager,
+    # or reached the barrier), so that reading too early is caught every time, not by chance.
+    from phalanx.strategies import DDPFaultTolerantStrategy
+
+    store = {"manager_addr": "the earlier fit's manager"}
+    moved, changed = [], threading.Condition()
+    barrier = threading.Barrier(world_size, timeout=60)
+
+    def move_on(rank: int) -> None:
+        with changed:
+            moved.append(rank)
+            changed.notify_all()
+
+    def make_manager(strategy: HSDPFaultTolerantStrategy) -> str:
+        if strategy.global_rank == 0:
+            with changed:
+                assert changed.wait_for(lambda: len(moved) == world_size - 1, timeout=60)
+            store["manager_addr"] = "this fit's manager"
+            return "this fit's manager"
+        move_on(strategy.global_rank)
+        return store["manager_addr"]
+
+    def wait_at_barrier(rank: int) -> None:
+        if rank:
+            move_on(rank)
+        barrier.wait()
+
+    monkeypatch.setattr(DDPFaultTolerantStrategy, "_make_manager", make_manager)
+    strategies = []
+    for rank in range(world_size):
+        strategy = _strategy(group=0, groups=1, world_size=world_size)
+        strategy.cluster_environment.set_global_rank(rank)
+        strategy.barrier = lambda name=None, rank=rank: wait_at_barrier(rank)  # type: ignore[method-assign]
+        strategies.append(strategy)
+    with ThreadPoolExecutor(world_size) as pool:
+        managers = list(pool.map(lambda strategy: strategy._make_manager(), strategies))
+    assert managers == ["this fit's manager"] * world_size
