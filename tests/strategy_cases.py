@@ -157,7 +157,7 @@ CASES = (
         needs=TORCHFT,
     ),
     StrategyCase(
-        "hsdp_ft", "HSDPFaultTolerantStrategy", frozenset({"conformance"}),
+        "hsdp_ft", "HSDPFaultTolerantStrategy", frozenset({"conformance", "resume"}),
         # The Cohort is not offered (traits.cohort_unsupported): the kit reports its checks as skipped, saying why.
         kit=(_kit(build_one_sharded_group, 2, {"cohort"}, "hsdp_ft-2"),),
         sharded=True,
