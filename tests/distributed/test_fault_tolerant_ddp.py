@@ -1,5 +1,6 @@
 """strategy='ddp_ft' across real replica groups (one process each) and a lighthouse in this process; group 1 is killed
-with SIGKILL mid-run and restarted, and rejoins from group 0's live state."""
+with SIGKILL mid-run and restarted, and rejoins from group 0's live state; every group is killed after a save, and the
+restart of all with ckpt_path="auto" goes on from group 0's newest checkpoint."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ WAIT_S = 240  # bound on every wait of the fixture: a hang fails the test instea
 
 
 def _start(
-    out: Path, group: int, life: int, lighthouse: str, **extra: str
+    out: Path, group: int, life: int, lighthouse: str, kill_after: str = KILL_AFTER, **extra: str
 ) -> tuple[subprocess.Popen[str], threading.Event, Path]:
-    """Start one life of a replica group; the event is set when it prints KILL_AFTER (its output goes to a log)."""
+    """Start one life of a replica group; the event is set when it prints ``kill_after`` (its output goes to a log)."""
     environment = clean_environment(
         REPLICA_GROUP_ID=str(group),
         NUM_REPLICA_GROUPS=str(GROUPS),
@@ -47,7 +48,7 @@ def _start(
             for line in stream:
                 file.write(line)
                 file.flush()
-                if line.strip() == KILL_AFTER:
+                if line.strip() == kill_after:
                     seen.set()
 
     assert process.stdout is not None
@@ -175,3 +176,84 @@ def test_a_slow_group_takes_its_peers_loop_position_and_ends_with_them(slow_run)
     # Every step after the catch-up had all groups: they end with the same weights (none trained on alone at the end).
     for got, want in zip(slow["weights"], fast["weights"]):
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6
+
+
+SAVE_EVERY, HOLD_AT = 2, 3  # checkpoints at step 2 (then 4); every group is killed while it waits after step 3
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Every group killed (SIGKILL) after committing step HOLD_AT, its checkpoint of step SAVE_EVERY complete; then all
+    restarted with ckpt_path="auto" (the Trainer's defaults otherwise, a ModelCheckpoint every SAVE_EVERY steps)."""
+    from phalanx.strategies.fault_tolerant import start_lighthouse
+
+    out = tmp_path_factory.mktemp("ddp_ft_auto")
+    save = {"PHALANX_FT_SAVE_EVERY": str(SAVE_EVERY)}
+    held = f"holding after committed step {HOLD_AT}"
+    # The lighthouse outlives the groups; it forgets the killed ones 1 s after their last heartbeat (until then it would
+    # count them as live groups of the run, and wait for them).
+    ticks = {"join_timeout": timedelta(milliseconds=200), "heartbeat_timeout": timedelta(seconds=1)}
+    with start_lighthouse(min_replicas=GROUPS, **ticks) as lighthouse:
+        started = [
+            _start(out, group, 0, lighthouse.address, held, PHALANX_FT_HOLD_AT=str(HOLD_AT), **save)
+            for group in range(GROUPS)
+        ]
+        processes = [process for process, _, _ in started]
+        try:
+            for group, (_, seen, log) in enumerate(started):
+                assert seen.wait(timeout=WAIT_S), f"group {group} never printed {held!r}: {log.read_text()}"
+            for process in processes:
+                process.send_signal(signal.SIGKILL)
+            killed_codes = [process.wait(timeout=WAIT_S) for process in processes]
+            processes = [
+                _start(out, group, 1, lighthouse.address, PHALANX_FT_CKPT_PATH="auto", **save)[0]
+                for group in range(GROUPS)
+            ]
+            codes = [process.wait(timeout=WAIT_S) for process in processes]
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=30)
+    logs = {log.name: log.read_text() for log in sorted(out.glob("*.log"))}
+    assert codes == [0] * GROUPS, f"exit codes {codes}; logs: { {name: text[-6000:] for name, text in logs.items()} }"
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import ft_group_job
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return {
+        "results": [json.loads((out / f"group{group}.json").read_text()) for group in range(GROUPS)],
+        "reference": ft_group_job.reference_fit(GROUPS, out / "reference"),
+        "steps": ft_group_job.STEPS,
+        "batch": ft_group_job.BATCH,
+        "killed_codes": killed_codes,
+        "logs": logs,
+    }
+
+
+def test_after_every_group_died_auto_resumes_group_zero_from_its_newest_checkpoint(auto_run):
+    assert auto_run["killed_codes"] == [-signal.SIGKILL] * GROUPS
+    group0, group1 = (auto_run["logs"][f"group{group}.life1.log"] for group in range(GROUPS))
+    resumed = re.search(r"ckpt_path='auto': resuming from (\S+) \(global step (\d+)", group0)
+    assert resumed and int(resumed.group(2)) == SAVE_EVERY, group0[-3000:]
+    assert "group0" in resumed.group(1)  # group 0's own folder: only group 0 writes checkpoints
+    # Group 1 finds no checkpoint of its own and takes group 0's resumed state live at the first quorum.
+    assert "ckpt_path='auto': no complete checkpoint in" in group1, group1[-3000:]
+    healed = re.search(r"healed from a peer \(no checkpoint read\).*continues at global_step=(\d+)", group1)
+    assert healed and int(healed.group(1)) == SAVE_EVERY, group1[-3000:]
+
+
+def test_after_every_group_died_auto_ends_like_the_uninterrupted_run_on_the_committed_batches(auto_run):
+    steps, batch = auto_run["steps"], auto_run["batch"]
+    for group, result in enumerate(auto_run["results"]):
+        assert result["global_step"] == steps
+        for got, want in zip(result["weights"], auto_run["reference"], strict=True):
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6, f"group {group} differs from the reference"
+        # Life 0 committed steps 1 to HOLD_AT; life 1 trained again from the step after the checkpoint, on the same
+        # batches, to the end.
+        first, second = result["committed"][:HOLD_AT], result["committed"][HOLD_AT:]
+        assert len(second) == steps - SAVE_EVERY and second[: HOLD_AT - SAVE_EVERY] == first[SAVE_EVERY:]
+    counted = [index for result in auto_run["results"] for step in result["committed"][:SAVE_EVERY] for index in step]
+    counted += [index for result in auto_run["results"] for step in result["committed"][HOLD_AT:] for index in step]
+    assert sorted(counted) == list(range(steps * batch * GROUPS))  # every sample of the committed steps once

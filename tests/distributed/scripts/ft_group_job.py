@@ -4,6 +4,8 @@ Usage: python ft_group_job.py OUT_DIR, with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS
 MASTER_PORT set. Each committed step appends its batch's sample indices to OUT_DIR/group<id>.committed (kept across a
 kill and restart of the group) and prints "committed step N". ``reference_fit`` is the same training in one process on
 the groups' combined batches. PHALANX_FT_SLOW=N stalls group 1 (alive) while groups 0 and 2 commit N steps without it.
+PHALANX_FT_SAVE_EVERY=N saves a checkpoint every N steps, PHALANX_FT_HOLD_AT=N waits after committing step N (for the
+test to kill the group) and PHALANX_FT_CKPT_PATH is the fit's ``ckpt_path`` (e.g. "auto").
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ddp_common import IndexedRegression, Net, write_json
 from torch.utils.data import DataLoader
 
 import phalanx
+from phalanx.callbacks import ModelCheckpoint
 
 BATCH = 4  # per replica group
 STEPS = 4
@@ -75,6 +78,20 @@ class SlowGroup(phalanx.Callback):
             self._wait_for((self.out / "awake").exists, "group 1 to wake")
 
 
+class Hold(phalanx.Callback):
+    """Waits after committing step ``step`` (its checkpoints of earlier steps complete) until the test kills this
+    process; a bounded wait, so that a test that never kills it fails instead of hanging."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            print(f"holding after committed step {self.step}", flush=True)
+            time.sleep(240)
+            raise TimeoutError(f"nothing killed this group within 240 s of committing step {self.step}")
+
+
 class MomentumNet(Net):
     """Net with an optimizer that has state (momentum), which a joining group must receive too."""
 
@@ -89,6 +106,7 @@ def fit(
     seed: int = 7,
     callbacks: list[Any] | None = None,
     max_steps: int = STEPS,
+    ckpt_path: str | None = None,
 ) -> tuple[phalanx.Trainer, MomentumNet]:
     phalanx.seed_everything(seed)
     model = MomentumNet()
@@ -101,7 +119,7 @@ def fit(
         callbacks=callbacks,
     )
     train = DataLoader(IndexedRegression(n=SAMPLES), batch_size=batch_size)
-    trainer.fit(model, train, DataLoader(IndexedRegression(n=8, seed=1), batch_size=4))
+    trainer.fit(model, train, DataLoader(IndexedRegression(n=8, seed=1), batch_size=4), ckpt_path=ckpt_path)
     return trainer, model
 
 
@@ -124,8 +142,14 @@ def main() -> None:
     missed = int(os.environ.get("PHALANX_FT_SLOW", "0"))
     if missed:
         callbacks.append(SlowGroup(out, group, missed))
+    if "PHALANX_FT_SAVE_EVERY" in os.environ:
+        every = int(os.environ["PHALANX_FT_SAVE_EVERY"])
+        callbacks.append(ModelCheckpoint(every_n_train_steps=every, save_top_k=-1))
+    if "PHALANX_FT_HOLD_AT" in os.environ:
+        callbacks.append(Hold(int(os.environ["PHALANX_FT_HOLD_AT"])))
     steps = SLOW_STEPS if missed else STEPS
-    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, 7 + group, callbacks, steps)
+    resume = os.environ.get("PHALANX_FT_CKPT_PATH")
+    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, 7 + group, callbacks, steps, resume)
     write_json(
         out,
         f"group{group}.json",
