@@ -8,7 +8,6 @@ PHALANX_CHAOS_STEPS (default 60) and PHALANX_CHAOS_KILLS (default 3).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -17,18 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from phalanx_distributed import SCRIPTS
+from ft_harness import group_results, import_script
 
 pytest.importorskip("torchft")
 
+ft_chaos, ft_chaos_job = import_script("ft_chaos"), import_script("ft_chaos_job")
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path[:0] = [str(SCRIPTS), str(BENCH)]
+sys.path.insert(0, str(BENCH))
 try:
     import bench_fault_tolerance
-    import ft_chaos
-    import ft_chaos_job
 finally:
-    sys.path.remove(str(SCRIPTS))
     sys.path.remove(str(BENCH))
 
 STEPS = int(os.environ.get("PHALANX_CHAOS_STEPS", "60"))
@@ -49,8 +46,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             if record["event"] == "start":
                 lives[group].append([])
             lives[group][-1].append(record)
-    results = [json.loads((out / f"group{group}.json").read_text()) for group in range(3)]
-    return {"chaos": chaos, "lives": lives, "results": results, "out": out}
+    return {"chaos": chaos, "lives": lives, "results": group_results(out, 3), "out": out}
 
 
 def _attempts(run) -> dict[tuple[int, int], list[dict]]:

@@ -3,72 +3,26 @@ process; group 1 is killed with SIGKILL after a committed step, restarted, and h
 
 from __future__ import annotations
 
-import json
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
 from datetime import timedelta
 from pathlib import Path
-from typing import IO
 
 import pytest
-from phalanx_distributed import SCRIPTS, clean_environment, free_port
+from ft_harness import GroupLife, check_exit_codes, group_environment, group_results, import_script, script_life, stop
 
 pytest.importorskip("torchft")
 
 GROUPS = 2
 KILLED = 1
 KILL_AFTER = "committed step 1"
-WAIT_S = 240  # bound on every wait of the fixture: a hang fails the test instead of blocking CI
 
 
-def _start(
-    out: Path, group: int, life: int, lighthouse: str, later: bool = False
-) -> tuple[subprocess.Popen[str], threading.Event, Path]:
-    """Start one life of a replica group (``later``: it joins when a line arrives on its stdin); the event is set when
-    it prints KILL_AFTER (its output goes to a log)."""
-    environment = clean_environment(
-        START_ON_STDIN="1" if later else "0",
-        REPLICA_GROUP_ID=str(group),
-        NUM_REPLICA_GROUPS=str(GROUPS),
-        TORCHFT_LIGHTHOUSE=lighthouse,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    command = [sys.executable, str(SCRIPTS / "ft_cohort_job.py"), str(out)]
-    process = subprocess.Popen(
-        command,
-        env=environment,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-    )
-    seen, log = threading.Event(), out / f"group{group}.life{life}.log"
-
-    def copy(stream: IO[str]) -> None:
-        with log.open("w") as file:
-            for line in stream:
-                file.write(line)
-                file.flush()
-                if line.strip() == KILL_AFTER:
-                    seen.set()
-
-    assert process.stdout is not None
-    threading.Thread(target=copy, args=(process.stdout,), daemon=True).start()
-    return process, seen, log
-
-
-def _wait_for(seen: threading.Event, process: subprocess.Popen[str]) -> None:
-    """Until ``seen`` is set, the process ends (a failed job: no need to wait on) or WAIT_S pass."""
-    deadline = time.monotonic() + WAIT_S
-    while not seen.wait(timeout=1.0) and process.poll() is None and time.monotonic() < deadline:
-        pass
-    seen.wait(timeout=1.0)  # its output's last lines may still be on their way to the log
+def _start(out: Path, group: int, life: int, lighthouse: str, later: bool = False) -> GroupLife:
+    """Start one life of a replica group (``later``: it joins when a line arrives on its stdin); its output goes to a
+    log."""
+    environment = group_environment(group, GROUPS, lighthouse, START_ON_STDIN="1" if later else "0")
+    return script_life(out, "ft_cohort_job.py", group, life, environment, stdin=True)
 
 
 @pytest.fixture(scope="module")
@@ -80,38 +34,27 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out = tmp_path_factory.mktemp("ddp_ft_cohort")
     # Quorums of all the groups only: after the kill the survivor waits (bounded) for the restarted group.
     with start_lighthouse(min_replicas=GROUPS, join_timeout=timedelta(milliseconds=200)) as lighthouse:
-        started = [_start(out, group, 0, lighthouse.address) for group in range(GROUPS)]
+        lives = [_start(out, group, 0, lighthouse.address) for group in range(GROUPS)]
         # The restarted life is a new process, started now so that it has imported torch and phalanx by the kill.
-        restarted, _, restart_log = _start(out, KILLED, 1, lighthouse.address, later=True)
-        processes = [process for process, _, _ in started] + [restarted]
+        restarted = _start(out, KILLED, 1, lighthouse.address, later=True)
+        lives.append(restarted)
         try:
-            killed, seen, first_log = started[KILLED]
-            _wait_for(seen, killed)
-            assert seen.is_set(), f"group {KILLED} never printed {KILL_AFTER!r}: {first_log.read_text()}"
-            killed.send_signal(signal.SIGKILL)
-            killed.wait(timeout=WAIT_S)
-            assert restarted.stdin is not None
-            restarted.stdin.write("join\n")
-            restarted.stdin.flush()
-            codes = [process.wait(timeout=WAIT_S) for process in processes]
+            killed = lives[KILLED]
+            killed.wait_for(f"^{re.escape(KILL_AFTER)}$")
+            killed.process.send_signal(signal.SIGKILL)
+            killed.wait()
+            restarted.send("join")
+            codes = [life.wait() for life in lives]
         finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(timeout=30)
-    logs = {log.name: log.read_text()[-6000:] for log in sorted(out.glob("*.log"))}
-    assert codes == [0, -signal.SIGKILL, 0], f"exit codes {codes}; logs: {logs}"
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import ft_cohort_job
-    finally:
-        sys.path.remove(str(SCRIPTS))
+            stop(lives)
+    check_exit_codes(out, codes, [0, -signal.SIGKILL, 0])
+    ft_cohort_job = import_script("ft_cohort_job")
     return {
-        "results": [json.loads((out / f"group{group}.json").read_text()) for group in range(GROUPS)],
+        "results": group_results(out, GROUPS),
         "reference": ft_cohort_job.reference(GROUPS),
         "steps": ft_cohort_job.STEPS,
         "batch": ft_cohort_job.BATCH,
-        "restart_log": restart_log.read_text(),
+        "restart_log": restarted.log.read_text(),
         "checkpoint": out / "cohort.ckpt",
     }
 

@@ -4,56 +4,34 @@ restart of all with ckpt_path="auto" goes on from group 0's newest checkpoint.""
 
 from __future__ import annotations
 
-import json
 import re
 import signal
-import subprocess
-import sys
-import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import IO
 
 import pytest
-from phalanx_distributed import SCRIPTS, clean_environment, free_port
+from ft_harness import (
+    GroupLife,
+    check_exit_codes,
+    group_environment,
+    group_results,
+    import_script,
+    logs,
+    script_life,
+    stop,
+)
 
 pytest.importorskip("torchft")
 
 GROUPS = 2
 KILLED = 1  # the group killed ...
 KILL_AFTER = "committed step 1"  # ... once it printed this line
-WAIT_S = 240  # bound on every wait of the fixture: a hang fails the test instead of blocking CI
 
 
-def _start(
-    out: Path, group: int, life: int, lighthouse: str, kill_after: str = KILL_AFTER, **extra: str
-) -> tuple[subprocess.Popen[str], threading.Event, Path]:
-    """Start one life of a replica group; the event is set when it prints ``kill_after`` (its output goes to a log)."""
-    environment = clean_environment(
-        REPLICA_GROUP_ID=str(group),
-        NUM_REPLICA_GROUPS=str(GROUPS),
-        TORCHFT_LIGHTHOUSE=lighthouse,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    environment.update(extra)
-    command = [sys.executable, str(SCRIPTS / "ft_group_job.py"), str(out)]
-    process = subprocess.Popen(
-        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
-    seen, log = threading.Event(), out / f"group{group}.life{life}.log"
-
-    def copy(stream: IO[str]) -> None:
-        with log.open("w") as file:
-            for line in stream:
-                file.write(line)
-                file.flush()
-                if line.strip() == kill_after:
-                    seen.set()
-
-    assert process.stdout is not None
-    threading.Thread(target=copy, args=(process.stdout,), daemon=True).start()
-    return process, seen, log
+def _start(out: Path, group: int, life: int, lighthouse: str, **extra: str) -> GroupLife:
+    """Start one life of a replica group (scripts/ft_group_job.py; its output goes to a log)."""
+    environment = group_environment(group, GROUPS, lighthouse, **extra)
+    return script_life(out, "ft_group_job.py", group, life, environment)
 
 
 @pytest.fixture(scope="module")
@@ -66,37 +44,25 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     # The lighthouse forms quorums of all the groups only: after the kill the survivor's next step waits (bounded by
     # its quorum_timeout) for the restarted group, so that the rejoin happens before the survivor could finish.
     with start_lighthouse(min_replicas=GROUPS, join_timeout=timedelta(milliseconds=200)) as lighthouse:
-        started = [_start(out, group, 0, lighthouse.address) for group in range(GROUPS)]
-        processes = [process for process, _, _ in started]
+        lives = [_start(out, group, 0, lighthouse.address) for group in range(GROUPS)]
+        killed = lives[KILLED]
         try:
-            killed, seen, first_log = started[KILLED]
-            assert seen.wait(timeout=WAIT_S), f"group {KILLED} never printed {KILL_AFTER!r}: {first_log.read_text()}"
-            killed.send_signal(signal.SIGKILL)
-            killed_code = killed.wait(timeout=WAIT_S)
-            restarted, _, restart_log = _start(out, KILLED, 1, lighthouse.address)
-            processes[KILLED] = restarted
-            codes = [process.wait(timeout=WAIT_S) for process in processes]
+            killed.wait_for(f"^{re.escape(KILL_AFTER)}$")
+            killed.process.send_signal(signal.SIGKILL)
+            killed_code = killed.wait()
+            lives[KILLED] = restarted = _start(out, KILLED, 1, lighthouse.address)
+            codes = [life.wait() for life in lives]
         finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(timeout=30)
-    logs = {log.name: log.read_text()[-6000:] for log in sorted(out.glob("*.log"))}
-    assert codes == [0] * GROUPS, f"exit codes {codes}; logs: {logs}"
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import ft_group_job
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    reference = ft_group_job.reference_fit(GROUPS, out / "reference")
-    results = [json.loads((out / f"group{group}.json").read_text()) for group in range(GROUPS)]
+            stop([*lives, killed])
+    check_exit_codes(out, codes, [0] * GROUPS)
+    ft_group_job = import_script("ft_group_job")
     return {
-        "results": results,
-        "reference": reference,
+        "results": group_results(out, GROUPS),
+        "reference": ft_group_job.reference_fit(GROUPS, out / "reference"),
         "steps": ft_group_job.STEPS,
         "batch": ft_group_job.BATCH,
         "killed_code": killed_code,
-        "restart_log": restart_log.read_text(),
+        "restart_log": restarted.log.read_text(),
     }
 
 
@@ -145,17 +111,13 @@ def slow_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     # A quorum forms without a heartbeating group that did not ask within the join timeout (the stalled one).
     with start_lighthouse(min_replicas=1, join_timeout=timedelta(seconds=2)) as lighthouse:
         slow = {"PHALANX_FT_SLOW": str(MISSED), "NUM_REPLICA_GROUPS": "3"}
-        processes = [_start(out, group, 0, lighthouse.address, **slow)[0] for group in range(3)]
+        lives = [_start(out, group, 0, lighthouse.address, **slow) for group in range(3)]
         try:
-            codes = [process.wait(timeout=WAIT_S) for process in processes]
+            codes = [life.wait() for life in lives]
         finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(timeout=30)
-    logs = {log.name: log.read_text()[-6000:] for log in sorted(out.glob("*.log"))}
-    assert codes == [0, 0, 0], f"exit codes {codes}; logs: {logs}"
-    return {"results": [json.loads((out / f"group{group}.json").read_text()) for group in range(3)], "logs": logs}
+            stop(lives)
+    check_exit_codes(out, codes, [0, 0, 0])
+    return {"results": group_results(out, 3), "logs": logs(out)}
 
 
 def test_a_slow_group_takes_its_peers_loop_position_and_ends_with_them(slow_run):
@@ -189,46 +151,33 @@ def auto_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
     out = tmp_path_factory.mktemp("ddp_ft_auto")
     save = {"PHALANX_FT_SAVE_EVERY": str(SAVE_EVERY)}
-    held = f"holding after committed step {HOLD_AT}"
     # The lighthouse outlives the groups; it forgets the killed ones 1 s after their last heartbeat (until then it would
     # count them as live groups of the run, and wait for them).
     ticks = {"join_timeout": timedelta(milliseconds=200), "heartbeat_timeout": timedelta(seconds=1)}
     with start_lighthouse(min_replicas=GROUPS, **ticks) as lighthouse:
-        started = [
-            _start(out, group, 0, lighthouse.address, held, PHALANX_FT_HOLD_AT=str(HOLD_AT), **save)
-            for group in range(GROUPS)
-        ]
-        processes = [process for process, _, _ in started]
+        hold = {"PHALANX_FT_HOLD_AT": str(HOLD_AT), **save}
+        first = [_start(out, group, 0, lighthouse.address, **hold) for group in range(GROUPS)]
+        second: list[GroupLife] = []
         try:
-            for group, (_, seen, log) in enumerate(started):
-                assert seen.wait(timeout=WAIT_S), f"group {group} never printed {held!r}: {log.read_text()}"
-            for process in processes:
-                process.send_signal(signal.SIGKILL)
-            killed_codes = [process.wait(timeout=WAIT_S) for process in processes]
-            processes = [
-                _start(out, group, 1, lighthouse.address, PHALANX_FT_CKPT_PATH="auto", **save)[0]
-                for group in range(GROUPS)
-            ]
-            codes = [process.wait(timeout=WAIT_S) for process in processes]
+            for life in first:
+                life.wait_for(f"^holding after committed step {HOLD_AT}$")
+            for life in first:
+                life.process.send_signal(signal.SIGKILL)
+            killed_codes = [life.wait() for life in first]
+            resume = {"PHALANX_FT_CKPT_PATH": "auto", **save}
+            second = [_start(out, group, 1, lighthouse.address, **resume) for group in range(GROUPS)]
+            codes = [life.wait() for life in second]
         finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(timeout=30)
-    logs = {log.name: log.read_text() for log in sorted(out.glob("*.log"))}
-    assert codes == [0] * GROUPS, f"exit codes {codes}; logs: { {name: text[-6000:] for name, text in logs.items()} }"
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import ft_group_job
-    finally:
-        sys.path.remove(str(SCRIPTS))
+            stop([*first, *second])
+    check_exit_codes(out, codes, [0] * GROUPS)
+    ft_group_job = import_script("ft_group_job")
     return {
-        "results": [json.loads((out / f"group{group}.json").read_text()) for group in range(GROUPS)],
+        "results": group_results(out, GROUPS),
         "reference": ft_group_job.reference_fit(GROUPS, out / "reference"),
         "steps": ft_group_job.STEPS,
         "batch": ft_group_job.BATCH,
         "killed_codes": killed_codes,
-        "logs": logs,
+        "logs": {life.log.name: life.log.read_text() for life in second},
     }
 
 

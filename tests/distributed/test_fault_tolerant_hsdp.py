@@ -5,38 +5,23 @@ trained on the committed batches, and group 0's checkpoint resumes on 'fsdp'."""
 
 from __future__ import annotations
 
-import json
 import re
 import signal
-import sys
-from datetime import timedelta
 
 import pytest
-import test_fault_tolerant_groups as groups  # the groups test's harness: launch, kill, restart
 import torch
-from phalanx_distributed import SCRIPTS
+from ft_harness import read_json, steered_kill_and_rejoin
 
 pytest.importorskip("torchft")
 
 
 @pytest.fixture(scope="module")
 def hsdp_ft(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    from phalanx.strategies.fault_tolerant import start_lighthouse
-
     out = tmp_path_factory.mktemp("hsdp_ft_groups")
-    with start_lighthouse(min_replicas=1, join_timeout=timedelta(seconds=30)) as lighthouse:
-        run = groups._launch(out, "hsdp_ft", lighthouse.address)
-    assert run["codes"] == [0, 0], f"exit codes {run['codes']}; logs: {[log[-4000:] for log in run['logs']]}"
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import ft_multi_process_job as job
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    run["initial"] = {path.name: json.loads(path.read_text()) for path in sorted(out.glob("initial.group*.json"))}
-    run["reference"] = job.reference_fit(out, run["initial"]["initial.group0.rank0.json"])
-    run["steps"] = job.committed_steps(out)
-    run["results"] = {path.name: json.loads(path.read_text()) for path in sorted(out.glob("group*.rank?.json"))}
-    run["max_steps"], run["batch"], run["job"], run["out"] = job.STEPS, job.BATCH, job, out
+    run = steered_kill_and_rejoin(out, "hsdp_ft")
+    run["initial"] = {path.name: read_json(path) for path in sorted(out.glob("initial.group*.json"))}
+    run["reference"] = run["job"].reference_fit(out, run["initial"]["initial.group0.rank0.json"])
+    run["out"] = out
     return run
 
 

@@ -5,46 +5,29 @@ weights of a one-process replay of DiLoCo written here."""
 from __future__ import annotations
 
 import copy
-import json
 import re
 import signal
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-from phalanx_distributed import SCRIPTS, clean_environment, free_port
+from ft_harness import GroupLife, check_exit_codes, group_environment, group_results, import_script, script_life, stop
 
 pytest.importorskip("torchft")
 
 GROUPS = 2
 KILLED, KILL_AT_STEP = 1, 4  # group 1 dies after its first step of the second period (steps 4, 5, 6; synced at 6)
-WAIT_S = 300  # bound on every wait of the fixture: a hang fails the test instead of blocking CI
+WAIT_S = 300  # bound on every wait of the fixture (DiLoCo's runs are longer): a hang fails the test, not CI
 
 
-def _job():  # the job script's constants and model (its folder is not a package)
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import ft_semi_sync_job
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return ft_semi_sync_job
+def _job():  # the job script's constants and model
+    return import_script("ft_semi_sync_job")
 
 
-def _start(out: Path, group: int, life: int, lighthouse: str, **extra: str) -> subprocess.Popen[bytes]:
-    environment = clean_environment(
-        REPLICA_GROUP_ID=str(group),
-        NUM_REPLICA_GROUPS=str(GROUPS),
-        TORCHFT_LIGHTHOUSE=lighthouse,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        **extra,
-    )
-    log = (out / f"group{group}.life{life}.log").open("w")
-    command = [sys.executable, str(SCRIPTS / "ft_semi_sync_job.py"), str(out)]
-    return subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT)
+def _start(out: Path, group: int, life: int, lighthouse: str, **extra: str) -> GroupLife:
+    environment = group_environment(group, GROUPS, lighthouse, **extra)
+    return script_life(out, "ft_semi_sync_job.py", group, life, environment)
 
 
 @pytest.fixture(scope="module")
@@ -54,26 +37,22 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out = tmp_path_factory.mktemp("ddp_ft_diloco")
     # Quorums of both groups only: group 0's synchronisation after the kill waits for the restarted group 1.
     with start_lighthouse(min_replicas=GROUPS, join_timeout=timedelta(milliseconds=200)) as lighthouse:
-        processes = [
+        lives = [
             _start(
                 out, group, 0, lighthouse.address, **({"KILL_AT_STEP": str(KILL_AT_STEP)} if group == KILLED else {})
             )
             for group in range(GROUPS)
         ]
         try:
-            killed_code = processes[KILLED].wait(timeout=WAIT_S)
-            processes[KILLED] = _start(out, KILLED, 1, lighthouse.address)
-            codes = [process.wait(timeout=WAIT_S) for process in processes]
+            killed_code = lives[KILLED].wait(WAIT_S)
+            lives[KILLED] = _start(out, KILLED, 1, lighthouse.address)
+            codes = [life.wait(WAIT_S) for life in lives]
         finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(timeout=30)
-    logs = {log.name: log.read_text()[-6000:] for log in sorted(out.glob("*.log"))}
-    assert killed_code == -signal.SIGKILL, logs
-    assert codes == [0] * GROUPS, f"exit codes {codes}; logs: {logs}"
+            stop(lives)
+    check_exit_codes(out, [killed_code], [-signal.SIGKILL])
+    check_exit_codes(out, codes, [0] * GROUPS)
     return {
-        "results": [json.loads((out / f"group{group}.json").read_text()) for group in range(GROUPS)],
+        "results": group_results(out, GROUPS),
         "restart_log": (out / f"group{KILLED}.life1.log").read_text(),
     }
 

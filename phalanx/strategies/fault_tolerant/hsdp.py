@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -14,10 +14,9 @@ from phalanx.accelerators.accelerator import Accelerator
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
-from phalanx.strategies.fault_tolerant.ddp import DDPFaultTolerantStrategy
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
-from phalanx.strategies.fault_tolerant.torchft_import import require_torchft
+from phalanx.strategies.fault_tolerant.replica_group import GroupProcess, ReplicaGroup
 from phalanx.strategies.fsdp._fsdp1_arguments import HYBRID_STRATEGIES
 from phalanx.strategies.fsdp.strategy import FSDPStrategy
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
@@ -55,19 +54,6 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
         "optimizer_step": "quorum and commit vote across replica groups (torchft Manager)",
     }
 
-    # ddp_ft's parts that do not depend on how a group holds its model, used as they are: they read only the
-    # attributes both strategies set in __init__.
-    manager = DDPFaultTolerantStrategy.manager
-    is_global_zero = DDPFaultTolerantStrategy.is_global_zero
-    distributed_sampler_kwargs = DDPFaultTolerantStrategy.distributed_sampler_kwargs
-    _position: Callable[..., Any] = DDPFaultTolerantStrategy._position
-    _load_position: Callable[..., Any] = DDPFaultTolerantStrategy._load_position
-    _catch_up_during_step: Callable[..., Any] = DDPFaultTolerantStrategy._catch_up_during_step
-    _start_quorum: Callable[..., Any] = DDPFaultTolerantStrategy._start_quorum
-    _join_first_quorum: Callable[..., Any] = DDPFaultTolerantStrategy._join_first_quorum
-    _committed_step: Callable[..., Any] = DDPFaultTolerantStrategy._committed_step
-    _check_optimizers: Callable[..., Any] = DDPFaultTolerantStrategy._check_optimizers
-
     def __init__(
         self,
         accelerator: Accelerator | None = None,
@@ -80,11 +66,8 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **fsdp_options: Any,
     ) -> None:
-        if fault_tolerance is not None and not isinstance(fault_tolerance, FaultTolerance):
-            raise TypeError(
-                f"HSDPFaultTolerantStrategy(fault_tolerance=...) takes a FaultTolerance, got"
-                f" {type(fault_tolerance).__name__}."
-            )
+        # First: it refuses options of another type and a missing torchft before anything is set up.
+        self._replica_group = ReplicaGroup("HSDPFaultTolerantStrategy", "hsdp_ft", fault_tolerance)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -105,26 +88,31 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
                 "HSDPFaultTolerantStrategy writes whole checkpoint files (state_dict_type='full') from replica group 0;"
                 " a sharded directory is not offered in this release."
             )
-        self._torchft = require_torchft("HSDPFaultTolerantStrategy (strategy='hsdp_ft')")
-        self._fault_tolerance = fault_tolerance
-        self._manager: Any = None
-        self._loop_position: Callable[[], dict[str, int]] | None = None
-        self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
-        # None: a slow group keeps its own loop counters (a warning says so); ddp_ft's catch-up is untested here.
-        self._catch_up: Callable[[Mapping[str, int]], bool] | None = None
-        self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
-        self._quorum_open = False  # on_train_start formed the first step's quorum: its optimizer step uses it
-        self._declined_in_a_row = 0
-        self._semi_sync = None  # ddp_ft's semi-synchronous groups are not offered here (check_setup refuses them)
-        #: Which replica groups the latest quorum had (set when fitting starts); it logs who left and who joined.
-        self.membership: QuorumMembership | None = None
 
     @property
     def fault_tolerance(self) -> FaultTolerance:
         """The options given, else the environment's (REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE)."""
-        if self._fault_tolerance is None:
-            self._fault_tolerance = FaultTolerance.from_environment()
-        return self._fault_tolerance
+        return self._replica_group.fault_tolerance
+
+    @property
+    def manager(self) -> Any:
+        """This group's torchft Manager while fitting (None before setup and after teardown)."""
+        return self._replica_group.manager
+
+    @property
+    def membership(self) -> QuorumMembership | None:
+        """Which replica groups the latest quorum had (set when fitting starts); it logs who left and who joined."""
+        return self._replica_group.membership
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Rank 0 of replica group 0: the one process of the run that writes checkpoints."""
+        return self._replica_group.is_global_zero(self.global_rank)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any] | None:
+        """Each process of each replica group reads its own share: replicas = groups x processes per group."""
+        return self._replica_group.sampler_kwargs(self.global_rank, self.world_size)
 
     def declare_traits(self) -> StrategyTraits:
         """As FSDP's, and the Cohort is not offered (as for ddp_ft: the quorum starts in the Trainer's hooks)."""
@@ -139,12 +127,7 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
     def check_setup(self, settings: RunSettings) -> None:
         """Refuse what this release does not run: manual optimization, semi-synchronous groups, a replicate axis
         inside the group."""
-        module = self._module
-        if settings.fitting and module is not None and not getattr(module, "automatic_optimization", True):
-            raise ValueError(
-                "HSDPFaultTolerantStrategy supports automatic optimization only: the quorum starts and commits inside"
-                " the optimizer step it drives. Set automatic_optimization = True."
-            )
+        self._replica_group.check_automatic_optimization(settings, self._module)
         if self.fault_tolerance.semi_sync is not None:
             raise ValueError(
                 "FaultTolerance(semi_sync=...) is offered by strategy='ddp_ft' only in this release; drop semi_sync"
@@ -161,31 +144,37 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
         """Join the replica groups' quorum service (a torchft Manager), shard as FSDP, then hook the gradient shards."""
         from torch.distributed.fsdp import FSDPModule  # lazy for import time, as FSDPStrategy does
 
-        if settings.fitting and self._manager is None:
-            self._loop_position, self._load_loop_position = settings.loop_position, settings.load_loop_position
-            self._manager = self._make_manager()
+        group = self._replica_group
+        if settings.fitting and group.manager is None:
+            self._join_replica_groups(settings)
         super().wrap_module_and_optimizers(settings)
         if not settings.fitting:
             return
-        self._check_optimizers()
+        group.check_optimizers(self.optimizers)
         assert self._module is not None
-        manager = self._manager
+        manager = group.manager
         for sub in self._module.modules():
             if isinstance(sub, FSDPModule):
                 sub.set_all_reduce_hook(lambda shard: _average_shard_across_groups(manager, shard))
 
-    def _make_manager(self) -> Any:
-        """ddp_ft's Manager, made on the group's rank 0 before the other ranks make theirs.
+    def _join_replica_groups(self, settings: RunSettings) -> None:
+        """Start this process's torchft Manager: on the group's rank 0 first, then on the others.
 
         torchft's Manager on a rank other than 0 reads rank 0's manager address from the group's store. The store
-        outlives a fit (the process group stays until the process ends), so a second fit in the same processes found
-        the first fit's address there, of a manager shut down at its teardown, whenever it got there before rank 0
-        wrote the new one: its quorum then failed after connect_timeout.
+        outlives a fit (the process group stays until the process ends): a second fit in these processes found the
+        first fit's address there (its manager shut down at teardown) whenever it read before rank 0 wrote the new one,
+        and its quorum failed after connect_timeout.
         """
-        make = DDPFaultTolerantStrategy._make_manager
-        manager = make(self) if self.global_rank == 0 else None
+        group = self._replica_group
+        process = GroupProcess(
+            self.global_rank, self.world_size, self.root_device, self._live_state, self._load_live_state
+        )
+        # No catch-up: a slow group keeps its own loop counters (a warning says so); ddp_ft's is untested here.
+        if self.global_rank == 0:
+            group.start(settings, process, catch_up=None)
         self.barrier("torchft Manager started on the replica group's rank 0")
-        return manager if manager is not None else make(self)
+        if self.global_rank != 0:
+            group.start(settings, process, catch_up=None)
 
     # ------------------------------------------------------------------ live state, shard by shard
     def _live_state(self) -> dict[str, Any]:
@@ -222,28 +211,21 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
     # ------------------------------------------------------------------ steps
     def on_train_start(self) -> None:
         """Form the first step's quorum before the loop reads data (a group behind its peers takes their state)."""
-        manager = self._manager
-        if manager is None or self._quorum_open:
-            return
-        self._join_first_quorum(manager)
-        self._quorum_open = True
+        self._replica_group.join_first_quorum()
 
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: torch.nn.Module | None = None, **kwargs: Any
     ) -> Any:
         """Form this step's quorum, run the closure (gradient shards averaged across groups), step only if
         committed."""
-        manager, step = self._manager, super().optimizer_step
-        if manager is None:
-            return step(optimizer, closure, model, **kwargs)
-        return self._committed_step(manager, optimizer, lambda gate: step(gate, closure, model, **kwargs))
+        step, group = super().optimizer_step, self._replica_group
+        result = group.optimizer_step(optimizer, lambda gate: step(gate, closure, model, **kwargs))
+        self.last_step_committed = group.last_step_committed
+        return result
 
     def teardown(self) -> None:
         """Leave the quorum service (stops this group's manager server and state transport), then as FSDP."""
-        manager, self._manager = self._manager, None
-        self._quorum_open = False
-        if manager is not None:
-            manager.shutdown(wait=False)
+        self._replica_group.leave()
         super().teardown()
 
     @classmethod

@@ -11,16 +11,15 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from phalanx_distributed import SCRIPTS, clean_environment, free_port
+from ft_harness import GroupLife, group_environment, logs
+from phalanx_distributed import SCRIPTS
 
 JOB = SCRIPTS / "ft_chaos_job.py"
 
@@ -37,42 +36,25 @@ class Chaos:
     skipped: int = 0  # planned kills left out because they came due in the last steps
 
 
-class _Life:
+class _Life(GroupLife):
     """One process of one replica group; follows the steps it committed and the milestones it reached."""
 
     def __init__(self, out: Path, group: int, life: int, command: list[str], environment: dict[str, str]) -> None:
-        self.group, self.life, self.started = group, life, time.time()
-        self.log = out / f"group{group}.life{life}.log"
-        self.process = subprocess.Popen(
-            command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-        )
         self.committed = 0
         self.milestones: set[str] = set()
-        assert self.process.stdout is not None
-        threading.Thread(target=self._copy, args=(self.process.stdout,), daemon=True).start()
+        super().__init__(out, group, life, command, environment, on_line=self._read)
 
-    def _copy(self, stream: IO[str]) -> None:
-        with self.log.open("w") as file:
-            for line in stream:
-                file.write(line)
-                file.flush()
-                if line.startswith("ready"):
-                    self.milestones.add("ready")
-                elif line.startswith("committed step "):
-                    self.committed = int(line.split()[-1])
-                elif line.startswith("milestone "):
-                    self.milestones.add(line[len("milestone ") :].strip())
+    def _read(self, line: str) -> None:
+        if line.startswith("ready"):
+            self.milestones.add("ready")
+        elif line.startswith("committed step "):
+            self.committed = int(line.split()[-1])
+        elif line.startswith("milestone "):
+            self.milestones.add(line[len("milestone ") :].strip())
 
 
 def _start(out: Path, group: int, life: int, lighthouse: str, job_args: list[str]) -> _Life:
-    environment = clean_environment(
-        PHALANX_CHAOS_GO=str(out / "go"),
-        REPLICA_GROUP_ID=str(group),
-        NUM_REPLICA_GROUPS="3",
-        TORCHFT_LIGHTHOUSE=lighthouse,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
+    environment = group_environment(group, 3, lighthouse, PHALANX_CHAOS_GO=str(out / "go"))
     return _Life(out, group, life, [sys.executable, str(JOB), str(out), *job_args], environment)
 
 
@@ -197,8 +179,9 @@ def run_chaos(
     # Kills still planned when the groups finished came due in the last steps too (or never came due): left out.
     chaos.skipped = getattr(plan, "skipped", 0) + len(getattr(plan, "plan", ()))
     if chaos.codes != [0, 0, 0]:
-        logs = {log.name: log.read_text()[-4000:] for log in sorted(out.glob("*.log"))}
-        raise AssertionError(f"chaos run (seed {seed}): exit codes {chaos.codes}, kills {chaos.kills}; logs: {logs}")
+        raise AssertionError(
+            f"chaos run (seed {seed}): exit codes {chaos.codes}, kills {chaos.kills}; logs: {logs(out, 4000)}"
+        )
     print(f"chaos seed {seed}: {len(chaos.kills)} kills in {chaos.seconds:.1f} s: {chaos.kills}", flush=True)
     return chaos
 

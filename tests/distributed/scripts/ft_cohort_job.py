@@ -11,7 +11,6 @@ in plain torch in one process on the groups' combined batches.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 from ddp_common import IndexedRegression, write_json
+from ft_harness import json_lines, log_phalanx_to_stdout
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -61,8 +61,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     group = int(os.environ["REPLICA_GROUP_ID"])
     # phalanx says at INFO level when a group healed from a peer; the test reads it in this output.
-    logging.getLogger("phalanx").addHandler(logging.StreamHandler(sys.stdout))
-    logging.getLogger("phalanx").setLevel(logging.INFO)
+    log_phalanx_to_stdout()
     cohort = Cohort(strategy="ddp_ft", accelerator="cpu", devices=1)
     cohort.launch()
     if os.environ.get("START_ON_STDIN") == "1":
@@ -94,7 +93,7 @@ def main() -> None:
         state["position"] = {}
         cohort.load(out / "cohort.ckpt", state)
         result["loaded"] = {"weights": weights(model), "position": state["position"], "step": cohort.global_step}
-    result["committed"] = [json.loads(line) for line in (out / f"group{group}.committed").read_text().splitlines()]
+    result["committed"] = json_lines(out / f"group{group}.committed")
     write_json(out, f"group{group}.json", result)
 
 

@@ -11,7 +11,6 @@ test to kill the group) and PHALANX_FT_CKPT_PATH is the fit's ``ckpt_path`` (e.g
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 from ddp_common import IndexedRegression, Net, write_json
+from ft_harness import json_lines, log_phalanx_to_stdout
 from torch.utils.data import DataLoader
 
 import phalanx
@@ -134,8 +134,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     group = int(os.environ["REPLICA_GROUP_ID"])
     # phalanx says at INFO level when a group healed from a peer; the test reads it in this output.
-    logging.getLogger("phalanx").addHandler(logging.StreamHandler(sys.stdout))
-    logging.getLogger("phalanx").setLevel(logging.INFO)
+    log_phalanx_to_stdout()
     # Groups other than 0 start from other weights: they must receive group 0's when the first quorum forms.
     committed = CommittedBatches(out / f"group{group}.committed")
     callbacks: list[Any] = [committed]
@@ -155,7 +154,7 @@ def main() -> None:
         f"group{group}.json",
         {
             "global_step": trainer.global_step,
-            "committed": [json.loads(line) for line in committed.path.read_text().splitlines()],
+            "committed": json_lines(committed.path),
             "is_global_zero": trainer.is_global_zero,
             "checkpoints": sorted(p.name for p in (out / f"group{group}").rglob("*.ckpt")),
             "weights": [p.detach().flatten().tolist() for p in model.parameters()],

@@ -11,7 +11,6 @@ across a kill and restart). ``reference_fit`` trains one process on the committe
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any
 
 import torch
 from ddp_common import IndexedRegression, Net, write_json
+from ft_harness import json_lines, log_phalanx_to_stdout
 from torch.utils.data import DataLoader
 
 import phalanx
@@ -115,8 +115,7 @@ def committed_steps(out: Path) -> list[list[int]]:
     """Each committed step's samples over every process of every group, in step order."""
     steps: dict[int, list[int]] = {}
     for path in out.glob("group*.rank*.committed"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
+        for record in json_lines(path):
             steps.setdefault(record["step"], []).extend(record["indices"])
     return [sorted(steps[step]) for step in sorted(steps)]
 
@@ -134,8 +133,7 @@ def main() -> None:
     out, strategy = Path(sys.argv[1]), sys.argv[2]
     group = int(os.environ["REPLICA_GROUP_ID"])
     # phalanx says at INFO level when a group left, joined or healed from a peer; the test reads it in this output.
-    logging.getLogger("phalanx").addHandler(logging.StreamHandler(sys.stdout))
-    logging.getLogger("phalanx").setLevel(logging.INFO)
+    log_phalanx_to_stdout()
     train = DataLoader(IndexedRegression(n=SAMPLES), batch_size=BATCH)
     # Group 1 starts from other weights: it must receive group 0's when the first quorum forms.
     steered = Steered(out, group)

@@ -9,8 +9,6 @@ OUT_DIR/group<id>.json gets the final weights.
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import os
 import signal
 import sys
@@ -21,6 +19,7 @@ from typing import Any
 import torch
 from ddp_common import IndexedRegression, write_json
 from ft_group_job import CommittedBatches, MomentumNet
+from ft_harness import json_lines, log_phalanx_to_stdout
 from torch.utils.data import DataLoader
 
 import phalanx
@@ -52,8 +51,7 @@ class KillAt(phalanx.Callback):
 def main() -> None:
     out = Path(sys.argv[1])
     group = int(os.environ["REPLICA_GROUP_ID"])
-    logging.getLogger("phalanx").addHandler(logging.StreamHandler(sys.stdout))
-    logging.getLogger("phalanx").setLevel(logging.INFO)
+    log_phalanx_to_stdout()
     options = dataclasses.replace(
         FaultTolerance.from_environment(),
         semi_sync=SemiSync("diloco", SYNC_EVERY, outer_optimizer),
@@ -80,7 +78,7 @@ def main() -> None:
         f"group{group}.json",
         {
             "global_step": trainer.global_step,
-            "steps": [json.loads(line) for line in steps.path.read_text().splitlines()],
+            "steps": json_lines(steps.path),
             "weights": [p.detach().flatten().tolist() for p in model.parameters()],
         },
     )

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.strategies import DDPFaultTolerantStrategy, FaultTolerance
+from phalanx.strategies import FaultTolerance
+from phalanx.strategies.fault_tolerant.replica_group import GroupProcess, ReplicaGroup
 
 torchft = pytest.importorskip("torchft")
 
@@ -27,7 +28,8 @@ def _group(monkeypatch: pytest.MonkeyPatch, group: int) -> Any:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     options = FaultTolerance(group, 2, connect_timeout=RENDEZVOUS, step_timeout=STEP)
-    DDPFaultTolerantStrategy(fault_tolerance=options)._make_manager()
+    process = GroupProcess(0, 1, torch.device("cpu"), dict, lambda state: None)
+    ReplicaGroup("DDPFaultTolerantStrategy", "ddp_ft", options).make_manager(process)
     return manager.call_args.kwargs["pg"]
 
 

@@ -76,7 +76,9 @@ def test_check_setup_refuses_manual_optimization_only(world_size, module, messag
 def test_optimizers_that_cannot_commit_once_per_step_are_refused(factory, message, monkeypatch):
     strategy = _strategy()
     strategy.connect(Regressor())
-    monkeypatch.setattr(strategy, "_make_manager", lambda: object())  # the refusal comes before any quorum
+    monkeypatch.setattr(
+        strategy._replica_group, "make_manager", lambda process: object()
+    )  # the refusal comes before any quorum
     monkeypatch.setattr(strategy, "_wrap", lambda module: module)
     with pytest.raises(ValueError, match=message):
         strategy.wrap_module_and_optimizers(RunSettings(configure_optimizers=factory))
@@ -115,7 +117,7 @@ def test_gradients_go_through_the_manager_and_a_dead_peer_only_marks_the_step(pe
 
     manager.allreduce = allreduce
     strategy = _strategy()
-    strategy._manager = manager
+    strategy._replica_group.manager = manager
     model = strategy._wrap(torch.nn.Linear(3, 4))
     model(torch.rand(2, 3)).mean().backward()  # torchft 0.2.0's own DDP hook fails an assertion here when a peer died
     assert sum(reduced) == 3 * 4 + 4
@@ -134,14 +136,14 @@ def test_gradients_go_through_the_manager_and_a_dead_peer_only_marks_the_step(pe
     ids=["all-committed", "nine-declined-then-committed", "never-committed", "a-commit-resets-the-count"],
 )
 def test_a_quorum_that_keeps_declining_stops_the_group_instead_of_retrying_forever(votes, raises_at):
-    from phalanx.strategies.fault_tolerant.ddp import MAX_DECLINED_IN_A_ROW
+    from phalanx.strategies.fault_tolerant.replica_group import MAX_DECLINED_IN_A_ROW
 
     assert MAX_DECLINED_IN_A_ROW == 10
     manager = MagicMock()
     manager.should_commit.side_effect = votes
     strategy = _strategy()
-    strategy._manager = manager
-    strategy._quorum_open = False
+    strategy._replica_group.manager = manager
+    strategy._replica_group._quorum_open = False
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step, vote in enumerate(votes, start=1):

@@ -130,7 +130,7 @@ def test_the_other_ranks_make_their_manager_after_rank_zero_wrote_its_address(mo
     # store still holds the address of an earlier fit's manager (shut down): a rank that reads before rank 0 wrote the
     # new one would reach no manager. Rank 0's write here waits until every other rank has moved on (made its manager,
     # or reached the barrier), so that reading too early is caught every time, not by chance.
-    from phalanx.strategies import DDPFaultTolerantStrategy
+    from phalanx.strategies.fault_tolerant.replica_group import ReplicaGroup
 
     store = {"manager_addr": "the earlier fit's manager"}
     moved, changed = [], threading.Condition()
@@ -141,13 +141,13 @@ def test_the_other_ranks_make_their_manager_after_rank_zero_wrote_its_address(mo
             moved.append(rank)
             changed.notify_all()
 
-    def make_manager(strategy: HSDPFaultTolerantStrategy) -> str:
-        if strategy.global_rank == 0:
+    def make_manager(group: ReplicaGroup, process: Any) -> str:
+        if process.rank == 0:
             with changed:
                 assert changed.wait_for(lambda: len(moved) == world_size - 1, timeout=60)
             store["manager_addr"] = "this fit's manager"
             return "this fit's manager"
-        move_on(strategy.global_rank)
+        move_on(process.rank)
         return store["manager_addr"]
 
     def wait_at_barrier(rank: int) -> None:
@@ -155,13 +155,18 @@ def test_the_other_ranks_make_their_manager_after_rank_zero_wrote_its_address(mo
             move_on(rank)
         barrier.wait()
 
-    monkeypatch.setattr(DDPFaultTolerantStrategy, "_make_manager", make_manager)
+    monkeypatch.setattr(ReplicaGroup, "make_manager", make_manager)
     strategies = []
     for rank in range(world_size):
         strategy = _strategy(group=0, groups=1, world_size=world_size)
         strategy.cluster_environment.set_global_rank(rank)
         strategy.barrier = lambda name=None, rank=rank: wait_at_barrier(rank)  # type: ignore[method-assign]
         strategies.append(strategy)
+
+    def join(strategy: HSDPFaultTolerantStrategy) -> Any:
+        strategy._join_replica_groups(RunSettings())
+        return strategy.manager
+
     with ThreadPoolExecutor(world_size) as pool:
-        managers = list(pool.map(lambda strategy: strategy._make_manager(), strategies))
+        managers = list(pool.map(join, strategies))
     assert managers == ["this fit's manager"] * world_size
