@@ -338,7 +338,10 @@ class CheckpointSaves:
             if trainer.is_global_zero
             else None
         )
-        refusal, link = trainer.strategy.broadcast(decision)
+        decided = trainer.strategy.broadcast(decision)
+        # None: this process group's rank 0 is not the run's global zero (a fault-tolerant replica group other than
+        # group 0, which may hold group 0's paths after a heal): it writes nothing and removes nothing.
+        refusal, link = decided if decided is not None else ("", False)
         if refusal is None and link:
             if trainer.is_global_zero:
                 remove_link(target)  # the link only: a strategy's removal would follow it

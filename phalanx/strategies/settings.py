@@ -51,6 +51,11 @@ class RunSettings:
     load_loop_position: Callable[[Mapping[str, int]], None] | None = None
     #: Inside an optimizer step, takes the counters of a peer's ``loop_position`` (same epoch, ahead); False: could not.
     catch_up_loop_position: Callable[[Mapping[str, int]], bool] | None = None
+    #: The callbacks' states as a checkpoint stores them (its "callbacks" entry), read when a strategy hands them to a
+    #: peer that (re)joins the run (``ddp_ft``); None: the driver has no callbacks (the Cohort).
+    callback_states: Callable[[], dict[str, Any]] | None = None
+    #: Loads states that ``callback_states`` returned into the callbacks (a rejoining group does, after the weights).
+    load_callback_states: Callable[[Mapping[str, Any]], None] | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in STAGES:
@@ -80,8 +85,8 @@ class RunSettings:
         if self.compile_unit is not None and self.compile_unit not in COMPILE_UNITS:
             units = [*COMPILE_UNITS, None]
             raise ValueError(f"RunSettings(compile_unit={self.compile_unit!r}) is not valid; choose one of {units}.")
-        callables = ("configure_optimizers", "before_optimizer_step", "compile", "loop_position")
-        for name in (*callables, "load_loop_position", "catch_up_loop_position"):
+        callables = ("configure_optimizers", "before_optimizer_step", "compile", "loop_position", "callback_states")
+        for name in (*callables, "load_loop_position", "catch_up_loop_position", "load_callback_states"):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(f"RunSettings({name}={value!r}) must be a callable or None.")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -36,7 +36,47 @@ from phalanx.utilities.rank_zero import rank_zero_print, rank_zero_warn
 from phalanx.utilities.seed import collect_rng_states
 
 if TYPE_CHECKING:
+    from phalanx.callbacks.callback import Callback
     from phalanx.trainer.trainer import Trainer
+
+#: Loads one entry of a state: called with the entry's name (for errors), the owner's ``load_state_dict`` and the state.
+EntryLoader = Callable[[str, Callable[[Any], None], Any], None]
+
+
+def callback_states(callbacks: Sequence[Callback]) -> dict[str, Any]:
+    """The "callbacks" entry of a checkpoint: each callback's non-empty ``state_dict()`` under its ``state_key``."""
+    # One state_dict() call per callback, as in Lightning: a callback may count or log its saves there.
+    states = ((callback.state_key, callback.state_dict()) for callback in callbacks)
+    return {key: state for key, state in states if state}
+
+
+def load_callback_states(callbacks: Sequence[Callback], states: Mapping[str, Any], load: EntryLoader) -> None:
+    """Give each callback its state from a "callbacks" entry (``callback_states``); a callback without one keeps its
+    own, and a state no callback claims is ignored."""
+    for callback in callbacks:
+        if callback.state_key in states:
+            load(f"['callbacks'][{callback.state_key!r}]", callback.load_state_dict, states[callback.state_key])
+
+
+def trainer_callback_states(trainer: Trainer) -> dict[str, Any]:
+    """``callback_states`` of ``trainer``'s callbacks (what a fault-tolerant replica group sends one that rejoins)."""
+    return callback_states(trainer.callbacks)
+
+
+def load_peer_callback_states(trainer: Trainer, states: Mapping[str, Any]) -> None:
+    """Load ``trainer_callback_states`` of a peer replica group into ``trainer``'s callbacks."""
+    load_callback_states(trainer.callbacks, states, _load_peer_entry)
+
+
+def _load_peer_entry(entry: str, load: Callable[[Any], None], state: Any) -> None:
+    try:
+        load(state)
+    except Exception as error:
+        raise ValueError(
+            f"The state{entry} that a peer replica group sent could not be loaded into its callback"
+            f" ({type(error).__name__}: {error})."
+            " Every replica group must run the same callbacks, made with the same arguments."
+        ) from error
 
 
 def _refuse_link_outside(path: Path) -> None:
@@ -85,9 +125,7 @@ class CheckpointConnector:
             precision_state = strategy.precision_plugin.state_dict()
             if precision_state:
                 checkpoint["precision_plugin"] = precision_state
-            # One state_dict() call per callback, as in Lightning: a callback may count or log its saves there.
-            states = ((callback.state_key, callback.state_dict()) for callback in trainer.callbacks)
-            checkpoint["callbacks"] = {key: state for key, state in states if state}
+            checkpoint["callbacks"] = callback_states(trainer.callbacks)
             checkpoint["rng_states"] = strategy.all_gather_object(collect_rng_states())
             if datamodule is not None:
                 state = datamodule.state_dict()
@@ -278,14 +316,7 @@ class CheckpointConnector:
                 self._apply("['datamodule']", datamodule.load_state_dict, checkpoint["datamodule"])
         for callback in trainer.callbacks:
             callback.on_load_checkpoint(trainer, module, checkpoint)
-        callback_states = checkpoint.get("callbacks", {})
-        for callback in trainer.callbacks:
-            if callback.state_key in callback_states:
-                self._apply(
-                    f"['callbacks'][{callback.state_key!r}]",
-                    callback.load_state_dict,
-                    callback_states[callback.state_key],
-                )
+        load_callback_states(trainer.callbacks, checkpoint.get("callbacks", {}), self._apply)
 
     def restore_training_state(self, checkpoint: dict[str, Any]) -> None:
         """Restore precision, optimizers, schedulers and loop progress, after ``on_fit_start`` as in Lightning.

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from phalanx.optimization import init_optimizers_and_schedulers
 from phalanx.strategies.settings import RunSettings
+from phalanx.trainer.checkpoint import load_peer_callback_states, trainer_callback_states
 from phalanx.trainer.loops.position import catch_up_loop_position, load_loop_position, loop_position
 from phalanx.trainer.state import TrainerFn
 from phalanx.utilities.compile import compiler_for, refuse_compiled_in_place, split_unit
@@ -37,6 +38,8 @@ def run_settings(trainer: Trainer, source: DataSource) -> RunSettings:
         loop_position=partial(loop_position, trainer.fit_loop) if fitting else None,
         load_loop_position=partial(load_loop_position, trainer.fit_loop) if fitting else None,
         catch_up_loop_position=partial(catch_up_loop_position, trainer.fit_loop) if fitting else None,
+        callback_states=partial(trainer_callback_states, trainer) if fitting else None,
+        load_callback_states=partial(load_peer_callback_states, trainer) if fitting else None,
     )
 
 

@@ -1,9 +1,11 @@
 """strategy='ddp_ft' across real replica groups (one process each) and a lighthouse in this process; group 1 is killed
-with SIGKILL mid-run and restarted, and rejoins from group 0's live state; every group is killed after a save, and the
-restart of all with ckpt_path="auto" goes on from group 0's newest checkpoint."""
+with SIGKILL mid-run and restarted, and rejoins from group 0's live state: weights, optimizer state, LR scheduler state,
+callbacks' states and loop position. Every group is killed after a save, and the restart of all with ckpt_path="auto"
+goes on from the newest checkpoint."""
 
 from __future__ import annotations
 
+import math
 import re
 import signal
 from datetime import timedelta
@@ -61,6 +63,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
         "reference": ft_group_job.reference_fit(GROUPS, out / "reference"),
         "steps": ft_group_job.STEPS,
         "batch": ft_group_job.BATCH,
+        "lr_step": ft_group_job.LR_STEP,
         "killed_code": killed_code,
         "restart_log": restarted.log.read_text(),
     }
@@ -70,6 +73,32 @@ def test_every_group_ends_with_the_weights_of_one_process_on_the_combined_batche
     for group, result in enumerate(run["results"]):
         for got, want in zip(result["weights"], run["reference"]):
             assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6, f"group {group} differs from the reference"
+
+
+def test_every_group_ends_on_the_schedule_of_the_committed_steps(run):
+    # StepLR(step_size=LR_STEP, gamma=0.5) from Net's lr=0.05, stepped once per committed step on every group.
+    final = [result["final_state"] for result in run["results"]]
+    for state in final:
+        assert state["scheduler"]["last_epoch"] == run["steps"], state
+        assert state["lr"] == pytest.approx(0.05 * 0.5 ** (run["steps"] // run["lr_step"])), state
+    assert all(state["scheduler"] == final[0]["scheduler"] for state in final[1:]), final
+
+
+def test_the_restarted_group_steps_at_its_peers_learning_rate_from_the_heal_on(run):
+    survivor, restarted = (result["states"] for result in run["results"])
+    assert restarted and set(restarted) <= set(survivor), (sorted(restarted), sorted(survivor))
+    for step, state in restarted.items():
+        assert (state["lr"], state["scheduler"]) == (survivor[step]["lr"], survivor[step]["scheduler"]), step
+
+
+def test_the_restarted_group_receives_its_peers_callback_states(run):
+    survivor, restarted = (result["states"] for result in run["results"])
+    healed_at = min(restarted, key=int)
+    want, got = survivor[healed_at], restarted[healed_at]
+    # The peer had validated and saved by then: these are not the states of a group that just started.
+    assert want["best_k_models"] and want["best_score"] is not None and math.isfinite(want["best_score"]), want
+    for key in ("wait_count", "best_score", "best_model_score", "best_k_models"):
+        assert got[key] == want[key], (key, got, want)
 
 
 def test_global_step_counts_the_committed_steps(run):
@@ -87,9 +116,15 @@ def test_committed_steps_train_each_sample_of_the_groups_shares_once_across_the_
 
 def test_the_killed_group_rejoins_from_a_peer_at_its_position(run):
     assert run["killed_code"] == -signal.SIGKILL
-    healed = re.search(r"healed from a peer \(no checkpoint read\).*continues at global_step=(\d+)", run["restart_log"])
+    healed = re.search(
+        r"healed from a peer \(no checkpoint read\): weights, optimizer state, the state of 1 learning-rate"
+        r" scheduler\(s\), the states of (\d+) callback\(s\) and loop position received; it continues at"
+        r" global_step=(\d+)",
+        run["restart_log"],
+    )
     assert healed, run["restart_log"][-3000:]
-    assert int(healed.group(1)) >= 1  # the survivor's step, not the fresh process's 0
+    assert int(healed.group(1)) >= 2  # at least EarlyStopping's and the top-k ModelCheckpoint's
+    assert int(healed.group(2)) >= 1  # the survivor's step, not the fresh process's 0
     assert "committed step 1\n" not in run["restart_log"]  # it never retrained the steps before its position
 
 
@@ -131,31 +166,36 @@ def test_a_slow_group_takes_its_peers_loop_position_and_ends_with_them(slow_run)
     assert len({index for batch in first_epoch for index in batch}) == 4 * (4 - MISSED)
     assert slow["committed"][4 - MISSED :] == first_epoch
     caught_up = re.search(
-        r"took their weights, optimizer state and loop counters.*global_step=(\d+)",
+        r"took their weights, optimizer state, .* and loop counters during a step.*global_step=(\d+)",
         slow_run["logs"]["group1.life0.log"],
     )
     assert caught_up and int(caught_up.group(1)) == 1 + MISSED, slow_run["logs"]["group1.life0.log"][-3000:]
     # Every step after the catch-up had all groups: they end with the same weights (none trained on alone at the end).
     for got, want in zip(slow["weights"], fast["weights"]):
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6
+    # It took their scheduler's state too: it steps the learning rate of the committed steps, not of its own steps.
+    assert slow["final_state"]["scheduler"] == fast["final_state"]["scheduler"] == other["final_state"]["scheduler"]
 
 
-SAVE_EVERY, HOLD_AT = 2, 3  # checkpoints at step 2 (then 4); every group is killed while it waits after step 3
+# Every group is killed while it waits after committing step HOLD_AT, before that step's validation: the newest
+# complete checkpoint is SAVED's (the run validates, and its ModelCheckpoints save, after every step).
+HOLD_AT = 3
+SAVED = HOLD_AT - 1
 
 
 @pytest.fixture(scope="module")
 def auto_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """Every group killed (SIGKILL) after committing step HOLD_AT, its checkpoint of step SAVE_EVERY complete; then all
-    restarted with ckpt_path="auto" (the Trainer's defaults otherwise, a ModelCheckpoint every SAVE_EVERY steps)."""
+    """Every group killed (SIGKILL) after committing step HOLD_AT, the checkpoints of step SAVED complete; then all
+    restarted with ckpt_path="auto" (scripts/ft_group_job.py's callbacks: the default ModelCheckpoint in the group's
+    folder, a top-k one in a folder all groups name, where group 0 alone writes)."""
     from phalanx.strategies.fault_tolerant import start_lighthouse
 
     out = tmp_path_factory.mktemp("ddp_ft_auto")
-    save = {"PHALANX_FT_SAVE_EVERY": str(SAVE_EVERY)}
     # The lighthouse outlives the groups; it forgets the killed ones 1 s after their last heartbeat (until then it would
     # count them as live groups of the run, and wait for them).
     ticks = {"join_timeout": timedelta(milliseconds=200), "heartbeat_timeout": timedelta(seconds=1)}
     with start_lighthouse(min_replicas=GROUPS, **ticks) as lighthouse:
-        hold = {"PHALANX_FT_HOLD_AT": str(HOLD_AT), **save}
+        hold = {"PHALANX_FT_HOLD_AT": str(HOLD_AT)}
         first = [_start(out, group, 0, lighthouse.address, **hold) for group in range(GROUPS)]
         second: list[GroupLife] = []
         try:
@@ -164,7 +204,7 @@ def auto_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             for life in first:
                 life.process.send_signal(signal.SIGKILL)
             killed_codes = [life.wait() for life in first]
-            resume = {"PHALANX_FT_CKPT_PATH": "auto", **save}
+            resume = {"PHALANX_FT_CKPT_PATH": "auto"}
             second = [_start(out, group, 1, lighthouse.address, **resume) for group in range(GROUPS)]
             codes = [life.wait() for life in second]
         finally:
@@ -181,16 +221,17 @@ def auto_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     }
 
 
-def test_after_every_group_died_auto_resumes_group_zero_from_its_newest_checkpoint(auto_run):
+def test_after_every_group_died_auto_resumes_from_the_newest_checkpoint(auto_run):
     assert auto_run["killed_codes"] == [-signal.SIGKILL] * GROUPS
     group0, group1 = (auto_run["logs"][f"group{group}.life1.log"] for group in range(GROUPS))
-    resumed = re.search(r"ckpt_path='auto': resuming from (\S+) \(global step (\d+)", group0)
-    assert resumed and int(resumed.group(2)) == SAVE_EVERY, group0[-3000:]
-    assert "group0" in resumed.group(1)  # group 0's own folder: only group 0 writes checkpoints
-    # Group 1 finds no checkpoint of its own and takes group 0's resumed state live at the first quorum.
-    assert "ckpt_path='auto': no complete checkpoint in" in group1, group1[-3000:]
+    found = r"ckpt_path='auto': resuming from (\S+) \(global step (\d+)"
+    resumed = [re.search(found, group0), re.search(found, group1)]
+    assert [int(match.group(2)) if match else None for match in resumed] == [SAVED, SAVED], (group0, group1)
+    # Group 1 wrote no checkpoint: it finds group 0's newest in the folder all groups name; at the first quorum it
+    # then takes group 0's state live (torchft's first quorum syncs every group from group 0).
+    assert resumed[1] is not None and Path(resumed[1].group(1)).parent.name == "best"
     healed = re.search(r"healed from a peer \(no checkpoint read\).*continues at global_step=(\d+)", group1)
-    assert healed and int(healed.group(1)) == SAVE_EVERY, group1[-3000:]
+    assert healed and int(healed.group(1)) == SAVED, group1[-3000:]
 
 
 def test_after_every_group_died_auto_ends_like_the_uninterrupted_run_on_the_committed_batches(auto_run):
@@ -202,7 +243,7 @@ def test_after_every_group_died_auto_ends_like_the_uninterrupted_run_on_the_comm
         # Life 0 committed steps 1 to HOLD_AT; life 1 trained again from the step after the checkpoint, on the same
         # batches, to the end.
         first, second = result["committed"][:HOLD_AT], result["committed"][HOLD_AT:]
-        assert len(second) == steps - SAVE_EVERY and second[: HOLD_AT - SAVE_EVERY] == first[SAVE_EVERY:]
-    counted = [index for result in auto_run["results"] for step in result["committed"][:SAVE_EVERY] for index in step]
+        assert len(second) == steps - SAVED and second[: HOLD_AT - SAVED] == first[SAVED:]
+    counted = [index for result in auto_run["results"] for step in result["committed"][:SAVED] for index in step]
     counted += [index for result in auto_run["results"] for step in result["committed"][HOLD_AT:] for index in step]
     assert sorted(counted) == list(range(steps * batch * GROUPS))  # every sample of the committed steps once

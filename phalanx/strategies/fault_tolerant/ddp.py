@@ -18,6 +18,7 @@ from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
 from phalanx.strategies.fault_tolerant.replica_group import GroupProcess, ReplicaGroup
+from phalanx.strategies.fault_tolerant.schedulers import load_scheduler_states, scheduler_states
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
@@ -162,15 +163,20 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         return model
 
     def _live_state(self) -> dict[str, Any]:
-        """What a healthy group sends a rejoining one: the weights and the optimizer state."""
+        """What a healthy group sends a rejoining one: the weights, the optimizer and the LR schedulers' states."""
         assert self._module is not None
-        return {"module": self._module.state_dict(), "optimizers": [o.state_dict() for o in self.optimizers]}
+        return {
+            "module": self._module.state_dict(),
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": scheduler_states(self.lr_scheduler_configs),
+        }
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
         assert self._module is not None
         self._module.load_state_dict(state["module"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
+        load_scheduler_states(self.lr_scheduler_configs, state.get("schedulers"))
 
     # ------------------------------------------------------------------ steps
     def on_train_start(self) -> None:

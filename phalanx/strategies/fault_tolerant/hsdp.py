@@ -17,6 +17,7 @@ from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
 from phalanx.strategies.fault_tolerant.replica_group import GroupProcess, ReplicaGroup
+from phalanx.strategies.fault_tolerant.schedulers import load_scheduler_states, scheduler_states
 from phalanx.strategies.fsdp._fsdp1_arguments import HYBRID_STRATEGIES
 from phalanx.strategies.fsdp.strategy import FSDPStrategy
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
@@ -179,7 +180,8 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
     # ------------------------------------------------------------------ live state, shard by shard
     def _live_state(self) -> dict[str, Any]:
         """What this process sends the process with its rank in a rejoining group: its shards of the weights and of
-        the optimizer state (plain tensors: the receiver puts them back on its own mesh)."""
+        the optimizer state (plain tensors: the receiver puts them back on its own mesh), and the LR schedulers'
+        states (whole on every process)."""
         assert self._module is not None
         optimizers = []
         for optimizer in self.optimizers:
@@ -189,7 +191,8 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
             ]
             local = {pid: {key: _local(v) for key, v in entries.items()} for pid, entries in state["state"].items()}
             optimizers.append({"state": local, "param_groups": state["param_groups"], "sharded": sharded})
-        return {"module": {k: _local(v) for k, v in self._module.state_dict().items()}, "optimizers": optimizers}
+        module = {k: _local(v) for k, v in self._module.state_dict().items()}
+        return {"module": module, "optimizers": optimizers, "schedulers": scheduler_states(self.lr_scheduler_configs)}
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
         from torch.distributed.tensor import DTensor  # lazy for import time: loaded with FSDP's modules
@@ -207,6 +210,7 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
                     entries[pid][key], param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
                 )
             optimizer.load_state_dict({"state": entries, "param_groups": received["param_groups"]})
+        load_scheduler_states(self.lr_scheduler_configs, state.get("schedulers"))
 
     # ------------------------------------------------------------------ steps
     def on_train_start(self) -> None:

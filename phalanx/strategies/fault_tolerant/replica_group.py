@@ -59,7 +59,8 @@ class _CommitGate(Optimizer):
 @dataclass(frozen=True)
 class GroupProcess:
     """This process as the torchft Manager of its group sees it: its place in the group, and how the strategy reads
-    and loads its live state (what a healthy peer sends a rejoining group: weights, optimizer state)."""
+    and loads its live state (what a healthy peer sends a rejoining group: weights, optimizer state, and the LR
+    schedulers' states as a list under "schedulers")."""
 
     rank: int
     world_size: int
@@ -71,11 +72,11 @@ class GroupProcess:
 class ReplicaGroup:
     """What a fault-tolerant strategy does as a member of the replica groups' quorum, whatever holds its model.
 
-    It reads the options, makes the torchft Manager (with the loop position as a second live state beside the
-    strategy's own), forms each step's quorum, steps the optimizer only when the quorum commits, gives up after
-    ``MAX_DECLINED_IN_A_ROW`` declined steps, logs who left and joined and what a healed group received, and leaves
-    the quorum service at teardown. The strategy passes in what depends on how it holds the model (its live state,
-    as a :class:`GroupProcess`) and keeps its own gradient hook.
+    It reads the options, makes the torchft Manager (with the callbacks' states and the loop position as live states
+    beside the strategy's own), forms each step's quorum, steps the optimizer only when the quorum commits, gives up
+    after ``MAX_DECLINED_IN_A_ROW`` declined steps, logs who left and joined and what a healed group received, and
+    leaves the quorum service at teardown. The strategy passes in what depends on how it holds the model (its live
+    state, as a :class:`GroupProcess`) and keeps its own gradient hook.
     """
 
     def __init__(self, owner: str, strategy_name: str, fault_tolerance: FaultTolerance | None) -> None:
@@ -98,6 +99,12 @@ class ReplicaGroup:
         self._loop_position: Callable[[], dict[str, int]] | None = None
         self._load_loop_position: Callable[[Mapping[str, int]], None] | None = None
         self._catch_up: Callable[[Mapping[str, int]], bool] | None = None
+        self._callback_states: Callable[[], dict[str, Any]] | None = None
+        self._load_callback_states: Callable[[Mapping[str, Any]], None] | None = None
+        self._process: GroupProcess | None = None
+        # What the latest heal loaded besides the weights and the optimizer state, for its log line.
+        self._schedulers_received = 0
+        self._callbacks_received: int | None = None
         self._joining = False  # forming the first quorum, before the loop reads data: a received position applies
         self._quorum_open = False  # the step in progress has its quorum (on_train_start's, a forward's or its own)
         self._declined_in_a_row = 0
@@ -140,6 +147,7 @@ class ReplicaGroup:
         """Join the replica groups' quorum service (a torchft Manager) for this fit. ``catch_up`` moves the loop's
         counters inside a step (a slow group's); None: such a group keeps its own counters, with a warning."""
         self._loop_position, self._load_loop_position = settings.loop_position, settings.load_loop_position
+        self._callback_states, self._load_callback_states = settings.callback_states, settings.load_callback_states
         self._catch_up = catch_up
         self.manager = self.make_manager(process)
 
@@ -153,9 +161,10 @@ class ReplicaGroup:
             transport = torchft.pg_transport.PGTransport(group, timeout=options.step_timeout, device=process.device)
         else:
             transport = torchft.http_transport.HTTPTransport(timeout=options.step_timeout, num_chunks=0)
+        self._process = process
         manager = torchft.manager.Manager(
             pg=group,
-            load_state_dict=process.load_state_dict,
+            load_state_dict=self._load_live_state,
             state_dict=process.state_dict,
             min_replica_size=options.min_replicas,
             # A (re)joining group loads the peer's state before its first step and takes part in it at once.
@@ -171,9 +180,17 @@ class ReplicaGroup:
             replica_id=f"phalanx_group_{options.replica_group_id}",
             checkpoint_transport=transport,
         )
-        # A second state in torchft's live transfer: the loop's counters and data position, loaded after the weights.
+        # More states in torchft's live transfer, loaded in this order after the weights: the callbacks' states, then
+        # the loop's counters and data position (whose loading logs what the group received).
+        manager.register_state_dict_fn("callbacks", self._load_callbacks, self._callbacks)
         manager.register_state_dict_fn("loop", self._load_position, self._position)
         return manager
+
+    def _load_live_state(self, state: dict[str, Any]) -> None:
+        """Load the strategy's live state from a peer, counting its schedulers' states for the log line."""
+        assert self._process is not None
+        self._process.load_state_dict(state)
+        self._schedulers_received = len(state.get("schedulers") or [])
 
     def check_optimizers(self, optimizers: list[Optimizer]) -> None:
         """One optimizer (one commit vote per step) that evaluates its closure once."""
@@ -195,7 +212,28 @@ class ReplicaGroup:
         if semi_sync is not None and self.semi_sync is None:
             self.semi_sync = SemiSyncGroup(self.torchft.local_sgd, self.manager, module, optimizers[0], semi_sync)
 
-    # ------------------------------------------------------------------ the loop position in the live state
+    # ------------------------------------------------------------------ the callbacks and the loop in the live state
+    def _callbacks(self) -> dict[str, Any] | None:
+        """What a healthy group sends with its weights: its callbacks' states, as a checkpoint stores them (None
+        without callbacks to ask: the Cohort)."""
+        return None if self._callback_states is None else self._callback_states()
+
+    def _load_callbacks(self, states: dict[str, Any] | None) -> None:
+        if states is not None and self._load_callback_states is not None:
+            self._load_callback_states(states)
+            self._callbacks_received = len(states)
+
+    def _received(self, last: str | None = None) -> str:
+        """What this group loaded from a peer, as a phrase for the log: the weights, the optimizer state, the LR
+        schedulers' and the callbacks' states (where there were any), and ``last``."""
+        parts = ["weights", "optimizer state"]
+        if self._schedulers_received:
+            parts.append(f"the state of {self._schedulers_received} learning-rate scheduler(s)")
+        if self._callbacks_received is not None:
+            parts.append(f"the states of {self._callbacks_received} callback(s)")
+        parts += [last] if last else []
+        return ", ".join(parts[:-1]) + f" and {parts[-1]}"
+
     def _position(self) -> dict[str, int] | None:
         """What a healthy group sends with its weights: where its loop stands (None without a loop to ask)."""
         if self._loop_position is None:
@@ -218,8 +256,8 @@ class ReplicaGroup:
         else:  # a hand-written loop's counters (the Cohort's start_training)
             where = "".join(f", {key}={value}" for key, value in position.items() if key != "global_step")
         rank_zero_info(
-            f"Replica group {group} healed from a peer (no checkpoint read): weights, optimizer state and loop"
-            f" position received; it continues at global_step={position['global_step']}{where}."
+            f"Replica group {group} healed from a peer (no checkpoint read): {self._received('loop position')}"
+            f" received; it continues at global_step={position['global_step']}{where}."
         )
 
     def _catch_up_during_step(self, position: dict[str, int]) -> None:
@@ -228,16 +266,16 @@ class ReplicaGroup:
         group, step = self.fault_tolerance.replica_group_id, position["global_step"]
         if self.semi_sync is None and self._catch_up is not None and self._catch_up(position):
             rank_zero_info(
-                f"Replica group {group} fell behind its peers (left out of a quorum) and took their weights, optimizer"
-                f" state and loop counters during a step: it continues at global_step={step}, epoch"
+                f"Replica group {group} fell behind its peers (left out of a quorum) and took their"
+                f" {self._received('loop counters')} during a step: it continues at global_step={step}, epoch"
                 f" {position['epoch']}, batch {position['batches_done']}; the batch it had read trains in this step,"
                 f" and its share of the steps it missed is skipped."
             )
             return
         # The loop is inside a batch of another epoch: its data position cannot move there.
         rank_zero_warn(
-            f"Replica group {group} fell behind its peers and received their weights and optimizer state during a"
-            f" step; its loop counters and data position stay its own (global_step of the peer: {step})."
+            f"Replica group {group} fell behind its peers and received their {self._received()} during"
+            f" a step; its loop counters and data position stay its own (global_step of the peer: {step})."
         )
 
     # ------------------------------------------------------------------ steps

@@ -4,8 +4,10 @@ Usage: python ft_group_job.py OUT_DIR, with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS
 MASTER_PORT set. Each committed step appends its batch's sample indices to OUT_DIR/group<id>.committed (kept across a
 kill and restart of the group) and prints "committed step N". ``reference_fit`` is the same training in one process on
 the groups' combined batches. PHALANX_FT_SLOW=N stalls group 1 (alive) while groups 0 and 2 commit N steps without it.
-PHALANX_FT_SAVE_EVERY=N saves a checkpoint every N steps, PHALANX_FT_HOLD_AT=N waits after committing step N (for the
-test to kill the group) and PHALANX_FT_CKPT_PATH is the fit's ``ckpt_path`` (e.g. "auto").
+The model steps a StepLR per step, the kill-and-rejoin run validates after every step, and each group records at each
+step's start its learning rate, scheduler state and the states of an EarlyStopping and a top-k ModelCheckpoint (in a
+folder all groups name): what a rejoining group must receive from its peer. PHALANX_FT_HOLD_AT=N waits after
+committing step N (for the test to kill the group) and PHALANX_FT_CKPT_PATH is the fit's ``ckpt_path`` (e.g. "auto").
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from ft_harness import json_lines, log_phalanx_to_stdout
 from torch.utils.data import DataLoader
 
 import phalanx
-from phalanx.callbacks import ModelCheckpoint
+from phalanx.callbacks import EarlyStopping, ModelCheckpoint
 
 BATCH = 4  # per replica group
 STEPS = 4
 SLOW_STEPS = 6  # with PHALANX_FT_SLOW (3 groups: 4 batches an epoch): group 1 catches up inside the first epoch
 SAMPLES = 48  # divisible by BATCH x groups for 2 and 3 groups: every group reads as many batches
+LR_STEP = 3  # StepLR's step_size: the rate halves after step 3, whichever step (1 to 3) a restarted group rejoins at
 
 
 class CommittedBatches(phalanx.Callback):
@@ -79,7 +82,7 @@ class SlowGroup(phalanx.Callback):
 
 
 class Hold(phalanx.Callback):
-    """Waits after committing step ``step`` (its checkpoints of earlier steps complete) until the test kills this
+    """Waits after committing step ``step`` (the checkpoints of earlier steps complete) until the test kills this
     process; a bounded wait, so that a test that never kills it fails instead of hanging."""
 
     def __init__(self, step: int) -> None:
@@ -99,6 +102,45 @@ class MomentumNet(Net):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+class ScheduledNet(MomentumNet):
+    """MomentumNet whose learning rate a StepLR halves every LR_STEP optimizer steps (its state a peer must send)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=LR_STEP, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+class TrainingStates(phalanx.Callback):
+    """Records, at the start of each step, the learning rate, the scheduler's and the callbacks' states (the last
+    record of a step wins: a declined step starts again)."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, dict[str, Any]] = {}
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        self.records[trainer.global_step] = training_state(trainer)
+
+
+def training_state(trainer: Any) -> dict[str, Any]:
+    """What a group's training depends on besides its weights: scheduler, learning rate, callbacks' states."""
+    scheduler = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+    stopping = next(c for c in trainer.callbacks if isinstance(c, EarlyStopping))
+    best = next(c for c in trainer.callbacks if isinstance(c, ModelCheckpoint) and c.monitor == "step")
+    return {
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "scheduler": {key: scheduler[key] for key in ("last_epoch", "_step_count", "_last_lr")},
+        "wait_count": stopping.wait_count,
+        "best_score": _number(stopping.best_score),
+        "best_model_score": _number(best.best_model_score),
+        "best_k_models": {str(path): float(score) for path, score in best.best_k_models.items()},
+    }
+
+
 def fit(
     strategy: Any,
     root: Path,
@@ -106,10 +148,11 @@ def fit(
     seed: int = 7,
     callbacks: list[Any] | None = None,
     max_steps: int = STEPS,
+    val_check_interval: int | None = None,
     ckpt_path: str | None = None,
 ) -> tuple[phalanx.Trainer, MomentumNet]:
     phalanx.seed_everything(seed)
-    model = MomentumNet()
+    model = ScheduledNet()
     trainer = phalanx.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -117,6 +160,7 @@ def fit(
         max_steps=max_steps,
         default_root_dir=str(root),
         callbacks=callbacks,
+        val_check_interval=val_check_interval,
     )
     train = DataLoader(IndexedRegression(n=SAMPLES), batch_size=batch_size)
     trainer.fit(model, train, DataLoader(IndexedRegression(n=8, seed=1), batch_size=4), ckpt_path=ckpt_path)
@@ -137,18 +181,29 @@ def main() -> None:
     log_phalanx_to_stdout()
     # Groups other than 0 start from other weights: they must receive group 0's when the first quorum forms.
     committed = CommittedBatches(out / f"group{group}.committed")
-    callbacks: list[Any] = [committed]
+    states = TrainingStates()
+    callbacks: list[Any] = [
+        committed,
+        states,
+        ModelCheckpoint(),  # the default one (monitor None), in the group's own folder: only group 0 writes
+        # Every group names this folder (a shared file system): a rejoined group's top-k entries are group 0's files,
+        # which it never writes nor removes. monitor="step" ranks alike on every group: each save drops the oldest.
+        ModelCheckpoint(
+            out / "best", "{step}", monitor="step", mode="max", save_top_k=2, save_on_train_epoch_end=False
+        ),
+        EarlyStopping("val_loss", patience=100),
+    ]
     missed = int(os.environ.get("PHALANX_FT_SLOW", "0"))
     if missed:
         callbacks.append(SlowGroup(out, group, missed))
-    if "PHALANX_FT_SAVE_EVERY" in os.environ:
-        every = int(os.environ["PHALANX_FT_SAVE_EVERY"])
-        callbacks.append(ModelCheckpoint(every_n_train_steps=every, save_top_k=-1))
     if "PHALANX_FT_HOLD_AT" in os.environ:
         callbacks.append(Hold(int(os.environ["PHALANX_FT_HOLD_AT"])))
     steps = SLOW_STEPS if missed else STEPS
+    # The kill-and-rejoin run validates after every step, so that EarlyStopping and ModelCheckpoint have changed by the
+    # heal; the slow-group run (3 groups, more steps) validates once per epoch, as by default, to stay cheap.
+    every_step = None if missed else 1
     resume = os.environ.get("PHALANX_FT_CKPT_PATH")
-    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, 7 + group, callbacks, steps, resume)
+    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, 7 + group, callbacks, steps, every_step, resume)
     write_json(
         out,
         f"group{group}.json",
@@ -158,6 +213,8 @@ def main() -> None:
             "is_global_zero": trainer.is_global_zero,
             "checkpoints": sorted(p.name for p in (out / f"group{group}").rglob("*.ckpt")),
             "weights": [p.detach().flatten().tolist() for p in model.parameters()],
+            "states": {str(step): record for step, record in states.records.items()},
+            "final_state": training_state(trainer),
         },
     )
 

@@ -1,5 +1,6 @@
 """HSDPFaultTolerantStrategy in one process: its name, its data shares, what it refuses, and the live state a healthy
-process sends a rejoining one (its shards as plain tensors, put back on the receiver's mesh)."""
+process sends a rejoining one (its shards as plain tensors, put back on the receiver's mesh, and its LR schedulers'
+states)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from phalanx_testing import Regressor
 
+from phalanx.optimization import LRSchedulerConfig
 from phalanx.plugins.environments.default import DefaultEnvironment
 from phalanx.strategies import STRATEGY_REGISTRY, FaultTolerance, HSDPFaultTolerantStrategy, RunSettings, SemiSync
 
@@ -92,7 +94,7 @@ def one_process_group():
         torch.distributed.destroy_process_group()
 
 
-def _sharded(seed: int) -> tuple[HSDPFaultTolerantStrategy, torch.nn.Module]:
+def _sharded(seed: int, scheduler_steps: int = 0) -> tuple[HSDPFaultTolerantStrategy, torch.nn.Module]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -102,15 +104,20 @@ def _sharded(seed: int) -> tuple[HSDPFaultTolerantStrategy, torch.nn.Module]:
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     module(torch.randn(4, 4)).sum().backward()
     optimizer.step()  # momentum buffers exist, as DTensors like the parameters
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for _ in range(scheduler_steps):
+        optimizer.step()
+        scheduler.step()
     strategy = _strategy()
     strategy.connect(module)
     strategy.optimizers = [optimizer]
+    strategy.lr_scheduler_configs = [LRSchedulerConfig(scheduler=scheduler, interval="step")]
     return strategy, module
 
 
 @pytest.mark.usefixtures("one_process_group")
 def test_the_live_state_goes_as_plain_shards_and_lands_on_the_receivers_mesh():
-    sender, sent_module = _sharded(seed=1)
+    sender, sent_module = _sharded(seed=1, scheduler_steps=3)
     receiver, received_module = _sharded(seed=2)
     state = sender._live_state()
     tensors = [*state["module"].values(), *state["optimizers"][0]["state"][0].values()]
@@ -122,6 +129,9 @@ def test_the_live_state_goes_as_plain_shards_and_lands_on_the_receivers_mesh():
     for got_param, want_param in zip(received_module.parameters(), sent_module.parameters(), strict=True):
         got, want = got_state[got_param]["momentum_buffer"], want_state[want_param]["momentum_buffer"]
         assert got.placements == want.placements and torch.equal(got.full_tensor(), want.full_tensor())
+    got_scheduler, want_scheduler = (s.lr_scheduler_configs[0].scheduler.state_dict() for s in (receiver, sender))
+    assert got_scheduler == want_scheduler and want_scheduler["last_epoch"] == 3
+    assert receiver.optimizers[0].param_groups[0]["lr"] == sender.optimizers[0].param_groups[0]["lr"] == 0.05
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
