@@ -219,7 +219,9 @@ class CheckpointConnector:
         that stops the resume: a complete checkpoint whose progress cannot be read)."""
         trainer = self.trainer
         outcome: tuple[Choice | None, Exception | None] = (None, None)
-        if trainer.is_global_zero:
+        # The rank that broadcasts decides: rank 0 of the strategy's processes. It is the global zero, except in a
+        # fault-tolerant replica group other than group 0, which has none and searches its own folders.
+        if trainer.strategy.global_rank == 0:
             own, experiment = self._folders()
             hparams = module_hparams(trainer.strategy.module)
             try:

@@ -1,6 +1,7 @@
 """strategy='ddp_ft' across real replica groups (one process each) and a lighthouse in this process; group 1 is killed
 with SIGKILL mid-run and restarted, and rejoins from group 0's live state: weights, optimizer state, LR scheduler state,
-callbacks' states and loop position."""
+callbacks' states and loop position. Every group is killed after a save, and the restart of all with ckpt_path="auto"
+goes on from the newest checkpoint."""
 
 from __future__ import annotations
 
@@ -174,3 +175,75 @@ def test_a_slow_group_takes_its_peers_loop_position_and_ends_with_them(slow_run)
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6
     # It took their scheduler's state too: it steps the learning rate of the committed steps, not of its own steps.
     assert slow["final_state"]["scheduler"] == fast["final_state"]["scheduler"] == other["final_state"]["scheduler"]
+
+
+# Every group is killed while it waits after committing step HOLD_AT, before that step's validation: the newest
+# complete checkpoint is SAVED's (the run validates, and its ModelCheckpoints save, after every step).
+HOLD_AT = 3
+SAVED = HOLD_AT - 1
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Every group killed (SIGKILL) after committing step HOLD_AT, the checkpoints of step SAVED complete; then all
+    restarted with ckpt_path="auto" (scripts/ft_group_job.py's callbacks: the default ModelCheckpoint in the group's
+    folder, a top-k one in a folder all groups name, where group 0 alone writes)."""
+    from phalanx.strategies.fault_tolerant import start_lighthouse
+
+    out = tmp_path_factory.mktemp("ddp_ft_auto")
+    # The lighthouse outlives the groups; it forgets the killed ones 1 s after their last heartbeat (until then it would
+    # count them as live groups of the run, and wait for them).
+    ticks = {"join_timeout": timedelta(milliseconds=200), "heartbeat_timeout": timedelta(seconds=1)}
+    with start_lighthouse(min_replicas=GROUPS, **ticks) as lighthouse:
+        hold = {"PHALANX_FT_HOLD_AT": str(HOLD_AT)}
+        first = [_start(out, group, 0, lighthouse.address, **hold) for group in range(GROUPS)]
+        second: list[GroupLife] = []
+        try:
+            for life in first:
+                life.wait_for(f"^holding after committed step {HOLD_AT}$")
+            for life in first:
+                life.process.send_signal(signal.SIGKILL)
+            killed_codes = [life.wait() for life in first]
+            resume = {"PHALANX_FT_CKPT_PATH": "auto"}
+            second = [_start(out, group, 1, lighthouse.address, **resume) for group in range(GROUPS)]
+            codes = [life.wait() for life in second]
+        finally:
+            stop([*first, *second])
+    check_exit_codes(out, codes, [0] * GROUPS)
+    ft_group_job = import_script("ft_group_job")
+    return {
+        "results": group_results(out, GROUPS),
+        "reference": ft_group_job.reference_fit(GROUPS, out / "reference"),
+        "steps": ft_group_job.STEPS,
+        "batch": ft_group_job.BATCH,
+        "killed_codes": killed_codes,
+        "logs": {life.log.name: life.log.read_text() for life in second},
+    }
+
+
+def test_after_every_group_died_auto_resumes_from_the_newest_checkpoint(auto_run):
+    assert auto_run["killed_codes"] == [-signal.SIGKILL] * GROUPS
+    group0, group1 = (auto_run["logs"][f"group{group}.life1.log"] for group in range(GROUPS))
+    found = r"ckpt_path='auto': resuming from (\S+) \(global step (\d+)"
+    resumed = [re.search(found, group0), re.search(found, group1)]
+    assert [int(match.group(2)) if match else None for match in resumed] == [SAVED, SAVED], (group0, group1)
+    # Group 1 wrote no checkpoint: it finds group 0's newest in the folder all groups name; at the first quorum it
+    # then takes group 0's state live (torchft's first quorum syncs every group from group 0).
+    assert resumed[1] is not None and Path(resumed[1].group(1)).parent.name == "best"
+    healed = re.search(r"healed from a peer \(no checkpoint read\).*continues at global_step=(\d+)", group1)
+    assert healed and int(healed.group(1)) == SAVED, group1[-3000:]
+
+
+def test_after_every_group_died_auto_ends_like_the_uninterrupted_run_on_the_committed_batches(auto_run):
+    steps, batch = auto_run["steps"], auto_run["batch"]
+    for group, result in enumerate(auto_run["results"]):
+        assert result["global_step"] == steps
+        for got, want in zip(result["weights"], auto_run["reference"], strict=True):
+            assert max(abs(a - b) for a, b in zip(got, want)) < 1e-6, f"group {group} differs from the reference"
+        # Life 0 committed steps 1 to HOLD_AT; life 1 trained again from the step after the checkpoint, on the same
+        # batches, to the end.
+        first, second = result["committed"][:HOLD_AT], result["committed"][HOLD_AT:]
+        assert len(second) == steps - SAVED and second[: HOLD_AT - SAVED] == first[SAVED:]
+    counted = [index for result in auto_run["results"] for step in result["committed"][:SAVED] for index in step]
+    counted += [index for result in auto_run["results"] for step in result["committed"][HOLD_AT:] for index in step]
+    assert sorted(counted) == list(range(steps * batch * GROUPS))  # every sample of the committed steps once

@@ -6,7 +6,8 @@ kill and restart of the group) and prints "committed step N". ``reference_fit`` 
 the groups' combined batches. PHALANX_FT_SLOW=N stalls group 1 (alive) while groups 0 and 2 commit N steps without it.
 The model steps a StepLR per step, the kill-and-rejoin run validates after every step, and each group records at each
 step's start its learning rate, scheduler state and the states of an EarlyStopping and a top-k ModelCheckpoint (in a
-folder all groups name): what a rejoining group must receive from its peer.
+folder all groups name): what a rejoining group must receive from its peer. PHALANX_FT_HOLD_AT=N waits after
+committing step N (for the test to kill the group) and PHALANX_FT_CKPT_PATH is the fit's ``ckpt_path`` (e.g. "auto").
 """
 
 from __future__ import annotations
@@ -80,6 +81,20 @@ class SlowGroup(phalanx.Callback):
             self._wait_for((self.out / "awake").exists, "group 1 to wake")
 
 
+class Hold(phalanx.Callback):
+    """Waits after committing step ``step`` (the checkpoints of earlier steps complete) until the test kills this
+    process; a bounded wait, so that a test that never kills it fails instead of hanging."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self.step:
+            print(f"holding after committed step {self.step}", flush=True)
+            time.sleep(240)
+            raise TimeoutError(f"nothing killed this group within 240 s of committing step {self.step}")
+
+
 class MomentumNet(Net):
     """Net with an optimizer that has state (momentum), which a joining group must receive too."""
 
@@ -134,6 +149,7 @@ def fit(
     callbacks: list[Any] | None = None,
     max_steps: int = STEPS,
     val_check_interval: int | None = None,
+    ckpt_path: str | None = None,
 ) -> tuple[phalanx.Trainer, MomentumNet]:
     phalanx.seed_everything(seed)
     model = ScheduledNet()
@@ -147,7 +163,7 @@ def fit(
         val_check_interval=val_check_interval,
     )
     train = DataLoader(IndexedRegression(n=SAMPLES), batch_size=batch_size)
-    trainer.fit(model, train, DataLoader(IndexedRegression(n=8, seed=1), batch_size=4))
+    trainer.fit(model, train, DataLoader(IndexedRegression(n=8, seed=1), batch_size=4), ckpt_path=ckpt_path)
     return trainer, model
 
 
@@ -180,11 +196,14 @@ def main() -> None:
     missed = int(os.environ.get("PHALANX_FT_SLOW", "0"))
     if missed:
         callbacks.append(SlowGroup(out, group, missed))
+    if "PHALANX_FT_HOLD_AT" in os.environ:
+        callbacks.append(Hold(int(os.environ["PHALANX_FT_HOLD_AT"])))
     steps = SLOW_STEPS if missed else STEPS
     # The kill-and-rejoin run validates after every step, so that EarlyStopping and ModelCheckpoint have changed by the
     # heal; the slow-group run (3 groups, more steps) validates once per epoch, as by default, to stay cheap.
     every_step = None if missed else 1
-    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, 7 + group, callbacks, steps, every_step)
+    resume = os.environ.get("PHALANX_FT_CKPT_PATH")
+    trainer, model = fit("ddp_ft", out / f"group{group}", BATCH, 7 + group, callbacks, steps, every_step, resume)
     write_json(
         out,
         f"group{group}.json",

@@ -3,7 +3,7 @@ resumed on every strategy.
 
 Usage: python resume_matrix_job.py OUT   (phalanx starts the second process itself)
 
-On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds1,ds2,ds3,pp,pp_v}.ckpt (after SAVE_AT steps;
+On 2 processes this writes the source checkpoints OUT/src_{ddp,fsdp,ds1,ds2,ds3,pp,pp_v,hsdp}.ckpt (after SAVE_AT steps;
 OUT/src_one.ckpt and OUT/src_ft.ckpt, of a ddp_ft replica group, were written on 1 process by
 ``write_one_process_sources`` before the launch), runs each target
 strategy uninterrupted for STEPS steps (OUT/ref_{target}.pt) and resumes every source on every 2-process target to
@@ -13,6 +13,9 @@ writes it; every rank takes part in gathering). ``run_one`` is the single-device
 process), and so is ``ddp_ft``'s (one replica group, a lighthouse in this process); a cell of these that fails writes
 its error to OUT/{source}__{single,ddp_ft}.error. A failing 2-process cell fails the
 whole job (its output names the cell).
+
+hsdp_ft runs as one replica group of the job's 2 processes (a lighthouse in rank 0's process): its checkpoint ("hsdp")
+resumes on fsdp and on one device, and fsdp's resumes on it (``FAULT_TOLERANT_COLUMNS``, ``FAULT_TOLERANT_SOURCES``).
 
 The pipeline layouts (ModelParallelStrategy with pipeline_parallel_size=2: "pp" one stage per rank with 1F1B, "pp_v"
 two virtual stages per rank with Interleaved1F1B) join as sources and a target on their own cells (``CELLS``): the pp
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from strategy_cases import names
+from strategy_cases import build_one_sharded_group, names
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -55,14 +58,25 @@ ALL_SOURCES = [*SOURCES, *ONE_PROCESS_SOURCES]
 ONE_PROCESS_TARGETS = {"single_device": "single", "ddp_ft": "ddp_ft"}
 #: Every 2-process strategy that promises to resume any checkpoint (tests/strategy_cases.py).
 TARGETS = [name for name in names("resume") if name not in ONE_PROCESS_TARGETS]
+#: Fault-tolerant columns resume the sources of their family only (each of their steps costs a quorum): ddp_ft's
+#: (one group of one process, in the test's process) ddp, fsdp, one process and itself; hsdp_ft's (one group of 2
+#: processes, FSDP over both, in the job) fsdp. Its own checkpoint ("hsdp") resumes on fsdp and on one device.
+FAULT_TOLERANT_COLUMNS = {"ddp_ft": ["ddp", "fsdp", "one", "ft"], "hsdp_ft": ["fsdp"]}
+FAULT_TOLERANT_SOURCES = {"hsdp": ("hsdp_ft", ["single", "fsdp"])}
 #: Pipeline layouts on 2 processes (pipeline_parallel_size=2, no data parallelism): name -> schedule.
 PIPELINES = {"pp": "1F1B", "pp_v": "Interleaved1F1B"}
-#: Every (source, target) cell: each source on every strategy; ddp_ft's column resumes the sources of its family (ddp,
-#: fsdp, one process, itself), whose runs cost a quorum a step; the pipeline's cells: its checkpoint without a
-#: pipeline, other layouts' checkpoints under it, and two virtual stages per rank to one.
+#: Every (source, target) cell: each source on every strategy but the fault-tolerant ones, whose cells are
+#: FAULT_TOLERANT_COLUMNS' and FAULT_TOLERANT_SOURCES'; the pipeline's cells: its checkpoint without a pipeline, other
+#: layouts' checkpoints under it, and two virtual stages per rank to one.
 CELLS = [
-    *((source, target) for source in ALL_SOURCES for target in ["single", *TARGETS]),
-    *((source, "ddp_ft") for source in ["ddp", "fsdp", "one", "ft"]),
+    *(
+        (source, target)
+        for source in ALL_SOURCES
+        for target in ["single", *TARGETS]
+        if target not in FAULT_TOLERANT_COLUMNS
+    ),
+    *((source, target) for target, sources in FAULT_TOLERANT_COLUMNS.items() for source in sources),
+    *((source, target) for source, (_, targets) in FAULT_TOLERANT_SOURCES.items() for target in targets),
     *(("pp", target) for target in ["single", "ddp", "fsdp", "model_parallel"]),
     *((source, "pp") for source in ["ddp", "fsdp", "one", "pp_v", "pp_auto"]),
 ]
@@ -171,6 +185,9 @@ def strategy_for(name: str) -> Any:
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
         options = FaultTolerance(0, 1, lighthouse=os.environ["TORCHFT_LIGHTHOUSE"])
         return DDPFaultTolerantStrategy(fault_tolerance=options)
+    if name == "hsdp_ft":
+        # Replica group 0 of 1 over the job's 2 processes, a fresh lighthouse in rank 0's process for each fit.
+        return build_one_sharded_group()
     if name == "fsdp_sharded":
         from phalanx.strategies import FSDPStrategy
 
@@ -327,22 +344,49 @@ def run_one(out: Path) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    for source, strategy in {**SOURCES, **{name: name for name in PIPELINES}}.items():
+    # torchft's cells last: its threads (each lighthouse's, each Manager's runtime) outlive their fits, and nothing
+    # after them starts processes (DeepSpeed's start-up included).
+    fault_tolerant_sources = {source: strategy for source, (strategy, _) in FAULT_TOLERANT_SOURCES.items()}
+    later = [target for target in TARGETS if target in FAULT_TOLERANT_COLUMNS]
+    write_sources(out, {**SOURCES, **{name: name for name in PIPELINES}})
+    for target in [*(target for target in TARGETS if target not in later), "pp"]:
+        run_column(
+            out, target, [source for source, cell in CELLS if cell == target and source not in FAULT_TOLERANT_SOURCES]
+        )
+    write_sources(out, fault_tolerant_sources)
+    for target in later:
+        run_column(out, target, [source for source, cell in CELLS if cell == target])
+    for source, (_, targets) in FAULT_TOLERANT_SOURCES.items():
+        for target in targets:
+            if target != "single":  # the test's process resumes it on one device
+                resume(out, source, target)
+
+
+def write_sources(out: Path, sources: dict[str, str]) -> None:
+    """Fit each source strategy for SAVE_AT steps on 2 processes and save OUT/src_{source}.ckpt."""
+    for source, strategy in sources.items():
         model, trainer = fit(strategy, 2, SAVE_AT, out / "two")
         trainer.save_checkpoint(out / f"src_{source}.ckpt")
         if source.startswith("ds"):  # what `phalanx checkpoint consolidate` must reproduce
             record(out / f"src_{source}.pt", model, trainer)
-    for target in [*TARGETS, "pp"]:
-        model, trainer = fit(target, 2, STEPS, out / "two")
-        record(out / f"ref_{target}.pt", model, trainer)
-        for source in [source for source, cell_target in CELLS if cell_target == target]:
-            # A failing cell fails the job: an error caught on one rank only would leave the other in a collective.
-            print(f"resume matrix: {source} -> {target}", flush=True)
-            if source == AUTO:
-                model, trainer = resume_auto(out)
-            else:
-                model, trainer = fit(target, 2, STEPS, out / "two", ckpt_path=out / f"src_{source}.ckpt")
-            record(out / f"{source}__{target}.pt", model, trainer)
+
+
+def run_column(out: Path, target: str, sources: list[str]) -> None:
+    """The uninterrupted run of ``target`` (OUT/ref_{target}.pt), then each of ``sources`` resumed on it."""
+    model, trainer = fit(target, 2, STEPS, out / "two")
+    record(out / f"ref_{target}.pt", model, trainer)
+    for source in sources:
+        resume(out, source, target)
+
+
+def resume(out: Path, source: str, target: str) -> None:
+    # A failing cell fails the job: an error caught on one rank only would leave the other in a collective.
+    print(f"resume matrix: {source} -> {target}", flush=True)
+    if source == AUTO:
+        model, trainer = resume_auto(out)
+    else:
+        model, trainer = fit(target, 2, STEPS, out / "two", ckpt_path=out / f"src_{source}.ckpt")
+    record(out / f"{source}__{target}.pt", model, trainer)
 
 
 def resume_auto(out: Path) -> tuple[Any, Any]:

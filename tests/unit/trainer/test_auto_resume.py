@@ -1,7 +1,8 @@
 """``ckpt_path="auto"`` (issue 33, items 2, 3 and 17): it looks only where this run writes (its ModelCheckpoint
 folders, the preemption folder, the earlier ``version_N`` runs of its logger's experiment), one level deep; it picks
 the checkpoint whose recorded progress is furthest, never the newest file time alone, reading no tensor to know it;
-it passes over links that do not name a checkpoint beside them; and it says what it resumed and why."""
+it passes over links that do not name a checkpoint beside them; it says what it resumed and why; and rank 0 of the
+strategy decides, also where no rank is the global zero (a fault-tolerant replica group other than group 0)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from phalanx_testing import Regressor, loaders, quiet_trainer
 import phalanx
 from phalanx.callbacks import ModelCheckpoint
 from phalanx.plugins.io.formats.dcp import save_sharded
+from phalanx.strategies import SingleDeviceStrategy
 from phalanx.utilities.exceptions import CheckpointError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore:Checkpoint directory")
@@ -96,6 +98,28 @@ def test_auto_looks_only_where_this_run_writes(tmp_path, case):
     dirpaths, plant = WHERE[case]
     expected = plant(tmp_path)
     assert _resolve(tmp_path, dirpaths) == (str(expected.resolve()) if expected is not None else None)
+
+
+class OtherReplicaGroup(SingleDeviceStrategy):
+    """Rank 0 of its own processes but not the global zero, as a fault-tolerant replica group other than group 0."""
+
+    @property
+    def is_global_zero(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("strategy", [SingleDeviceStrategy, OtherReplicaGroup])
+@pytest.mark.parametrize("planted", [True, False], ids=["a checkpoint in its folder", "an empty folder"])
+def test_auto_is_decided_by_rank_zero_of_the_strategy_with_or_without_a_global_zero(tmp_path, strategy, planted):
+    # Every replica group restarted with "auto" after all died: the groups other than 0 search their own folders too.
+    expected = _ckpt(tmp_path / RUN / "epoch=0-step=4.ckpt", 4) if planted else None
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / RUN)]
+    trainer = quiet_trainer(
+        default_root_dir=tmp_path, enable_checkpointing=True, callbacks=callbacks, strategy=strategy()
+    )
+    assert trainer.is_global_zero is (strategy is SingleDeviceStrategy)
+    resolved = trainer._checkpoint_connector.resolve_path("auto")
+    assert resolved == (str(expected.resolve()) if expected is not None else None)
 
 
 # ---------------------------------------------------------------------------- which one wins
