@@ -134,7 +134,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
             process = GroupProcess(
                 self.global_rank, self.world_size, self.root_device, self._live_state, self._load_live_state
             )
-            group.start(settings, process, catch_up=settings.catch_up_loop_position)
+            group.start(settings, process, catch_up=settings.catch_up_loop_position, barrier=self.barrier)
         super().wrap_module_and_optimizers(settings)
         if not settings.fitting:
             return

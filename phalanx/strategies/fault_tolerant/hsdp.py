@@ -147,7 +147,11 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
 
         group = self._replica_group
         if settings.fitting and group.manager is None:
-            self._join_replica_groups(settings)
+            process = GroupProcess(
+                self.global_rank, self.world_size, self.root_device, self._live_state, self._load_live_state
+            )
+            # No catch-up: a slow group keeps its own loop counters (a warning says so); ddp_ft's is untested here.
+            group.start(settings, process, catch_up=None, barrier=self.barrier)
         super().wrap_module_and_optimizers(settings)
         if not settings.fitting:
             return
@@ -157,25 +161,6 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
         for sub in self._module.modules():
             if isinstance(sub, FSDPModule):
                 sub.set_all_reduce_hook(lambda shard: _average_shard_across_groups(manager, shard))
-
-    def _join_replica_groups(self, settings: RunSettings) -> None:
-        """Start this process's torchft Manager: on the group's rank 0 first, then on the others.
-
-        torchft's Manager on a rank other than 0 reads rank 0's manager address from the group's store. The store
-        outlives a fit (the process group stays until the process ends): a second fit in these processes found the
-        first fit's address there (its manager shut down at teardown) whenever it read before rank 0 wrote the new one,
-        and its quorum failed after connect_timeout.
-        """
-        group = self._replica_group
-        process = GroupProcess(
-            self.global_rank, self.world_size, self.root_device, self._live_state, self._load_live_state
-        )
-        # No catch-up: a slow group keeps its own loop counters (a warning says so); ddp_ft's is untested here.
-        if self.global_rank == 0:
-            group.start(settings, process, catch_up=None)
-        self.barrier("torchft Manager started on the replica group's rank 0")
-        if self.global_rank != 0:
-            group.start(settings, process, catch_up=None)
 
     # ------------------------------------------------------------------ live state, shard by shard
     def _live_state(self) -> dict[str, Any]:

@@ -143,13 +143,25 @@ class ReplicaGroup:
         settings: RunSettings,
         process: GroupProcess,
         catch_up: Callable[[Mapping[str, int]], bool] | None,
+        barrier: Callable[[str], None],
     ) -> None:
-        """Join the replica groups' quorum service (a torchft Manager) for this fit. ``catch_up`` moves the loop's
-        counters inside a step (a slow group's); None: such a group keeps its own counters, with a warning."""
+        """Join the replica groups' quorum service (a torchft Manager) for this fit: the group's rank 0 first, then,
+        after ``barrier`` (the group's own), its other ranks. ``catch_up`` moves the loop's counters inside a step (a
+        slow group's); None: such a group keeps its own counters, with a warning.
+
+        torchft's Manager on a rank other than 0 reads rank 0's manager address from the group's store. The store
+        outlives a fit (the process group stays until the process ends): a second fit in these processes found the
+        first fit's address there (its manager shut down at teardown) whenever it read before rank 0 wrote the new one,
+        and its quorum failed after connect_timeout.
+        """
         self._loop_position, self._load_loop_position = settings.loop_position, settings.load_loop_position
         self._callback_states, self._load_callback_states = settings.callback_states, settings.load_callback_states
         self._catch_up = catch_up
-        self.manager = self.make_manager(process)
+        if process.rank == 0:
+            self.manager = self.make_manager(process)
+        barrier("torchft Manager started on the replica group's rank 0")
+        if process.rank != 0:
+            self.manager = self.make_manager(process)
 
     def make_manager(self, process: GroupProcess) -> Any:
         """This group's torchft Manager, on a cross-group gloo group whose reconfigurations ``membership`` logs."""

@@ -4,8 +4,6 @@ states)."""
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -132,51 +130,3 @@ def test_the_live_state_goes_as_plain_shards_and_lands_on_the_receivers_mesh():
     got_scheduler, want_scheduler = (s.lr_scheduler_configs[0].scheduler.state_dict() for s in (receiver, sender))
     assert got_scheduler == want_scheduler and want_scheduler["last_epoch"] == 3
     assert receiver.optimizers[0].param_groups[0]["lr"] == sender.optimizers[0].param_groups[0]["lr"] == 0.05
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_the_other_ranks_make_their_manager_after_rank_zero_wrote_its_address(monkeypatch, world_size):
-    # torchft's Manager: rank 0 writes its manager's address to the group's store, the other ranks read it there. The
-    # store still holds the address of an earlier fit's manager (shut down): a rank that reads before rank 0 wrote the
-    # new one would reach no manager. Rank 0's write here waits until every other rank has moved on (made its manager,
-    # or reached the barrier), so that reading too early is caught every time, not by chance.
-    from phalanx.strategies.fault_tolerant.replica_group import ReplicaGroup
-
-    store = {"manager_addr": "the earlier fit's manager"}
-    moved, changed = [], threading.Condition()
-    barrier = threading.Barrier(world_size, timeout=60)
-
-    def move_on(rank: int) -> None:
-        with changed:
-            moved.append(rank)
-            changed.notify_all()
-
-    def make_manager(group: ReplicaGroup, process: Any) -> str:
-        if process.rank == 0:
-            with changed:
-                assert changed.wait_for(lambda: len(moved) == world_size - 1, timeout=60)
-            store["manager_addr"] = "this fit's manager"
-            return "this fit's manager"
-        move_on(process.rank)
-        return store["manager_addr"]
-
-    def wait_at_barrier(rank: int) -> None:
-        if rank:
-            move_on(rank)
-        barrier.wait()
-
-    monkeypatch.setattr(ReplicaGroup, "make_manager", make_manager)
-    strategies = []
-    for rank in range(world_size):
-        strategy = _strategy(group=0, groups=1, world_size=world_size)
-        strategy.cluster_environment.set_global_rank(rank)
-        strategy.barrier = lambda name=None, rank=rank: wait_at_barrier(rank)  # type: ignore[method-assign]
-        strategies.append(strategy)
-
-    def join(strategy: HSDPFaultTolerantStrategy) -> Any:
-        strategy._join_replica_groups(RunSettings())
-        return strategy.manager
-
-    with ThreadPoolExecutor(world_size) as pool:
-        managers = list(pool.map(join, strategies))
-    assert managers == ["this fit's manager"] * world_size
