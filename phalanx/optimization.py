@@ -141,3 +141,25 @@ def init_optimizers_and_schedulers(module: TrainingModule) -> tuple[list[Optimiz
                 f"did not return."
             )
     return optimizers, configs
+
+
+def scheduler_states(configs: Sequence[LRSchedulerConfig]) -> list[dict[str, Any]]:
+    """Each scheduler's ``state_dict()``, in the order ``configure_optimizers`` returned them."""
+    return [config.scheduler.state_dict() for config in configs]
+
+
+def load_scheduler_states(
+    configs: Sequence[LRSchedulerConfig], states: Sequence[dict[str, Any]] | None, source: str
+) -> None:
+    """Load ``scheduler_states`` that ``source`` (a checkpoint, a peer replica group) holds into ``configs``'
+    schedulers, after the optimizers' states (the learning rates then count from the saved step). None: ``source``
+    holds none (a peer of an older phalanx), and the schedulers stay as they are."""
+    if states is None:
+        return
+    if len(states) != len(configs):
+        raise ValueError(
+            f"{source} holds the states of {len(states)} learning-rate scheduler(s), but configure_optimizers made"
+            f" {len(configs)}. Load them into a run that makes the same schedulers."
+        )
+    for config, state in zip(configs, states):
+        config.scheduler.load_state_dict(state)

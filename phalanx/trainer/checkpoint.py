@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from phalanx import __version__
+from phalanx.optimization import load_scheduler_states
 from phalanx.plugins.io.checkpoint_files import path_inside
 from phalanx.plugins.io.checks import (
     check_checkpoint,
@@ -333,8 +334,9 @@ class CheckpointConnector:
             )
         if not strategy.traits.restores_optimizer:
             strategy.load_optimizer_state_dict(checkpoint)
-            for config, state in zip(strategy.lr_scheduler_configs, checkpoint.get("lr_schedulers", [])):
-                config.scheduler.load_state_dict(state)
+            load_scheduler_states(
+                strategy.lr_scheduler_configs, checkpoint.get("lr_schedulers", []), f"The checkpoint {self._source}"
+            )
         if checkpoint.get("global_step", 0) > 0:
             # These optimizers have stepped before the checkpoint; without this flag torch warns that a scheduler
             # steps "before optimizer.step()" when a resumed run's first action is an epoch-end scheduler step.

@@ -11,14 +11,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.optimization import load_scheduler_states, scheduler_states
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.ddp import DDPStrategy
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
-from phalanx.strategies.fault_tolerant.replica_group import GroupProcess, ReplicaGroup
-from phalanx.strategies.fault_tolerant.schedulers import load_scheduler_states, scheduler_states
+from phalanx.strategies.fault_tolerant.replica_group import PEER_STATE, GroupProcess, ReplicaGroup
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
 from phalanx.strategies.settings import RunSettings
 from phalanx.strategies.strategy import Strategy
@@ -176,7 +176,7 @@ class DDPFaultTolerantStrategy(DDPStrategy):
         self._module.load_state_dict(state["module"])
         for optimizer, optimizer_state in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
-        load_scheduler_states(self.lr_scheduler_configs, state.get("schedulers"))
+        load_scheduler_states(self.lr_scheduler_configs, state.get("schedulers"), PEER_STATE)
 
     # ------------------------------------------------------------------ steps
     def on_train_start(self) -> None:

@@ -11,13 +11,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from phalanx.accelerators.accelerator import Accelerator
+from phalanx.optimization import load_scheduler_states, scheduler_states
 from phalanx.plugins.environments.cluster_environment import ClusterEnvironment
 from phalanx.plugins.io.checkpoint_io import CheckpointIO
 from phalanx.plugins.precision.precision import Precision
 from phalanx.strategies.fault_tolerant.membership import QuorumMembership
 from phalanx.strategies.fault_tolerant.options import FaultTolerance
-from phalanx.strategies.fault_tolerant.replica_group import GroupProcess, ReplicaGroup
-from phalanx.strategies.fault_tolerant.schedulers import load_scheduler_states, scheduler_states
+from phalanx.strategies.fault_tolerant.replica_group import PEER_STATE, GroupProcess, ReplicaGroup
 from phalanx.strategies.fsdp._fsdp1_arguments import HYBRID_STRATEGIES
 from phalanx.strategies.fsdp.strategy import FSDPStrategy
 from phalanx.strategies.parallel import DEFAULT_TIMEOUT
@@ -195,7 +195,7 @@ class HSDPFaultTolerantStrategy(FSDPStrategy):
                     entries[pid][key], param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
                 )
             optimizer.load_state_dict({"state": entries, "param_groups": received["param_groups"]})
-        load_scheduler_states(self.lr_scheduler_configs, state.get("schedulers"))
+        load_scheduler_states(self.lr_scheduler_configs, state.get("schedulers"), PEER_STATE)
 
     # ------------------------------------------------------------------ steps
     def on_train_start(self) -> None:

@@ -20,6 +20,8 @@ from phalanx.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 #: Declined steps in a row after which a group gives up (each one has waited for its quorum and all-reduce already).
 MAX_DECLINED_IN_A_ROW = 10
+#: Who holds the state a rejoining group loads, as its errors name it.
+PEER_STATE = "The live state a peer replica group sent"
 
 
 class _CommitGate(Optimizer):

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from phalanx.optimization import load_scheduler_states
 from phalanx.plugins.io.collectives import Collectives
 from phalanx.plugins.io.formats.layout import checkpoint_layout
 from phalanx.strategies.forward_redirection import redirect_forward
@@ -130,15 +131,8 @@ class ShardedStrategyMixin:
             checkpoint = io.load_checkpoint(checkpoint_path)
         if self.optimizers and "optimizer_states" in checkpoint:  # type: ignore[attr-defined]
             self.load_optimizer_state_dict(checkpoint)
-            states = checkpoint.get("lr_schedulers", [])
             configs = self.lr_scheduler_configs  # type: ignore[attr-defined]
-            if len(states) != len(configs):
-                raise ValueError(
-                    f"The checkpoint holds {len(states)} LR scheduler state(s) but configure_optimizers created"
-                    f" {len(configs)}."
-                )
-            for config, state in zip(configs, states):
-                config.scheduler.load_state_dict(state)
+            load_scheduler_states(configs, checkpoint.get("lr_schedulers", []), "The checkpoint")
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

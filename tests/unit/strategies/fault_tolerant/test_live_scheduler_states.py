@@ -10,8 +10,8 @@ import torch
 from torch.optim import SGD, Optimizer
 from torch.optim.lr_scheduler import CosineAnnealingLR, MultiStepLR, OneCycleLR, StepLR
 
-from phalanx.optimization import LRSchedulerConfig
-from phalanx.strategies.fault_tolerant.schedulers import load_scheduler_states, scheduler_states
+from phalanx.optimization import LRSchedulerConfig, load_scheduler_states, scheduler_states
+from phalanx.strategies.fault_tolerant.replica_group import PEER_STATE
 
 SCHEDULERS = [
     pytest.param(lambda o: StepLR(o, step_size=3, gamma=0.5), id="StepLR"),
@@ -42,7 +42,7 @@ def test_a_joining_group_steps_its_peers_learning_rates(make: Callable[[Optimize
     _step(peer, peer_configs, peer_steps)
     joining, joining_configs = _group(make)
     joining.load_state_dict(peer.state_dict())  # the optimizer state comes first, as in _load_live_state
-    load_scheduler_states(joining_configs, scheduler_states(peer_configs))
+    load_scheduler_states(joining_configs, scheduler_states(peer_configs), PEER_STATE)
     assert joining_configs[0].scheduler.state_dict() == peer_configs[0].scheduler.state_dict()
     assert _step(joining, joining_configs, 6) == _step(peer, peer_configs, 6)
 
@@ -64,13 +64,14 @@ def test_another_number_of_schedulers_is_refused(sent: int, live: int) -> None:
     _, peer_configs = _group(SCHEDULERS[0].values[0])
     _, configs = _group(SCHEDULERS[0].values[0])
     with pytest.raises(
-        ValueError, match=f"sent the state of {sent} learning-rate scheduler.*configure_optimizers made"
+        ValueError,
+        match=f"peer replica group sent holds the states of {sent} learning-rate scheduler.*configure_optimizers made",
     ):
-        load_scheduler_states(configs[:live], scheduler_states(peer_configs) * sent)
+        load_scheduler_states(configs[:live], scheduler_states(peer_configs) * sent, PEER_STATE)
 
 
 def test_a_peer_that_sent_no_scheduler_state_changes_nothing() -> None:
     optimizer, configs = _group(SCHEDULERS[0].values[0])
     before = configs[0].scheduler.state_dict()
-    load_scheduler_states(configs, None)
+    load_scheduler_states(configs, None, PEER_STATE)
     assert configs[0].scheduler.state_dict() == before
